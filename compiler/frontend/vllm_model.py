@@ -1,0 +1,100 @@
+"""Build a vLLM model on the meta device, with a real VllmConfig, for one inference rank."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .errors import ModelConfigError
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+logging.getLogger("vllm").setLevel(logging.WARNING)
+
+
+def make_vllm_config(config_dir: Path, *, quantization: str | None = None):
+    """A VllmConfig exactly as `vllm serve` would derive it from this config (no tokenizer, no weights)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=str(config_dir),
+        skip_tokenizer_init=True,
+        load_format="dummy",
+        enforce_eager=True,
+        max_model_len=128,
+        quantization=quantization,
+    )
+    try:
+        return args.create_engine_config()
+    except Exception as exc:  # vLLM raises ValueError/TypeError/pydantic errors here
+        raise ModelConfigError(f"vLLM cannot build an engine config from {config_dir / 'config.json'}: {exc}") from None
+
+
+_distributed_ready = False
+
+
+def ensure_single_process_distributed(vllm_config) -> None:
+    """vLLM's layers ask the parallel state for ranks; give them a one-process gloo world."""
+    global _distributed_ready
+    if _distributed_ready:
+        return
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    if not model_parallel_is_initialized():
+        store = Path(tempfile.mkdtemp(prefix="weightplan-dist-")) / "store"
+        with set_current_vllm_config(vllm_config):
+            init_distributed_environment(
+                world_size=1, rank=0, distributed_init_method=f"file://{store}", local_rank=0, backend="gloo"
+            )
+            initialize_model_parallel(1, 1)
+    _distributed_ready = True
+
+
+@contextlib.contextmanager
+def dense_attention_selection():
+    """Choose a non-sparse MLA backend while building: parameters live in the modules, not the kernel.
+
+    The CPU platform refuses DeepSeek sparse attention at backend selection; the backend owns no
+    weights, so selecting the dense MLA backend during the build changes no parameter.
+    """
+    from vllm.platforms import current_platform
+
+    original = current_platform.get_attn_backend_cls
+
+    def select(selected_backend, attn_selector_config, num_heads=None):
+        if getattr(attn_selector_config, "use_sparse", False):
+            attn_selector_config = attn_selector_config._replace(use_sparse=False)
+        return original(selected_backend, attn_selector_config, num_heads)
+
+    current_platform.get_attn_backend_cls = select
+    try:
+        yield
+    finally:
+        current_platform.get_attn_backend_cls = original
+
+
+def build_model(vllm_config, device: str = "meta") -> torch.nn.Module:
+    """Instantiate the vLLM model class with the config's parameter dtype, as vLLM's loader does."""
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    ensure_single_process_distributed(vllm_config)
+    try:
+        with dense_attention_selection(), set_default_torch_dtype(vllm_config.model_config.dtype), torch.device(device):
+            return initialize_model(vllm_config=vllm_config)
+    except (ValueError, TypeError, AttributeError, KeyError, AssertionError, NotImplementedError) as exc:
+        raise ModelConfigError(
+            f"vLLM cannot build {vllm_config.model_config.architecture} from {vllm_config.model_config.model}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+
+
+def destination_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters a plan writes, by vLLM name (the same names compute_tensor_digests uses)."""
+    return dict(model.named_parameters())

@@ -1,0 +1,198 @@
+"""Op-chain IR: frozen nodes recorded by the tracer, strided geometry, copies and byte runs."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class Op(str, enum.Enum):
+    """The small set of value-level ops every recorded aten op is canonicalised to."""
+
+    SOURCE = "source"  # args: (trainer tensor name,)
+    SLICE = "slice"  # args: (dim, start, length, step); narrow, split, chunk lower to it
+    SELECT = "select"  # args: (dim, index); unbind lowers to it
+    PERMUTE = "permute"  # args: (dims,); transpose and t lower to it
+    RESHAPE = "reshape"  # args: (shape,); view, squeeze, unsqueeze, flatten lower to it
+    EXPAND = "expand"  # args: (shape,)
+    CONTIGUOUS = "contiguous"  # args: (); clone and contiguous: identity on values
+    CAST = "cast"  # args: (dtype name,)
+    CAT = "cat"  # args: (dim,); one input per concatenated tensor
+
+
+@dataclass(frozen=True)
+class Node:
+    """One recorded op: its canonical args, its inputs, and the shape/dtype of its value."""
+
+    op: Op
+    args: tuple
+    inputs: tuple["Node", ...]
+    shape: tuple[int, ...]
+    dtype: str
+
+    def sources(self) -> tuple[str, ...]:
+        """Trainer tensor names this value reads, in first-use order."""
+        if self.op is Op.SOURCE:
+            return (self.args[0],)
+        seen: dict[str, None] = {}
+        for node in self.inputs:
+            for name in node.sources():
+                seen.setdefault(name)
+        return tuple(seen)
+
+    def render(self) -> str:
+        """A one-line, deterministic text form used by the plan printer and errors."""
+        if self.op is Op.SOURCE:
+            return f"{self.args[0]}"
+        inner = ", ".join(node.render() for node in self.inputs)
+        args = ", ".join(_render_arg(a) for a in self.args)
+        return f"{self.op.value}({inner}{', ' if args else ''}{args})"
+
+
+def _render_arg(arg) -> str:
+    if isinstance(arg, tuple):
+        return "[" + ",".join(str(a) for a in arg) + "]"
+    return str(arg)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A strided region of a flat buffer, in elements: offset + sum(index[d] * strides[d])."""
+
+    offset: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+    @staticmethod
+    def contiguous(shape: tuple[int, ...], offset: int = 0) -> "Geometry":
+        strides = []
+        step = 1
+        for size in reversed(shape):
+            strides.append(step)
+            step *= size
+        return Geometry(offset, tuple(shape), tuple(reversed(strides)))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def extent(self) -> tuple[int, int]:
+        """Lowest and one-past-highest flat element touched (empty regions give (offset, offset))."""
+        if self.numel == 0:
+            return self.offset, self.offset
+        low = self.offset + sum(s * (n - 1) for s, n in zip(self.strides, self.shape) if s < 0)
+        high = self.offset + sum(s * (n - 1) for s, n in zip(self.strides, self.shape) if s > 0)
+        return low, high + 1
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A named tensor of one side: trainer tensor or vLLM destination parameter."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A traced `copy_`: the value `node` is written into `geometry` of destination `dest`."""
+
+    dest: str
+    geometry: Geometry
+    node: Node
+    loading: str  # checkpoint tensor whose load produced it (for messages)
+
+
+@dataclass(frozen=True)
+class Copy:
+    """A folded assignment: elementwise src[src_geom] -> dst[dst_geom], casting through `casts`."""
+
+    src: str
+    src_geom: Geometry
+    dest: str
+    dst_geom: Geometry
+    casts: tuple[str, ...]  # dtype after each cast, in order; the last is the destination dtype
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Byte runs as parallel arrays, in elements: src[src_off:+length] -> dst[dst_off:+length].
+
+    `src`, `dest` and `wire` index `Program.sources`, `Program.dests` and `Program.cast_chains`.
+    `src_rank`/`dst_rank` are trainer and inference ranks.
+    """
+
+    src: np.ndarray
+    src_off: np.ndarray
+    dest: np.ndarray
+    dst_off: np.ndarray
+    length: np.ndarray
+    wire: np.ndarray
+    src_rank: np.ndarray
+    dst_rank: np.ndarray
+
+    FIELDS = ("src", "src_off", "dest", "dst_off", "length", "wire", "src_rank", "dst_rank")
+
+    @staticmethod
+    def empty() -> "Runs":
+        return Runs(*(np.zeros(0, dtype=np.int64) for _ in Runs.FIELDS))
+
+    @staticmethod
+    def concat(parts: list["Runs"]) -> "Runs":
+        if not parts:
+            return Runs.empty()
+        return Runs(*(np.concatenate([getattr(p, f) for p in parts]).astype(np.int64) for f in Runs.FIELDS))
+
+    def take(self, index: np.ndarray) -> "Runs":
+        return Runs(*(getattr(self, f)[index] for f in Runs.FIELDS))
+
+    def __len__(self) -> int:
+        return int(self.length.shape[0])
+
+
+@dataclass(frozen=True)
+class Program:
+    """What passes transform: tensor tables plus assignments, then copies, then runs."""
+
+    sources: tuple[TensorSpec, ...]
+    dests: tuple[TensorSpec, ...]
+    assignments: tuple[Assignment, ...] = ()
+    copies: tuple[Copy, ...] = ()
+    runs: Runs | None = None
+    cast_chains: tuple[tuple[str, ...], ...] = ()
+    meta: dict = field(default_factory=dict, compare=False)
+
+    def source_index(self) -> dict[str, int]:
+        return {spec.name: i for i, spec in enumerate(self.sources)}
+
+    def dest_index(self) -> dict[str, int]:
+        return {spec.name: i for i, spec in enumerate(self.dests)}
+
+
+DTYPE_SIZES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "int64": 8,
+    "int32": 4,
+    "int8": 1,
+    "uint8": 1,
+    "float8_e4m3fn": 1,
+    "bool": 1,
+}
+
+
+def itemsize(dtype: str) -> int:
+    try:
+        return DTYPE_SIZES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: {sorted(DTYPE_SIZES)}") from None

@@ -1,0 +1,72 @@
+"""lower_runs: turn each strided copy into element runs that are contiguous on both sides."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ..ir import Copy, Geometry, Program, Runs
+
+
+def lower_runs(program: Program) -> Program:
+    """Lower every Copy to runs (src offset, dst offset, length), in elements, rank 0 -> rank 0."""
+    src_index, dst_index = program.source_index(), program.dest_index()
+    chains: dict[tuple[str, ...], int] = {c: i for i, c in enumerate(program.cast_chains)}
+    parts = []
+    for copy in program.copies:
+        wire = chains.setdefault(copy.casts, len(chains))
+        src_off, dst_off, length = copy_runs(copy)
+        n = len(length)
+        parts.append(
+            Runs(
+                src=np.full(n, src_index[copy.src], dtype=np.int64),
+                src_off=src_off,
+                dest=np.full(n, dst_index[copy.dest], dtype=np.int64),
+                dst_off=dst_off,
+                length=length,
+                wire=np.full(n, wire, dtype=np.int64),
+                src_rank=np.zeros(n, dtype=np.int64),
+                dst_rank=np.zeros(n, dtype=np.int64),
+            )
+        )
+    return dataclasses.replace(program, runs=Runs.concat(parts), cast_chains=tuple(chains))
+
+
+def copy_runs(copy: Copy) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Runs of one copy in destination order: arrays (src_offset, dst_offset, length)."""
+    return strided_runs(copy.src_geom, copy.dst_geom)
+
+
+def strided_runs(src: Geometry, dst: Geometry) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    assert src.shape == dst.shape, (src, dst)
+    if src.numel == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    # Size-1 dims carry no stride information; visit the rest in destination memory order.
+    dims = [d for d, n in enumerate(dst.shape) if n != 1]
+    dims.sort(key=lambda d: -dst.strides[d])
+    shape = [dst.shape[d] for d in dims]
+    s_str = [src.strides[d] for d in dims]
+    d_str = [dst.strides[d] for d in dims]
+    # Merge neighbouring dims that are one contiguous stretch on both sides.
+    i = len(shape) - 2
+    while i >= 0:
+        if s_str[i] == s_str[i + 1] * shape[i + 1] and d_str[i] == d_str[i + 1] * shape[i + 1]:
+            shape[i] *= shape[i + 1]
+            s_str[i], d_str[i] = s_str[i + 1], d_str[i + 1]
+            del shape[i + 1], s_str[i + 1], d_str[i + 1]
+        i -= 1
+    if shape and s_str[-1] == 1 and d_str[-1] == 1:
+        length = shape.pop()
+        s_str.pop()
+        d_str.pop()
+    else:
+        length = 1
+    src_off = np.array([src.offset], dtype=np.int64)
+    dst_off = np.array([dst.offset], dtype=np.int64)
+    for n, ss, ds in zip(shape, s_str, d_str):
+        step = np.arange(n, dtype=np.int64)
+        src_off = (src_off[:, None] + step[None, :] * ss).reshape(-1)
+        dst_off = (dst_off[:, None] + step[None, :] * ds).reshape(-1)
+    return src_off, dst_off, np.full(len(src_off), length, dtype=np.int64)

@@ -1,0 +1,40 @@
+"""plan_writer: serialize a compiled Program into the runtime's plan format (schema owned by runtime)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..runtime.plan_format import RUN_COLUMNS, encode_plan, write_plan
+from .ir import Program
+
+
+def plan_header(program: Program) -> dict:
+    """Header fields derived from the program; `program.meta` supplies model/layout/version facts."""
+    meta = program.meta
+    return {
+        "vllm_version": meta["vllm_version"],
+        "model": meta["model"],
+        "config_sha256": meta["config_sha256"],
+        "architecture": meta["architecture"],
+        "trainer": meta["trainer"],
+        "inference": meta["inference"],
+        "quant": meta["quant"],
+        "src_ranks": meta["src_ranks"],
+        "dst_ranks": meta["dst_ranks"],
+        "sources": [[s.name, list(s.shape), s.dtype] for s in program.sources],
+        "dests": [[d.name, list(d.shape), d.dtype] for d in program.dests],
+        "cast_chains": [list(c) for c in program.cast_chains],
+        "stats": meta.get("stats", {}),
+    }
+
+
+def plan_bytes(program: Program) -> bytes:
+    runs = program.runs
+    return encode_plan(plan_header(program), {column: getattr(runs, column) for column in RUN_COLUMNS})
+
+
+def write_program(program: Program, path: Path) -> int:
+    """Write atomically; returns the file size."""
+    runs = program.runs
+    written = write_plan(path, plan_header(program), {column: getattr(runs, column) for column in RUN_COLUMNS})
+    return written.stat().st_size

@@ -1,0 +1,121 @@
+"""verify-plan: execute a plan on random trainer weights and compare with vLLM's own loading, digest by digest."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..runtime import execute_local, load_plan
+from ..runtime.errors import PlanMismatchError
+from ..runtime.plan_format import Plan
+from .frontend.trainer_formats import checkpoint_tensors
+from .frontend.vllm_model import build_model, make_vllm_config
+from .models import config_hash, resolve_model
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    tensors: int
+    bytes: int
+    mismatches: tuple[str, ...]
+
+
+class _Params:
+    """The slice of a model compute_tensor_digests looks at: named_parameters()."""
+
+    def __init__(self, params: dict[str, torch.Tensor]):
+        self._params = params
+
+    def named_parameters(self):
+        return iter(self._params.items())
+
+
+def check_fingerprint(plan: Plan, config_dir: Path) -> None:
+    """Refuse a plan compiled for another vLLM or another config, naming what differs."""
+    import vllm
+
+    problems = []
+    if plan.header["vllm_version"] != vllm.__version__:
+        problems.append(f"vLLM version: plan {plan.header['vllm_version']}, installed {vllm.__version__}")
+    if plan.header["config_sha256"] != config_hash(config_dir):
+        problems.append(f"model config {config_dir / 'config.json'} differs from the one the plan was compiled for")
+    if problems:
+        raise PlanMismatchError("plan does not match this environment: " + "; ".join(problems) + ". Recompile it with compile-plan.")
+
+
+def random_sources(plan: Plan, names: set[str], seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for entry in plan.sources:
+        if entry.name in names:
+            value = torch.randn(entry.shape, generator=generator, dtype=torch.float32)
+            out[entry.name] = value.to(getattr(torch, entry.dtype))
+    return out
+
+
+def verify_plan(path: Path, *, model: str | None = None, sample: int | None = None, seed: int = 0, log=None) -> VerifyResult:
+    log = log or (lambda msg: None)
+    plan = load_plan(path)
+    _, config_dir = resolve_model(model or plan.header["model"])
+    check_fingerprint(plan, config_dir)
+
+    dest_names = [entry.name for entry in plan.dests]
+    if sample is not None and sample < len(dest_names):
+        chosen = set(random.Random(seed).sample(dest_names, sample))
+    else:
+        chosen = set(dest_names)
+    dest_ids = np.array([entry.name in chosen for entry in plan.dests])
+    needed_src = {plan.sources[i].name for i in set(plan.runs["src"][dest_ids[plan.runs["dest"]]].tolist())}
+    log(f"verifying {len(chosen)} of {len(dest_names)} destination tensors from {len(needed_src)} trainer tensors")
+
+    sources = random_sources(plan, needed_src, seed)
+    reference = _vllm_load(config_dir, plan, sources, chosen)
+    planned = _materialize(build_model(make_vllm_config(config_dir)), chosen, fill=float("nan"))
+    execute_local(plan, {0: sources}, {0: planned}, only=chosen)
+
+    from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
+
+    expected = compute_tensor_digests(_Params(reference))
+    actual = compute_tensor_digests(_Params(planned))
+    mismatches = tuple(name for name in sorted(expected) if expected[name] != actual.get(name))
+    nbytes = sum(t.numel() * t.element_size() for t in planned.values())
+    return VerifyResult(len(expected), nbytes, mismatches)
+
+
+def _materialize(model: torch.nn.Module, names: set[str], fill: float) -> dict[str, torch.Tensor]:
+    """Give the chosen parameters real CPU storage (filled with `fill`); the rest stay on meta.
+
+    The Parameter objects are kept (swapped in place) so vLLM's weight_loader attributes survive.
+    """
+    out = {}
+    for name, param in model.named_parameters():
+        if name in names:
+            value = fill if param.dtype.is_floating_point else 0
+            real = torch.full(param.shape, value, dtype=param.dtype).as_subclass(type(param))
+            real.__dict__.update(param.__dict__)
+            real.requires_grad_(False)
+            torch.utils.swap_tensors(param, real)
+            out[name] = param
+    return out
+
+
+def _vllm_load(config_dir: Path, plan: Plan, sources: dict[str, torch.Tensor], chosen: set[str]) -> dict[str, torch.Tensor]:
+    """vLLM's own load_weights of the trainer's weights into a second model instance (ground truth)."""
+    model = build_model(make_vllm_config(config_dir))
+    params = _materialize(model, chosen, fill=0.0)
+    fmt = plan.header["trainer"]["format"]
+
+    def stream():
+        for entry in plan.sources:
+            tensor = sources.get(entry.name)
+            if tensor is None:  # not needed by the sampled destinations: stays without data
+                tensor = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype), device="meta")
+            yield from checkpoint_tensors(fmt, entry.name, tensor)
+
+    with torch.no_grad():
+        model.load_weights(stream())
+    return params

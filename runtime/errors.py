@@ -1,0 +1,13 @@
+"""Errors shared by the compiler and the runtime; the CLI prints them without a traceback."""
+
+
+class WeightplanError(Exception):
+    """Base class of every error weightplan reports to users."""
+
+
+class PlanFormatError(WeightplanError):
+    """A plan file is truncated, corrupted, of an unknown kind or of a newer format version."""
+
+
+class PlanMismatchError(WeightplanError):
+    """A plan does not match what it is run against (vLLM version, config, tensors, ranks)."""
