@@ -6,7 +6,6 @@ import contextlib
 import threading
 
 import torch
-from torch.utils._pytree import tree_map
 
 from ..ir import Assignment, Geometry, Node, Op
 from .errors import DataDependentError, DestinationError, UnsupportedOpError
@@ -90,11 +89,16 @@ def _arg_types(args, kwargs) -> str:
 
 
 def _shadow(x):
-    return x.shadow if isinstance(x, LazyWeight) else x
+    if isinstance(x, LazyWeight):
+        return x.shadow
+    if isinstance(x, (list, tuple)):  # cat's tensor list; shape lists pass through unchanged
+        return type(x)(_shadow(v) for v in x)
+    return x
 
 
 def _run_shadow(func, args, kwargs):
-    return func(*tree_map(_shadow, args), **tree_map(_shadow, kwargs))
+    # A hand-rolled unwrap: torch's tree_map costs more than the meta op itself on this hot path.
+    return func(*[_shadow(a) for a in args], **{k: _shadow(v) for k, v in kwargs.items()})
 
 
 def _wrap(op: Op, op_args: tuple, inputs: tuple[Node, ...], shadow: torch.Tensor) -> LazyWeight:
@@ -151,7 +155,9 @@ def _permute(tracer, func, args, kwargs):
         dims = tuple(_norm_dim(d, nd) for d in args[1])
     else:
         if func is aten.t.default:
-            d0, d1 = (0, 1) if nd == 2 else (0, 0)
+            if nd < 2:  # t() of a 0-d or 1-d tensor is the tensor itself
+                return LazyWeight(x.node, out)
+            d0, d1 = 0, 1
         else:
             d0, d1 = _norm_dim(args[1], nd), _norm_dim(args[2], nd)
         order = list(range(nd))
@@ -202,7 +208,13 @@ def _cat(tracer, func, args, kwargs):
         raise UnsupportedOpError(str(func), "cat of LazyWeight with a real tensor", tracer.loading)
     out = _run_shadow(func, args, kwargs)
     dim = _norm_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), out.dim())
-    return _wrap(Op.CAT, (dim,), tuple(t.node for t in tensors), out)
+    result = dtype_name(out.dtype)
+    # cat promotes mixed dtypes; record the promotion as an explicit cast of each promoted part.
+    parts = tuple(
+        t.node if t.node.dtype == result else Node(Op.CAST, (result,), (t.node,), t.node.shape, result)
+        for t in tensors
+    )
+    return _wrap(Op.CAT, (dim,), parts, out)
 
 
 def _copy(tracer, func, args, kwargs):

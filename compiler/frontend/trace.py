@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable
 
 import torch
 
 from ..ir import Assignment, TensorSpec
+from .layer_classes import layer_classes, layer_of, rename_assignments
 from .lazy_weight import LazyWeight, Tracer, dtype_name, tracing
 from .trainer_formats import checkpoint_tensors
 
@@ -16,13 +18,41 @@ def trace_load(
     sources: list[TensorSpec],
     fmt: str,
     progress: Callable[[int, int], None] | None = None,
+    *,
+    reuse_layers: bool = True,
 ) -> tuple[list[Assignment], list[TensorSpec]]:
-    """Feed LazyWeights for `sources` through `model.load_weights`; return assignments and destinations."""
+    """Feed LazyWeights for `sources` through `model.load_weights`; return assignments and destinations.
+
+    With `reuse_layers`, layers identical up to their index are traced once (see layer_classes).
+    """
     params = dict(model.named_parameters())
+    dests = [TensorSpec(name, tuple(p.shape), dtype_name(p.dtype)) for name, p in params.items()]
+    classes = layer_classes(sources, dests) if reuse_layers else None
+    fed = [spec for spec in sources if classes is None or classes.traced(spec.name)]
+    traced = _trace(model, params, fed, fmt, progress)
+    if classes is None or not classes.template_of:
+        return traced, dests
+
+    by_layer: dict[int | None, list[Assignment]] = defaultdict(list)
+    for a in traced:
+        by_layer[layer_of(a.dest)].append(a)
+    untrusted = set()
+    for guard, template in classes.guards.items():
+        if rename_assignments(by_layer[template], template, guard) != by_layer[guard]:
+            untrusted.add(template)
+    if untrusted:  # a layer class loads differently per index: trace all of its layers for real
+        retrace = [s for s in sources if classes.template_of.get(layer_of(s.name)) in untrusted]
+        traced += _trace(model, params, retrace, fmt, None)
+    out = list(traced)
+    for index, template in sorted(classes.template_of.items()):
+        if template not in untrusted:
+            out.extend(rename_assignments(by_layer[template], template, index))
+    return out, dests
+
+
+def _trace(model, params, sources: list[TensorSpec], fmt: str, progress) -> list[Assignment]:
     tracer = Tracer(params)
-    lazy = {
-        spec.name: LazyWeight.source(spec.name, spec.shape, getattr(torch, spec.dtype)) for spec in sources
-    }
+    lazy = {spec.name: LazyWeight.source(spec.name, spec.shape, getattr(torch, spec.dtype)) for spec in sources}
 
     def stream():
         for index, (trainer_name, trainer_tensor) in enumerate(lazy.items()):
@@ -34,5 +64,4 @@ def trace_load(
 
     with tracing(tracer), torch.no_grad():
         model.load_weights(stream())
-    dests = [TensorSpec(name, tuple(p.shape), dtype_name(p.dtype)) for name, p in params.items()]
-    return tracer.assignments, dests
+    return tracer.assignments

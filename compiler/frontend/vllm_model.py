@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import tempfile
 from pathlib import Path
@@ -12,8 +11,8 @@ import torch
 
 from .errors import ModelConfigError
 
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-logging.getLogger("vllm").setLevel(logging.WARNING)
+# vLLM logs to stdout; a compile's stdout is its summary, so keep only vLLM's errors.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
 def make_vllm_config(config_dir: Path, *, quantization: str | None = None):

@@ -20,32 +20,33 @@ def fold_views(program: Program) -> Program:
     dest_numel = {spec.name: spec.numel for spec in program.dests}
     source_specs = {spec.name: spec for spec in program.sources}
     copies: list[Copy] = []
+    memo: dict[int, tuple] = {}
     for assignment in program.assignments:
-        copies.extend(fold_assignment(assignment, source_specs, dest_numel[assignment.dest]))
+        copies.extend(fold_assignment(assignment, source_specs, dest_numel[assignment.dest], memo))
     return dataclasses.replace(program, copies=tuple(copies))
 
 
-def fold_assignment(assignment: Assignment, source_specs, dest_numel: int) -> list[Copy]:
+def fold_assignment(assignment: Assignment, source_specs, dest_numel: int, memo: dict | None = None) -> list[Copy]:
     out: list[Copy] = []
-    _push(assignment.node, assignment.geometry, (), assignment, source_specs, dest_numel, out)
+    _push(assignment.node, assignment.geometry, (), assignment, source_specs, dest_numel, out, {} if memo is None else memo)
     return out
 
 
-def _push(node: Node, dst: Geometry, casts: tuple[str, ...], a: Assignment, specs, dest_numel, out) -> None:
+def _push(node: Node, dst: Geometry, casts: tuple[str, ...], a: Assignment, specs, dest_numel, out, memo) -> None:
     # Rule: casts and copies are elementwise, so they move to the copy's cast list.
     if node.op is Op.CAST:
-        return _push(node.inputs[0], dst, (node.dtype,) + casts, a, specs, dest_numel, out)
+        return _push(node.inputs[0], dst, (node.dtype,) + casts, a, specs, dest_numel, out, memo)
     if node.op is Op.CONTIGUOUS:
-        return _push(node.inputs[0], dst, casts, a, specs, dest_numel, out)
+        return _push(node.inputs[0], dst, casts, a, specs, dest_numel, out, memo)
     # Rule: copy_(dst, cat(xs, d)) == copy_(dst.narrow(d, o_i, n_i), x_i) for each part.
     if node.op is Op.CAT:
         dim, start = node.args[0], 0
         for part in node.inputs:
             length = part.shape[dim]
-            _push(part, narrow(dst, dim, start, length), casts, a, specs, dest_numel, out)
+            _push(part, narrow(dst, dim, start, length), casts, a, specs, dest_numel, out, memo)
             start += length
         return
-    folded = geometry_of(node)
+    folded = geometry_of(node, memo)
     if folded is not None:
         source, geom, below = folded
         chain = _cast_chain(specs[source].dtype, below + casts)
@@ -69,13 +70,28 @@ def narrow(g: Geometry, dim: int, start: int, length: int) -> Geometry:
     return Geometry(g.offset + start * g.strides[dim], tuple(shape), g.strides)
 
 
-def geometry_of(node: Node) -> tuple[str, Geometry, tuple[str, ...]] | None:
-    """(source, strided geometry, casts below) if the chain is views/casts of one source, else None."""
+def geometry_of(node: Node, memo: dict | None = None) -> tuple[str, Geometry, tuple[str, ...]] | None:
+    """(source, strided geometry, casts below) if the chain is views/casts of one source, else None.
+
+    Nodes are shared between assignments (one stacked expert tensor feeds every expert's copies),
+    so `memo` folds each node once; it is keyed by id and keeps the node alive so ids stay unique.
+    """
+    if memo is None:
+        memo = {}
+    hit = memo.get(id(node))
+    if hit is not None:
+        return hit[1]
+    result = _geometry_of(node, memo)
+    memo[id(node)] = (node, result)
+    return result
+
+
+def _geometry_of(node: Node, memo: dict) -> tuple[str, Geometry, tuple[str, ...]] | None:
     if node.op is Op.SOURCE:
         return node.args[0], Geometry.contiguous(node.shape), ()
     if node.op is Op.CAT:
         return None
-    inner = geometry_of(node.inputs[0])
+    inner = geometry_of(node.inputs[0], memo)
     if inner is None:
         return None
     source, g, casts = inner
@@ -127,52 +143,62 @@ _VIEW_RULES = {Op.SLICE: _slice, Op.SELECT: _select, Op.PERMUTE: _permute, Op.EX
 
 def _replay(node: Node, dst: Geometry, casts, a: Assignment, specs, dest_numel: int) -> list[Copy]:
     """Fold a non-strided chain exactly: replay it on index tensors, emit one 1-D copy per run."""
-    if np.prod(node.shape) > MAX_REPLAY_ELEMENTS:
+    numel = int(np.prod(node.shape))
+    if numel > MAX_REPLAY_ELEMENTS:
         raise ValueError(
             f"loading {a.loading!r} into {a.dest!r}: chain {node.render()} is not a strided view and has "
-            f"{np.prod(node.shape)} elements, more than the {MAX_REPLAY_ELEMENTS} the replay fold allows"
+            f"{numel} elements, more than the {MAX_REPLAY_ELEMENTS} the replay fold allows"
         )
+    if numel == 0:
+        return []
     names = node.sources()
     bases, base = {}, 0
     for name in names:
         bases[name] = base
         base += specs[name].numel
-    values = _evaluate(node, bases).reshape(-1).numpy()
+    paths: list[tuple[str, ...]] = [()]  # cast sequences seen so far; elements carry an index into it
+    pairs = _evaluate(node, bases, paths).reshape(-1, 2).numpy()
+    values, path = pairs[:, 0], pairs[:, 1]
     targets = torch.arange(dest_numel, dtype=torch.int64).as_strided(dst.shape, dst.strides, dst.offset)
     targets = targets.reshape(-1).numpy()
     starts = np.array([bases[n] for n in names], dtype=np.int64)
     which = np.searchsorted(starts, values, side="right") - 1
-    breaks = np.flatnonzero((np.diff(values) != 1) | (np.diff(targets) != 1) | (np.diff(which) != 0)) + 1
+    breaks = np.diff(values) != 1
+    breaks |= (np.diff(targets) != 1) | (np.diff(which) != 0) | (np.diff(path) != 0)
+    bounds = np.concatenate([[0], np.flatnonzero(breaks) + 1, [len(values)]])
     copies = []
-    bounds = np.concatenate([[0], breaks, [len(values)]])
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         source = names[which[lo]]
         src = Geometry(int(values[lo] - bases[source]), (int(hi - lo),), (1,))
         out = Geometry(int(targets[lo]), (int(hi - lo),), (1,))
-        chain = _cast_chain(specs[source].dtype, _casts_below(node, source) + casts)
+        chain = _cast_chain(specs[source].dtype, paths[path[lo]] + casts)
         copies.append(Copy(source, src, a.dest, out, chain))
     return copies
 
 
-def _casts_below(node: Node, source: str) -> tuple[str, ...]:
-    """Casts applied on the path from `source` up to `node` (the first path that reaches it)."""
-    if node.op is Op.SOURCE:
-        return () if node.args[0] == source else None
-    for child in node.inputs:
-        below = _casts_below(child, source)
-        if below is not None:
-            return below + ((node.dtype,) if node.op is Op.CAST else ())
-    return None
+def _evaluate(node: Node, bases: dict[str, int], paths: list) -> torch.Tensor:
+    """The chain's value on index tensors, shape node.shape + (2,).
 
-
-def _evaluate(node: Node, bases: dict[str, int]) -> torch.Tensor:
-    """The chain's value on index tensors: element = global index of the source element it copies."""
+    [..., 0] is the global index of the source element each element copies; [..., 1] indexes
+    `paths`, the casts applied on the way from that source (paths may differ per element).
+    """
+    nd = len(node.shape)
     if node.op is Op.SOURCE:
-        n = int(np.prod(node.shape))
-        return (torch.arange(n, dtype=torch.int64) + bases[node.args[0]]).reshape(node.shape)
-    values = [_evaluate(child, bases) for child in node.inputs]
+        index = torch.arange(int(np.prod(node.shape)), dtype=torch.int64) + bases[node.args[0]]
+        return torch.stack([index, torch.zeros_like(index)], dim=-1).reshape(node.shape + (2,))
+    values = [_evaluate(child, bases, paths) for child in node.inputs]
     x = values[0]
-    if node.op in (Op.CAST, Op.CONTIGUOUS):
+    if node.op is Op.CONTIGUOUS:
+        return x
+    if node.op is Op.CAST:
+        x = x.clone()
+        extended = []
+        for old in range(len(paths)):
+            chain = paths[old] + (node.dtype,)
+            if chain not in paths:
+                paths.append(chain)
+            extended.append(paths.index(chain))
+        x[..., 1] = torch.tensor(extended, dtype=torch.int64)[x[..., 1]]
         return x
     if node.op is Op.CAT:
         return torch.cat(values, dim=node.args[0])
@@ -184,9 +210,9 @@ def _evaluate(node: Node, bases: dict[str, int]) -> torch.Tensor:
     if node.op is Op.SELECT:
         return x.select(*node.args)
     if node.op is Op.PERMUTE:
-        return x.permute(*node.args[0])
+        return x.permute(*node.args[0], nd)
     if node.op is Op.RESHAPE:
-        return x.reshape(node.args[0])
+        return x.reshape(tuple(node.args[0]) + (2,))
     if node.op is Op.EXPAND:
-        return x.expand(node.args[0])
+        return x.expand(tuple(node.args[0]) + (2,))
     raise AssertionError(f"unhandled op {node.op}")

@@ -13,24 +13,31 @@ def lower_runs(program: Program) -> Program:
     """Lower every Copy to runs (src offset, dst offset, length), in elements, rank 0 -> rank 0."""
     src_index, dst_index = program.source_index(), program.dest_index()
     chains: dict[tuple[str, ...], int] = {c: i for i, c in enumerate(program.cast_chains)}
-    parts = []
+    counts, src_ids, dst_ids, wires, src_offs, dst_offs, lengths = [], [], [], [], [], [], []
     for copy in program.copies:
-        wire = chains.setdefault(copy.casts, len(chains))
         src_off, dst_off, length = copy_runs(copy)
-        n = len(length)
-        parts.append(
-            Runs(
-                src=np.full(n, src_index[copy.src], dtype=np.int64),
-                src_off=src_off,
-                dest=np.full(n, dst_index[copy.dest], dtype=np.int64),
-                dst_off=dst_off,
-                length=length,
-                wire=np.full(n, wire, dtype=np.int64),
-                src_rank=np.zeros(n, dtype=np.int64),
-                dst_rank=np.zeros(n, dtype=np.int64),
-            )
-        )
-    return dataclasses.replace(program, runs=Runs.concat(parts), cast_chains=tuple(chains))
+        counts.append(len(length))
+        src_ids.append(src_index[copy.src])
+        dst_ids.append(dst_index[copy.dest])
+        wires.append(chains.setdefault(copy.casts, len(chains)))
+        src_offs.append(src_off)
+        dst_offs.append(dst_off)
+        lengths.append(length)
+    counts = np.array(counts, dtype=np.int64)
+
+    def per_run(values: list[int]) -> np.ndarray:
+        return np.repeat(np.array(values, dtype=np.int64), counts)
+
+    def joined(parts: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+
+    arrays = {
+        "src": per_run(src_ids), "src_off": joined(src_offs), "dest": per_run(dst_ids),
+        "dst_off": joined(dst_offs), "length": joined(lengths), "wire": per_run(wires),
+    }
+    zeros = np.zeros(len(arrays["length"]), dtype=np.int64)
+    runs = Runs(**arrays, src_rank=zeros, dst_rank=zeros.copy())
+    return dataclasses.replace(program, runs=runs, cast_chains=tuple(chains))
 
 
 def copy_runs(copy: Copy) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -43,6 +50,9 @@ def strided_runs(src: Geometry, dst: Geometry) -> tuple[np.ndarray, np.ndarray, 
     if src.numel == 0:
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty, empty
+    if src.strides == dst.strides == Geometry.contiguous(dst.shape).strides:
+        # Fast path: both sides contiguous, one run (the common case by far).
+        return np.array([src.offset]), np.array([dst.offset]), np.array([src.numel])
     # Size-1 dims carry no stride information; visit the rest in destination memory order.
     dims = [d for d, n in enumerate(dst.shape) if n != 1]
     dims.sort(key=lambda d: -dst.strides[d])
