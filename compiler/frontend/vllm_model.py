@@ -33,26 +33,25 @@ def make_vllm_config(config_dir: Path, *, quantization: str | None = None):
         raise ModelConfigError(f"vLLM cannot build an engine config from {config_dir / 'config.json'}: {exc}") from None
 
 
-_distributed_ready = False
-
-
 def ensure_single_process_distributed(vllm_config) -> None:
-    """vLLM's layers ask the parallel state for ranks; give them a one-process gloo world."""
-    global _distributed_ready
-    if _distributed_ready:
-        return
+    """vLLM's layers ask the parallel state for ranks; give them a one-process gloo world.
+
+    The model-parallel groups depend on the config (dense models get no EP group), so they are
+    rebuilt for every model; the one-process world itself is created once.
+    """
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.distributed.parallel_state import model_parallel_is_initialized
+    from vllm.distributed.parallel_state import destroy_model_parallel, model_parallel_is_initialized
 
-    if not model_parallel_is_initialized():
-        store = Path(tempfile.mkdtemp(prefix="weightplan-dist-")) / "store"
-        with set_current_vllm_config(vllm_config):
+    with set_current_vllm_config(vllm_config):
+        if model_parallel_is_initialized():
+            destroy_model_parallel()
+        if not torch.distributed.is_initialized():
+            store = Path(tempfile.mkdtemp(prefix="weightplan-dist-")) / "store"
             init_distributed_environment(
                 world_size=1, rank=0, distributed_init_method=f"file://{store}", local_rank=0, backend="gloo"
             )
-            initialize_model_parallel(1, 1)
-    _distributed_ready = True
+        initialize_model_parallel(1, 1)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,26 @@
+"""`make plan`: compile the checked-in GLM-5.2 plans into plans/ (python -m weightplan.compiler.make_plans)."""
+
+from __future__ import annotations
+
+import sys
+
+from .compile import CompileOptions, compile_plan
+
+# The plans checked in under plans/; tests/test_checked_in_plans.py fails when one is stale.
+CHECKED_IN = (
+    CompileOptions("glm-5.2", trainer_format="stacked", trainer_dtype="bf16"),
+    CompileOptions("glm-5.2", trainer_format="hf", trainer_dtype="bf16"),
+)
+
+
+def main() -> int:
+    for options in CHECKED_IN:
+        result = compile_plan(options, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        s = result.stats
+        print(f"{result.path}: {s['descriptors']} descriptors (lower bound {s['descriptors_lower_bound']}), "
+              f"{result.plan_bytes} bytes, {result.timings['total']:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

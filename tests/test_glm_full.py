@@ -1,0 +1,49 @@
+"""Full-size GLM-5.2: the checked-in plans are what the compiler produces now, and they verify against vLLM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from weightplan.compiler.compile import compile_plan, default_plan_path
+from weightplan.compiler.make_plans import CHECKED_IN
+from weightplan.compiler.verify_plan import verify_plan
+from weightplan.runtime import load_plan
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def fresh_plans(tmp_path_factory):
+    root = tmp_path_factory.mktemp("glm")
+    out = {}
+    for options in CHECKED_IN:
+        path = root / f"{options.trainer_format}-{options.trainer_dtype}.plan"
+        result = compile_plan(options.__class__(**{**options.__dict__, "output": path}))
+        out[options] = (path, result)
+    return out
+
+
+@pytest.mark.parametrize("index", range(len(CHECKED_IN)))
+def test_checked_in_plan_is_not_stale(fresh_plans, index):
+    options = CHECKED_IN[index]
+    path, result = fresh_plans[options]
+    checked_in = REPO / default_plan_path("glm-5.2", result.program.meta["trainer"], result.program.meta["inference"], options.quant)
+    assert checked_in.exists(), f"{checked_in} is missing: run `make plan` and commit plans/"
+    assert checked_in.read_bytes() == path.read_bytes(), f"{checked_in} is stale: run `make plan` and commit plans/"
+
+
+def test_full_glm_plan_is_complete_and_minimal(fresh_plans):
+    path, result = fresh_plans[CHECKED_IN[0]]
+    assert result.stats["dst_coverage"] == 1.0
+    assert result.stats["descriptors"] == result.stats["descriptors_lower_bound"]
+    plan = load_plan(path)
+    assert sum(e.nbytes for e in plan.dests) > 1.4e12  # ~744B parameters in bf16
+
+
+def test_full_glm_sampled_verify_matches_vllm(fresh_plans):
+    path, _ = fresh_plans[CHECKED_IN[0]]
+    result = verify_plan(path, sample=6, seed=3)
+    assert result.mismatches == ()
+    assert result.tensors == 6

@@ -1,0 +1,96 @@
+"""Plan file: round-trip, determinism, golden text, and refusal of damaged or foreign files."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from weightplan.compiler.plan_summary import render_text, summarize
+from weightplan.runtime import PlanFormatError, load_plan
+from weightplan.runtime.plan_format import MAGIC, RUN_COLUMNS, decode_plan, encode_plan
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def _header(plan):
+    return {k: v for k, v in plan.header.items() if k not in ("fingerprint", "n_runs", "kind", "format_version")}
+
+
+def test_round_trip_is_exact(plan_cache):
+    path = plan_cache("tiny-glm", "stacked", "fp32")
+    data = path.read_bytes()
+    plan = decode_plan(data)
+    again = encode_plan(_header(plan), {c: plan.runs[c] for c in RUN_COLUMNS})
+    assert again == data
+    for column in RUN_COLUMNS:
+        assert plan.runs[column].dtype == np.int64
+
+
+def test_compiling_twice_gives_identical_bytes(plan_cache, tmp_path):
+    from weightplan.compiler.compile import CompileOptions, compile_plan
+
+    from .conftest import config_dir
+
+    first = plan_cache("tiny-qwen3-moe", "stacked", "bf16")
+    second = tmp_path / "again.plan"
+    compile_plan(CompileOptions(str(config_dir("tiny-qwen3-moe")), "stacked", "bf16", "none", second))
+    assert first.read_bytes() == second.read_bytes()
+
+
+def test_plan_printer_golden_text(plan_cache):
+    plan = load_plan(plan_cache("tiny-llama", "hf", "fp32"))
+    text = render_text(plan, summarize(plan), runs=6)
+    golden = GOLDEN / "tiny-llama-hf-fp32.txt"
+    if os.environ.get("WEIGHTPLAN_REGEN_GOLDEN"):  # regenerate deliberately, then review the diff
+        golden.write_text(text)
+    assert text == golden.read_text()
+
+
+def test_truncated_plan_is_refused(plan_cache, tmp_path):
+    data = plan_cache("tiny-llama").read_bytes()
+    bad = tmp_path / "truncated.plan"
+    bad.write_bytes(data[: len(data) // 2])
+    with pytest.raises(PlanFormatError, match="truncated or corrupted"):
+        load_plan(bad)
+
+
+def test_corrupted_plan_is_refused(plan_cache, tmp_path):
+    data = bytearray(plan_cache("tiny-llama").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad = tmp_path / "flipped.plan"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(PlanFormatError, match="truncated or corrupted"):
+        load_plan(bad)
+
+
+def test_not_a_plan_is_refused(tmp_path):
+    bad = tmp_path / "x.plan"
+    bad.write_text(json.dumps({"hello": 1}) * 10)
+    with pytest.raises(PlanFormatError, match="not a weightplan plan file"):
+        load_plan(bad)
+
+
+def test_newer_format_is_refused_with_upgrade_hint(plan_cache, tmp_path):
+    import hashlib
+    import struct
+
+    data = plan_cache("tiny-llama").read_bytes()
+    (head_len,) = struct.unpack_from("<Q", data, len(MAGIC))
+    start = len(MAGIC) + 8
+    header = json.loads(data[start : start + head_len])
+    header["format_version"] = 99
+    head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    body = MAGIC + struct.pack("<Q", len(head)) + head + data[start + head_len : -32]
+    bad = tmp_path / "newer.plan"
+    bad.write_bytes(body + hashlib.sha256(body).digest())
+    with pytest.raises(PlanFormatError, match="newer than this weightplan reads"):
+        load_plan(bad)
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(PlanFormatError, match="cannot read plan"):
+        load_plan(tmp_path / "absent.plan")
