@@ -56,9 +56,9 @@ def inspect_main(argv: list[str] | None = None) -> int:
 
     try:
         plan = load_plan(args.plan)
+        summary = summarize(plan)
     except WeightplanError as exc:
         return _fail(exc)
-    summary = summarize(plan)
     if args.json:
         print(json.dumps(summary, sort_keys=True))
     else:
@@ -75,6 +75,8 @@ def verify_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from .verify_plan import verify_plan
 
+    if args.sample is not None and args.sample < 1:
+        return _fail(ValueError(f"--sample must be at least 1, got {args.sample}"))
     try:
         result = verify_plan(args.plan, model=args.model, sample=args.sample, seed=args.seed, log=_log)
     except WeightplanError as exc:

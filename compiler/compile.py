@@ -14,7 +14,7 @@ import torch
 from .frontend.errors import ModelConfigError
 from .frontend.trace import trace_load
 from .frontend.trainer_formats import TRAINER_FORMATS, trainer_specs
-from .frontend.vllm_model import build_model, make_vllm_config
+from .frontend.vllm_model import build_model, current_platform_name, make_vllm_config
 from .ir import Program
 from .models import config_hash, resolve_model
 from .passes.pipeline import run_passes
@@ -84,13 +84,13 @@ def _compile(opts: CompileOptions, log) -> CompileResult:
         percent = 100 * index // max(total, 1)
         if percent // 10 != shown[0] // 10:
             shown[0] = percent
-            log(f"tracing {name}: {percent}% of trainer tensors")
+            log(f"tracing {name}: {percent}% of traced trainer tensors")
 
     assignments, dests = trace_load(model, sources, opts.trainer_format, progress)
     timings["trace"] = time.perf_counter() - t
 
     trainer = {"format": opts.trainer_format, "dtype": opts.trainer_dtype, "layout": "1rank"}
-    inference = {"layout": "tp1", "tp": 1, "dp": 1, "ep": False, "platform": _platform()}
+    inference = {"layout": "tp1", "tp": 1, "dp": 1, "ep": False, "platform": current_platform_name()}
     program = Program(
         sources=tuple(sources),
         dests=tuple(dests),
@@ -144,9 +144,3 @@ def gc_paused():
     finally:
         if was_enabled:
             gc.enable()
-
-
-def _platform() -> str:
-    from vllm.platforms import current_platform
-
-    return str(current_platform.device_type or "cpu")

@@ -119,7 +119,7 @@ class Copy:
     src_geom: Geometry
     dest: str
     dst_geom: Geometry
-    casts: tuple[str, ...]  # dtype after each cast, in order; the last is the destination dtype
+    casts: tuple[str, ...]  # dtypes the value passes through: source dtype first, destination dtype last
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import sys
 
 from .compile import CompileOptions, compile_plan
 
-# The plans checked in under plans/; tests/test_checked_in_plans.py fails when one is stale.
+# The plans checked in under plans/; tests/test_glm_full.py fails when one is stale.
 CHECKED_IN = (
     CompileOptions("glm-5.2", trainer_format="stacked", trainer_dtype="bf16"),
     CompileOptions("glm-5.2", trainer_format="hf", trainer_dtype="bf16"),

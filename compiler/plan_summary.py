@@ -21,7 +21,7 @@ weightplan plan (format {{ s.format_version }})
   wire           {{ s.wire_bytes }} bytes
   descriptors    {{ s.descriptors }} (lower bound {{ s.descriptors_lower_bound }})
   fingerprint    {{ s.fingerprint }}
-{% for r in runs %}  {{ "%-6d" | format(loop.index0) }} {{ r.src }}[{{ r.src_off }}:+{{ r.length }}] -> {{ r.dest }}[{{ r.dst_off }}:+{{ r.length }}] {{ r.cast }}
+{% for r in runs %}  {{ "%-6d" | format(loop.index0) }} {{ r.src }}[{{ r.src_off }}:+{{ r.length }}] -> {{ r.dest }}[{{ r.dst_off }}:+{{ r.length }}]{{ r.cast }}
 {% endfor %}""",
     undefined=jinja2.StrictUndefined,
 )
@@ -73,7 +73,7 @@ def render_text(plan: Plan, summary: dict, runs: int = 0) -> str:
                 "dest": plan.dests[cols["dest"][i]].name,
                 "dst_off": int(cols["dst_off"][i]),
                 "length": int(cols["length"][i]),
-                "cast": "" if len(chain) == 1 else "(" + " -> ".join(chain) + ")",
+                "cast": "" if len(chain) == 1 else " (" + " -> ".join(chain) + ")",
             }
         )
     return TEXT.render(s=summary, h=plan.header, runs=rows)

@@ -14,7 +14,9 @@ from ..runtime.errors import PlanMismatchError
 from ..runtime.plan_format import Plan
 from .frontend.trainer_formats import checkpoint_tensors
 from .frontend.vllm_model import build_model, make_vllm_config
-from .models import config_hash, resolve_model
+from .frontend.errors import ModelConfigError
+from .frontend.vllm_model import current_platform_name
+from .models import config_hash, known_models, resolve_model
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,9 @@ def check_fingerprint(plan: Plan, config_dir: Path) -> None:
     problems = []
     if plan.header["vllm_version"] != vllm.__version__:
         problems.append(f"vLLM version: plan {plan.header['vllm_version']}, installed {vllm.__version__}")
+    platform = current_platform_name()
+    if plan.header["inference"].get("platform") != platform:
+        problems.append(f"platform: plan traced on {plan.header['inference'].get('platform')}, this is {platform}")
     if plan.header["config_sha256"] != config_hash(config_dir):
         problems.append(f"model config {config_dir / 'config.json'} differs from the one the plan was compiled for")
     if problems:
@@ -60,6 +65,10 @@ def random_sources(plan: Plan, names: set[str], seed: int) -> dict[str, torch.Te
 def verify_plan(path: Path, *, model: str | None = None, sample: int | None = None, seed: int = 0, log=None) -> VerifyResult:
     log = log or (lambda msg: None)
     plan = load_plan(path)
+    if model is None and plan.header["model"] not in known_models():
+        raise ModelConfigError(
+            f"plan {path} was compiled from a config directory named {plan.header['model']!r}; pass --model PATH"
+        )
     _, config_dir = resolve_model(model or plan.header["model"])
     check_fingerprint(plan, config_dir)
 
@@ -94,7 +103,7 @@ def _materialize(model: torch.nn.Module, names: set[str], fill: float) -> dict[s
     out = {}
     for name, param in model.named_parameters():
         if name in names:
-            value = fill if param.dtype.is_floating_point else 0
+            value = fill if param.dtype.is_floating_point else (0 if fill == 0 else 1)
             real = torch.full(param.shape, value, dtype=param.dtype).as_subclass(type(param))
             real.__dict__.update(param.__dict__)
             real.requires_grad_(False)

@@ -160,6 +160,16 @@ def _check_tables(runs, sources, dests, chains, origin) -> None:
         values = runs[column]
         if len(values) and (values.min() < 0 or values.max() >= len(table)):
             raise PlanFormatError(f"{origin}: run column {column!r} indexes outside its table")
+    length = runs["length"]
+    if len(length) and length.min() <= 0:
+        raise PlanFormatError(f"{origin}: a run has non-positive length")
+    for column, tensor, table in (("src_off", "src", sources), ("dst_off", "dest", dests)):
+        if not len(length):
+            break
+        numel = np.array([entry.numel for entry in table], dtype=np.int64)[runs[tensor]]
+        offset = runs[column]
+        if offset.min() < 0 or (offset + length > numel).any():
+            raise PlanFormatError(f"{origin}: a run reaches outside its {'source' if tensor == 'src' else 'destination'} tensor")
     for chain in chains:
         for dtype in chain:
             if dtype not in DTYPE_SIZES:

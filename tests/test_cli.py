@@ -23,7 +23,7 @@ def test_compile_inspect_verify(tmp_path):
     plan = tmp_path / "tiny.plan"
     out = run("compile-plan", "--model", config_dir("tiny-glm"), "--trainer-format", "stacked", "--trainer-dtype", "fp32", "-o", plan)
     assert out.stdout.startswith(f"compiled {plan}:")
-    assert "tracing tiny-glm: 100% of trainer tensors" in out.stderr
+    assert "tracing tiny-glm: 100% of traced trainer tensors" in out.stderr
 
     summary = json.loads(run("inspect-plan", plan, "--json").stdout)
     required = {"format_version", "model", "trainer", "inference", "quant", "src_ranks", "dst_ranks", "dst_tensors",

@@ -96,3 +96,10 @@ def build_model(vllm_config, device: str = "meta") -> torch.nn.Module:
 def destination_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The parameters a plan writes, by vLLM name (the same names compute_tensor_digests uses)."""
     return dict(model.named_parameters())
+
+
+def current_platform_name() -> str:
+    """The vLLM platform the trace runs on (model classes can differ per platform)."""
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type or "cpu")
