@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import resource
 import time
@@ -14,11 +15,13 @@ import torch
 from .frontend.errors import ModelConfigError
 from .frontend.trace import trace_load
 from .frontend.trainer_formats import TRAINER_FORMATS, trainer_specs
-from .frontend.vllm_model import build_model, current_platform_name, make_vllm_config
+from .frontend.vllm_model import build_model, current_platform_name, make_vllm_config, parallel_rank
+from .layouts import parse_inference, parse_trainer
+from .passes.merge_ranks import merge_ranks
 from .ir import Program
-from .models import config_hash, resolve_model
+from .models import config_hash, load_config_json, resolve_model
 from .passes.pipeline import run_passes
-from .passes.verify import descriptors_lower_bound, verify
+from .passes.verify import descriptors_lower_bound, descriptors_posted, verify
 from .plan_writer import write_program
 
 TRAINER_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -32,6 +35,8 @@ class CompileOptions:
     trainer_dtype: str = "bf16"
     quant: str = "none"
     output: Path | None = None
+    trainer: str = "fsdp=1"
+    inference: str = "tp=1"
 
 
 @dataclass
@@ -44,8 +49,8 @@ class CompileResult:
 
 
 def default_plan_path(model: str, trainer: dict, inference: dict, quant: str) -> Path:
-    """plans/<model>/<format>-<dtype>-<layout>__<inference layout>__<quant>.plan"""
-    return Path("plans") / model / f"{trainer['format']}-{trainer['dtype']}-{trainer['layout']}__{inference['layout']}__{quant}.plan"
+    """plans/<model>/<format>-<dtype>-<trainer layout>__<inference layout>__<quant>.plan"""
+    return Path("plans") / model / f"{trainer['format']}-{trainer['dtype']}-{trainer['token']}__{inference['token']}__{quant}.plan"
 
 
 def check_options(opts: CompileOptions) -> None:
@@ -60,78 +65,99 @@ def check_options(opts: CompileOptions) -> None:
 def compile_plan(opts: CompileOptions, *, log=None) -> CompileResult:
     """Compile and write one plan; `log(msg)` receives progress lines."""
     with gc_paused():
-        return _compile(opts, log)
+        return _compile(opts, log or (lambda msg: None))
 
 
 def _compile(opts: CompileOptions, log) -> CompileResult:
-    log = log or (lambda msg: None)
     check_options(opts)
+    trainer_layout = parse_trainer(opts.trainer)
+    inference = parse_inference(opts.inference)
     name, config_dir = resolve_model(opts.model)
-    timings: dict[str, float] = {}
+    inference.check(load_config_json(config_dir))
+    if trainer_layout.ep > 1 and opts.trainer_format != "stacked":
+        raise ModelConfigError("trainer ep needs --trainer-format stacked (experts stacked on dim 0)")
+    timings: dict[str, float] = {"build": 0.0, "trace": 0.0, "passes": 0.0}
     start = time.perf_counter()
 
     import vllm
 
-    vllm_config = make_vllm_config(config_dir)
-    model = build_model(vllm_config)
+    base = make_vllm_config(config_dir)
+    vllm_config = make_vllm_config(config_dir, tp=inference.tp, dp=inference.dp, ep=inference.ep) if inference.ranks > 1 else base
     sources = trainer_specs(config_dir, opts.trainer_format, getattr(torch, TRAINER_DTYPES[opts.trainer_dtype]))
-    timings["build"] = time.perf_counter() - start
+    timings["build"] += time.perf_counter() - start
+
+    per_rank = []
+    chains: tuple = ()
+    assignments_total = 0
+    for rank in range(inference.ranks):
+        tp_rank, dp_rank = inference.rank_coords(rank)
+        t = time.perf_counter()
+        vllm_config.compilation_config.static_forward_context.clear()  # layer names are per model
+        model = build_model(vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=base)
+        timings["build"] += time.perf_counter() - t
+        t = time.perf_counter()
+        with parallel_rank(vllm_config, tp_rank, dp_rank):
+            assignments, dests = trace_load(model, sources, opts.trainer_format, _progress(log, name, rank, inference.ranks))
+        timings["trace"] += time.perf_counter() - t
+        t = time.perf_counter()
+        lowered = run_passes(Program(tuple(sources), tuple(dests), tuple(assignments), cast_chains=chains), stop_before="split_shards")
+        chains = lowered.cast_chains
+        per_rank.append(lowered)
+        assignments_total += len(assignments)
+        timings["passes"] += time.perf_counter() - t
+        del model
 
     t = time.perf_counter()
-    shown = [-1]
-
-    def progress(index: int, total: int) -> None:
-        percent = 100 * index // max(total, 1)
-        if percent // 10 != shown[0] // 10:
-            shown[0] = percent
-            log(f"tracing {name}: {percent}% of traced trainer tensors")
-
-    assignments, dests = trace_load(model, sources, opts.trainer_format, progress)
-    timings["trace"] = time.perf_counter() - t
-
-    trainer = {"format": opts.trainer_format, "dtype": opts.trainer_dtype, "layout": "1rank"}
-    inference = {"layout": "tp1", "tp": 1, "dp": 1, "ep": False, "platform": current_platform_name()}
-    program = Program(
-        sources=tuple(sources),
-        dests=tuple(dests),
-        assignments=tuple(assignments),
-        meta={
-            "vllm_version": vllm.__version__,
-            "model": name,
-            "config_sha256": config_hash(config_dir),
-            "architecture": vllm_config.model_config.architectures[0],
-            "trainer": trainer,
-            "inference": inference,
-            "quant": opts.quant,
-            "src_ranks": 1,
-            "dst_ranks": 1,
-        },
-    )
-    t = time.perf_counter()
-    pass_timings: dict[str, float] = {}
-    lowered = run_passes(program, timings=pass_timings, stop_before="coalesce")
-    runs_before = len(lowered.runs)
-    lower_bound = descriptors_lower_bound(lowered.runs)
-    compiled = run_passes(lowered, timings=pass_timings, start_at="coalesce")
+    merged = merge_ranks(per_rank, chains)
+    trainer = {"format": opts.trainer_format, "dtype": opts.trainer_dtype, "token": trainer_layout.token, **trainer_layout.as_dict()}
+    inference_meta = {"token": inference.token, **inference.as_dict(), "platform": current_platform_name()}
+    program = dataclasses.replace(merged, meta={
+        "vllm_version": vllm.__version__,
+        "model": name,
+        "config_sha256": config_hash(config_dir),
+        "architecture": base.model_config.architectures[0],
+        "trainer": trainer,
+        "inference": inference_meta,
+        "quant": opts.quant,
+        "src_ranks": trainer_layout.ranks,
+        "dst_ranks": inference.ranks,
+        "trainer_layout": trainer_layout,
+    })
+    split = run_passes(program, start_at="split_shards", stop_before="coalesce")
+    runs_before = len(split.runs)
+    lower_bound = descriptors_lower_bound(split.runs, split.dests)
+    compiled = run_passes(split, start_at="coalesce")
     coverage = verify(compiled)
-    timings["passes"] = time.perf_counter() - t
-    timings.update({f"pass.{k}": v for k, v in pass_timings.items()})
+    timings["passes"] += time.perf_counter() - t
 
     stats = {
-        "assignments": len(assignments),
+        "assignments": assignments_total,
         "runs_before_coalesce": runs_before,
-        "descriptors": len(compiled.runs),
+        "descriptors": descriptors_posted(compiled.runs, compiled.dests),
         "descriptors_lower_bound": lower_bound,
         "dst_coverage": coverage.fraction,
     }
-    compiled.meta["stats"] = {"assignments": len(assignments), "runs_before_coalesce": runs_before}
-    path = opts.output or default_plan_path(name, trainer, inference, opts.quant)
+    compiled.meta["stats"] = {"assignments": assignments_total, "runs_before_coalesce": runs_before}
+    path = opts.output or default_plan_path(name, trainer, inference_meta, opts.quant)
     t = time.perf_counter()
     size = write_program(compiled, path)
     timings["write"] = time.perf_counter() - t
     timings["total"] = time.perf_counter() - start
     stats["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return CompileResult(compiled, path, size, timings, stats)
+
+
+def _progress(log, name: str, rank: int, ranks: int):
+    shown = [-1]
+    where = f" rank {rank + 1}/{ranks}" if ranks > 1 else ""
+
+    def progress(index: int, total: int) -> None:
+        percent = 100 * index // max(total, 1)
+        if percent // 10 != shown[0] // 10:
+            shown[0] = percent
+            log(f"tracing {name}{where}: {percent}% of traced trainer tensors")
+
+    return progress
 
 
 @contextlib.contextmanager

@@ -90,11 +90,17 @@ class Geometry:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """A named tensor of one side: trainer tensor or vLLM destination parameter."""
+    """A named tensor of one side: trainer tensor or vLLM destination parameter.
+
+    Trainer tensors carry their `sharding` ("dense" or "expert", see runtime/shards.py);
+    destinations carry the inference `ranks` that hold this exact tensor (replicas share one entry).
+    """
 
     name: str
     shape: tuple[int, ...]
     dtype: str
+    sharding: str = "dense"
+    ranks: tuple[int, ...] = (0,)
 
     @property
     def numel(self) -> int:
@@ -127,7 +133,8 @@ class Runs:
     """Byte runs as parallel arrays, in elements: src[src_off:+length] -> dst[dst_off:+length].
 
     `src`, `dest` and `wire` index `Program.sources`, `Program.dests` and `Program.cast_chains`.
-    `src_rank`/`dst_rank` are trainer and inference ranks.
+    `src_rank` is the trainer rank serving the run; `src_off` is global until split_shards makes
+    it an offset into that rank's shard. Every inference rank of `dests[dest].ranks` reads the run.
     """
 
     src: np.ndarray
@@ -137,9 +144,8 @@ class Runs:
     length: np.ndarray
     wire: np.ndarray
     src_rank: np.ndarray
-    dst_rank: np.ndarray
 
-    FIELDS = ("src", "src_off", "dest", "dst_off", "length", "wire", "src_rank", "dst_rank")
+    FIELDS = ("src", "src_off", "dest", "dst_off", "length", "wire", "src_rank")
 
     @staticmethod
     def empty() -> "Runs":

@@ -7,21 +7,22 @@ import numpy as np
 
 from ..runtime.plan_format import Plan
 from .ir import Program, Runs, TensorSpec
-from .passes.verify import descriptors_lower_bound, verify
+from .passes.verify import descriptors_lower_bound, descriptors_posted, verify
 
 TEXT = jinja2.Template(
     """\
 weightplan plan (format {{ s.format_version }})
   model          {{ s.model }} ({{ h.architecture }}), config sha256 {{ h.config_sha256[:16] }}
   vllm           {{ h.vllm_version }} on {{ s.inference.platform }}
-  trainer        {{ s.trainer.format }}, {{ s.trainer.dtype }} masters, layout {{ s.trainer.layout }} ({{ s.src_ranks }} ranks)
-  inference      {{ s.inference.layout }} ({{ s.dst_ranks }} ranks), quant {{ s.quant }}
+  trainer        {{ s.trainer.format }}, {{ s.trainer.dtype }} masters, layout {{ s.trainer.token }} ({{ s.src_ranks }} ranks)
+  inference      {{ s.inference.token }} ({{ s.dst_ranks }} ranks), quant {{ s.quant }}
   sources        {{ h.sources | length }} trainer tensors
-  destinations   {{ s.dst_tensors }} tensors, {{ s.dst_bytes }} bytes, coverage {{ "%.6f" | format(s.dst_coverage) }}
+  destinations   {{ s.dst_tensors }} tensors ({{ s.dst_entries }} distinct), {{ s.dst_bytes }} bytes, coverage {{ "%.6f" | format(s.dst_coverage) }}
   wire           {{ s.wire_bytes }} bytes
-  descriptors    {{ s.descriptors }} (lower bound {{ s.descriptors_lower_bound }})
+  descriptors    {{ s.descriptors }} posted, {{ s.descriptors_stored }} stored (lower bound {{ s.descriptors_lower_bound }})
+  balance        trainer ranks {{ "%.3f" | format(s.src_balance) }}, inference ranks {{ "%.3f" | format(s.dst_balance) }} (max/mean bytes)
   fingerprint    {{ s.fingerprint }}
-{% for r in runs %}  {{ "%-6d" | format(loop.index0) }} {{ r.src }}[{{ r.src_off }}:+{{ r.length }}] -> {{ r.dest }}[{{ r.dst_off }}:+{{ r.length }}]{{ r.cast }}
+{% for r in runs %}  {{ "%-6d" | format(loop.index0) }} trainer {{ r.src_rank }} {{ r.src }}[{{ r.src_off }}:+{{ r.length }}] -> {{ r.dest }}[{{ r.dst_off }}:+{{ r.length }}]{{ r.cast }}
 {% endfor %}""",
     undefined=jinja2.StrictUndefined,
 )
@@ -29,20 +30,42 @@ weightplan plan (format {{ s.format_version }})
 
 def as_program(plan: Plan) -> Program:
     runs = Runs(**{f: plan.runs[f] for f in Runs.FIELDS})
+    shard_numel = np.zeros((plan.header["src_ranks"], len(plan.sources)), dtype=np.int64)
+    for s, r in set(zip(plan.runs["src"].tolist(), plan.runs["src_rank"].tolist())):
+        shard_numel[r, s] = int(np.prod(plan.local_shape(s, r), dtype=np.int64))
     return Program(
-        sources=tuple(TensorSpec(e.name, e.shape, e.dtype) for e in plan.sources),
-        dests=tuple(TensorSpec(e.name, e.shape, e.dtype) for e in plan.dests),
+        sources=tuple(TensorSpec(e.name, e.shape, e.dtype, e.sharding) for e in plan.sources),
+        dests=tuple(TensorSpec(e.name, e.shape, e.dtype, ranks=e.ranks) for e in plan.dests),
         runs=runs,
         cast_chains=plan.cast_chains,
-        meta={"dst_ranks": plan.header["dst_ranks"]},
+        meta={"shard_numel": shard_numel},
     )
+
+
+def per_rank_bytes(plan: Plan) -> tuple[list[int], list[int]]:
+    """Bytes each inference rank reads and each trainer rank serves (once per reading rank)."""
+    nbytes = (plan.runs["length"] * plan.wire_itemsize()).astype(np.float64)
+    per_dest = np.bincount(plan.runs["dest"], weights=nbytes, minlength=len(plan.dests))
+    dst = np.zeros(plan.header["dst_ranks"], dtype=np.float64)
+    holders = np.zeros(len(plan.dests), dtype=np.int64)
+    for i, entry in enumerate(plan.dests):
+        dst[list(entry.ranks)] += per_dest[i]
+        holders[i] = len(entry.ranks)
+    weights = nbytes * holders[plan.runs["dest"]] if plan.n_runs else nbytes
+    src = np.bincount(plan.runs["src_rank"], weights=weights, minlength=plan.header["src_ranks"])
+    return [int(x) for x in dst], [int(x) for x in src]
+
+
+def _balance(values: list[int]) -> float:
+    mean = sum(values) / len(values) if values else 0
+    return max(values) / mean if mean else 1.0
 
 
 def summarize(plan: Plan) -> dict:
     h = plan.header
     program = as_program(plan)
     coverage = verify(program, require_full_coverage=False)
-    wire = int((plan.runs["length"] * plan.wire_itemsize()).sum()) if plan.n_runs else 0
+    bytes_dst, bytes_src = per_rank_bytes(plan)
     return {
         "format_version": h["format_version"],
         "model": h["model"],
@@ -51,12 +74,18 @@ def summarize(plan: Plan) -> dict:
         "quant": h["quant"],
         "src_ranks": h["src_ranks"],
         "dst_ranks": h["dst_ranks"],
-        "dst_tensors": len(plan.dests),
+        "dst_tensors": sum(len(e.ranks) for e in plan.dests),
+        "dst_entries": len(plan.dests),
         "dst_bytes": coverage.dst_bytes,
-        "wire_bytes": wire,
-        "descriptors": plan.n_runs,
-        "descriptors_lower_bound": descriptors_lower_bound(program.runs),
+        "wire_bytes": sum(bytes_dst),
+        "descriptors": descriptors_posted(program.runs, program.dests),
+        "descriptors_stored": plan.n_runs,
+        "descriptors_lower_bound": descriptors_lower_bound(program.runs, program.dests),
         "dst_coverage": coverage.fraction,
+        "bytes_per_dst_rank": bytes_dst,
+        "bytes_per_src_rank": bytes_src,
+        "src_balance": _balance(bytes_src),
+        "dst_balance": _balance(bytes_dst),
         "fingerprint": plan.fingerprint,
     }
 
@@ -68,6 +97,7 @@ def render_text(plan: Plan, summary: dict, runs: int = 0) -> str:
         chain = plan.cast_chains[cols["wire"][i]]
         rows.append(
             {
+                "src_rank": int(cols["src_rank"][i]),
                 "src": plan.sources[cols["src"][i]].name,
                 "src_off": int(cols["src_off"][i]),
                 "dest": plan.dests[cols["dest"][i]].name,

@@ -21,8 +21,8 @@ def plan_header(program: Program) -> dict:
         "quant": meta["quant"],
         "src_ranks": meta["src_ranks"],
         "dst_ranks": meta["dst_ranks"],
-        "sources": [[s.name, list(s.shape), s.dtype] for s in program.sources],
-        "dests": [[d.name, list(d.shape), d.dtype] for d in program.dests],
+        "sources": [[s.name, list(s.shape), s.dtype, s.sharding] for s in program.sources],
+        "dests": [[d.name, list(d.shape), d.dtype, list(d.ranks)] for d in program.dests],
         "cast_chains": [list(c) for c in program.cast_chains],
         "stats": meta.get("stats", {}),
     }

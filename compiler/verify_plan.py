@@ -12,8 +12,9 @@ import torch
 from ..runtime import execute_local, load_plan
 from ..runtime.errors import PlanMismatchError
 from ..runtime.plan_format import Plan
+from ..runtime.shards import shard_box
 from .frontend.trainer_formats import checkpoint_tensors
-from .frontend.vllm_model import build_model, make_vllm_config
+from .frontend.vllm_model import build_model, make_vllm_config, parallel_rank
 from .frontend.errors import ModelConfigError
 from .frontend.vllm_model import current_platform_name
 from .models import config_hash, known_models, resolve_model
@@ -63,6 +64,7 @@ def random_sources(plan: Plan, names: set[str], seed: int) -> dict[str, torch.Te
 
 
 def verify_plan(path: Path, *, model: str | None = None, sample: int | None = None, seed: int = 0, log=None) -> VerifyResult:
+    """Run the plan rank by rank on random trainer shards; compare with vLLM's own load per inference rank."""
     log = log or (lambda msg: None)
     plan = load_plan(path)
     if model is None and plan.header["model"] not in known_models():
@@ -72,27 +74,58 @@ def verify_plan(path: Path, *, model: str | None = None, sample: int | None = No
     _, config_dir = resolve_model(model or plan.header["model"])
     check_fingerprint(plan, config_dir)
 
-    dest_names = [entry.name for entry in plan.dests]
-    if sample is not None and sample < len(dest_names):
-        chosen = set(random.Random(seed).sample(dest_names, sample))
-    else:
-        chosen = set(dest_names)
-    dest_ids = np.array([entry.name in chosen for entry in plan.dests])
-    needed_src = {plan.sources[i].name for i in set(plan.runs["src"][dest_ids[plan.runs["dest"]]].tolist())}
-    log(f"verifying {len(chosen)} of {len(dest_names)} destination tensors from {len(needed_src)} trainer tensors")
+    entries = list(range(len(plan.dests)))
+    if sample is not None and sample < len(entries):
+        entries = sorted(random.Random(seed).sample(entries, sample))
+    chosen = np.zeros(len(plan.dests), dtype=bool)
+    chosen[entries] = True
+    mask = chosen[plan.runs["dest"]]
+    needed = {plan.sources[i].name for i in set(plan.runs["src"][mask].tolist())}
+    log(f"verifying {len(entries)} of {len(plan.dests)} destination entries from {len(needed)} trainer tensors")
 
-    sources = random_sources(plan, needed_src, seed)
-    reference = _vllm_load(config_dir, plan, sources, chosen)
-    planned = _materialize(build_model(make_vllm_config(config_dir)), chosen, fill=float("nan"))
-    execute_local(plan, {0: sources}, {0: planned}, only=chosen)
+    full = random_sources(plan, needed, seed)
+    shards = shard_sources(plan, full)
+    info = plan.header["inference"]
+    base = make_vllm_config(config_dir)
+    vllm_config = make_vllm_config(config_dir, tp=info["tp"], dp=info["dp"], ep=info["ep"]) if plan.header["dst_ranks"] > 1 else base
 
     from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
 
-    expected = compute_tensor_digests(_Params(reference))
-    actual = compute_tensor_digests(_Params(planned))
-    mismatches = tuple(name for name in sorted(expected) if expected[name] != actual.get(name))
-    nbytes = sum(t.numel() * t.element_size() for t in planned.values())
-    return VerifyResult(len(expected), nbytes, mismatches)
+    tensors, nbytes, mismatches = 0, 0, []
+    for rank in range(plan.header["dst_ranks"]):
+        names = {plan.dests[i].name for i in entries if rank in plan.dests[i].ranks}
+        if not names:
+            continue
+        tp_rank, dp_rank = rank % info["tp"], rank // info["tp"]
+        reference = _vllm_load(vllm_config, base, plan, full, names, tp_rank, dp_rank)
+        vllm_config.compilation_config.static_forward_context.clear()
+        planned = _materialize(build_model(vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=base), names, float("nan"))
+        execute_local(plan, shards, {rank: planned}, only=names)
+        expected = compute_tensor_digests(_Params(reference))
+        actual = compute_tensor_digests(_Params(planned))
+        mismatches += [f"{name} (inference rank {rank})" for name in sorted(expected) if expected[name] != actual.get(name)]
+        tensors += len(expected)
+        nbytes += sum(t.numel() * t.element_size() for t in planned.values())
+        log(f"inference rank {rank}: {len(expected)} tensors compared")
+    return VerifyResult(tensors, nbytes, tuple(mismatches))
+
+
+def shard_sources(plan: Plan, full: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+    """Each trainer rank's local shards (contiguous copies of its boxes) of the given full tensors."""
+    layout = plan.trainer_layout
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for rank in range(layout.ranks):
+        local = {}
+        for entry in plan.sources:
+            if entry.name not in full:
+                continue
+            box = shard_box(layout, entry.shape, entry.sharding, rank)
+            tensor = full[entry.name]
+            for dim, (lo, hi) in enumerate(box):
+                tensor = tensor.narrow(dim, lo, hi - lo)
+            local[entry.name] = tensor.contiguous()
+        out[rank] = local
+    return out
 
 
 def _materialize(model: torch.nn.Module, names: set[str], fill: float) -> dict[str, torch.Tensor]:
@@ -112,19 +145,20 @@ def _materialize(model: torch.nn.Module, names: set[str], fill: float) -> dict[s
     return out
 
 
-def _vllm_load(config_dir: Path, plan: Plan, sources: dict[str, torch.Tensor], chosen: set[str]) -> dict[str, torch.Tensor]:
-    """vLLM's own load_weights of the trainer's weights into a second model instance (ground truth)."""
-    model = build_model(make_vllm_config(config_dir))
+def _vllm_load(vllm_config, base, plan: Plan, full: dict[str, torch.Tensor], chosen: set[str], tp_rank: int, dp_rank: int):
+    """vLLM's own load_weights of the trainer's full weights into this rank's model (ground truth)."""
+    vllm_config.compilation_config.static_forward_context.clear()
+    model = build_model(vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=base)
     params = _materialize(model, chosen, fill=0.0)
     fmt = plan.header["trainer"]["format"]
 
     def stream():
         for entry in plan.sources:
-            tensor = sources.get(entry.name)
+            tensor = full.get(entry.name)
             if tensor is None:  # not needed by the sampled destinations: stays without data
                 tensor = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype), device="meta")
             yield from checkpoint_tensors(fmt, entry.name, tensor)
 
-    with torch.no_grad():
+    with torch.no_grad(), parallel_rank(vllm_config, tp_rank, dp_rank):
         model.load_weights(stream())
     return params

@@ -17,30 +17,33 @@ def _as_tensors(destination) -> dict[str, torch.Tensor]:
     return dict(destination)
 
 
-def _flat(name: str, tensor: torch.Tensor, entry: TensorEntry, side: str) -> torch.Tensor:
-    if tuple(tensor.shape) != entry.shape or str(tensor.dtype).removeprefix("torch.") != entry.dtype:
+def _dtype(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _flat(name: str, tensor: torch.Tensor, shape: tuple[int, ...], dtype: str, side: str) -> torch.Tensor:
+    if tuple(tensor.shape) != tuple(shape) or _dtype(tensor) != dtype:
         raise PlanMismatchError(
-            f"{side} tensor {name!r} is {str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}, "
-            f"the plan expects {entry.dtype}{list(entry.shape)}"
+            f"{side} tensor {name!r} is {_dtype(tensor)}{list(tensor.shape)}, the plan expects {dtype}{list(shape)}"
         )
     if not tensor.is_contiguous():
         raise PlanMismatchError(f"{side} tensor {name!r} is not contiguous; plans address contiguous memory")
     return tensor.detach().view(-1)
 
 
-def check_tensors(given: Mapping[str, torch.Tensor], table: tuple[TensorEntry, ...], needed: set[int], side: str) -> None:
-    """Refuse before touching memory if names, shapes or dtypes differ from the plan's table."""
-    names = {table[i].name for i in needed}
-    missing = sorted(names - set(given))
+def check_tensors(given: Mapping[str, torch.Tensor], expected: dict[str, tuple], known: set[str], side: str) -> None:
+    """Refuse before touching memory if names, shapes or dtypes differ from the plan.
+
+    `expected` maps each needed name to (shape, dtype); `known` is every name the plan has for this side.
+    """
+    missing = sorted(set(expected) - set(given))
     if missing:
         raise PlanMismatchError(f"{side} tensors missing: {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
-    known = {entry.name for entry in table}
     extra = sorted(set(given) - known)
     if extra:
         raise PlanMismatchError(f"{side} tensors not in the plan: {', '.join(extra[:10])}{' ...' if len(extra) > 10 else ''}")
-    for i in needed:
-        entry = table[i]
-        _flat(entry.name, given[entry.name], entry, side)
+    for name, (shape, dtype) in expected.items():
+        _flat(name, given[name], shape, dtype, side)
 
 
 def execute_local(
@@ -52,51 +55,59 @@ def execute_local(
 ) -> int:
     """Execute every (trainer rank, inference rank) pair of `plan` in this process.
 
-    `sources` maps trainer rank to {trainer tensor name: local tensor}; `destinations` maps
-    inference rank to a module (its named parameters) or a {name: tensor} dict. With `only`,
-    just the runs into those destination names execute, and only their sources must be given.
-    Returns the number of destination bytes written.
+    `sources` maps trainer rank to {trainer tensor name: that rank's local shard}; `destinations`
+    maps inference rank to a module (its named parameters) or a {name: tensor} dict. Inference
+    ranks not given are skipped; every trainer rank their runs read must be given. With `only`,
+    just the runs into those destination names execute. Returns the destination bytes written.
     """
     runs = plan.runs
-    mask = np.ones(plan.n_runs, dtype=bool)
-    if only is not None:
-        wanted = np.array([entry.name in only for entry in plan.dests] or [False])
-        mask &= wanted[runs["dest"]]
     dst_tensors = {rank: _as_tensors(d) for rank, d in destinations.items()}
-    for rank in sorted(set(runs["dst_rank"][mask].tolist()) - set(dst_tensors)):
-        raise PlanMismatchError(f"no destination given for inference rank {rank}")
-    for rank in sorted(set(runs["src_rank"][mask].tolist()) - set(sources)):
-        raise PlanMismatchError(f"no source tensors given for trainer rank {rank}")
-    for rank, given in sources.items():
-        needed = set(runs["src"][mask & (runs["src_rank"] == rank)].tolist())
-        check_tensors(given, plan.sources, needed, f"trainer rank {rank}")
-    for rank, given in dst_tensors.items():
-        needed = set(runs["dest"][mask & (runs["dst_rank"] == rank)].tolist())
-        if only is None:
-            needed = set(range(len(plan.dests)))
-        check_tensors(given, plan.dests, needed, f"inference rank {rank}")
+    # Runs each given inference rank executes: those into entries that rank holds.
+    entries_of = {rank: [i for i, e in enumerate(plan.dests) if rank in e.ranks and (only is None or e.name in only)]
+                  for rank in dst_tensors}
+    unknown = sorted(set(dst_tensors) - set(range(plan.header["dst_ranks"])))
+    if unknown:
+        raise PlanMismatchError(f"inference ranks {unknown} are not in the plan's {plan.header['dst_ranks']} ranks")
+    masks = {}
+    for rank, entries in entries_of.items():
+        wanted = np.zeros(len(plan.dests) + 1, dtype=bool)
+        wanted[entries] = True
+        masks[rank] = wanted[runs["dest"]]
+        expected = {plan.dests[i].name: (plan.dests[i].shape, plan.dests[i].dtype) for i in entries}
+        known = {e.name for e in plan.dests if rank in e.ranks}
+        check_tensors(dst_tensors[rank], expected, known, f"inference rank {rank}")
+    any_mask = np.zeros(plan.n_runs, dtype=bool)
+    for mask in masks.values():
+        any_mask |= mask
+    for src_rank in sorted(set(runs["src_rank"][any_mask].tolist())):
+        if src_rank not in sources:
+            raise PlanMismatchError(f"no source tensors given for trainer rank {src_rank}")
+    for src_rank, given in sources.items():
+        needed = set(runs["src"][any_mask & (runs["src_rank"] == src_rank)].tolist())
+        expected = {plan.sources[i].name: (plan.local_shape(i, src_rank), plan.sources[i].dtype) for i in needed}
+        check_tensors(given, expected, {e.name for e in plan.sources}, f"trainer rank {src_rank}")
 
-    written = 0
     itemsizes = plan.wire_itemsize()
     chains = [[getattr(torch, d) for d in chain[1:]] for chain in plan.cast_chains]
-    cols = {k: v[mask].tolist() for k, v in runs.items()}
-    flat_src: dict[tuple[int, int], torch.Tensor] = {}
-    flat_dst: dict[tuple[int, int], torch.Tensor] = {}
+    written = 0
     with torch.no_grad():
-        for i, (sr, dr, s, so, d, do, n, w) in enumerate(
-            zip(cols["src_rank"], cols["dst_rank"], cols["src"], cols["src_off"], cols["dest"], cols["dst_off"], cols["length"], cols["wire"])
-        ):
-            src = flat_src.get((sr, s))
-            if src is None:
-                entry = plan.sources[s]
-                src = flat_src[(sr, s)] = _flat(entry.name, sources[sr][entry.name], entry, "source")
-            dst = flat_dst.get((dr, d))
-            if dst is None:
-                entry = plan.dests[d]
-                dst = flat_dst[(dr, d)] = _flat(entry.name, dst_tensors[dr][entry.name], entry, "destination")
-            value = src[so : so + n]
-            for dtype in chains[w]:
-                value = value.to(dtype)
-            dst[do : do + n].copy_(value)
-        written = int((runs["length"][mask] * itemsizes[mask]).sum())
+        for rank, mask in masks.items():
+            cols = {k: v[mask].tolist() for k, v in runs.items()}
+            flat_src: dict[tuple[int, int], torch.Tensor] = {}
+            flat_dst: dict[int, torch.Tensor] = {}
+            for sr, s, so, d, do, n, w in zip(
+                cols["src_rank"], cols["src"], cols["src_off"], cols["dest"], cols["dst_off"], cols["length"], cols["wire"]
+            ):
+                src = flat_src.get((sr, s))
+                if src is None:
+                    entry = plan.sources[s]
+                    src = flat_src[(sr, s)] = sources[sr][entry.name].detach().view(-1)
+                dst = flat_dst.get(d)
+                if dst is None:
+                    dst = flat_dst[d] = dst_tensors[rank][plan.dests[d].name].detach().view(-1)
+                value = src[so : so + n]
+                for dtype in chains[w]:
+                    value = value.to(dtype)
+                dst[do : do + n].copy_(value)
+            written += int((runs["length"][mask] * itemsizes[mask]).sum())
     return written

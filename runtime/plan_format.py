@@ -23,10 +23,11 @@ from pathlib import Path
 import numpy as np
 
 from .errors import PlanFormatError
+from .shards import TrainerLayout, local_shape
 
 MAGIC = b"WPLAN\x00\r\n"
 FORMAT_VERSION = 1
-RUN_COLUMNS = ("src_rank", "dst_rank", "src", "src_off", "dest", "dst_off", "length", "wire")
+RUN_COLUMNS = ("src_rank", "src", "src_off", "dest", "dst_off", "length", "wire")
 # Header keys that the fingerprint covers: everything the plan assumes about both sides.
 FINGERPRINT_KEYS = (
     "format_version",
@@ -46,9 +47,13 @@ DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64":
 
 @dataclass(frozen=True)
 class TensorEntry:
+    """A trainer tensor (with its sharding) or a destination entry (with the inference ranks holding it)."""
+
     name: str
     shape: tuple[int, ...]
     dtype: str
+    sharding: str = "dense"
+    ranks: tuple[int, ...] = (0,)
 
     @property
     def numel(self) -> int:
@@ -72,6 +77,15 @@ class Plan:
     @property
     def fingerprint(self) -> str:
         return self.header["fingerprint"]
+
+    @property
+    def trainer_layout(self) -> TrainerLayout:
+        t = self.header["trainer"]
+        return TrainerLayout(t["fsdp"], t["ep"], t["replicas"])
+
+    def local_shape(self, source: int, rank: int) -> tuple[int, ...]:
+        entry = self.sources[source]
+        return local_shape(self.trainer_layout, entry.shape, entry.sharding, rank)
 
     @property
     def n_runs(self) -> int:
@@ -148,14 +162,19 @@ def decode_plan(data: bytes, origin: str = "<bytes>") -> Plan:
         raise PlanFormatError(f"{origin}: payload holds {len(columns)} bytes, expected {8 * n * len(RUN_COLUMNS)}")
     flat = np.frombuffer(columns, dtype="<i8").astype(np.int64)
     runs = {c: flat[i * n : (i + 1) * n] for i, c in enumerate(RUN_COLUMNS)}
-    sources = tuple(TensorEntry(s[0], tuple(s[1]), s[2]) for s in header["sources"])
-    dests = tuple(TensorEntry(d[0], tuple(d[1]), d[2]) for d in header["dests"])
-    chains = tuple(tuple(c) for c in header["cast_chains"])
-    _check_tables(runs, sources, dests, chains, origin)
-    return Plan(header, sources, dests, chains, runs)
+    try:
+        sources = tuple(TensorEntry(s[0], tuple(s[1]), s[2], s[3]) for s in header["sources"])
+        dests = tuple(TensorEntry(d[0], tuple(d[1]), d[2], "dense", tuple(d[3])) for d in header["dests"])
+        chains = tuple(tuple(c) for c in header["cast_chains"])
+    except (KeyError, IndexError, TypeError) as exc:
+        raise PlanFormatError(f"{origin}: malformed tensor tables in the header ({exc})") from None
+    plan = Plan(header, sources, dests, chains, runs)
+    _check_tables(plan, origin)
+    return plan
 
 
-def _check_tables(runs, sources, dests, chains, origin) -> None:
+def _check_tables(plan: Plan, origin: str) -> None:
+    runs, sources, dests, chains = plan.runs, plan.sources, plan.dests, plan.cast_chains
     for column, table in (("src", sources), ("dest", dests), ("wire", chains)):
         values = runs[column]
         if len(values) and (values.min() < 0 or values.max() >= len(table)):
@@ -163,13 +182,19 @@ def _check_tables(runs, sources, dests, chains, origin) -> None:
     length = runs["length"]
     if len(length) and length.min() <= 0:
         raise PlanFormatError(f"{origin}: a run has non-positive length")
-    for column, tensor, table in (("src_off", "src", sources), ("dst_off", "dest", dests)):
-        if not len(length):
-            break
-        numel = np.array([entry.numel for entry in table], dtype=np.int64)[runs[tensor]]
-        offset = runs[column]
-        if offset.min() < 0 or (offset + length > numel).any():
-            raise PlanFormatError(f"{origin}: a run reaches outside its {'source' if tensor == 'src' else 'destination'} tensor")
+    ranks = runs["src_rank"]
+    if len(ranks) and (ranks.min() < 0 or ranks.max() >= plan.header["src_ranks"]):
+        raise PlanFormatError(f"{origin}: a run names a trainer rank outside the plan's {plan.header['src_ranks']}")
+    if len(length):
+        shard = np.zeros((plan.header["src_ranks"], len(sources)), dtype=np.int64)
+        for s, r in set(zip(runs["src"].tolist(), ranks.tolist())):
+            shard[r, s] = int(np.prod(plan.local_shape(s, r), dtype=np.int64))
+        limits = (("src_off", shard[ranks, runs["src"]], "source shard"),
+                  ("dst_off", np.array([e.numel for e in dests], dtype=np.int64)[runs["dest"]], "destination tensor"))
+        for column, limit, what in limits:
+            offset = runs[column]
+            if offset.min() < 0 or (offset + length > limit).any():
+                raise PlanFormatError(f"{origin}: a run reaches outside its {what}")
     for chain in chains:
         for dtype in chain:
             if dtype not in DTYPE_SIZES:

@@ -25,11 +25,11 @@ def plan_cache(tmp_path_factory):
     root = tmp_path_factory.mktemp("plans")
     cache: dict[tuple, Path] = {}
 
-    def compile(model: str, fmt: str = "hf", dtype: str = "bf16") -> Path:
-        key = (model, fmt, dtype)
+    def compile(model: str, fmt: str = "hf", dtype: str = "bf16", trainer: str = "fsdp=1", inference: str = "tp=1") -> Path:
+        key = (model, fmt, dtype, trainer, inference)
         if key not in cache:
-            out = root / f"{model}-{fmt}-{dtype}.plan"
-            compile_plan(CompileOptions(str(config_dir(model)), fmt, dtype, "none", out))
+            out = root / f"{model}-{fmt}-{dtype}-{trainer}-{inference}.plan".replace(",", "_").replace("=", "")
+            compile_plan(CompileOptions(str(config_dir(model)), fmt, dtype, "none", out, trainer=trainer, inference=inference))
             cache[key] = out
         return cache[key]
 

@@ -48,7 +48,7 @@ def make_runs(rows, ranks=None) -> Runs:
     """Runs from (src, src_off, dest, dst_off, length, wire) rows, all rank 0 -> rank 0."""
     cols = np.array(rows, dtype=np.int64).reshape(-1, 6).T
     zeros = np.zeros(cols.shape[1], dtype=np.int64)
-    return Runs(*cols, zeros.copy(), zeros.copy())
+    return Runs(*cols, zeros.copy())
 
 
 W46 = {"w": ((4, 6), "float32")}
@@ -371,7 +371,7 @@ def test_pipeline_runs_the_passes_in_order_and_can_be_sliced():
     p = trace(W46, {"d": ((4, 6), "float32")}, lambda w, d: (d["d"][2:].copy_(w["w"][2:]), d["d"][:2].copy_(w["w"][:2])))
     timings = {}
     full = run_passes(p, check_each=True, timings=timings)
-    assert set(timings) == {"fold_views", "lower_runs", "coalesce"}
+    assert set(timings) == {"fold_views", "lower_runs", "split_shards", "coalesce"}
     assert runs_table(full) == [(0, 0, 0, 0, 24, 0)]
     lowered = run_passes(p, stop_before="coalesce")
     assert len(lowered.runs) == 2

@@ -68,7 +68,10 @@ def trainer_specs(config_dir: Path, fmt: str, dtype: torch.dtype) -> list[Tensor
         items = stacked.items()
     else:
         items = ((n, t) for name, tensor in stacked.items() for n, t in to_checkpoint(name, tensor))
-    return [TensorSpec(name, tuple(t.shape), dtype_name(t.dtype)) for name, t in items]
+    return [
+        TensorSpec(name, tuple(t.shape), dtype_name(t.dtype), "expert" if _STACKED.match(name) else "dense")
+        for name, t in items
+    ]
 
 
 def checkpoint_tensors(fmt: str, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:

@@ -15,7 +15,7 @@ from .errors import ModelConfigError
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
-def make_vllm_config(config_dir: Path, *, quantization: str | None = None):
+def make_vllm_config(config_dir: Path, *, tp: int = 1, dp: int = 1, ep: bool = False, quantization: str | None = None):
     """A VllmConfig exactly as `vllm serve` would derive it from this config (no tokenizer, no weights)."""
     from vllm.engine.arg_utils import EngineArgs
 
@@ -26,6 +26,9 @@ def make_vllm_config(config_dir: Path, *, quantization: str | None = None):
         enforce_eager=True,
         max_model_len=128,
         quantization=quantization,
+        tensor_parallel_size=tp,
+        data_parallel_size=dp,
+        enable_expert_parallel=ep,
     )
     try:
         return args.create_engine_config()
@@ -77,14 +80,71 @@ def dense_attention_selection():
         current_platform.get_attn_backend_cls = original
 
 
-def build_model(vllm_config, device: str = "meta") -> torch.nn.Module:
-    """Instantiate the vLLM model class with the config's parameter dtype, as vLLM's loader does."""
+@contextlib.contextmanager
+def parallel_rank(vllm_config, tp_rank: int = 0, dp_rank: int = 0):
+    """Make vLLM's parallel state report this rank of the config's TP x DP (x EP) layout.
+
+    One process traces every inference rank: the TP, DP and EP group coordinators of the
+    one-process world are told the rank and size vLLM's layers would see on that rank.
+    """
+    from vllm.distributed import parallel_state as ps
+
+    pc = vllm_config.parallel_config
+    tp, dp = pc.tensor_parallel_size, pc.data_parallel_size
+    wanted = [(ps._TP, tp_rank, tp), (ps._DP, dp_rank, dp)]
+    if ps._EP is not None:
+        wanted.append((ps._EP, dp_rank * tp + tp_rank, dp * tp if pc.enable_expert_parallel else 1))
+    saved = [(group, group.rank_in_group, group.world_size) for group, _, _ in wanted]
+    for group, rank, size in wanted:
+        group.rank_in_group, group.world_size = rank, size
+    try:
+        yield
+    finally:
+        for group, rank, size in saved:
+            group.rank_in_group, group.world_size = rank, size
+
+
+@contextlib.contextmanager
+def expert_maps_on_cpu():
+    """Build vLLM's expert placement tables on the CPU while the model is built on meta.
+
+    They are routing metadata that the MoE weight_loader reads (global -> local expert id), not
+    weights; on meta they would have no values to read.
+    """
+    from vllm.model_executor.layers.fused_moe import expert_map_manager
+
+    cls = expert_map_manager.ExpertMapManager
+    original = cls.__init__
+
+    def init(self, *args, **kwargs):
+        with torch.device("cpu"):
+            original(self, *args, **kwargs)
+
+    cls.__init__ = init
+    try:
+        yield
+    finally:
+        cls.__init__ = original
+
+
+def build_model(vllm_config, device: str = "meta", *, tp_rank: int = 0, dp_rank: int = 0, base_config=None) -> torch.nn.Module:
+    """Instantiate the vLLM model class with the config's parameter dtype, as vLLM's loader does.
+
+    `base_config` is a one-rank config of the same model used to set up the process's parallel
+    groups; `tp_rank`/`dp_rank` select which rank of `vllm_config`'s layout is built.
+    """
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    ensure_single_process_distributed(vllm_config)
+    ensure_single_process_distributed(base_config or vllm_config)
     try:
-        with dense_attention_selection(), set_default_torch_dtype(vllm_config.model_config.dtype), torch.device(device):
+        with (
+            parallel_rank(vllm_config, tp_rank, dp_rank),
+            expert_maps_on_cpu(),
+            dense_attention_selection(),
+            set_default_torch_dtype(vllm_config.model_config.dtype),
+            torch.device(device),
+        ):
             return initialize_model(vllm_config=vllm_config)
     except (ValueError, TypeError, AttributeError, KeyError, AssertionError, NotImplementedError) as exc:
         raise ModelConfigError(

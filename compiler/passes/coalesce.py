@@ -10,15 +10,14 @@ from ..ir import Program, Runs
 
 
 def coalesce(program: Program) -> Program:
-    """Sort runs by (rank pair, destination, offset) and merge each into its predecessor when it continues it."""
+    """Sort runs by (trainer rank, destination, offset) and merge each into its predecessor when it continues it."""
     runs = program.runs
     if runs is None or len(runs) == 0:
         return program
-    order = np.lexsort((runs.dst_off, runs.dest, runs.src_rank, runs.dst_rank))
+    order = np.lexsort((runs.dst_off, runs.dest, runs.src_rank))
     r = runs.take(order)
     same_stream = (
-        (r.dst_rank[1:] == r.dst_rank[:-1])
-        & (r.src_rank[1:] == r.src_rank[:-1])
+        (r.src_rank[1:] == r.src_rank[:-1])
         & (r.dest[1:] == r.dest[:-1])
         & (r.src[1:] == r.src[:-1])
         & (r.wire[1:] == r.wire[:-1])

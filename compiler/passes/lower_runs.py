@@ -10,7 +10,7 @@ from ..ir import Copy, Geometry, Program, Runs
 
 
 def lower_runs(program: Program) -> Program:
-    """Lower every Copy to runs (src offset, dst offset, length), in elements, rank 0 -> rank 0."""
+    """Lower every Copy to runs (global src offset, dst offset, length), in elements."""
     src_index, dst_index = program.source_index(), program.dest_index()
     chains: dict[tuple[str, ...], int] = {c: i for i, c in enumerate(program.cast_chains)}
     counts, src_ids, dst_ids, wires, src_offs, dst_offs, lengths = [], [], [], [], [], [], []
@@ -35,8 +35,7 @@ def lower_runs(program: Program) -> Program:
         "src": per_run(src_ids), "src_off": joined(src_offs), "dest": per_run(dst_ids),
         "dst_off": joined(dst_offs), "length": joined(lengths), "wire": per_run(wires),
     }
-    zeros = np.zeros(len(arrays["length"]), dtype=np.int64)
-    runs = Runs(**arrays, src_rank=zeros, dst_rank=zeros.copy())
+    runs = Runs(**arrays, src_rank=np.zeros(len(arrays["length"]), dtype=np.int64))
     return dataclasses.replace(program, runs=runs, cast_chains=tuple(chains))
 
 

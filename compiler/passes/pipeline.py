@@ -10,9 +10,10 @@ from ..ir import Program
 from .coalesce import coalesce
 from .fold_views import fold_views
 from .lower_runs import lower_runs
+from .split_shards import split_shards
 from .verify import verify
 
-PASSES = (fold_views, lower_runs, coalesce)
+PASSES = (fold_views, lower_runs, split_shards, coalesce)
 
 
 def run_passes(

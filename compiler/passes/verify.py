@@ -46,13 +46,17 @@ def _check_bounds(program: Program, runs: Runs) -> None:
         return
     if (runs.length <= 0).any():
         raise PlanInvariantError("a run has non-positive length")
-    src_numel = np.array([s.numel for s in program.sources], dtype=np.int64)
-    dst_numel = np.array([d.numel for d in program.dests], dtype=np.int64)
-    for side, tensor, off, numel, table in (
-        ("source", runs.src, runs.src_off, src_numel, program.sources),
-        ("destination", runs.dest, runs.dst_off, dst_numel, program.dests),
+    shard_numel = program.meta.get("shard_numel")  # [trainer rank, source] once split by shards
+    if shard_numel is not None:
+        src_limit = shard_numel[runs.src_rank, runs.src]
+    else:
+        src_limit = np.array([s.numel for s in program.sources], dtype=np.int64)[runs.src]
+    dst_limit = np.array([d.numel for d in program.dests], dtype=np.int64)[runs.dest]
+    for side, tensor, off, limit, table in (
+        ("source", runs.src, runs.src_off, src_limit, program.sources),
+        ("destination", runs.dest, runs.dst_off, dst_limit, program.dests),
     ):
-        bad = np.flatnonzero((off < 0) | (off + runs.length > numel[tensor]))
+        bad = np.flatnonzero((off < 0) | (off + runs.length > limit))
         if len(bad):
             i = bad[0]
             spec = table[tensor[i]]
@@ -73,30 +77,44 @@ def _check_dtypes(program: Program, runs: Runs) -> None:
 
 
 def _coverage(program: Program, runs: Runs) -> Coverage:
-    order = np.lexsort((runs.dst_off, runs.dest, runs.dst_rank))
+    order = np.lexsort((runs.dst_off, runs.dest))
     r = runs.take(order)
-    same = (r.dest[1:] == r.dest[:-1]) & (r.dst_rank[1:] == r.dst_rank[:-1])
+    same = r.dest[1:] == r.dest[:-1]
     overlap = np.flatnonzero(same & (r.dst_off[:-1] + r.length[:-1] > r.dst_off[1:]))
     if len(overlap):
         i = overlap[0] + 1
         spec = program.dests[r.dest[i]]
         raise PlanInvariantError(
-            f"destination bytes written twice: {spec.name} element {r.dst_off[i]} (inference rank {r.dst_rank[i]})"
+            f"destination bytes written twice: {spec.name} element {r.dst_off[i]} (inference ranks {list(spec.ranks)})"
         )
     sizes = np.array([itemsize(d.dtype) for d in program.dests], dtype=np.int64)
+    holders = np.array([len(d.ranks) for d in program.dests], dtype=np.int64)
     written = np.zeros(len(program.dests), dtype=np.int64)
     np.add.at(written, r.dest, r.length)
     numel = np.array([d.numel for d in program.dests], dtype=np.int64)
-    ranks = max(1, int(program.meta.get("dst_ranks", 1)))
-    uncovered = tuple(program.dests[i].name for i in np.flatnonzero(written < numel * ranks))
-    return Coverage(int((numel * sizes).sum()) * ranks, int((written * sizes).sum()), uncovered)
+    uncovered = tuple(program.dests[i].name for i in np.flatnonzero(written < numel))
+    return Coverage(int((numel * sizes * holders).sum()), int((written * sizes * holders).sum()), uncovered)
 
 
-def descriptors_lower_bound(runs: Runs) -> int:
-    """Fewest descriptors possible: runs that no other run continues on both sides (a hash join)."""
+def descriptors_lower_bound(runs: Runs, dests=None) -> int:
+    """Fewest descriptors possible: runs that no other run continues on both sides (a hash join).
+
+    With `dests`, each run counts once per inference rank holding its destination (every
+    holder posts its own read).
+    """
     if len(runs) == 0:
         return 0
-    key = (runs.src_rank, runs.dst_rank, runs.src, runs.dest, runs.wire)
+    key = (runs.src_rank, runs.src, runs.dest, runs.wire)
     ends = set(zip(*(k.tolist() for k in key), (runs.src_off + runs.length).tolist(), (runs.dst_off + runs.length).tolist()))
     starts = zip(*(k.tolist() for k in key), runs.src_off.tolist(), runs.dst_off.tolist())
-    return sum(1 for s in starts if s not in ends)
+    heads = np.array([s not in ends for s in starts])
+    if dests is None:
+        return int(heads.sum())
+    holders = np.array([len(d.ranks) for d in dests], dtype=np.int64)
+    return int(holders[runs.dest[heads]].sum())
+
+
+def descriptors_posted(runs: Runs, dests) -> int:
+    """Descriptors the inference ranks post in all: each run once per rank holding its destination."""
+    holders = np.array([len(d.ranks) for d in dests] or [0], dtype=np.int64)
+    return int(holders[runs.dest].sum()) if len(runs) else 0

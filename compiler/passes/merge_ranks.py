@@ -1,0 +1,52 @@
+"""merge_ranks: join per-inference-rank programs, recording identical destination tensors once."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import numpy as np
+
+from ..ir import Program, Runs, TensorSpec
+
+
+def merge_ranks(programs: list[Program], cast_chains: tuple) -> Program:
+    """One program for all inference ranks (program i is rank i; all share sources and cast chains).
+
+    A destination tensor of rank r joins an existing entry when its name, shape, dtype and every
+    run into it are identical (e.g. attention weights under DP attention): the entry lists the
+    ranks holding it, and its runs are stored once.
+    """
+    entries: list[TensorSpec] = []
+    by_key: dict[tuple, int] = {}
+    parts = []
+    for rank, program in enumerate(programs):
+        runs = program.runs
+        order = np.lexsort((runs.dst_off, runs.dest))
+        runs = runs.take(order)
+        bounds = np.searchsorted(runs.dest, np.arange(len(program.dests) + 1))
+        remap = np.zeros(len(program.dests), dtype=np.int64)
+        keep = np.zeros(len(runs), dtype=bool)
+        for d, spec in enumerate(program.dests):
+            lo, hi = bounds[d], bounds[d + 1]
+            key = (spec.name, spec.shape, spec.dtype, _digest(runs, lo, hi))
+            index = by_key.get(key)
+            if index is None:
+                index = by_key[key] = len(entries)
+                entries.append(dataclasses.replace(spec, ranks=(rank,)))
+                keep[lo:hi] = True
+            else:
+                entries[index] = dataclasses.replace(entries[index], ranks=entries[index].ranks + (rank,))
+            remap[d] = index
+        kept = runs.take(np.flatnonzero(keep))
+        parts.append(dataclasses.replace(kept, dest=remap[kept.dest]))
+    first = programs[0]
+    return dataclasses.replace(first, dests=tuple(entries), runs=Runs.concat(parts), cast_chains=cast_chains,
+                               assignments=(), copies=())
+
+
+def _digest(runs: Runs, lo: int, hi: int) -> bytes:
+    h = hashlib.sha256()
+    for column in ("src", "src_off", "dst_off", "length", "wire"):
+        h.update(np.ascontiguousarray(getattr(runs, column)[lo:hi]).tobytes())
+    return h.digest()

@@ -1,0 +1,83 @@
+"""split_shards: cut runs at trainer shard boundaries and address each piece in its rank's shard."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ...runtime.shards import TrainerLayout, box_segments, shard_box
+from ..ir import Program, Runs, itemsize
+
+
+def split_shards(program: Program) -> Program:
+    """Give every run one serving trainer rank and a shard-local source offset.
+
+    Where several ranks hold the same bytes (HSDP replicas), the piece goes to the holder that
+    has served the fewest bytes so far (bytes counted once per inference rank that reads them),
+    visiting pieces in a fixed order, so the choice is deterministic and balanced.
+    """
+    layout: TrainerLayout = program.meta.get("trainer_layout", TrainerLayout())  # default: one rank holds all
+    runs = program.runs
+    holders = np.array([len(d.ranks) for d in program.dests], dtype=np.int64)
+    sizes = np.array([itemsize(c[-1]) for c in program.cast_chains] or [0], dtype=np.int64)
+    served = np.zeros(layout.ranks, dtype=np.int64)
+    pieces = []
+    for src in np.unique(runs.src):
+        spec = program.sources[src]
+        mine = runs.take(np.flatnonzero(runs.src == src))
+        seg_start, seg_len, seg_local, seg_rank = _segments(layout, spec.shape, spec.sharding)
+        pieces.append(_cut(mine, seg_start, seg_len, seg_local, seg_rank))
+    cut = Runs.concat(pieces)
+    # Pick one holder (replica) per piece, balancing bytes served.
+    weight = cut.length * sizes[cut.wire] * holders[cut.dest]
+    base = cut.src_rank.copy()
+    if layout.replicas > 1:
+        for i in np.argsort(-weight, kind="stable"):
+            options = base[i] + layout.fsdp * np.arange(layout.replicas)
+            choice = options[np.argmin(served[options])]
+            served[choice] += weight[i]
+            base[i] = choice
+    cut = dataclasses.replace(cut, src_rank=base)
+    shard_numel = np.zeros((layout.ranks, len(program.sources)), dtype=np.int64)
+    for i, spec in enumerate(program.sources):
+        for rank in range(layout.ranks):
+            box = shard_box(layout, spec.shape, spec.sharding, rank)
+            shard_numel[rank, i] = int(np.prod([b - a for a, b in box])) if box else (1 if not spec.shape else 0)
+    meta = dict(program.meta, shard_numel=shard_numel)
+    return dataclasses.replace(program, runs=cut, meta=meta)
+
+
+def _segments(layout: TrainerLayout, shape, sharding):
+    """All shard segments of one tensor within replica 0, sorted by global start."""
+    parts = []
+    for rank in range(layout.fsdp):
+        box = shard_box(layout, shape, sharding, rank)
+        start, length, local = box_segments(shape, box)
+        parts.append((start, length, local, np.full(len(start), rank, dtype=np.int64)))
+    start, length, local, rank = (np.concatenate(p) for p in zip(*parts))
+    order = np.argsort(start, kind="stable")
+    return start[order], length[order], local[order], rank[order]
+
+
+def _cut(runs: Runs, seg_start, seg_len, seg_local, seg_rank) -> Runs:
+    """Split runs (global source offsets) at segment ends; map each piece to (rank, local offset)."""
+    out = []
+    src_off, dst_off, remaining = runs.src_off.copy(), runs.dst_off.copy(), runs.length.copy()
+    alive = np.arange(len(runs))
+    while len(alive):
+        seg = np.searchsorted(seg_start, src_off, side="right") - 1
+        if (seg < 0).any() or (src_off >= seg_start[seg] + seg_len[seg]).any():
+            raise AssertionError("a source byte is held by no trainer rank")
+        take = np.minimum(remaining, seg_start[seg] + seg_len[seg] - src_off)
+        out.append(dataclasses.replace(
+            runs.take(alive),
+            src_off=seg_local[seg] + (src_off - seg_start[seg]),
+            dst_off=dst_off.copy(),
+            length=take,
+            src_rank=seg_rank[seg],
+        ))
+        src_off, dst_off, remaining = src_off + take, dst_off + take, remaining - take
+        left = remaining > 0
+        alive, src_off, dst_off, remaining = alive[left], src_off[left], dst_off[left], remaining[left]
+    return Runs.concat(out)
