@@ -20,18 +20,26 @@ from pathlib import Path
 PLANS = [
     {"model": "glm-5.2", "trainer_format": "stacked", "trainer_dtype": "bf16"},
     {"model": "glm-5.2", "trainer_format": "hf", "trainer_dtype": "bf16"},
+    # The seed topology (issue: parallel layouts): targets 60 s wall, 4 GB RSS, 16 MB plan, src_balance <= 1.10.
+    {"model": "glm-5.2", "trainer_format": "stacked", "trainer_dtype": "bf16", "trainer": "fsdp=64,ep=8", "inference": "dp=32,ep"},
 ]
 
 
 def worker(spec: dict, output: str) -> None:
     from weightplan.compiler.compile import CompileOptions, compile_plan
 
+    from weightplan.compiler.plan_summary import summarize
+    from weightplan.runtime import load_plan
+
     result = compile_plan(CompileOptions(**spec, output=Path(output)))
-    print(json.dumps({"timings": result.timings, "stats": result.stats, "plan_bytes": result.plan_bytes}))
+    summary = summarize(load_plan(output))
+    print(json.dumps({"timings": result.timings, "stats": result.stats, "plan_bytes": result.plan_bytes,
+                      "src_balance": summary["src_balance"], "dst_balance": summary["dst_balance"]}))
 
 
 def run(spec: dict, out_dir: Path) -> dict:
-    output = out_dir / f"{spec['model']}-{spec['trainer_format']}-{spec['trainer_dtype']}.plan"
+    layouts = f"{spec.get('trainer', 'fsdp=1')} -> {spec.get('inference', 'tp=1')}"
+    output = out_dir / (f"{spec['model']}-{spec['trainer_format']}-{spec['trainer_dtype']}-{layouts}.plan".replace(" ", "").replace(">", ""))
     start = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, __file__, "--worker", json.dumps(spec), str(output)],
@@ -45,10 +53,12 @@ def run(spec: dict, out_dir: Path) -> dict:
     r = json.loads(stdout.strip().splitlines()[-1])
     t, s = r["timings"], r["stats"]
     return {
-        "plan": f"{spec['model']} {spec['trainer_format']}-{spec['trainer_dtype']} 1rank -> tp1",
+        "plan": f"{spec['model']} {spec['trainer_format']}-{spec['trainer_dtype']} {layouts}",
         "compile_s": round(t["total"], 2),
         "wall_s": round(wall, 2),
+        "build_s": round(t["build"], 2),
         "trace_s": round(t["trace"], 2),
+        "write_s": round(t["write"], 2),
         "passes_s": round(t["passes"], 2),
         "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
         "assignments": s["assignments"],
@@ -56,6 +66,8 @@ def run(spec: dict, out_dir: Path) -> dict:
         "descriptors": s["descriptors"],
         "descriptors_lower_bound": s["descriptors_lower_bound"],
         "plan_bytes": r["plan_bytes"],
+        "src_balance": round(r["src_balance"], 4),
+        "dst_balance": round(r["dst_balance"], 4),
     }
 
 
@@ -72,10 +84,12 @@ def main() -> None:
         row = run(spec, out_dir)
         rows.append(row)
         print(
-            f"{row['plan']}: compile {row['compile_s']} s in-process (trace {row['trace_s']} s, passes {row['passes_s']} s), "
+            f"{row['plan']}: compile {row['compile_s']} s in-process (build {row['build_s']} s, trace {row['trace_s']} s, "
+            f"passes {row['passes_s']} s, write {row['write_s']} s), "
             f"{row['wall_s']} s process wall incl. imports, peak RSS {row['peak_rss_mb']} MB; "
             f"{row['assignments']} assignments, {row['runs_before_coalesce']} runs -> {row['descriptors']} descriptors "
-            f"(lower bound {row['descriptors_lower_bound']}); plan {row['plan_bytes']} bytes",
+            f"(lower bound {row['descriptors_lower_bound']}); plan {row['plan_bytes']} bytes; "
+            f"src_balance {row['src_balance']}, dst_balance {row['dst_balance']}",
             flush=True,
         )
     print(json.dumps(rows))

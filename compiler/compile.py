@@ -102,7 +102,7 @@ def _compile(opts: CompileOptions, log) -> CompileResult:
         t = time.perf_counter()
         lowered = run_passes(Program(tuple(sources), tuple(dests), tuple(assignments), cast_chains=chains), stop_before="split_shards")
         chains = lowered.cast_chains
-        per_rank.append(lowered)
+        per_rank.append(dataclasses.replace(lowered, assignments=(), copies=()))  # keep only the runs
         assignments_total += len(assignments)
         timings["passes"] += time.perf_counter() - t
         del model

@@ -47,7 +47,7 @@ def test_full_glm_plan_is_complete_and_minimal(fresh_plans, index):
         assert summary["dst_bytes"] > 1.4e12  # ~744B parameters in bf16
 
 
-@pytest.mark.parametrize("index", [0, 2])
+@pytest.mark.parametrize("index", [0, 1])
 def test_full_glm_sampled_verify_matches_vllm(fresh_plans, index):
     path, _ = fresh_plans[CHECKED_IN[index]]
     result = verify_plan(path, sample=4, seed=3)
