@@ -105,7 +105,8 @@ def _compile(opts: CompileOptions, log) -> CompileResult:
         per_rank.append(dataclasses.replace(lowered, assignments=(), copies=()))  # keep only the runs
         assignments_total += len(assignments)
         timings["passes"] += time.perf_counter() - t
-        del model
+        del model, assignments, lowered
+        gc.collect()  # vLLM modules form cycles; with the GC paused, 32 ranks of models would pile up
 
     t = time.perf_counter()
     merged = merge_ranks(per_rank, chains)
