@@ -76,13 +76,16 @@ def verify_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample", type=int, help="check only K random destination tensors (for full-size models)")
     parser.add_argument("--model", help="config to verify against (default: the plan's shipped model name)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-tensor-bytes", type=int, default=2 << 30,
+                        help="with --sample, skip destination tensors larger than this (default 2 GiB)")
     args = parser.parse_args(argv)
     from .verify_plan import verify_plan
 
     if args.sample is not None and args.sample < 1:
         return _fail(ValueError(f"--sample must be at least 1, got {args.sample}"))
     try:
-        result = verify_plan(args.plan, model=args.model, sample=args.sample, seed=args.seed, log=_log)
+        result = verify_plan(args.plan, model=args.model, sample=args.sample, seed=args.seed,
+                             max_tensor_bytes=args.max_tensor_bytes, log=_log)
     except WeightplanError as exc:
         return _fail(exc)
     if result.mismatches:

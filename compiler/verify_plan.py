@@ -12,7 +12,7 @@ import torch
 from ..runtime import execute_local, load_plan
 from ..runtime.errors import PlanMismatchError
 from ..runtime.plan_format import Plan
-from ..runtime.shards import shard_box
+from ..runtime.shards import box_segments, shard_box
 from .frontend.trainer_formats import checkpoint_tensors
 from .frontend.vllm_model import build_model, make_vllm_config, parallel_rank
 from .frontend.errors import ModelConfigError
@@ -53,17 +53,45 @@ def check_fingerprint(plan: Plan, config_dir: Path) -> None:
         raise PlanMismatchError("plan does not match this environment: " + "; ".join(problems) + ". Recompile it with compile-plan.")
 
 
-def random_sources(plan: Plan, names: set[str], seed: int) -> dict[str, torch.Tensor]:
+def random_sources(plan: Plan, mask: np.ndarray, seed: int) -> dict[str, torch.Tensor]:
+    """Full-size trainer tensors holding random values exactly where the selected runs read.
+
+    Tensors are allocated with torch.empty (pages the process never touches stay unallocated),
+    so sampling one expert of a 13 GB stack costs only that expert's bytes. Bytes no selected run
+    reads are left unset; both the plan and vLLM read the same tensors, so they agree or differ together.
+    """
     generator = torch.Generator().manual_seed(seed)
+    layout = plan.trainer_layout
+    ranges: dict[int, list[tuple[int, int]]] = {}
+    runs = plan.runs
+    for rank, src, off, length in zip(*(runs[c][mask].tolist() for c in ("src_rank", "src", "src_off", "length"))):
+        entry = plan.sources[src]
+        starts, lengths, local = box_segments(entry.shape, shard_box(layout, entry.shape, entry.sharding, rank))
+        while length > 0:
+            k = int(np.searchsorted(local, off, side="right")) - 1
+            take = min(length, int(local[k] + lengths[k] - off))
+            ranges.setdefault(src, []).append((int(starts[k] + off - local[k]), take))
+            off, length = off + take, length - take
     out = {}
-    for entry in plan.sources:
-        if entry.name in names:
-            value = torch.randn(entry.shape, generator=generator, dtype=torch.float32)
-            out[entry.name] = value.to(getattr(torch, entry.dtype))
+    for src in sorted(ranges):
+        entry = plan.sources[src]
+        tensor = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
+        flat = tensor.view(-1)
+        for start, length in sorted(set(ranges[src])):
+            flat[start : start + length] = torch.randn(length, generator=generator).to(tensor.dtype)
+        out[entry.name] = tensor
     return out
 
 
-def verify_plan(path: Path, *, model: str | None = None, sample: int | None = None, seed: int = 0, log=None) -> VerifyResult:
+def verify_plan(
+    path: Path,
+    *,
+    model: str | None = None,
+    sample: int | None = None,
+    seed: int = 0,
+    max_tensor_bytes: int = 2 << 30,
+    log=None,
+) -> VerifyResult:
     """Run the plan rank by rank on random trainer shards; compare with vLLM's own load per inference rank."""
     log = log or (lambda msg: None)
     plan = load_plan(path)
@@ -75,16 +103,21 @@ def verify_plan(path: Path, *, model: str | None = None, sample: int | None = No
     check_fingerprint(plan, config_dir)
 
     entries = list(range(len(plan.dests)))
-    if sample is not None and sample < len(entries):
-        entries = sorted(random.Random(seed).sample(entries, sample))
+    if sample is not None:
+        # Sampled checks must fit in memory: each chosen tensor exists twice (plan and vLLM).
+        small = [i for i in entries if plan.dests[i].nbytes <= max_tensor_bytes]
+        if len(small) < len(entries):
+            log(f"sampling among {len(small)} destination entries of at most {max_tensor_bytes} bytes "
+                f"({len(entries) - len(small)} larger ones skipped; raise --max-tensor-bytes to include them)")
+        entries = sorted(random.Random(seed).sample(small, min(sample, len(small))))
     chosen = np.zeros(len(plan.dests), dtype=bool)
     chosen[entries] = True
     mask = chosen[plan.runs["dest"]]
     needed = {plan.sources[i].name for i in set(plan.runs["src"][mask].tolist())}
     log(f"verifying {len(entries)} of {len(plan.dests)} destination entries from {len(needed)} trainer tensors")
 
-    full = random_sources(plan, needed, seed)
-    shards = shard_sources(plan, full)
+    full = random_sources(plan, mask, seed)
+    shards = shard_sources(plan, full, set(plan.runs["src_rank"][mask].tolist()))
     info = plan.header["inference"]
     base = make_vllm_config(config_dir)
     vllm_config = make_vllm_config(config_dir, tp=info["tp"], dp=info["dp"], ep=info["ep"]) if plan.header["dst_ranks"] > 1 else base
@@ -110,11 +143,11 @@ def verify_plan(path: Path, *, model: str | None = None, sample: int | None = No
     return VerifyResult(tensors, nbytes, tuple(mismatches))
 
 
-def shard_sources(plan: Plan, full: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
-    """Each trainer rank's local shards (contiguous copies of its boxes) of the given full tensors."""
+def shard_sources(plan: Plan, full: dict[str, torch.Tensor], ranks: set[int]) -> dict[int, dict[str, torch.Tensor]]:
+    """The given trainer ranks' local shards (contiguous copies of their boxes) of the full tensors."""
     layout = plan.trainer_layout
     out: dict[int, dict[str, torch.Tensor]] = {}
-    for rank in range(layout.ranks):
+    for rank in sorted(ranks):
         local = {}
         for entry in plan.sources:
             if entry.name not in full:
