@@ -23,9 +23,11 @@ def split_shards(program: Program) -> Program:
     sizes = np.array([itemsize(c[-1]) for c in program.cast_chains] or [0], dtype=np.int64)
     served = np.zeros(layout.ranks, dtype=np.int64)
     pieces = []
-    for src in np.unique(runs.src):
+    by_src = runs.take(np.argsort(runs.src, kind="stable"))
+    bounds = np.searchsorted(by_src.src, np.arange(len(program.sources) + 1))
+    for src in np.flatnonzero(np.diff(bounds)):
         spec = program.sources[src]
-        mine = runs.take(np.flatnonzero(runs.src == src))
+        mine = by_src.take(np.arange(bounds[src], bounds[src + 1]))
         seg_start, seg_len, seg_local, seg_rank = _segments(layout, spec.shape, spec.sharding)
         pieces.append(_cut(mine, seg_start, seg_len, seg_local, seg_rank))
     cut = Runs.concat(pieces)
