@@ -19,6 +19,10 @@ def split_shards(program: Program) -> Program:
     """
     layout: TrainerLayout = program.meta.get("trainer_layout", TrainerLayout())  # default: one rank holds all
     runs = program.runs
+    if layout.ranks == 1:  # one trainer rank holds every tensor whole: global offsets are local
+        shard_numel = np.array([[spec.numel for spec in program.sources]], dtype=np.int64)
+        cut = dataclasses.replace(runs, src_rank=np.zeros(len(runs), dtype=np.int64))
+        return dataclasses.replace(program, runs=cut, meta=dict(program.meta, shard_numel=shard_numel))
     holders = np.array([len(d.ranks) for d in program.dests], dtype=np.int64)
     sizes = np.array([itemsize(c[-1]) for c in program.cast_chains] or [0], dtype=np.int64)
     served = np.zeros(layout.ranks, dtype=np.int64)
