@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..runtime.plan_format import DTYPE_SIZES
+
 
 class Op(str, enum.Enum):
     """The small set of value-level ops every recorded aten op is canonicalised to."""
@@ -181,20 +183,6 @@ class Program:
 
     def dest_index(self) -> dict[str, int]:
         return {spec.name: i for i, spec in enumerate(self.dests)}
-
-
-DTYPE_SIZES = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float64": 8,
-    "int64": 8,
-    "int32": 4,
-    "int8": 1,
-    "uint8": 1,
-    "float8_e4m3fn": 1,
-    "bool": 1,
-}
 
 
 def itemsize(dtype: str) -> int:

@@ -14,9 +14,8 @@ from ..runtime.errors import PlanMismatchError
 from ..runtime.plan_format import Plan
 from ..runtime.shards import box_segments, shard_box
 from .frontend.trainer_formats import checkpoint_tensors
-from .frontend.vllm_model import build_model, make_vllm_config, parallel_rank
 from .frontend.errors import ModelConfigError
-from .frontend.vllm_model import current_platform_name
+from .frontend.vllm_model import build_model, current_platform_name, make_vllm_config, parallel_rank
 from .models import config_hash, known_models, resolve_model
 
 

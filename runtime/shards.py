@@ -90,10 +90,7 @@ def shard_box(layout: TrainerLayout, shape: tuple[int, ...], sharding: str, rank
 
 
 def local_shape(layout: TrainerLayout, shape: tuple[int, ...], sharding: str, rank: int) -> tuple[int, ...]:
-    box = shard_box(layout, shape, sharding, rank)
-    if not shape:
-        return () if box == () and rank % layout.fsdp == 0 else ()
-    return tuple(b - a for a, b in box)
+    return tuple(b - a for a, b in shard_box(layout, shape, sharding, rank))
 
 
 def box_segments(shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
