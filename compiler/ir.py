@@ -81,14 +81,6 @@ class Geometry:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    def extent(self) -> tuple[int, int]:
-        """Lowest and one-past-highest flat element touched (empty regions give (offset, offset))."""
-        if self.numel == 0:
-            return self.offset, self.offset
-        low = self.offset + sum(s * (n - 1) for s, n in zip(self.strides, self.shape) if s < 0)
-        high = self.offset + sum(s * (n - 1) for s, n in zip(self.strides, self.shape) if s > 0)
-        return low, high + 1
-
 
 @dataclass(frozen=True)
 class TensorSpec:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..runtime.plan_format import RUN_COLUMNS, encode_plan, write_plan
+from ..runtime.plan_format import RUN_COLUMNS, write_plan
 from .ir import Program
 
 
@@ -26,11 +26,6 @@ def plan_header(program: Program) -> dict:
         "cast_chains": [list(c) for c in program.cast_chains],
         "stats": meta.get("stats", {}),
     }
-
-
-def plan_bytes(program: Program) -> bytes:
-    runs = program.runs
-    return encode_plan(plan_header(program), {column: getattr(runs, column) for column in RUN_COLUMNS})
 
 
 def write_program(program: Program, path: Path) -> int:

@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from ..ir import Copy, Geometry, Program, Runs
+from ..ir import Geometry, Program, Runs
 
 
 def lower_runs(program: Program) -> Program:
@@ -15,7 +15,7 @@ def lower_runs(program: Program) -> Program:
     chains: dict[tuple[str, ...], int] = {c: i for i, c in enumerate(program.cast_chains)}
     counts, src_ids, dst_ids, wires, src_offs, dst_offs, lengths = [], [], [], [], [], [], []
     for copy in program.copies:
-        src_off, dst_off, length = copy_runs(copy)
+        src_off, dst_off, length = strided_runs(copy.src_geom, copy.dst_geom)
         counts.append(len(length))
         src_ids.append(src_index[copy.src])
         dst_ids.append(dst_index[copy.dest])
@@ -37,11 +37,6 @@ def lower_runs(program: Program) -> Program:
     }
     runs = Runs(**arrays, src_rank=np.zeros(len(arrays["length"]), dtype=np.int64))
     return dataclasses.replace(program, runs=runs, cast_chains=tuple(chains))
-
-
-def copy_runs(copy: Copy) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Runs of one copy in destination order: arrays (src_offset, dst_offset, length)."""
-    return strided_runs(copy.src_geom, copy.dst_geom)
 
 
 def strided_runs(src: Geometry, dst: Geometry) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
