@@ -1,7 +1,13 @@
 """The weightplan runtime: reads plan files and executes them; never imports the compiler."""
 
-from .errors import PlanFormatError, PlanMismatchError, WeightplanError
+from .errors import PlanFormatError, PlanMismatchError, SyncError, WeightplanError
 from .host_executor import execute_local
 from .plan_format import Plan, load_plan
+from .receiver import Receiver, SyncReport
+from .rendezvous import Rendezvous
+from .sender import ReleaseReport, Sender
 
-__all__ = ["Plan", "PlanFormatError", "PlanMismatchError", "WeightplanError", "execute_local", "load_plan"]
+__all__ = [
+    "Plan", "PlanFormatError", "PlanMismatchError", "Receiver", "ReleaseReport", "Rendezvous", "Sender",
+    "SyncError", "SyncReport", "WeightplanError", "execute_local", "load_plan",
+]

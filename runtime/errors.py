@@ -11,3 +11,7 @@ class PlanFormatError(WeightplanError):
 
 class PlanMismatchError(WeightplanError):
     """A plan does not match what it is run against (vLLM version, config, tensors, ranks)."""
+
+
+class SyncError(WeightplanError):
+    """A weight sync failed or timed out; the receiver's weights are marked incomplete."""

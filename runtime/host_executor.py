@@ -7,43 +7,9 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from .checks import check_tensors, named_tensors
 from .errors import PlanMismatchError
-from .plan_format import Plan, TensorEntry
-
-
-def _as_tensors(destination) -> dict[str, torch.Tensor]:
-    if isinstance(destination, torch.nn.Module):
-        return dict(destination.named_parameters())
-    return dict(destination)
-
-
-def _dtype(tensor: torch.Tensor) -> str:
-    return str(tensor.dtype).removeprefix("torch.")
-
-
-def _flat(name: str, tensor: torch.Tensor, shape: tuple[int, ...], dtype: str, side: str) -> torch.Tensor:
-    if tuple(tensor.shape) != tuple(shape) or _dtype(tensor) != dtype:
-        raise PlanMismatchError(
-            f"{side} tensor {name!r} is {_dtype(tensor)}{list(tensor.shape)}, the plan expects {dtype}{list(shape)}"
-        )
-    if not tensor.is_contiguous():
-        raise PlanMismatchError(f"{side} tensor {name!r} is not contiguous; plans address contiguous memory")
-    return tensor.detach().view(-1)
-
-
-def check_tensors(given: Mapping[str, torch.Tensor], expected: dict[str, tuple], known: set[str], side: str) -> None:
-    """Refuse before touching memory if names, shapes or dtypes differ from the plan.
-
-    `expected` maps each needed name to (shape, dtype); `known` is every name the plan has for this side.
-    """
-    missing = sorted(set(expected) - set(given))
-    if missing:
-        raise PlanMismatchError(f"{side} tensors missing: {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
-    extra = sorted(set(given) - known)
-    if extra:
-        raise PlanMismatchError(f"{side} tensors not in the plan: {', '.join(extra[:10])}{' ...' if len(extra) > 10 else ''}")
-    for name, (shape, dtype) in expected.items():
-        _flat(name, given[name], shape, dtype, side)
+from .plan_format import Plan
 
 
 def execute_local(
@@ -61,7 +27,7 @@ def execute_local(
     just the runs into those destination names execute. Returns the destination bytes written.
     """
     runs = plan.runs
-    dst_tensors = {rank: _as_tensors(d) for rank, d in destinations.items()}
+    dst_tensors = {rank: named_tensors(d) for rank, d in destinations.items()}
     # Runs each given inference rank executes: those into entries that rank holds.
     entries_of = {rank: [i for i, e in enumerate(plan.dests) if rank in e.ranks and (only is None or e.name in only)]
                   for rank in dst_tensors}

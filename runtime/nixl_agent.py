@@ -1,0 +1,114 @@
+"""A thin wrapper over one NIXL agent (UCX backend, host memory): register, prepare, read, notify."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from .errors import SyncError
+
+log = logging.getLogger("weightplan.runtime")
+
+
+def _nixl():
+    # Imported lazily: the plan reader and the host executor work without NIXL installed.
+    from nixl_cu12._api import nixl_agent, nixl_agent_config
+
+    return nixl_agent, nixl_agent_config
+
+
+class NixlAgent:
+    """One NIXL agent of this process. Every transfer is a one-sided READ initiated here."""
+
+    def __init__(self, name: str):
+        nixl_agent, nixl_agent_config = _nixl()
+        self.name = name
+        self._agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        self._registered = []
+
+    def register(self, tensors: list[torch.Tensor]) -> None:
+        """Register host tensors once; descriptors must fall inside registered memory."""
+        tensors = [t for t in tensors if t.numel()]
+        if tensors:
+            self._registered.append(self._agent.register_memory(tensors))
+
+    def metadata(self) -> bytes:
+        return self._agent.get_agent_metadata()
+
+    def add_peer(self, metadata: bytes, expected_name: str) -> None:
+        """Load a remote agent's metadata, refusing it unless it names the agent the plan expects."""
+        name = self._agent.add_remote_agent(metadata)
+        name = name.decode() if isinstance(name, bytes) else name
+        if name != expected_name:
+            self._agent.remove_remote_agent(name)
+            raise SyncError(f"rejected agent metadata naming {name!r}: this rank expects {expected_name!r} there")
+
+    def remove_peer(self, name: str) -> None:
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception as exc:  # NIXL raises its own status types; the peer is gone either way
+            log.debug("removing agent %s: %s", name, exc)
+
+    def prepare(self, peer: str | None, rows: np.ndarray):
+        """Prepare a descriptor list of (address, bytes) rows, local (peer None) or on a peer, once."""
+        table = np.zeros((len(rows), 3), dtype=np.uint64)
+        if len(rows):
+            table[:, :2] = rows
+        return self._agent.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", table, "DRAM")
+
+    def make_read(self, local, remote, indices: np.ndarray, message: bytes = b""):
+        """A READ of the given descriptor indices of two prepared lists; post it with `post` each sync."""
+        idx = np.ascontiguousarray(indices, dtype=np.int32)
+        return self._agent.make_prepped_xfer("READ", local, idx, remote, idx, message)
+
+    def post(self, handle) -> None:
+        if self._agent.transfer(handle) == "ERR":
+            raise SyncError("NIXL refused to post a READ (is the trainer process still alive?)")
+
+    def wait(self, handles: list, deadline: float, what: str) -> None:
+        """Wait until every posted transfer is done; an error state or the deadline raises SyncError."""
+        pending = list(handles)
+        pause = 1e-5
+        while pending:
+            still = []
+            for handle in pending:
+                state = self._agent.check_xfer_state(handle)
+                if state == "ERR":
+                    raise SyncError(f"{what}: a READ failed (the peer process died or deregistered its memory)")
+                if state != "DONE":
+                    still.append(handle)
+            pending = still
+            if pending:
+                if time.monotonic() > deadline:
+                    raise SyncError(f"{what}: timed out with {len(pending)} transfer(s) still in flight")
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+
+    def release(self, handle) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as exc:  # a handle to a dead peer may refuse release; nothing else to do
+            log.debug("releasing a transfer handle: %s", exc)
+
+    def release_list(self, prepared) -> None:
+        try:
+            self._agent.release_dlist_handle(prepared)
+        except Exception as exc:  # as for transfer handles: best effort once the peer is gone
+            log.debug("releasing a prepared list: %s", exc)
+
+    def notify(self, peer: str, message: str) -> None:
+        try:
+            self._agent.send_notif(peer, message.encode())
+        except Exception as exc:  # a dead peer cannot be told; callers treat notifications as best effort
+            log.debug("notifying %s: %s", peer, exc)
+
+    def notifications(self) -> dict[str, list[str]]:
+        """New notifications by sender agent name."""
+        out = {}
+        for name, messages in self._agent.get_new_notifs().items():
+            name = name.decode() if isinstance(name, bytes) else name
+            out[name] = [m.decode(errors="replace") for m in messages]
+        return out

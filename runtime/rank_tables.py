@@ -1,0 +1,139 @@
+"""What one rank does in a plan: the regions a trainer rank serves and the reads an inference rank posts.
+
+Pure functions of the plan (numpy, no NIXL), shared by the sender and the receiver so both sides
+derive the same layout independently and can check each other's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import PlanMismatchError
+from .plan_format import DTYPE_SIZES, Plan
+
+
+@dataclass(frozen=True)
+class ServedRegion:
+    """A trainer rank's local shard of one source, exposed in one wire dtype.
+
+    When the wire dtype is the source dtype the shard itself is exposed (zero copy); otherwise the
+    sender casts the shard into a staging region of `nbytes`.
+    """
+
+    source: int
+    chain: int
+    numel: int
+    wire_dtype: str
+    staged: bool
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_SIZES[self.wire_dtype]
+
+    @property
+    def key(self) -> str:
+        return f"{self.source}:{self.chain}"
+
+
+@dataclass(frozen=True)
+class Reads:
+    """One inference rank's reads from one trainer rank, one row per descriptor, in plan order."""
+
+    region: np.ndarray  # index into that trainer rank's served regions
+    src_byte: np.ndarray  # byte offset inside the region
+    dest: np.ndarray  # index into plan.dests
+    dst_byte: np.ndarray  # byte offset inside the destination tensor
+    nbytes: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.nbytes.shape[0])
+
+
+def check_src_rank(plan: Plan, rank: int) -> None:
+    if not 0 <= rank < plan.header["src_ranks"]:
+        raise PlanMismatchError(f"trainer rank {rank} is not in the plan's {plan.header['src_ranks']} trainer ranks")
+
+
+def check_dst_rank(plan: Plan, rank: int) -> None:
+    if not 0 <= rank < plan.header["dst_ranks"]:
+        raise PlanMismatchError(f"inference rank {rank} is not in the plan's {plan.header['dst_ranks']} inference ranks")
+
+
+def served_regions(plan: Plan, rank: int) -> tuple[ServedRegion, ...]:
+    """Every (source, wire chain) whose bytes some run reads from trainer `rank`, in a canonical order."""
+    check_src_rank(plan, rank)
+    mine = plan.runs["src_rank"] == rank
+    pairs = sorted(set(zip(plan.runs["src"][mine].tolist(), plan.runs["wire"][mine].tolist())))
+    regions = []
+    for source, chain in pairs:
+        entry = plan.sources[source]
+        numel = int(np.prod(plan.local_shape(source, rank), dtype=np.int64))
+        wire = plan.cast_chains[chain][-1]
+        regions.append(ServedRegion(source, chain, numel, wire, staged=wire != entry.dtype or len(plan.cast_chains[chain]) > 2))
+    return tuple(regions)
+
+
+def held_entries(plan: Plan, rank: int) -> np.ndarray:
+    """Boolean mask over plan.dests: the destination entries inference `rank` holds."""
+    check_dst_rank(plan, rank)
+    return np.array([rank in e.ranks for e in plan.dests], dtype=bool)
+
+
+def readers(plan: Plan, rank: int) -> tuple[int, ...]:
+    """The inference ranks that read from trainer `rank`."""
+    check_src_rank(plan, rank)
+    dests = set(plan.runs["dest"][plan.runs["src_rank"] == rank].tolist())
+    return tuple(sorted({r for d in dests for r in plan.dests[d].ranks}))
+
+
+def _reads(plan: Plan, sel: np.ndarray, src_rank: int) -> Reads:
+    width = len(plan.cast_chains) + 1
+    regions = served_regions(plan, src_rank)
+    region_keys = np.array([r.source * width + r.chain for r in regions], dtype=np.int64)  # sorted
+    runs = plan.runs
+    size = plan.wire_itemsize()[sel]
+    return Reads(
+        region=np.searchsorted(region_keys, runs["src"][sel] * width + runs["wire"][sel]),
+        src_byte=runs["src_off"][sel] * size,
+        dest=runs["dest"][sel],
+        dst_byte=runs["dst_off"][sel] * size,
+        nbytes=runs["length"][sel] * size,
+    )
+
+
+def reads_of(plan: Plan, rank: int) -> dict[int, Reads]:
+    """Inference `rank`'s descriptors, grouped by the trainer rank they read from."""
+    runs = plan.runs
+    mask = held_entries(plan, rank)[runs["dest"]]
+    return {src: _reads(plan, mask & (runs["src_rank"] == src), src) for src in sorted(set(runs["src_rank"][mask].tolist()))}
+
+
+def served_runs(plan: Plan, rank: int) -> Reads:
+    """Every run trainer `rank` serves (into entries of any inference rank), in plan order."""
+    check_src_rank(plan, rank)
+    return _reads(plan, plan.runs["src_rank"] == rank, rank)
+
+
+def pipeline_groups(reads: dict[int, Reads], group_bytes: int) -> dict[int, np.ndarray]:
+    """Group number of each descriptor: consecutive destination entries cut every `group_bytes`.
+
+    Groups follow plan (layer) order across all trainer ranks, so group k of every trainer rank
+    completes the same destination entries and post-ops can run on group k while k+1 moves.
+    """
+    if group_bytes <= 0:
+        raise ValueError(f"group_bytes must be positive, got {group_bytes}")
+    if not reads:
+        return {}
+    dests = np.unique(np.concatenate([r.dest for r in reads.values()]))
+    per_dest = np.zeros(int(dests.max()) + 1, dtype=np.int64)
+    for r in reads.values():
+        np.add.at(per_dest, r.dest, r.nbytes)
+    # An entry starts a new group when the bytes before it cross a multiple of group_bytes.
+    before = np.cumsum(per_dest[dests]) - per_dest[dests]
+    group_of = np.zeros_like(per_dest)
+    group_of[dests] = before // group_bytes
+    _, dense = np.unique(group_of[dests], return_inverse=True)
+    group_of[dests] = dense
+    return {src: group_of[r.dest] for src, r in reads.items()}

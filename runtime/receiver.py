@@ -1,0 +1,232 @@
+"""The inference end of a sync: pulls its descriptors with one-sided NIXL READs, never keeps mixed versions."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .checks import check_tensors, flat_view, named_tensors
+from .errors import PlanMismatchError, SyncError
+from .nixl_agent import NixlAgent
+from .plan_format import Plan
+from .rank_tables import Reads, held_entries, pipeline_groups, reads_of, served_regions
+from .region_digests import byte_view, run_digests
+from .rendezvous import Rendezvous
+from .sender import inference_agent, trainer_agent
+
+log = logging.getLogger("weightplan.runtime")
+PROGRESS_EVERY = 5.0  # seconds between progress lines of a long sync
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """One completed sync on one inference rank."""
+
+    version: int
+    rank: int
+    bytes: int
+    descriptors: int
+    trainer_ranks: int
+    groups: int
+    seconds: float
+    verify_seconds: float | None
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+@dataclass
+class _Peer:
+    """Prepared transfers to one incarnation of one trainer rank; rebuilt when that trainer restarts."""
+
+    rank: int
+    incarnation: str
+    agent: str
+    seq_read: object
+    group_reads: dict[int, object] = field(default_factory=dict)
+    remote_lists: list = field(default_factory=list)
+
+
+class Receiver:
+    """Inference `rank` of `plan`, writing into `destination` (a vLLM model or any module/dict with the planned parameters).
+
+    `version` is the last version fully received, or None while the weights are incomplete (before
+    the first sync, during a sync and after a failed one). `group_bytes` bounds the bytes of a
+    pipeline group: group k+1 moves while the post-ops of group k run.
+    """
+
+    def __init__(self, plan: Plan, rank: int, destination, *, rendezvous: Rendezvous, timeout: float = 60.0,
+                 verify: bool = False, group_bytes: int = 256 << 20):
+        held = held_entries(plan, rank)
+        self.plan, self.rank, self.rendezvous, self.timeout, self.verify = plan, rank, rendezvous, timeout, verify
+        given = named_tensors(destination)
+        expected = {plan.dests[i].name: (plan.dests[i].shape, plan.dests[i].dtype) for i in np.flatnonzero(held)}
+        check_tensors(given, expected, set(expected), f"inference rank {rank}")
+        self._dst = {int(i): flat_view(plan.dests[i].name, given[plan.dests[i].name], plan.dests[i].shape,
+                                       plan.dests[i].dtype, f"inference rank {rank}") for i in np.flatnonzero(held)}
+        self.reads: dict[int, Reads] = reads_of(plan, rank)
+        self._groups = pipeline_groups(self.reads, group_bytes)
+        self.n_groups = 1 + max((int(g.max()) for g in self._groups.values() if len(g)), default=0)
+        self._seq = torch.zeros(plan.header["src_ranks"], dtype=torch.int64)
+        self.agent = NixlAgent(inference_agent(rendezvous.job, rank))
+        self.agent.register(list(self._dst.values()) + [self._seq])
+        self._local = {src: self.agent.prepare(None, self._local_rows(reads)) for src, reads in self.reads.items()}
+        self._seq_local = {src: self.agent.prepare(None, np.array([[self._seq.data_ptr() + 8 * src, 8]])) for src in self.reads}
+        self._peers: dict[int, _Peer] = {}
+        self._version: int | None = None
+        self.incarnation = uuid.uuid4().hex
+        rendezvous.put(f"inference/{rank}/joined", {"incarnation": self.incarnation, "agent": self.agent.name})
+
+    @property
+    def version(self) -> int | None:
+        return self._version
+
+    @property
+    def bytes(self) -> int:
+        return int(sum(int(r.nbytes.sum()) for r in self.reads.values()))
+
+    @property
+    def descriptors(self) -> int:
+        return sum(len(r) for r in self.reads.values())
+
+    def _local_rows(self, reads: Reads) -> np.ndarray:
+        base = np.array([self._dst[int(d)].data_ptr() for d in reads.dest.tolist()], dtype=np.int64)
+        return np.stack([base + reads.dst_byte, reads.nbytes], axis=1)
+
+    def sync(self, version: int) -> SyncReport:
+        """Receive `version` from every trainer rank this rank reads; raise SyncError (weights incomplete) on failure."""
+        self._version = None
+        start = time.monotonic()
+        deadline = start + self.timeout
+        try:
+            return self._sync(version, start, deadline)
+        except (SyncError, PlanMismatchError) as exc:
+            for peer in self._peers.values():
+                self.agent.notify(peer.agent, f"fail:{version}")
+            self._drop_peers()
+            raise type(exc)(f"inference rank {self.rank}: sync of version {version} failed; its weights are "
+                            f"incomplete until a later sync succeeds: {exc}") from None
+
+    def _sync(self, version: int, start: float, deadline: float) -> SyncReport:
+        sources = sorted(self.reads)
+        self.rendezvous.wait([f"trainer/{r}/version/{version}" for r in sources], deadline - time.monotonic(),
+                             f"version {version} from trainer ranks {sources}")
+        for r in sources:
+            self._connect(r, self.rendezvous.get_bytes(f"trainer/{r}/version/{version}").decode())
+        for peer in self._peers.values():
+            self.agent.notify(peer.agent, f"begin:{version}")
+        check, spent = self._verifier(version, deadline) if self.verify else (None, [0.0])
+        self._check_sequence(version, deadline, "before reading")
+        self._transfer(version, start, deadline, check)
+        self._check_sequence(version, deadline, "after reading")
+        for peer in self._peers.values():
+            self.agent.notify(peer.agent, f"ack:{version}")
+        self._version = version
+        report = SyncReport(version, self.rank, self.bytes, self.descriptors, len(sources), self.n_groups,
+                            time.monotonic() - start, spent[0] if self.verify else None)
+        log.info("weightplan sync v%d inference rank %d: %.3f GB, %d descriptors from %d trainer ranks, %.3f s, %.2f GB/s%s",
+                 version, self.rank, report.bytes / 1e9, report.descriptors, report.trainer_ranks, report.seconds,
+                 report.gbps, f", verified in {report.verify_seconds:.3f} s" if self.verify else "")
+        return report
+
+    def _connect(self, rank: int, incarnation: str) -> None:
+        """Prepare transfers to trainer `rank` unless they exist for this incarnation of it."""
+        peer = self._peers.get(rank)
+        if peer is not None and peer.incarnation == incarnation:
+            return
+        if peer is not None:
+            self._drop_peer(peer)
+        info = self.rendezvous.get_json(f"trainer/{rank}/info")
+        if info.get("incarnation") != incarnation:
+            raise SyncError(f"trainer rank {rank} restarted after publishing this version; sync a newer one")
+        if info.get("fingerprint") != self.plan.fingerprint:
+            raise PlanMismatchError(f"trainer rank {rank} runs plan {str(info.get('fingerprint'))[:12]}, this rank "
+                                    f"runs {self.plan.fingerprint[:12]}: both sides must load the same plan file")
+        expected = [[r.source, r.chain, r.nbytes] for r in served_regions(self.plan, rank)]
+        regions = info.get("regions")
+        if not isinstance(regions, list) or [[s, c, n] for s, c, _, n in regions] != expected:
+            raise PlanMismatchError(f"trainer rank {rank} exposes regions that differ from what the plan says it serves")
+        name = trainer_agent(self.rendezvous.job, rank)
+        self.agent.add_peer(self.rendezvous.get_bytes(f"trainer/{rank}/metadata/{incarnation}"), name)
+        reads = self.reads[rank]
+        addresses = np.array([a for _, _, a, _ in regions], dtype=np.int64)
+        remote = self.agent.prepare(name, np.stack([addresses[reads.region] + reads.src_byte, reads.nbytes], axis=1))
+        seq_remote = self.agent.prepare(name, np.array([[int(info["seq"]), 8]]))
+        peer = _Peer(rank, incarnation, name, self.agent.make_read(self._seq_local[rank], seq_remote, np.zeros(1)))
+        peer.remote_lists += [remote, seq_remote]
+        groups = self._groups[rank]
+        for g in np.unique(groups).tolist():
+            peer.group_reads[g] = self.agent.make_read(self._local[rank], remote, np.flatnonzero(groups == g))
+        self._peers[rank] = peer
+
+    def _check_sequence(self, version: int, deadline: float, when: str) -> None:
+        handles = [peer.seq_read for peer in self._peers.values()]
+        for handle in handles:
+            self.agent.post(handle)
+        self.agent.wait(handles, deadline, f"reading trainer sequence words {when}")
+        for rank in self._peers:
+            seq = int(self._seq[rank])
+            if seq != 2 * version:
+                state = "is staging or retired it" if seq == 2 * version + 1 else f"holds version {seq // 2}"
+                raise SyncError(f"trainer rank {rank} {when}: expected stable version {version}, the trainer {state}")
+
+    def _transfer(self, version: int, start: float, deadline: float, post_op=None) -> None:
+        """Move every group; with a post-op, at most two groups are in flight and group g's post-op overlaps g+1."""
+        window = 2 if post_op is not None else self.n_groups
+        posted = 0
+        shown = start
+        for g in range(self.n_groups):
+            while posted < min(self.n_groups, g + window):
+                for peer in self._peers.values():
+                    if posted in peer.group_reads:
+                        self.agent.post(peer.group_reads[posted])
+                posted += 1
+            handles = [p.group_reads[g] for p in self._peers.values() if g in p.group_reads]
+            self.agent.wait(handles, deadline, f"version {version} group {g + 1}/{self.n_groups}")
+            if post_op is not None:
+                post_op(g)
+            if time.monotonic() - shown > PROGRESS_EVERY:
+                shown = time.monotonic()
+                log.info("weightplan sync v%d inference rank %d: group %d/%d done after %.1f s",
+                         version, self.rank, g + 1, self.n_groups, shown - start)
+
+    def _verifier(self, version: int, deadline: float):
+        """A post-op comparing each group's landed bytes with the digests the trainers published for `version`."""
+        keys = [f"trainer/{r}/digests/{version}" for r in self._peers]
+        self.rendezvous.wait(keys, deadline - time.monotonic(), "trainer digests (start trainers with digests=True)")
+        theirs = {r: self.rendezvous.get_json(f"trainer/{r}/digests/{version}") for r in self._peers}
+        buffers = {d: byte_view(t) for d, t in self._dst.items()}
+        spent = [0.0]
+
+        def check(group: int) -> None:
+            began = time.perf_counter()
+            bad = []
+            for rank, reads in self.reads.items():
+                rows = self._groups[rank] == group
+                part = Reads(*(getattr(reads, f)[rows] for f in ("region", "src_byte", "dest", "dst_byte", "nbytes")))
+                ours = run_digests(buffers, part.dest, part.dst_byte, part)
+                bad += [f"{self.plan.dests[d].name} (from trainer rank {rank})" for d, h in ours.items()
+                        if theirs[rank].get(str(d)) != h]
+            spent[0] += time.perf_counter() - began
+            if bad:
+                raise SyncError(f"verification failed for {len(bad)} regions, e.g. {', '.join(bad[:3])}")
+
+        return check, spent
+
+    def _drop_peer(self, peer: _Peer) -> None:
+        for handle in [peer.seq_read, *peer.group_reads.values()]:
+            self.agent.release(handle)
+        for prepared in peer.remote_lists:
+            self.agent.release_list(prepared)
+        self.agent.remove_peer(peer.agent)
+        self._peers.pop(peer.rank, None)
+
+    def _drop_peers(self) -> None:
+        for peer in list(self._peers.values()):
+            self._drop_peer(peer)

@@ -1,0 +1,181 @@
+"""The trainer end of a sync: exposes one rank's shard bytes in wire dtype and publishes versions."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from .checks import check_tensors, flat_view, named_tensors
+from .errors import PlanMismatchError
+from .nixl_agent import NixlAgent
+from .plan_format import Plan
+from .rank_tables import check_src_rank, readers, served_regions, served_runs
+from .region_digests import byte_view, run_digests
+from .rendezvous import Rendezvous
+
+log = logging.getLogger("weightplan.runtime")
+_MESSAGE = re.compile(r"^(begin|ack|fail):(\d+)$")
+
+
+def trainer_agent(job: str, rank: int) -> str:
+    return f"{job}.trainer.{rank}"
+
+
+def inference_agent(job: str, rank: int) -> str:
+    return f"{job}.inference.{rank}"
+
+
+@dataclass(frozen=True)
+class ReleaseReport:
+    """How version `version` ended on this trainer rank: who acknowledged it and who was given up on."""
+
+    version: int
+    acked: tuple[int, ...]
+    failed: tuple[int, ...]
+    timed_out: tuple[int, ...]
+    seconds: float
+
+
+class Sender:
+    """Serve trainer `rank`'s bytes of `plan` to every inference rank that reads them.
+
+    Sources whose wire dtype is their own are exposed in place (zero copy): after `publish(v)` the
+    trainer must call `release(v)` before changing them. Cast sources (e.g. fp32 masters sent as
+    bf16) are staged at `publish`. A sequence word in registered memory lets receivers detect
+    bytes that changed while they read (seqlock: 2v while v is stable, odd otherwise).
+    """
+
+    def __init__(self, plan: Plan, rank: int, tensors, *, rendezvous: Rendezvous, timeout: float = 60.0,
+                 digests: bool = False):
+        check_src_rank(plan, rank)
+        self.plan, self.rank, self.rendezvous, self.timeout, self.digests = plan, rank, rendezvous, timeout, digests
+        self.regions = served_regions(plan, rank)
+        given = named_tensors(tensors)
+        expected = {plan.sources[r.source].name: (plan.local_shape(r.source, rank), plan.sources[r.source].dtype)
+                    for r in self.regions}
+        check_tensors(given, expected, {e.name for e in plan.sources}, f"trainer rank {rank}")
+        self._sources = [flat_view(plan.sources[r.source].name, given[plan.sources[r.source].name],
+                                   expected[plan.sources[r.source].name][0], plan.sources[r.source].dtype,
+                                   f"trainer rank {rank}") for r in self.regions]
+        # Memory is allocated and registered only after every check passed.
+        self._exposed = [
+            torch.empty(r.numel, dtype=getattr(torch, r.wire_dtype)) if r.staged else src
+            for r, src in zip(self.regions, self._sources)
+        ]
+        self._seq = torch.ones(1, dtype=torch.int64)  # odd: nothing published yet
+        self.readers = readers(plan, rank)
+        self.incarnation = uuid.uuid4().hex
+        self.agent = NixlAgent(trainer_agent(rendezvous.job, rank))
+        self.agent.register(self._exposed + [self._seq])
+        self._live: set[int] = set()  # inference ranks whose acknowledgement release() waits for
+        self._joined: dict[int, str] = {}
+        self._given_up: dict[int, str | None] = {}
+        self._inbox: list[tuple[int, str, int]] = []
+        self._pending: int | None = None
+        self.digest_seconds = 0.0
+        self._served_runs = served_runs(plan, rank) if digests else None
+        rendezvous.put(f"trainer/{rank}/metadata/{self.incarnation}", self.agent.metadata())
+        rendezvous.put(f"trainer/{rank}/info", {
+            "fingerprint": plan.fingerprint,
+            "incarnation": self.incarnation,
+            "agent": self.agent.name,
+            "seq": self._seq.data_ptr(),
+            "regions": [[r.source, r.chain, t.data_ptr(), r.nbytes] for r, t in zip(self.regions, self._exposed)],
+        })
+        log.info("trainer rank %d serves %d regions (%d staged) to inference ranks %s",
+                 rank, len(self.regions), sum(r.staged for r in self.regions), list(self.readers))
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(r.nbytes for r in self.regions if r.staged)
+
+    def publish(self, version: int) -> None:
+        """Stage this rank's bytes for `version` and announce it. Releases the previous version first."""
+        if version < 1:
+            raise ValueError(f"versions start at 1, got {version}")
+        if self._pending is not None:
+            self.release(self._pending)
+        self._seq.fill_(2 * version + 1)
+        with torch.no_grad():
+            for region, src, out in zip(self.regions, self._sources, self._exposed):
+                if region.staged:
+                    value = src
+                    for dtype in self.plan.cast_chains[region.chain][1:]:
+                        value = value.to(getattr(torch, dtype))
+                    out.copy_(value)
+        if self.digests:
+            began = time.perf_counter()
+            served = self._served_runs
+            found = run_digests([byte_view(x) for x in self._exposed], served.region, served.src_byte, served)
+            self.rendezvous.put(f"trainer/{self.rank}/digests/{version}", {str(k): v for k, v in found.items()})
+            self.digest_seconds = time.perf_counter() - began
+        self._seq.fill_(2 * version)
+        self._pending = version
+        self.rendezvous.put(f"trainer/{self.rank}/version/{version}", self.incarnation.encode())
+
+    def release(self, version: int, timeout: float | None = None) -> ReleaseReport:
+        """Wait until the joined inference ranks finished reading `version` (or the timeout), then retire it.
+
+        After this returns the trainer may change its tensors: a receiver still reading sees the
+        sequence word move and fails its sync instead of keeping mixed bytes. A rank that does not
+        answer in time is not waited for again until it talks or rejoins as a new process.
+        """
+        start = time.monotonic()
+        deadline = start + (self.timeout if timeout is None else timeout)
+        self._refresh_joined()
+        done: dict[int, str] = {}
+        while True:
+            self._inbox += list(self._messages())
+            for rank, kind, v in self._inbox:
+                if v == version and kind in ("ack", "fail"):
+                    done[rank] = kind
+            self._inbox = [m for m in self._inbox if m[2] > version]
+            waiting = self._live - set(done)
+            if not waiting or time.monotonic() > deadline:
+                break
+            time.sleep(0.001)
+        self._seq.fill_(2 * version + 1)
+        if self._pending == version:
+            self._pending = None
+        for rank in waiting:
+            self._live.discard(rank)
+            self._given_up[rank] = self._joined.get(rank)
+        report = ReleaseReport(version, tuple(sorted(k for k, s in done.items() if s == "ack")),
+                               tuple(sorted(k for k, s in done.items() if s == "fail")), tuple(sorted(waiting)),
+                               time.monotonic() - start)
+        if report.timed_out:
+            log.warning("trainer rank %d: version %d not acknowledged by inference ranks %s within the timeout",
+                        self.rank, version, list(report.timed_out))
+        return report
+
+    def _refresh_joined(self) -> None:
+        """Wait for inference ranks that joined since the last check (each process has its own incarnation)."""
+        for rank in self.readers:
+            key = f"inference/{rank}/joined"
+            if self.rendezvous.exists(key):
+                incarnation = self.rendezvous.get_json(key).get("incarnation")
+                self._joined[rank] = incarnation
+                if self._given_up.get(rank) != incarnation:
+                    self._live.add(rank)
+
+    def _messages(self):
+        """Parsed notifications from inference ranks of this plan; anything else is dropped."""
+        names = {inference_agent(self.rendezvous.job, k): k for k in self.readers}
+        for agent, messages in self.agent.notifications().items():
+            rank = names.get(agent)
+            if rank is None:
+                log.warning("trainer rank %d: ignoring notifications from unknown agent %r", self.rank, agent)
+                continue
+            for text in messages:
+                match = _MESSAGE.match(text)
+                if match is None:
+                    log.warning("trainer rank %d: ignoring malformed notification from %s", self.rank, agent)
+                    continue
+                self._live.add(rank)
+                self._given_up.pop(rank, None)
+                yield rank, match[1], int(match[2])

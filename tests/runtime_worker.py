@@ -1,0 +1,132 @@
+"""A trainer or inference process for the multi-process runtime tests (real NIXL/UCX on loopback).
+
+Run as `python -m tests.runtime_worker trainer|inference ...`; prints one JSON line per version.
+Weights of version v are a deterministic function of (seed, v), so every process can rebuild the
+trainer's full tensors and vLLM's own load of them is the ground truth on the inference side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import zlib
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+import torch
+
+from weightplan.runtime import Receiver, Rendezvous, Sender, SyncError, load_plan
+from weightplan.runtime.shards import shard_box
+
+
+def full_weights(plan, seed: int, version: int) -> dict[str, torch.Tensor]:
+    """The trainer's full tensors at `version` (master dtype)."""
+    out = {}
+    for entry in plan.sources:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + version * 7919 + zlib.crc32(entry.name.encode()))
+        out[entry.name] = torch.randn(entry.shape, generator=g).to(getattr(torch, entry.dtype))
+    return out
+
+
+def shard(plan, full: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    local = {}
+    for entry in plan.sources:
+        tensor = full[entry.name]
+        for dim, (lo, hi) in enumerate(shard_box(plan.trainer_layout, entry.shape, entry.sharding, rank)):
+            tensor = tensor.narrow(dim, lo, hi - lo)
+        local[entry.name] = tensor.contiguous()
+    return local
+
+
+def emit(**fields) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def run_trainer(args, plan) -> None:
+    tensors = shard(plan, full_weights(plan, args.seed, args.versions[0]), args.rank)
+    rendezvous = Rendezvous.connect(args.job, args.address, timeout=args.timeout)
+    sender = Sender(plan, args.rank, tensors, rendezvous=rendezvous, timeout=args.timeout, digests=args.digests)
+    deadline = time.monotonic() + args.join_timeout
+    while args.wait_joined and not all(rendezvous.exists(f"inference/{k}/joined") for k in sender.readers):
+        if time.monotonic() > deadline:
+            raise SystemExit("inference ranks did not join")
+        time.sleep(0.05)
+    for version in args.versions:
+        if version != args.versions[0]:  # an optimizer step: new values in the same tensors
+            for name, value in shard(plan, full_weights(plan, args.seed, version), args.rank).items():
+                tensors[name].copy_(value)
+        sender.publish(version)
+        emit(event="published", rank=args.rank, version=version)
+        report = sender.release(version)
+        emit(event="released", rank=args.rank, version=version, acked=list(report.acked), failed=list(report.failed),
+             timed_out=list(report.timed_out), seconds=report.seconds)
+    if args.linger:
+        time.sleep(args.linger)
+
+
+def run_inference(args, plan) -> None:
+    from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
+
+    from weightplan.compiler.frontend.trainer_formats import checkpoint_tensors
+    from weightplan.compiler.frontend.vllm_model import build_model, make_vllm_config, parallel_rank
+
+    info = plan.header["inference"]
+    tp_rank, dp_rank = args.rank % info["tp"], args.rank // info["tp"]
+
+    def model_for_rank():
+        base = make_vllm_config(args.model)
+        config = make_vllm_config(args.model, tp=info["tp"], dp=info["dp"], ep=info["ep"]) if plan.header["dst_ranks"] > 1 else base
+        return config, build_model(config, "cpu", tp_rank=tp_rank, dp_rank=dp_rank, base_config=base)
+
+    _, model = model_for_rank()
+    for param in model.parameters():
+        param.data.fill_(float("nan") if param.dtype.is_floating_point else 0)
+    rendezvous = Rendezvous.connect(args.job, args.address, timeout=args.timeout)
+    receiver = Receiver(plan, args.rank, model, rendezvous=rendezvous, timeout=args.timeout, verify=args.verify,
+                        group_bytes=args.group_bytes)
+    emit(event="joined", rank=args.rank)
+    ref_config, reference = model_for_rank()
+    fmt = plan.header["trainer"]["format"]
+    for version in args.versions:
+        try:
+            report = receiver.sync(version)
+        except SyncError as exc:
+            emit(event="failed", rank=args.rank, version=version, error=str(exc), reported=receiver.version)
+            continue
+        full = full_weights(plan, args.seed, version)
+        with torch.no_grad(), parallel_rank(ref_config, tp_rank, dp_rank):
+            reference.load_weights(kv for name, t in full.items() for kv in checkpoint_tensors(fmt, name, t))
+        expected, actual = compute_tensor_digests(reference), compute_tensor_digests(model)
+        differ = sorted(n for n in expected if expected[n] != actual.get(n))
+        emit(event="synced", rank=args.rank, version=version, reported=receiver.version, digests=len(expected),
+             differ=differ[:5], n_differ=len(differ), bytes=report.bytes, descriptors=report.descriptors,
+             groups=report.groups, seconds=report.seconds, verify_seconds=report.verify_seconds)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("role", choices=("trainer", "inference"))
+    parser.add_argument("--plan", required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--job", required=True)
+    parser.add_argument("--versions", type=lambda s: [int(v) for v in s.split(",")], default=[1])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--model", help="config directory (inference)")
+    parser.add_argument("--digests", action="store_true", help="trainer publishes per-region digests")
+    parser.add_argument("--verify", action="store_true", help="receiver checks digests every sync")
+    parser.add_argument("--wait-joined", action="store_true", help="trainer waits for its readers before publishing")
+    parser.add_argument("--join-timeout", type=float, default=300.0)
+    parser.add_argument("--group-bytes", type=int, default=256 << 20)
+    parser.add_argument("--linger", type=float, default=0.0, help="trainer stays alive this long after the last version")
+    args = parser.parse_args(argv)
+    plan = load_plan(args.plan)
+    (run_trainer if args.role == "trainer" else run_inference)(args, plan)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
