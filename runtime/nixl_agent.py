@@ -40,7 +40,10 @@ class NixlAgent:
 
     def add_peer(self, metadata: bytes, expected_name: str) -> None:
         """Load a remote agent's metadata, refusing it unless it names the agent the plan expects."""
-        name = self._agent.add_remote_agent(metadata)
+        try:
+            name = self._agent.add_remote_agent(metadata)
+        except Exception as exc:
+            raise SyncError(f"cannot load agent metadata published for {expected_name!r}: {type(exc).__name__}") from None
         name = name.decode() if isinstance(name, bytes) else name
         if name != expected_name:
             self._agent.remove_remote_agent(name)
@@ -64,26 +67,34 @@ class NixlAgent:
         idx = np.ascontiguousarray(indices, dtype=np.int32)
         return self._agent.make_prepped_xfer("READ", local, idx, remote, idx, message)
 
-    def post(self, handle) -> None:
-        if self._agent.transfer(handle) == "ERR":
-            raise SyncError("NIXL refused to post a READ (is the trainer process still alive?)")
+    def post(self, handle, peer: str) -> None:
+        try:
+            state = self._agent.transfer(handle)
+        except Exception as exc:  # NIXL raises per-status exception types (e.g. nixlRemoteDisconnectError)
+            raise SyncError(f"posting a READ from {peer} failed: {type(exc).__name__} (did that process die?)") from None
+        if state == "ERR":
+            raise SyncError(f"NIXL refused to post a READ from {peer} (did that process die?)")
 
-    def wait(self, handles: list, deadline: float, what: str) -> None:
-        """Wait until every posted transfer is done; an error state or the deadline raises SyncError."""
+    def wait(self, handles: list[tuple[object, str]], deadline: float, what: str) -> None:
+        """Wait until every posted (transfer, peer) is done; an error state or the deadline raises SyncError."""
         pending = list(handles)
         pause = 1e-5
         while pending:
             still = []
-            for handle in pending:
-                state = self._agent.check_xfer_state(handle)
+            for handle, peer in pending:
+                try:
+                    state = self._agent.check_xfer_state(handle)
+                except Exception as exc:  # as in post(): a status turned into an exception
+                    raise SyncError(f"{what}: a READ from {peer} failed: {type(exc).__name__} (did that process die?)") from None
                 if state == "ERR":
-                    raise SyncError(f"{what}: a READ failed (the peer process died or deregistered its memory)")
+                    raise SyncError(f"{what}: a READ from {peer} failed (its process died or deregistered its memory)")
                 if state != "DONE":
-                    still.append(handle)
+                    still.append((handle, peer))
             pending = still
             if pending:
                 if time.monotonic() > deadline:
-                    raise SyncError(f"{what}: timed out with {len(pending)} transfer(s) still in flight")
+                    peers = sorted({peer for _, peer in pending})
+                    raise SyncError(f"{what}: timed out waiting for READs from {', '.join(peers)}")
                 time.sleep(pause)
                 pause = min(pause * 2, 1e-3)
 

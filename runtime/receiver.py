@@ -58,13 +58,15 @@ class Receiver:
 
     `version` is the last version fully received, or None while the weights are incomplete (before
     the first sync, during a sync and after a failed one). `group_bytes` bounds the bytes of a
-    pipeline group: group k+1 moves while the post-ops of group k run.
+    pipeline group: group k+1 moves while the post-ops of group k run. Post-ops are the digest
+    check (`verify`) and `post_op(names)`, called with the destination names each group completed.
     """
 
     def __init__(self, plan: Plan, rank: int, destination, *, rendezvous: Rendezvous, timeout: float = 60.0,
-                 verify: bool = False, group_bytes: int = 256 << 20):
+                 verify: bool = False, group_bytes: int = 256 << 20, post_op=None):
         held = held_entries(plan, rank)
         self.plan, self.rank, self.rendezvous, self.timeout, self.verify = plan, rank, rendezvous, timeout, verify
+        self.post_op = post_op
         given = named_tensors(destination)
         expected = {plan.dests[i].name: (plan.dests[i].shape, plan.dests[i].dtype) for i in np.flatnonzero(held)}
         check_tensors(given, expected, set(expected), f"inference rank {rank}")
@@ -73,6 +75,8 @@ class Receiver:
         self.reads: dict[int, Reads] = reads_of(plan, rank)
         self._groups = pipeline_groups(self.reads, group_bytes)
         self.n_groups = 1 + max((int(g.max()) for g in self._groups.values() if len(g)), default=0)
+        self._group_names = [sorted({plan.dests[int(d)].name for src, r in self.reads.items()
+                                     for d in r.dest[self._groups[src] == g].tolist()}) for g in range(self.n_groups)]
         self._seq = torch.zeros(plan.header["src_ranks"], dtype=torch.int64)
         self.agent = NixlAgent(inference_agent(rendezvous.job, rank))
         self.agent.register(list(self._dst.values()) + [self._seq])
@@ -123,7 +127,7 @@ class Receiver:
             self.agent.notify(peer.agent, f"begin:{version}")
         check, spent = self._verifier(version, deadline) if self.verify else (None, [0.0])
         self._check_sequence(version, deadline, "before reading")
-        self._transfer(version, start, deadline, check)
+        self._transfer(version, start, deadline, self._post_ops(check))
         self._check_sequence(version, deadline, "after reading")
         for peer in self._peers.values():
             self.agent.notify(peer.agent, f"ack:{version}")
@@ -166,9 +170,9 @@ class Receiver:
         self._peers[rank] = peer
 
     def _check_sequence(self, version: int, deadline: float, when: str) -> None:
-        handles = [peer.seq_read for peer in self._peers.values()]
-        for handle in handles:
-            self.agent.post(handle)
+        handles = [(peer.seq_read, f"trainer rank {peer.rank}") for peer in self._peers.values()]
+        for handle, peer in handles:
+            self.agent.post(handle, peer)
         self.agent.wait(handles, deadline, f"reading trainer sequence words {when}")
         for rank in self._peers:
             seq = int(self._seq[rank])
@@ -185,9 +189,9 @@ class Receiver:
             while posted < min(self.n_groups, g + window):
                 for peer in self._peers.values():
                     if posted in peer.group_reads:
-                        self.agent.post(peer.group_reads[posted])
+                        self.agent.post(peer.group_reads[posted], f"trainer rank {peer.rank}")
                 posted += 1
-            handles = [p.group_reads[g] for p in self._peers.values() if g in p.group_reads]
+            handles = [(p.group_reads[g], f"trainer rank {p.rank}") for p in self._peers.values() if g in p.group_reads]
             self.agent.wait(handles, deadline, f"version {version} group {g + 1}/{self.n_groups}")
             if post_op is not None:
                 post_op(g)
@@ -195,6 +199,18 @@ class Receiver:
                 shown = time.monotonic()
                 log.info("weightplan sync v%d inference rank %d: group %d/%d done after %.1f s",
                          version, self.rank, g + 1, self.n_groups, shown - start)
+
+    def _post_ops(self, check):
+        if check is None and self.post_op is None:
+            return None
+
+        def run(group: int) -> None:
+            if check is not None:
+                check(group)
+            if self.post_op is not None:
+                self.post_op(self._group_names[group])
+
+        return run
 
     def _verifier(self, version: int, deadline: float):
         """A post-op comparing each group's landed bytes with the digests the trainers published for `version`."""

@@ -23,8 +23,8 @@ def check_job(job: str) -> str:
 
 def parse_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise WeightplanError(f"rendezvous address {address!r} must be HOST:PORT, e.g. {DEFAULT_ADDRESS}")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise WeightplanError(f"rendezvous address {address!r} must be HOST:PORT, e.g. {DEFAULT_ADDRESS} (port 0: any free port, when serving)")
     return host, int(port)
 
 
@@ -43,6 +43,11 @@ class Rendezvous:
         host, port = parse_address(address)
         store = TCPStore(host, port, is_master=serve, wait_for_workers=False, timeout=timedelta(seconds=timeout))
         return cls(store, job)
+
+    @property
+    def address(self) -> str:
+        """HOST:PORT of the store, with the port it actually listens on."""
+        return f"{self.store.host}:{self.store.port}"
 
     def _key(self, key: str) -> str:
         return f"weightplan/{self.job}/{key}"

@@ -18,7 +18,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 import torch
 
-from weightplan.runtime import Receiver, Rendezvous, Sender, SyncError, load_plan
+from weightplan.runtime import Receiver, Rendezvous, Sender, SyncError, execute_local, load_plan
 from weightplan.runtime.shards import shard_box
 
 
@@ -45,16 +45,34 @@ def emit(**fields) -> None:
     print(json.dumps(fields), flush=True)
 
 
+def plain_destination(plan, rank: int) -> dict[str, torch.Tensor]:
+    return {e.name: torch.full(e.shape, float("nan")).to(getattr(torch, e.dtype)) for e in plan.dests if rank in e.ranks}
+
+
+def host_reference(plan, full: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    """The in-process host executor's result: the reference for plain (non-vLLM) destinations."""
+    out = plain_destination(plan, rank)
+    execute_local(plan, {r: shard(plan, full, r) for r in range(plan.header["src_ranks"])}, {rank: out})
+    return out
+
+
+def byte_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
 def run_trainer(args, plan) -> None:
     tensors = shard(plan, full_weights(plan, args.seed, args.versions[0]), args.rank)
     rendezvous = Rendezvous.connect(args.job, args.address, timeout=args.timeout)
     sender = Sender(plan, args.rank, tensors, rendezvous=rendezvous, timeout=args.timeout, digests=args.digests)
+    emit(event="ready", rank=args.rank)
     deadline = time.monotonic() + args.join_timeout
     while args.wait_joined and not all(rendezvous.exists(f"inference/{k}/joined") for k in sender.readers):
         if time.monotonic() > deadline:
             raise SystemExit("inference ranks did not join")
         time.sleep(0.05)
     for version in args.versions:
+        if args.gate:
+            rendezvous.wait([f"test/go/{version}"], args.join_timeout, "test gate")
         if version != args.versions[0]:  # an optimizer step: new values in the same tensors
             for name, value in shard(plan, full_weights(plan, args.seed, version), args.rank).items():
                 tensors[name].copy_(value)
@@ -67,7 +85,43 @@ def run_trainer(args, plan) -> None:
         time.sleep(args.linger)
 
 
+def run_plain_inference(args, plan) -> None:
+    """An inference rank holding plain tensors; checked byte for byte against the host executor."""
+    destination = plain_destination(plan, args.rank)
+    rendezvous = Rendezvous.connect(args.job, args.address, timeout=args.timeout)
+    current = [0]
+
+    def hold(names: list[str]) -> None:
+        """With --hold-at v: stop after the first group of version v until the test says resume (it may kill someone)."""
+        if current[0] == args.hold_at:
+            current[0] = -1
+            emit(event="mid-sync", rank=args.rank, version=args.hold_at, names=len(names))
+            rendezvous.wait([f"test/resume/{args.hold_at}"], args.join_timeout, "test resume")
+
+    receiver = Receiver(plan, args.rank, destination, rendezvous=rendezvous, timeout=args.timeout, verify=args.verify,
+                        group_bytes=args.group_bytes, post_op=hold)
+    emit(event="joined", rank=args.rank)
+    for version in args.versions:
+        if args.gate:
+            rendezvous.wait([f"test/go/{version}"], args.join_timeout, "test gate")
+        current[0] = version
+        began = time.monotonic()
+        try:
+            report = receiver.sync(version)
+        except SyncError as exc:
+            emit(event="failed", rank=args.rank, version=version, error=str(exc), reported=receiver.version,
+                 seconds=time.monotonic() - began)
+            continue
+        expected = host_reference(plan, full_weights(plan, args.seed, version), args.rank)
+        differ = sorted(n for n, t in expected.items() if not byte_equal(t, destination[n]))
+        emit(event="synced", rank=args.rank, version=version, reported=receiver.version, tensors=len(expected),
+             differ=differ[:5], n_differ=len(differ), bytes=report.bytes, descriptors=report.descriptors,
+             groups=report.groups, seconds=report.seconds, verify_seconds=report.verify_seconds)
+
+
 def run_inference(args, plan) -> None:
+    if args.plain:
+        return run_plain_inference(args, plan)
     from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
 
     from weightplan.compiler.frontend.trainer_formats import checkpoint_tensors
@@ -121,6 +175,9 @@ def main(argv=None) -> None:
     parser.add_argument("--verify", action="store_true", help="receiver checks digests every sync")
     parser.add_argument("--wait-joined", action="store_true", help="trainer waits for its readers before publishing")
     parser.add_argument("--join-timeout", type=float, default=300.0)
+    parser.add_argument("--plain", action="store_true", help="inference rank holds plain tensors, not a vLLM model")
+    parser.add_argument("--gate", action="store_true", help="publish (trainer) or sync (inference) version v once the key test/go/v exists")
+    parser.add_argument("--hold-at", type=int, default=-1, help="inference pauses mid-sync of this version until test/resume/v")
     parser.add_argument("--group-bytes", type=int, default=256 << 20)
     parser.add_argument("--linger", type=float, default=0.0, help="trainer stays alive this long after the last version")
     args = parser.parse_args(argv)

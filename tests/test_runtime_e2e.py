@@ -1,0 +1,37 @@
+"""End to end over real NIXL/UCX between processes: FSDP trainers (fp32 masters) to vLLM models, three syncs."""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import config_dir
+from .runtime_harness import Job
+
+VERSIONS = (1, 2, 3)
+
+
+@pytest.mark.parametrize("inference", ["dp=2,ep", "tp=2"])
+def test_three_syncs_match_vllm_load_of_the_fp32_masters(plan_cache, tmp_path, inference):
+    plan = plan_cache("tiny-glm", "hf", "fp32", "fsdp=4", inference)
+    job = Job(tmp_path, plan, f"e2e-{inference.replace(',', '-').replace('=', '')}")
+    versions = ",".join(map(str, VERSIONS))
+    try:
+        for k in range(2):
+            job.start(f"inf{k}", "inference", k, "--versions", versions, "--model", str(config_dir("tiny-glm")),
+                      "--verify", "--timeout", "60")
+        for r in range(4):
+            job.start(f"tr{r}", "trainer", r, "--versions", versions, "--digests", "--wait-joined", "--timeout", "60")
+        for version in VERSIONS:
+            for k in range(2):
+                e = job.event(f"inf{k}", "synced", version)
+                assert e["reported"] == version
+                assert e["digests"] > 0 and e["n_differ"] == 0, e["differ"]
+                assert e["verify_seconds"] is not None
+            for r in range(4):
+                released = job.event(f"tr{r}", "released", version)
+                assert released["timed_out"] == [] and released["failed"] == []
+                assert released["acked"], "every trainer rank serves some inference rank"
+        for key in job.procs:
+            assert job.wait(key) == 0, job.stderr(key)
+    finally:
+        job.close()
