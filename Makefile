@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: plan test bench-compile clean-venv
+.PHONY: plan test bench-compile bench-runtime clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,6 +23,9 @@ test: $(STAMP)
 
 bench-compile: $(STAMP)
 	$(BIN)/python benchmarks/bench_compile.py
+
+bench-runtime: $(STAMP)
+	$(BIN)/python benchmarks/bench_runtime.py
 
 clean-venv:
 	rm -rf $(VENV)

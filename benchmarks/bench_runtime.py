@@ -1,0 +1,173 @@
+"""Benchmark: one weight sync between processes, against this machine's copy ceilings and the NCCL-style baseline.
+
+Usage: python benchmarks/bench_runtime.py [--repeats N]   (make bench-runtime)
+
+A GLM-5.2-shaped model scaled to about 2 GB (benchmarks/configs/glm-5.2-2gb), bf16 masters,
+2 trainer processes (FSDP=2) and 2 inference processes (vLLM models, DP attention + EP=2):
+  (a)  memcpy of the same number of bytes inside one process;
+  (a') process_vm_readv of every descriptor's bytes from the trainer processes (UCX's cma path);
+  (b)  our sync: publish, one-sided NIXL READs of all descriptors, sequence checks, acknowledgements;
+  (c)  all-gather shards on the trainers, gloo broadcast of each full tensor from trainer 0,
+       vLLM load_weights on each inference rank.
+Bytes are destination bytes. Medians over repetitions after the first (which sets up connections).
+Host overhead: syncs of synthetic plans with 10k and 100k small descriptors, minus their bytes at
+the ceiling rate. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "benchmarks" / "configs" / "glm-5.2-2gb"
+RUN_ELEMS = 64  # elements per synthetic descriptor (128 bytes of bf16)
+
+
+def memcpy_gbps(total: int, chunk: int = 256 << 20, repeats: int = 5) -> float:
+    src, dst = torch.ones(chunk, dtype=torch.uint8), torch.empty(chunk, dtype=torch.uint8)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        left = total
+        while left > 0:
+            n = min(chunk, left)
+            dst[:n].copy_(src[:n])
+            left -= n
+        times.append(time.perf_counter() - start)
+    return total / statistics.median(times) / 1e9
+
+
+def compile_bench_plan(out: Path) -> Path:
+    from weightplan.compiler.compile import CompileOptions, compile_plan
+
+    compile_plan(CompileOptions(str(CONFIG), "hf", "bf16", "none", out, trainer="fsdp=2", inference="dp=2,ep"))
+    return out
+
+
+def synthetic_plan(n: int, out: Path) -> Path:
+    """One bf16 tensor moved in n runs of RUN_ELEMS elements, read in reverse order so none coalesce."""
+    from weightplan.compiler.ir import Program, Runs, TensorSpec
+    from weightplan.compiler.plan_writer import write_program
+
+    numel = n * RUN_ELEMS
+    i = np.arange(n, dtype=np.int64)
+    zeros = np.zeros(n, dtype=np.int64)
+    runs = Runs(src=zeros, src_off=(n - 1 - i) * RUN_ELEMS, dest=zeros, dst_off=i * RUN_ELEMS,
+                length=np.full(n, RUN_ELEMS, dtype=np.int64), wire=zeros, src_rank=zeros)
+    program = Program(
+        sources=(TensorSpec("synthetic.weight", (numel,), "bfloat16"),),
+        dests=(TensorSpec("synthetic.weight", (numel,), "bfloat16", ranks=(0,)),),
+        runs=runs, cast_chains=(("bfloat16",),),
+        meta={"vllm_version": "synthetic", "model": f"synthetic-{n}", "config_sha256": "", "architecture": "none",
+              "trainer": {"format": "hf", "dtype": "bf16", "token": "fsdp1", "fsdp": 1, "ep": 1, "replicas": 1},
+              "inference": {"token": "tp1", "tp": 1, "dp": 1, "ep": False, "platform": "cpu"},
+              "quant": "none", "src_ranks": 1, "dst_ranks": 1},
+    )
+    write_program(program, out)
+    return out
+
+
+def run_job(plan: Path, n_src: int, n_dst: int, repeats: int, job: str, *, model: bool, gloo: bool, tmp: Path) -> list[dict]:
+    from weightplan.runtime import Rendezvous
+
+    rendezvous = Rendezvous.connect(job, "127.0.0.1:0", serve=True, timeout=900)
+    common = ["--plan", str(plan), "--address", rendezvous.address, "--job", job, "--repeats", str(repeats)]
+    if gloo:
+        common += ["--gloo"]
+    procs = []
+    for role, n in (("trainer", n_src), ("inference", n_dst)):
+        for rank in range(n):
+            extra = ["--model", str(CONFIG)] if role == "inference" and model else []
+            out = open(tmp / f"{job}-{role}{rank}.out", "w")
+            procs.append((subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "runtime_bench_worker.py"), role,
+                                            "--rank", str(rank), *common, *extra], cwd=ROOT, stdout=out,
+                                           stderr=open(tmp / f"{job}-{role}{rank}.err", "w")), out.name))
+    if not gloo:
+        keys = [f"bench/ready/trainer/{r}" for r in range(n_src)] + [f"bench/ready/inference/{k}" for k in range(n_dst)]
+        rendezvous.wait(keys, 600, "benchmark workers")
+        rendezvous.put("bench/start", b"1")
+    events = []
+    for proc, out in procs:
+        if proc.wait(1800) != 0:
+            for _, other in procs:
+                if Path(other).with_suffix(".err").exists():
+                    print(f"--- {Path(other).name}", *Path(other).with_suffix(".err").read_text().splitlines()[-15:], sep="\n")
+            sys.exit(f"benchmark worker {Path(out).stem} exited with {proc.returncode}")
+        events += [json.loads(line) for line in Path(out).read_text().splitlines() if line.startswith("{")]
+    return events
+
+
+def wall(events: list[dict], name: str, rep: int, start_role: str | None = None, end_role: str | None = None) -> float:
+    rows = [e for e in events if e.get("round") == name and e["rep"] == rep]
+    start = min(e["start"] for e in rows if start_role in (None, e["role"]))
+    end = max(e["end"] for e in rows if end_role in (None, e["role"]))
+    return end - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=4)
+    args = parser.parse_args()
+    reps = range(2, args.repeats + 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        plan = compile_bench_plan(tmp / "bench.plan")
+        events = run_job(plan, 2, 2, args.repeats, "bench-runtime", model=True, gloo=True, tmp=tmp)
+        syncs = [e for e in events if e.get("round") == "sync" and e["role"] == "inference"]
+        nbytes = sum(e["bytes"] for e in syncs if e["rep"] == 1)
+        descriptors = sum(e["descriptors"] for e in syncs if e["rep"] == 1)
+        ceiling = statistics.median(wall(events, "ceiling", r) for r in reps)
+        sync = statistics.median(wall(events, "sync", r, "trainer", "inference") for r in reps)
+        first_sync = wall(events, "sync", 1, "trainer", "inference")
+        baseline = statistics.median(wall(events, "baseline", r) for r in reps)
+        identical = [e["value"] for e in events if e.get("event") == "identical"]
+        memcpy = memcpy_gbps(nbytes)
+
+        overhead = {}
+        for n in (10_000, 100_000):
+            synth = run_job(synthetic_plan(n, tmp / f"synthetic-{n}.plan"), 1, 1, args.repeats, f"overhead-{n}",
+                            model=False, gloo=False, tmp=tmp)
+            seconds = statistics.median(e["seconds"] for e in synth if e.get("round") == "sync" and e["role"] == "inference" and e["rep"] > 1)
+            ceiling_s = statistics.median(wall(synth, "ceiling", r) for r in reps)
+            moved = n * RUN_ELEMS * 2
+            overhead[n] = {"sync_s": seconds, "readv_s": ceiling_s, "overhead_ms": 1e3 * (seconds - moved / (nbytes / ceiling))}
+
+    gb = nbytes / 1e9
+    figures = {
+        "bytes": nbytes,
+        "memcpy_gbps": round(memcpy, 3),
+        "ceiling_gbps": round(gb / ceiling, 3),
+        "sync_gbps": round(gb / sync, 3),
+        "baseline_gbps": round(gb / baseline, 3),
+        "sync_vs_ceiling": round(ceiling / sync, 3),
+        "sync_vs_memcpy": round((gb / sync) / memcpy, 3),
+        "speedup_vs_baseline": round(baseline / sync, 3),
+        "host_overhead_ms_10k": round(overhead[10_000]["overhead_ms"], 2),
+        "host_overhead_ms_100k": round(overhead[100_000]["overhead_ms"], 2),
+    }
+    print(f"GLM-5.2-shaped model ({CONFIG.name}), 2 trainer -> 2 inference processes (dp=2,ep), bf16, "
+          f"{gb:.3f} GB destination bytes in {descriptors} descriptors; medians of reps 2..{args.repeats}")
+    print(f"  (a)  memcpy, one process            {memcpy:7.2f} GB/s")
+    print(f"  (a') process_vm_readv ceiling       {gb / ceiling:7.2f} GB/s  {ceiling:.3f} s")
+    print(f"  (b)  weightplan sync (NIXL READ)    {gb / sync:7.2f} GB/s  {sync:.3f} s   (first sync with connection set-up: {first_sync:.3f} s)")
+    print(f"  (c)  all-gather + gloo bcast + load {gb / baseline:7.2f} GB/s  {baseline:.3f} s")
+    print(f"  b / a' = {figures['sync_vs_ceiling']:.3f}   b / a = {figures['sync_vs_memcpy']:.3f}   c / b time = {figures['speedup_vs_baseline']:.2f}x")
+    print(f"  digests after our sync == after vLLM load_weights of the same weights: {identical}")
+    for n, o in overhead.items():
+        print(f"  host overhead, {n:>7,} descriptors of {RUN_ELEMS * 2} B: sync {o['sync_s'] * 1e3:.1f} ms, "
+              f"readv {o['readv_s'] * 1e3:.1f} ms, overhead {o['overhead_ms']:.1f} ms")
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

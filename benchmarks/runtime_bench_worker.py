@@ -1,0 +1,216 @@
+"""One process of `make bench-runtime`: a trainer or an inference rank, running the measured rounds in lockstep.
+
+Rounds per repetition (separated by gloo barriers over all processes):
+  ceiling  - inference ranks process_vm_readv every descriptor's bytes from the trainer processes
+  sync     - trainers publish, inference ranks sync (weightplan over NIXL/UCX), trainers release
+  baseline - trainers all-gather shards, trainer 0 broadcasts full tensors (gloo), inference ranks load_weights
+Each process prints one JSON line per round with wall-clock start/end, so the driver can take
+max(end) - min(start) across processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from weightplan.runtime import Receiver, Rendezvous, Sender, load_plan
+from weightplan.runtime.rank_tables import reads_of
+from weightplan.runtime.shards import shard_box
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+IOV_MAX = 1024
+
+
+def emit(**fields) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def trainer_shards(plan, rank: int, seed: int) -> dict[str, torch.Tensor]:
+    """This rank's shard of deterministic random full tensors (generated per shard, never whole)."""
+    out = {}
+    for i, entry in enumerate(plan.sources):
+        box = shard_box(plan.trainer_layout, entry.shape, entry.sharding, rank)
+        g = torch.Generator().manual_seed(seed * 1_000_003 + i * 7919 + rank)
+        out[entry.name] = torch.randn([b - a for a, b in box], generator=g).to(getattr(torch, entry.dtype))
+    return out
+
+
+def read_ceiling(plan, rank: int, rendezvous: Rendezvous, destination: dict[str, torch.Tensor]) -> int:
+    """process_vm_readv of exactly the bytes this rank's descriptors move, into the same destinations."""
+    total = 0
+    for src, reads in reads_of(plan, rank).items():
+        info = rendezvous.get_json(f"trainer/{src}/info")
+        pid = int(rendezvous.get_bytes(f"bench/pid/{src}"))
+        addr = np.array([a for _, _, a, _ in info["regions"]], dtype=np.uint64)[reads.region] + reads.src_byte.astype(np.uint64)
+        base = np.array([destination[plan.dests[d].name].data_ptr() for d in reads.dest.tolist()], dtype=np.uint64)
+        local = np.stack([base + reads.dst_byte.astype(np.uint64), reads.nbytes.astype(np.uint64)], axis=1).copy()
+        remote = np.stack([addr, reads.nbytes.astype(np.uint64)], axis=1).copy()
+        for lo in range(0, len(reads), IOV_MAX):
+            n = min(IOV_MAX, len(reads) - lo)
+            want = int(local[lo : lo + n, 1].sum())
+            got = _LIBC.process_vm_readv(pid, ctypes.c_void_p(local[lo:].ctypes.data), n,
+                                         ctypes.c_void_p(remote[lo:].ctypes.data), n, 0)
+            if got != want:  # partial reads happen only on errors for these sizes
+                raise OSError(ctypes.get_errno(), f"process_vm_readv read {got} of {want} bytes")
+            total += got
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("role", choices=("trainer", "inference"))
+    parser.add_argument("--plan", required=True)
+    parser.add_argument("--model", help="config directory (inference with a vLLM model)")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--gloo", action="store_true", help="run the gloo baseline, with barriers between rounds")
+    parser.add_argument("--job", required=True)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--verify", action="store_true", help="receivers check digests (trainers publish them)")
+    args = parser.parse_args()
+    plan = load_plan(args.plan)
+    n_src = plan.header["src_ranks"]
+    rendezvous = Rendezvous.connect(args.job, args.address, timeout=600)
+    world_rank = args.rank if args.role == "trainer" else n_src + args.rank
+    world = n_src + plan.header["dst_ranks"]
+    # Standalone gloo groups on the job's store: vLLM owns this process's default torch.distributed world.
+    groups, barrier = (None, None), (lambda: None)
+    if args.gloo:
+        world_group = _gloo(rendezvous, "world", world_rank, world)
+        barrier = lambda: world_group.barrier().wait()  # noqa: E731
+        trainers = _gloo(rendezvous, "trainers", args.rank, n_src) if args.role == "trainer" else None
+        member = args.role == "inference" or args.rank == 0
+        bcast = _gloo(rendezvous, "bcast", 0 if args.role == "trainer" else 1 + args.rank, 1 + plan.header["dst_ranks"]) if member else None
+        groups = (trainers, bcast)
+
+    if args.role == "trainer":
+        tensors = trainer_shards(plan, args.rank, seed=1)
+        rendezvous.put(f"bench/pid/{args.rank}", str(os.getpid()).encode())
+        sender = Sender(plan, args.rank, tensors, rendezvous=rendezvous, timeout=120, digests=args.verify)
+        model = None
+    else:
+        if args.model:
+            from weightplan.compiler.frontend.vllm_model import build_model, make_vllm_config
+
+            info = plan.header["inference"]
+            base = make_vllm_config(args.model)
+            config = make_vllm_config(args.model, tp=info["tp"], dp=info["dp"], ep=info["ep"])
+            tp_rank, dp_rank = args.rank % info["tp"], args.rank // info["tp"]
+            model = build_model(config, "cpu", tp_rank=tp_rank, dp_rank=dp_rank, base_config=base)
+            destination = dict(model.named_parameters())
+        else:
+            model = None
+            destination = {e.name: torch.zeros(e.shape, dtype=getattr(torch, e.dtype)) for e in plan.dests if args.rank in e.ranks}
+        receiver = Receiver(plan, args.rank, model if model is not None else destination, rendezvous=rendezvous,
+                            timeout=120, verify=args.verify)
+        emit(event="joined", rank=args.rank, bytes=receiver.bytes, descriptors=receiver.descriptors)
+    rendezvous.put(f"bench/ready/{args.role}/{args.rank}", b"1")
+    if not args.gloo:
+        rendezvous.wait(["bench/start"], 600, "driver start")
+
+    for rep in range(1, args.repeats + 1):
+        # ceiling
+        barrier()
+        start = time.time()
+        moved = read_ceiling(plan, args.rank, rendezvous, destination) if args.role == "inference" else 0
+        end = time.time()
+        barrier()
+        emit(round="ceiling", rep=rep, role=args.role, rank=args.rank, start=start, end=end, bytes=moved)
+        # sync (gated by the driver when there are no barriers)
+        barrier()
+        start = time.time()
+        if args.role == "trainer":
+            sender.publish(rep)
+            published = time.time()
+            report = sender.release(rep)
+            end = time.time()
+            emit(round="sync", rep=rep, role="trainer", rank=args.rank, start=start, end=end, published=published,
+                 acked=list(report.acked), digest_seconds=sender.digest_seconds, staging_bytes=sender.staging_bytes)
+        else:
+            if not args.gloo:  # measure the sync alone, not the wait for the trainer to publish
+                rendezvous.wait([f"trainer/{src}/version/{rep}" for src in receiver.reads], 600, "publication")
+            report = receiver.sync(rep)
+            end = time.time()
+            emit(round="sync", rep=rep, role="inference", rank=args.rank, start=end - report.seconds, end=end,
+                 bytes=report.bytes, descriptors=report.descriptors, seconds=report.seconds,
+                 verify_seconds=report.verify_seconds)
+            if model is not None and rep == args.repeats:
+                from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
+
+                synced_digests = compute_tensor_digests(model)
+        barrier()
+        if not args.gloo:
+            continue
+        # baseline: all-gather shards, broadcast full tensors from trainer 0, vLLM load_weights
+        barrier()
+        start = time.time()
+        _baseline(plan, args, tensors if args.role == "trainer" else None, groups, model, n_src)
+        end = time.time()
+        barrier()
+        emit(round="baseline", rep=rep, role=args.role, rank=args.rank, start=start, end=end)
+    if args.role == "inference" and model is not None and args.gloo:
+        from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
+
+        loaded = compute_tensor_digests(model)
+        emit(event="identical", rank=args.rank, value=loaded == synced_digests, tensors=len(loaded))
+    barrier()
+
+
+def _baseline(plan, args, shards, groups, model, n_src: int) -> None:
+    """The usual way: gather each full tensor on trainer 0, broadcast it to every inference rank, which streams it into load_weights."""
+    layout = plan.trainer_layout
+    trainers, bcast = groups
+
+    def receive():
+        for entry in plan.sources:
+            full = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
+            _broadcast(bcast, full, 0)
+            yield entry.name, full
+
+    if args.role == "inference":
+        from weightplan.compiler.frontend.vllm_model import make_vllm_config, parallel_rank
+
+        info = plan.header["inference"]
+        config = make_vllm_config(args.model, tp=info["tp"], dp=info["dp"], ep=info["ep"])
+        with torch.no_grad(), parallel_rank(config, args.rank % info["tp"], args.rank // info["tp"]):
+            model.load_weights(receive())
+        return
+    for entry in plan.sources:
+        boxes = [shard_box(layout, entry.shape, entry.sharding, r) for r in range(n_src)]
+        parts = [torch.empty([b - a for a, b in box], dtype=getattr(torch, entry.dtype)) for box in boxes]
+        for r, part in enumerate(parts):  # torch.chunk shards differ in size: one broadcast per shard
+            if r == args.rank:
+                part.copy_(shards[entry.name])
+            if part.numel():
+                _broadcast(trainers, part, r)
+        if args.rank == 0:
+            full = torch.empty(entry.shape, dtype=parts[0].dtype)
+            for box, part in zip(boxes, parts):
+                full[tuple(slice(a, b) for a, b in box)] = part
+            _broadcast(bcast, full, 0)
+
+
+def _gloo(rendezvous: Rendezvous, name: str, rank: int, size: int):
+    store = dist.PrefixStore(f"weightplan/{rendezvous.job}/gloo/{name}", rendezvous.store)
+    return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=600))
+
+
+def _broadcast(group, tensor: torch.Tensor, root: int) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    group.broadcast([tensor], opts).wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
