@@ -37,10 +37,17 @@ class ServedRegion:
         return f"{self.source}:{self.chain}"
 
 
+# Runs shorter than this are gathered by the sender into one packed region, in destination order,
+# so a receiver reads them with a few large descriptors: UCX pays several microseconds per
+# descriptor on this path, whatever its size (benchmarks/bench_runtime.py, host overhead rows).
+PACK_BELOW_BYTES = 64 << 10
+
+
 @dataclass(frozen=True)
 class Reads:
-    """One inference rank's reads from one trainer rank, one row per descriptor, in plan order."""
+    """One inference rank's reads from one trainer rank, one row per plan run, in plan order."""
 
+    run: np.ndarray  # index into plan.runs
     region: np.ndarray  # index into that trainer rank's served regions
     src_byte: np.ndarray  # byte offset inside the region
     dest: np.ndarray  # index into plan.dests
@@ -95,6 +102,7 @@ def _reads(plan: Plan, sel: np.ndarray, src_rank: int) -> Reads:
     runs = plan.runs
     size = plan.wire_itemsize()[sel]
     return Reads(
+        run=np.flatnonzero(sel),
         region=np.searchsorted(region_keys, runs["src"][sel] * width + runs["wire"][sel]),
         src_byte=runs["src_off"][sel] * size,
         dest=runs["dest"][sel],
@@ -114,6 +122,37 @@ def served_runs(plan: Plan, rank: int) -> Reads:
     """Every run trainer `rank` serves (into entries of any inference rank), in plan order."""
     check_src_rank(plan, rank)
     return _reads(plan, plan.runs["src_rank"] == rank, rank)
+
+
+@dataclass(frozen=True)
+class Packing:
+    """The runs a trainer rank gathers into its packed region: ordered by (destination, offset), back to back."""
+
+    run: np.ndarray  # plan run indices, in packed order
+    packed_byte: np.ndarray  # offset of each in the packed region
+    unit: int  # bytes per gathered element: the largest of 8, 4, 2, 1 dividing every offset and length
+    nbytes: int
+
+    def offsets_by_run(self, n_runs: int) -> np.ndarray:
+        """packed_byte per plan run, -1 where the run is not packed."""
+        out = np.full(n_runs, -1, dtype=np.int64)
+        out[self.run] = self.packed_byte
+        return out
+
+
+def packing(plan: Plan, rank: int) -> Packing:
+    """Which of trainer `rank`'s runs are packed (those under PACK_BELOW_BYTES) and where."""
+    check_src_rank(plan, rank)
+    runs = plan.runs
+    mine = np.flatnonzero(runs["src_rank"] == rank)
+    nbytes = runs["length"][mine] * plan.wire_itemsize()[mine]
+    small = mine[nbytes < PACK_BELOW_BYTES]
+    run = small[np.lexsort((runs["dst_off"][small], runs["dest"][small]))]
+    size = runs["length"][run] * plan.wire_itemsize()[run]
+    src_byte = runs["src_off"][run] * plan.wire_itemsize()[run]
+    packed_byte = np.cumsum(size) - size
+    unit = next(u for u in (8, 4, 2, 1) if not (np.any(size % u) or np.any(src_byte % u)))
+    return Packing(run, packed_byte, unit, int(size.sum()))
 
 
 def pipeline_groups(reads: dict[int, Reads], group_bytes: int) -> dict[int, np.ndarray]:

@@ -14,13 +14,16 @@ from .checks import check_tensors, flat_view, named_tensors
 from .errors import PlanMismatchError, SyncError
 from .nixl_agent import NixlAgent
 from .plan_format import Plan
-from .rank_tables import Reads, held_entries, pipeline_groups, reads_of, served_regions
+from .rank_tables import Reads, held_entries, packing, pipeline_groups, reads_of, served_regions
 from .region_digests import byte_view, run_digests
 from .rendezvous import Rendezvous
 from .sender import inference_agent, trainer_agent
 
 log = logging.getLogger("weightplan.runtime")
 PROGRESS_EVERY = 5.0  # seconds between progress lines of a long sync
+# UCX handles one huge request list much more slowly than several smaller ones (measured by
+# benchmarks/bench_runtime.py's host-overhead rows), so a group's descriptors go out in chunks.
+DESCRIPTORS_PER_READ = 4096
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,40 @@ class SyncReport:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
 
+@dataclass(frozen=True)
+class _Descriptors:
+    """The READs posted to one trainer rank: remote side as (region or -1 for packed, offset), local as addresses."""
+
+    region: np.ndarray
+    remote_off: np.ndarray
+    local: np.ndarray
+    nbytes: np.ndarray
+    group: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.nbytes.shape[0])
+
+
+def descriptor_table(reads: Reads, group: np.ndarray, packed_at: np.ndarray, local: np.ndarray) -> _Descriptors:
+    """Runs read in place keep one descriptor each; packed runs merge wherever both sides are contiguous."""
+    packed = packed_at[reads.run]
+    direct = np.flatnonzero(packed < 0)
+    rows = np.flatnonzero(packed >= 0)
+    rows = rows[np.argsort(packed[rows], kind="stable")]
+    lo, po, n, g = local[rows], packed[rows], reads.nbytes[rows], group[rows]
+    starts = np.ones(len(rows), dtype=bool)
+    starts[1:] = (lo[1:] != lo[:-1] + n[:-1]) | (po[1:] != po[:-1] + n[:-1]) | (g[1:] != g[:-1])
+    first = np.flatnonzero(starts)
+    merged = np.add.reduceat(n, first) if len(first) else n[:0]
+    return _Descriptors(
+        region=np.concatenate([reads.region[direct], np.full(len(first), -1, dtype=np.int64)]),
+        remote_off=np.concatenate([reads.src_byte[direct], po[first]]),
+        local=np.concatenate([local[direct], lo[first]]),
+        nbytes=np.concatenate([reads.nbytes[direct], merged]),
+        group=np.concatenate([group[direct], g[first]]),
+    )
+
+
 @dataclass
 class _Peer:
     """Prepared transfers to one incarnation of one trainer rank; rebuilt when that trainer restarts."""
@@ -49,7 +86,7 @@ class _Peer:
     incarnation: str
     agent: str
     seq_read: object
-    group_reads: dict[int, object] = field(default_factory=dict)
+    group_reads: dict[int, list] = field(default_factory=dict)
     remote_lists: list = field(default_factory=list)
 
 
@@ -80,7 +117,9 @@ class Receiver:
         self._seq = torch.zeros(plan.header["src_ranks"], dtype=torch.int64)
         self.agent = NixlAgent(inference_agent(rendezvous.job, rank))
         self.agent.register(list(self._dst.values()) + [self._seq])
-        self._local = {src: self.agent.prepare(None, self._local_rows(reads)) for src, reads in self.reads.items()}
+        self._tables = {src: descriptor_table(reads, self._groups[src], packing(plan, src).offsets_by_run(plan.n_runs),
+                                              self._local_addresses(reads)) for src, reads in self.reads.items()}
+        self._local = {src: self.agent.prepare(None, np.stack([t.local, t.nbytes], axis=1)) for src, t in self._tables.items()}
         self._seq_local = {src: self.agent.prepare(None, np.array([[self._seq.data_ptr() + 8 * src, 8]])) for src in self.reads}
         self._peers: dict[int, _Peer] = {}
         self._version: int | None = None
@@ -97,11 +136,12 @@ class Receiver:
 
     @property
     def descriptors(self) -> int:
-        return sum(len(r) for r in self.reads.values())
+        """READ descriptors posted per sync (small runs arrive packed, so fewer than the plan's runs)."""
+        return sum(len(t) for t in self._tables.values())
 
-    def _local_rows(self, reads: Reads) -> np.ndarray:
+    def _local_addresses(self, reads: Reads) -> np.ndarray:
         base = np.array([self._dst[int(d)].data_ptr() for d in reads.dest.tolist()], dtype=np.int64)
-        return np.stack([base + reads.dst_byte, reads.nbytes], axis=1)
+        return base + reads.dst_byte
 
     def sync(self, version: int) -> SyncReport:
         """Receive `version` from every trainer rank this rank reads; raise SyncError (weights incomplete) on failure."""
@@ -156,17 +196,22 @@ class Receiver:
         regions = info.get("regions")
         if not isinstance(regions, list) or [[s, c, n] for s, c, _, n in regions] != expected:
             raise PlanMismatchError(f"trainer rank {rank} exposes regions that differ from what the plan says it serves")
+        packed_addr, packed_bytes = info.get("packed", (0, -1))
+        if packed_bytes != packing(self.plan, rank).nbytes:
+            raise PlanMismatchError(f"trainer rank {rank} packs {packed_bytes} bytes of small runs, this rank expects "
+                                    f"{packing(self.plan, rank).nbytes}: run the same weightplan version on both sides")
         name = trainer_agent(self.rendezvous.job, rank)
         self.agent.add_peer(self.rendezvous.get_bytes(f"trainer/{rank}/metadata/{incarnation}"), name)
-        reads = self.reads[rank]
-        addresses = np.array([a for _, _, a, _ in regions], dtype=np.int64)
-        remote = self.agent.prepare(name, np.stack([addresses[reads.region] + reads.src_byte, reads.nbytes], axis=1))
+        table = self._tables[rank]
+        bases = np.array([a for _, _, a, _ in regions] + [packed_addr], dtype=np.int64)  # index -1: the packed region
+        remote = self.agent.prepare(name, np.stack([bases[table.region] + table.remote_off, table.nbytes], axis=1))
         seq_remote = self.agent.prepare(name, np.array([[int(info["seq"]), 8]]))
         peer = _Peer(rank, incarnation, name, self.agent.make_read(self._seq_local[rank], seq_remote, np.zeros(1)))
         peer.remote_lists += [remote, seq_remote]
-        groups = self._groups[rank]
-        for g in np.unique(groups).tolist():
-            peer.group_reads[g] = self.agent.make_read(self._local[rank], remote, np.flatnonzero(groups == g))
+        for g in np.unique(table.group).tolist():
+            rows = np.flatnonzero(table.group == g)
+            peer.group_reads[g] = [self.agent.make_read(self._local[rank], remote, rows[i : i + DESCRIPTORS_PER_READ])
+                                   for i in range(0, len(rows), DESCRIPTORS_PER_READ)]
         self._peers[rank] = peer
 
     def _check_sequence(self, version: int, deadline: float, when: str) -> None:
@@ -188,10 +233,10 @@ class Receiver:
         for g in range(self.n_groups):
             while posted < min(self.n_groups, g + window):
                 for peer in self._peers.values():
-                    if posted in peer.group_reads:
-                        self.agent.post(peer.group_reads[posted], f"trainer rank {peer.rank}")
+                    for handle in peer.group_reads.get(posted, ()):
+                        self.agent.post(handle, f"trainer rank {peer.rank}")
                 posted += 1
-            handles = [(p.group_reads[g], f"trainer rank {p.rank}") for p in self._peers.values() if g in p.group_reads]
+            handles = [(h, f"trainer rank {p.rank}") for p in self._peers.values() for h in p.group_reads.get(g, ())]
             self.agent.wait(handles, deadline, f"version {version} group {g + 1}/{self.n_groups}")
             if post_op is not None:
                 post_op(g)
@@ -225,7 +270,7 @@ class Receiver:
             bad = []
             for rank, reads in self.reads.items():
                 rows = self._groups[rank] == group
-                part = Reads(*(getattr(reads, f)[rows] for f in ("region", "src_byte", "dest", "dst_byte", "nbytes")))
+                part = Reads(*(getattr(reads, f)[rows] for f in ("run", "region", "src_byte", "dest", "dst_byte", "nbytes")))
                 ours = run_digests(buffers, part.dest, part.dst_byte, part)
                 bad += [f"{self.plan.dests[d].name} (from trainer rank {rank})" for d, h in ours.items()
                         if theirs[rank].get(str(d)) != h]
@@ -236,7 +281,7 @@ class Receiver:
         return check, spent
 
     def _drop_peer(self, peer: _Peer) -> None:
-        for handle in [peer.seq_read, *peer.group_reads.values()]:
+        for handle in [peer.seq_read, *(h for chunk in peer.group_reads.values() for h in chunk)]:
             self.agent.release(handle)
         for prepared in peer.remote_lists:
             self.agent.release_list(prepared)

@@ -56,7 +56,7 @@ def test_pipeline_groups_follow_entry_order_and_keep_entries_whole(tables, group
         dest = np.array([d for d, _ in rows], dtype=np.int64)
         n = np.array([b for _, b in rows], dtype=np.int64)
         zeros = np.zeros(len(rows), dtype=np.int64)
-        reads[src] = Reads(zeros, zeros, dest, zeros, n)
+        reads[src] = Reads(zeros, zeros, zeros, dest, zeros, n)
     groups = pipeline_groups(reads, group_bytes)
     group_of: dict[int, int] = {}
     for src, r in reads.items():
