@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from .frontend.errors import ModelConfigError
-from .frontend.trace import trace_load
+from .frontend.rank_models import RankTracer
 from .frontend.trainer_formats import TRAINER_FORMATS, trainer_specs
-from .frontend.vllm_model import build_model, current_platform_name, make_vllm_config, parallel_rank
+from .frontend.vllm_model import current_platform_name, make_vllm_config
 from .layouts import parse_inference, parse_trainer
 from .passes.merge_ranks import merge_ranks
 from .ir import Program
@@ -89,24 +89,16 @@ def _compile(opts: CompileOptions, log) -> CompileResult:
     per_rank = []
     chains: tuple = ()
     assignments_total = 0
+    ranks = RankTracer(vllm_config, base, inference, sources, opts.trainer_format, timings)
     for rank in range(inference.ranks):
-        tp_rank, dp_rank = inference.rank_coords(rank)
-        t = time.perf_counter()
-        vllm_config.compilation_config.static_forward_context.clear()  # layer names are per model
-        model = build_model(vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=base)
-        timings["build"] += time.perf_counter() - t
-        t = time.perf_counter()
-        with parallel_rank(vllm_config, tp_rank, dp_rank):
-            assignments, dests = trace_load(model, sources, opts.trainer_format, _progress(log, name, rank, inference.ranks))
-        timings["trace"] += time.perf_counter() - t
+        assignments, dests = ranks.trace(rank, _progress(log, name, rank, inference.ranks))
         t = time.perf_counter()
         lowered = run_passes(Program(tuple(sources), tuple(dests), tuple(assignments), cast_chains=chains), stop_before="split_shards")
         chains = lowered.cast_chains
         per_rank.append(dataclasses.replace(lowered, assignments=(), copies=()))  # keep only the runs
         assignments_total += len(assignments)
         timings["passes"] += time.perf_counter() - t
-        del model, assignments, lowered
-        gc.collect()  # vLLM modules form cycles; with the GC paused, 32 ranks of models would pile up
+        del assignments, lowered
 
     t = time.perf_counter()
     merged = merge_ranks(per_rank, chains)
@@ -137,6 +129,7 @@ def _compile(opts: CompileOptions, log) -> CompileResult:
         "descriptors": descriptors_posted(compiled.runs, compiled.dests),
         "descriptors_lower_bound": lower_bound,
         "dst_coverage": coverage.fraction,
+        **ranks.stats,
     }
     compiled.meta["stats"] = {"assignments": assignments_total, "runs_before_coalesce": runs_before}
     path = opts.output or default_plan_path(name, trainer, inference_meta, opts.quant)
