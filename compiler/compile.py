@@ -23,6 +23,7 @@ from .models import config_hash, load_config_json, resolve_model
 from .passes.pipeline import run_passes
 from .passes.verify import descriptors_lower_bound, descriptors_posted, verify
 from .plan_writer import write_program
+from .timing import phase
 
 TRAINER_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 QUANTS = ("none",)
@@ -76,15 +77,15 @@ def _compile(opts: CompileOptions, log) -> CompileResult:
     inference.check(load_config_json(config_dir))
     if trainer_layout.ep > 1 and opts.trainer_format != "stacked":
         raise ModelConfigError("trainer ep needs --trainer-format stacked (experts stacked on dim 0)")
-    timings: dict[str, float] = {"build": 0.0, "trace": 0.0, "passes": 0.0}
-    start = time.perf_counter()
+    timings: dict[str, float] = {"setup": 0.0, "build": 0.0, "trace": 0.0, "passes": 0.0}
+    start, start_cpu = time.perf_counter(), time.process_time()
 
-    import vllm
+    with phase(timings, "setup"):  # importing vLLM, the engine configs, the trainer table
+        import vllm
 
-    base = make_vllm_config(config_dir)
-    vllm_config = make_vllm_config(config_dir, tp=inference.tp, dp=inference.dp, ep=inference.ep) if inference.ranks > 1 else base
-    sources = trainer_specs(config_dir, opts.trainer_format, getattr(torch, TRAINER_DTYPES[opts.trainer_dtype]))
-    timings["build"] += time.perf_counter() - start
+        base = make_vllm_config(config_dir)
+        vllm_config = make_vllm_config(config_dir, tp=inference.tp, dp=inference.dp, ep=inference.ep) if inference.ranks > 1 else base
+        sources = trainer_specs(config_dir, opts.trainer_format, getattr(torch, TRAINER_DTYPES[opts.trainer_dtype]))
 
     per_rank = []
     chains: tuple = ()
@@ -92,36 +93,34 @@ def _compile(opts: CompileOptions, log) -> CompileResult:
     ranks = RankTracer(vllm_config, base, inference, sources, opts.trainer_format, timings)
     for rank in range(inference.ranks):
         assignments, dests = ranks.trace(rank, _progress(log, name, rank, inference.ranks))
-        t = time.perf_counter()
-        lowered = run_passes(Program(tuple(sources), tuple(dests), tuple(assignments), cast_chains=chains), stop_before="split_shards")
-        chains = lowered.cast_chains
-        per_rank.append(dataclasses.replace(lowered, assignments=(), copies=()))  # keep only the runs
-        assignments_total += len(assignments)
-        timings["passes"] += time.perf_counter() - t
-        del assignments, lowered
+        with phase(timings, "passes"):
+            lowered = run_passes(Program(tuple(sources), tuple(dests), tuple(assignments), cast_chains=chains), stop_before="split_shards")
+            chains = lowered.cast_chains
+            per_rank.append(dataclasses.replace(lowered, assignments=(), copies=()))  # keep only the runs
+            assignments_total += len(assignments)
+            del assignments, lowered
 
-    t = time.perf_counter()
-    merged = merge_ranks(per_rank, chains)
-    trainer = {"format": opts.trainer_format, "dtype": opts.trainer_dtype, "token": trainer_layout.token, **trainer_layout.as_dict()}
-    inference_meta = {"token": inference.token, **inference.as_dict(), "platform": current_platform_name()}
-    program = dataclasses.replace(merged, meta={
-        "vllm_version": vllm.__version__,
-        "model": name,
-        "config_sha256": config_hash(config_dir),
-        "architecture": base.model_config.architectures[0],
-        "trainer": trainer,
-        "inference": inference_meta,
-        "quant": opts.quant,
-        "src_ranks": trainer_layout.ranks,
-        "dst_ranks": inference.ranks,
-        "trainer_layout": trainer_layout,
-    })
-    split = run_passes(program, start_at="split_shards", stop_before="coalesce")
-    runs_before = len(split.runs)
-    lower_bound = descriptors_lower_bound(split.runs, split.dests)
-    compiled = run_passes(split, start_at="coalesce")
-    coverage = verify(compiled)
-    timings["passes"] += time.perf_counter() - t
+    with phase(timings, "passes"):
+        merged = merge_ranks(per_rank, chains)
+        trainer = {"format": opts.trainer_format, "dtype": opts.trainer_dtype, "token": trainer_layout.token, **trainer_layout.as_dict()}
+        inference_meta = {"token": inference.token, **inference.as_dict(), "platform": current_platform_name()}
+        program = dataclasses.replace(merged, meta={
+            "vllm_version": vllm.__version__,
+            "model": name,
+            "config_sha256": config_hash(config_dir),
+            "architecture": base.model_config.architectures[0],
+            "trainer": trainer,
+            "inference": inference_meta,
+            "quant": opts.quant,
+            "src_ranks": trainer_layout.ranks,
+            "dst_ranks": inference.ranks,
+            "trainer_layout": trainer_layout,
+        })
+        split = run_passes(program, start_at="split_shards", stop_before="coalesce")
+        runs_before = len(split.runs)
+        lower_bound = descriptors_lower_bound(split.runs, split.dests)
+        compiled = run_passes(split, start_at="coalesce")
+        coverage = verify(compiled)
 
     stats = {
         "assignments": assignments_total,
@@ -133,10 +132,10 @@ def _compile(opts: CompileOptions, log) -> CompileResult:
     }
     compiled.meta["stats"] = {"assignments": assignments_total, "runs_before_coalesce": runs_before}
     path = opts.output or default_plan_path(name, trainer, inference_meta, opts.quant)
-    t = time.perf_counter()
-    size = write_program(compiled, path)
-    timings["write"] = time.perf_counter() - t
+    with phase(timings, "write"):
+        size = write_program(compiled, path)
     timings["total"] = time.perf_counter() - start
+    timings["total_cpu"] = time.process_time() - start_cpu
     stats["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return CompileResult(compiled, path, size, timings, stats)
 

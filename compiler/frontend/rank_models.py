@@ -14,9 +14,9 @@ for real (as is any rank whose re-pointing would change a parameter shape).
 from __future__ import annotations
 
 import gc
-import time
 from collections.abc import Callable
 
+from ..timing import phase
 from .trace import trace_load
 from .vllm_model import build_model, parallel_rank, place_experts
 
@@ -89,10 +89,8 @@ class RankTracer:
         return model
 
     def _place(self, model, tp_rank: int, dp_rank: int) -> int | None:
-        start = time.perf_counter()
-        moved = place_experts(model, self.vllm_config, tp_rank, dp_rank)
-        self.timings["build"] += time.perf_counter() - start
-        return moved
+        with phase(self.timings, "build"):
+            return place_experts(model, self.vllm_config, tp_rank, dp_rank)
 
     def _give_up(self, why: str) -> None:
         self.stats["guard"] = f"{why}: every rank built for real"
@@ -106,16 +104,12 @@ class RankTracer:
         gc.collect()
 
     def _build(self, tp_rank: int, dp_rank: int):
-        start = time.perf_counter()
-        self.vllm_config.compilation_config.static_forward_context.clear()  # layer names are per model
-        model = build_model(self.vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=self.base_config)
+        with phase(self.timings, "build"):
+            self.vllm_config.compilation_config.static_forward_context.clear()  # layer names are per model
+            model = build_model(self.vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=self.base_config)
         self.stats["models_built"] += 1
-        self.timings["build"] += time.perf_counter() - start
         return model
 
     def _trace(self, model, tp_rank: int, dp_rank: int, progress) -> tuple[list, list]:
-        start = time.perf_counter()
-        with parallel_rank(self.vllm_config, tp_rank, dp_rank):
-            out = trace_load(model, self.sources, self.fmt, progress)
-        self.timings["trace"] += time.perf_counter() - start
-        return out
+        with phase(self.timings, "trace"), parallel_rank(self.vllm_config, tp_rank, dp_rank):
+            return trace_load(model, self.sources, self.fmt, progress)
