@@ -23,7 +23,7 @@ from .models import config_hash, load_config_json, resolve_model
 from .passes.pipeline import run_passes
 from .passes.verify import descriptors_lower_bound, descriptors_posted, verify
 from .plan_writer import write_program
-from .timing import phase
+from .timing import add, clock, phase
 
 TRAINER_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 QUANTS = ("none",)
@@ -80,12 +80,12 @@ def _compile(opts: CompileOptions, log) -> CompileResult:
     timings: dict[str, float] = {"setup": 0.0, "build": 0.0, "trace": 0.0, "passes": 0.0}
     start, start_cpu = time.perf_counter(), time.process_time()
 
-    with phase(timings, "setup"):  # importing vLLM, the engine configs, the trainer table
-        import vllm
+    import vllm
 
-        base = make_vllm_config(config_dir)
-        vllm_config = make_vllm_config(config_dir, tp=inference.tp, dp=inference.dp, ep=inference.ep) if inference.ranks > 1 else base
-        sources = trainer_specs(config_dir, opts.trainer_format, getattr(torch, TRAINER_DTYPES[opts.trainer_dtype]))
+    base = make_vllm_config(config_dir)
+    vllm_config = make_vllm_config(config_dir, tp=inference.tp, dp=inference.dp, ep=inference.ep) if inference.ranks > 1 else base
+    sources = trainer_specs(config_dir, opts.trainer_format, getattr(torch, TRAINER_DTYPES[opts.trainer_dtype]))
+    add(timings, "setup", (start, start_cpu))  # importing vLLM, the engine configs, the trainer table
 
     per_rank = []
     chains: tuple = ()
@@ -100,27 +100,28 @@ def _compile(opts: CompileOptions, log) -> CompileResult:
             assignments_total += len(assignments)
             del assignments, lowered
 
-    with phase(timings, "passes"):
-        merged = merge_ranks(per_rank, chains)
-        trainer = {"format": opts.trainer_format, "dtype": opts.trainer_dtype, "token": trainer_layout.token, **trainer_layout.as_dict()}
-        inference_meta = {"token": inference.token, **inference.as_dict(), "platform": current_platform_name()}
-        program = dataclasses.replace(merged, meta={
-            "vllm_version": vllm.__version__,
-            "model": name,
-            "config_sha256": config_hash(config_dir),
-            "architecture": base.model_config.architectures[0],
-            "trainer": trainer,
-            "inference": inference_meta,
-            "quant": opts.quant,
-            "src_ranks": trainer_layout.ranks,
-            "dst_ranks": inference.ranks,
-            "trainer_layout": trainer_layout,
-        })
-        split = run_passes(program, start_at="split_shards", stop_before="coalesce")
-        runs_before = len(split.runs)
-        lower_bound = descriptors_lower_bound(split.runs, split.dests)
-        compiled = run_passes(split, start_at="coalesce")
-        coverage = verify(compiled)
+    started = clock()
+    merged = merge_ranks(per_rank, chains)
+    trainer = {"format": opts.trainer_format, "dtype": opts.trainer_dtype, "token": trainer_layout.token, **trainer_layout.as_dict()}
+    inference_meta = {"token": inference.token, **inference.as_dict(), "platform": current_platform_name()}
+    program = dataclasses.replace(merged, meta={
+        "vllm_version": vllm.__version__,
+        "model": name,
+        "config_sha256": config_hash(config_dir),
+        "architecture": base.model_config.architectures[0],
+        "trainer": trainer,
+        "inference": inference_meta,
+        "quant": opts.quant,
+        "src_ranks": trainer_layout.ranks,
+        "dst_ranks": inference.ranks,
+        "trainer_layout": trainer_layout,
+    })
+    split = run_passes(program, start_at="split_shards", stop_before="coalesce")
+    runs_before = len(split.runs)
+    lower_bound = descriptors_lower_bound(split.runs, split.dests)
+    compiled = run_passes(split, start_at="coalesce")
+    coverage = verify(compiled)
+    add(timings, "passes", started)
 
     stats = {
         "assignments": assignments_total,
