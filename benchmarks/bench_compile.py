@@ -1,9 +1,15 @@
 """Benchmark: compile full GLM-5.2 plans, each in a fresh process, and print the figures.
 
-Usage: python benchmarks/bench_compile.py [--out DIR]   (make bench-compile)
-Per plan: trace time, pass time, in-process compile time, process wall time (includes
-importing torch/vLLM), peak RSS, assignments, runs before/after coalescing, descriptor
-lower bound, plan file size. The last line is a JSON array, one object per plan.
+Usage: python benchmarks/bench_compile.py [--out DIR] [--only TEXT]   (make bench-compile)
+Each plan is compiled in a fresh worker process, which then loads and summarizes the plan
+(src_balance); wall_s/cpu_s run from launching the worker to the plan being written, and
+worker_wall_s/worker_cpu_s cover the whole worker, summary included.
+Per plan: the per-phase breakdown (setup = importing vLLM + engine configs + trainer table,
+build = vLLM models on meta, trace, passes, write; wall and CPU seconds), in-process compile
+time, process wall time (includes importing torch), CPU time, peak RSS, how many models were
+built and how the shared-model guard ended, assignments, runs before/after coalescing,
+descriptor lower bound, plan file size and whether it is byte-identical to the checked-in plan.
+The last line is a JSON array, one object per plan; its "plan" names the plan file.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
 
 PLANS = [
     {"model": "glm-5.2", "trainer_format": "stacked", "trainer_dtype": "bf16"},
@@ -31,16 +39,24 @@ def worker(spec: dict, output: str) -> None:
     from weightplan.compiler.plan_summary import summarize
     from weightplan.runtime import load_plan
 
+    from weightplan.compiler.compile import default_plan_path
+
     result = compile_plan(CompileOptions(**spec, output=Path(output)))
+    compiled_at, compiled_cpu = time.time(), time.process_time()  # the compile ends here; the summary is extra
     summary = summarize(load_plan(output))
+    meta = result.program.meta
+    name = default_plan_path(meta["model"], meta["trainer"], meta["inference"], meta["quant"])
+    checked_in = REPO / name
     print(json.dumps({"timings": result.timings, "stats": result.stats, "plan_bytes": result.plan_bytes,
-                      "src_balance": summary["src_balance"], "dst_balance": summary["dst_balance"]}))
+                      "src_balance": summary["src_balance"], "dst_balance": summary["dst_balance"],
+                      "compiled_at": compiled_at, "compiled_cpu": compiled_cpu,
+                      "plan": str(name), "identical_to_checked_in": checked_in.exists() and checked_in.read_bytes() == Path(output).read_bytes()}))
 
 
 def run(spec: dict, out_dir: Path) -> dict:
     layouts = f"{spec.get('trainer', 'fsdp=1')} -> {spec.get('inference', 'tp=1')}"
     output = out_dir / (f"{spec['model']}-{spec['trainer_format']}-{spec['trainer_dtype']}-{layouts}.plan".replace(" ", "").replace(">", ""))
-    start = time.perf_counter()
+    start, launched = time.perf_counter(), time.time()
     proc = subprocess.Popen(
         [sys.executable, __file__, "--worker", json.dumps(spec), str(output)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -53,13 +69,22 @@ def run(spec: dict, out_dir: Path) -> dict:
     r = json.loads(stdout.strip().splitlines()[-1])
     t, s = r["timings"], r["stats"]
     return {
-        "plan": f"{spec['model']} {spec['trainer_format']}-{spec['trainer_dtype']} {layouts}",
+        "plan": r["plan"],
+        "layouts": f"{spec['model']} {spec['trainer_format']}-{spec['trainer_dtype']} {layouts}",
         "compile_s": round(t["total"], 2),
-        "wall_s": round(wall, 2),
+        "wall_s": round(r["compiled_at"] - launched, 2),
+        "cpu_s": round(r["compiled_cpu"], 2),
+        "worker_wall_s": round(wall, 2),
+        "worker_cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
+        "compile_cpu_s": round(t["total_cpu"], 2),
+        "setup_s": round(t["setup"], 2),
         "build_s": round(t["build"], 2),
         "trace_s": round(t["trace"], 2),
         "write_s": round(t["write"], 2),
         "passes_s": round(t["passes"], 2),
+        **{f"{phase}_cpu_s": round(t[f"{phase}_cpu"], 2) for phase in ("setup", "build", "trace", "passes", "write")},
+        "models_built": s["models_built"],
+        "guard": s["guard"],
         "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
         "assignments": s["assignments"],
         "runs_before_coalesce": s["runs_before_coalesce"],
@@ -68,6 +93,7 @@ def run(spec: dict, out_dir: Path) -> dict:
         "plan_bytes": r["plan_bytes"],
         "src_balance": round(r["src_balance"], 4),
         "dst_balance": round(r["dst_balance"], 4),
+        "identical_to_checked_in": r["identical_to_checked_in"],
     }
 
 
@@ -75,21 +101,29 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUTPUT"))
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--only", metavar="TEXT", help="compile only the plans whose layouts contain TEXT, e.g. dp=32")
     args = parser.parse_args()
     if args.worker:
         return worker(json.loads(args.worker[0]), args.worker[1])
     out_dir = args.out or Path(tempfile.mkdtemp(prefix="bench-compile-"))
     rows = []
     for spec in PLANS:
+        if args.only and args.only not in f"{spec.get('trainer', 'fsdp=1')} -> {spec.get('inference', 'tp=1')} {spec['trainer_format']}":
+            continue
         row = run(spec, out_dir)
         rows.append(row)
         print(
-            f"{row['plan']}: compile {row['compile_s']} s in-process (build {row['build_s']} s, trace {row['trace_s']} s, "
-            f"passes {row['passes_s']} s, write {row['write_s']} s), "
-            f"{row['wall_s']} s process wall incl. imports, peak RSS {row['peak_rss_mb']} MB; "
+            f"{row['plan']} ({row['layouts']}): compile {row['compile_s']} s in-process, {row['compile_cpu_s']} s CPU "
+            f"(wall/CPU s: setup {row['setup_s']}/{row['setup_cpu_s']}, build {row['build_s']}/{row['build_cpu_s']}, "
+            f"trace {row['trace_s']}/{row['trace_cpu_s']}, passes {row['passes_s']}/{row['passes_cpu_s']}, "
+            f"write {row['write_s']}/{row['write_cpu_s']}), "
+            f"{row['wall_s']} s wall / {row['cpu_s']} s CPU from process start to plan written (incl. imports), "
+            f"peak RSS {row['peak_rss_mb']} MB; "
+            f"{row['models_built']} vLLM models built, guard: {row['guard']}; "
             f"{row['assignments']} assignments, {row['runs_before_coalesce']} runs -> {row['descriptors']} descriptors "
             f"(lower bound {row['descriptors_lower_bound']}); plan {row['plan_bytes']} bytes; "
-            f"src_balance {row['src_balance']}, dst_balance {row['dst_balance']}",
+            f"src_balance {row['src_balance']}, dst_balance {row['dst_balance']}; "
+            f"identical to the checked-in plan: {row['identical_to_checked_in']}",
             flush=True,
         )
     print(json.dumps(rows))

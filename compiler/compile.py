@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from .frontend.errors import ModelConfigError
-from .frontend.trace import trace_load
+from .frontend.rank_models import RankTracer
 from .frontend.trainer_formats import TRAINER_FORMATS, trainer_specs
-from .frontend.vllm_model import build_model, current_platform_name, make_vllm_config, parallel_rank
+from .frontend.vllm_model import current_platform_name, make_vllm_config
 from .layouts import parse_inference, parse_trainer
 from .passes.merge_ranks import merge_ranks
 from .ir import Program
@@ -23,6 +23,7 @@ from .models import config_hash, load_config_json, resolve_model
 from .passes.pipeline import run_passes
 from .passes.verify import descriptors_lower_bound, descriptors_posted, verify
 from .plan_writer import write_program
+from .timing import add, clock, phase
 
 TRAINER_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 QUANTS = ("none",)
@@ -76,39 +77,30 @@ def _compile(opts: CompileOptions, log) -> CompileResult:
     inference.check(load_config_json(config_dir))
     if trainer_layout.ep > 1 and opts.trainer_format != "stacked":
         raise ModelConfigError("trainer ep needs --trainer-format stacked (experts stacked on dim 0)")
-    timings: dict[str, float] = {"build": 0.0, "trace": 0.0, "passes": 0.0}
-    start = time.perf_counter()
+    timings: dict[str, float] = {"setup": 0.0, "build": 0.0, "trace": 0.0, "passes": 0.0}
+    start, start_cpu = time.perf_counter(), time.process_time()
 
     import vllm
 
     base = make_vllm_config(config_dir)
     vllm_config = make_vllm_config(config_dir, tp=inference.tp, dp=inference.dp, ep=inference.ep) if inference.ranks > 1 else base
     sources = trainer_specs(config_dir, opts.trainer_format, getattr(torch, TRAINER_DTYPES[opts.trainer_dtype]))
-    timings["build"] += time.perf_counter() - start
+    add(timings, "setup", (start, start_cpu))  # importing vLLM, the engine configs, the trainer table
 
     per_rank = []
     chains: tuple = ()
     assignments_total = 0
+    ranks = RankTracer(vllm_config, base, inference, sources, opts.trainer_format, timings)
     for rank in range(inference.ranks):
-        tp_rank, dp_rank = inference.rank_coords(rank)
-        t = time.perf_counter()
-        vllm_config.compilation_config.static_forward_context.clear()  # layer names are per model
-        model = build_model(vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=base)
-        timings["build"] += time.perf_counter() - t
-        t = time.perf_counter()
-        with parallel_rank(vllm_config, tp_rank, dp_rank):
-            assignments, dests = trace_load(model, sources, opts.trainer_format, _progress(log, name, rank, inference.ranks))
-        timings["trace"] += time.perf_counter() - t
-        t = time.perf_counter()
-        lowered = run_passes(Program(tuple(sources), tuple(dests), tuple(assignments), cast_chains=chains), stop_before="split_shards")
-        chains = lowered.cast_chains
-        per_rank.append(dataclasses.replace(lowered, assignments=(), copies=()))  # keep only the runs
-        assignments_total += len(assignments)
-        timings["passes"] += time.perf_counter() - t
-        del model, assignments, lowered
-        gc.collect()  # vLLM modules form cycles; with the GC paused, 32 ranks of models would pile up
+        assignments, dests = ranks.trace(rank, _progress(log, name, rank, inference.ranks))
+        with phase(timings, "passes"):
+            lowered = run_passes(Program(tuple(sources), tuple(dests), tuple(assignments), cast_chains=chains), stop_before="split_shards")
+            chains = lowered.cast_chains
+            per_rank.append(dataclasses.replace(lowered, assignments=(), copies=()))  # keep only the runs
+            assignments_total += len(assignments)
+            del assignments, lowered
 
-    t = time.perf_counter()
+    started = clock()
     merged = merge_ranks(per_rank, chains)
     trainer = {"format": opts.trainer_format, "dtype": opts.trainer_dtype, "token": trainer_layout.token, **trainer_layout.as_dict()}
     inference_meta = {"token": inference.token, **inference.as_dict(), "platform": current_platform_name()}
@@ -129,7 +121,7 @@ def _compile(opts: CompileOptions, log) -> CompileResult:
     lower_bound = descriptors_lower_bound(split.runs, split.dests)
     compiled = run_passes(split, start_at="coalesce")
     coverage = verify(compiled)
-    timings["passes"] += time.perf_counter() - t
+    add(timings, "passes", started)
 
     stats = {
         "assignments": assignments_total,
@@ -137,13 +129,14 @@ def _compile(opts: CompileOptions, log) -> CompileResult:
         "descriptors": descriptors_posted(compiled.runs, compiled.dests),
         "descriptors_lower_bound": lower_bound,
         "dst_coverage": coverage.fraction,
+        **ranks.stats,
     }
     compiled.meta["stats"] = {"assignments": assignments_total, "runs_before_coalesce": runs_before}
     path = opts.output or default_plan_path(name, trainer, inference_meta, opts.quant)
-    t = time.perf_counter()
-    size = write_program(compiled, path)
-    timings["write"] = time.perf_counter() - t
+    with phase(timings, "write"):
+        size = write_program(compiled, path)
     timings["total"] = time.perf_counter() - start
+    timings["total_cpu"] = time.process_time() - start_cpu
     stats["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return CompileResult(compiled, path, size, timings, stats)
 

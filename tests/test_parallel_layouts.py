@@ -81,3 +81,77 @@ def test_impossible_layouts_are_refused_before_tracing(tmp_path, trainer, infere
 def test_trainer_ep_needs_stacked_experts(tmp_path):
     with pytest.raises(ModelConfigError, match="trainer ep needs --trainer-format stacked"):
         compile_plan(CompileOptions(str(config_dir("tiny-glm")), "hf", output=tmp_path / "p.plan", trainer="fsdp=4,ep=2"))
+
+
+# One model per TP rank, re-pointed per DP rank (compiler/frontend/rank_models.py): the plan must
+# be byte-identical to building every rank for real, and a wrong re-pointing must be caught.
+
+SHARED_CASES = [
+    ("tiny-glm", "stacked", "bf16", "fsdp=4,ep=2", "dp=4,ep"),  # EP: local experts move with the DP rank
+    ("tiny-qwen3-moe", "stacked", "fp32", "fsdp=4,ep=2", "dp=4,ep"),
+    ("tiny-llama", "hf", "bf16", "fsdp=3", "tp=2,dp=2"),  # no MoE: DP ranks of one TP rank share a model
+]
+
+
+def _compile_with(tmp_path, monkeypatch, tracer, case, name):
+    from weightplan.compiler import compile as compile_module
+
+    monkeypatch.setattr(compile_module, "RankTracer", tracer)
+    model, fmt, dtype, trainer, inference = case
+    out = tmp_path / name
+    result = compile_plan(CompileOptions(str(config_dir(model)), fmt, dtype, "none", out, trainer=trainer, inference=inference))
+    monkeypatch.undo()
+    return out.read_bytes(), result.stats
+
+
+@pytest.mark.parametrize("case", SHARED_CASES)
+def test_shared_models_give_the_plan_of_real_builds(plan_cache, tmp_path, monkeypatch, case):
+    import functools
+
+    from weightplan.compiler.frontend.rank_models import RankTracer
+
+    shared = plan_cache(*case).read_bytes()
+    real, stats = _compile_with(tmp_path, monkeypatch, functools.partial(RankTracer, share=False), case, "real.plan")
+    assert stats["models_built"] == 4 and stats["guard"] == "off"
+    assert shared == real
+
+
+def test_shared_model_stats_say_what_was_shared(tmp_path):
+    result = compile_plan(CompileOptions(str(config_dir("tiny-glm")), "stacked", "bf16", "none", tmp_path / "p.plan",
+                                         trainer="fsdp=4,ep=2", inference="dp=4,ep"))
+    # rank 0 built for real; ranks 1 and 2 traced on it re-pointed; rank 3 (the guard) traced both
+    # ways, and its plan comes from the real build
+    assert result.stats["models_built"] == 2
+    assert result.stats["ranks_repointed"] == 2
+    assert result.stats["guard"] == "passed (rank 3)"
+
+
+def test_guard_catches_a_model_that_was_not_re_pointed(plan_cache, tmp_path, monkeypatch):
+    from weightplan.compiler.frontend import rank_models
+
+    case = SHARED_CASES[0]
+    monkeypatch.setattr(rank_models, "place_experts", lambda *args, **kwargs: 0)  # "re-points" nothing
+    plan, stats = _compile_with(tmp_path, monkeypatch, rank_models.RankTracer, case, "guarded.plan")
+    assert stats["guard"].startswith("failed (rank 3)")
+    assert stats["models_built"] == 4
+    assert plan == plan_cache(*case).read_bytes()
+
+
+def test_place_experts_gives_the_expert_map_of_a_real_build():
+    from weightplan.compiler.frontend.vllm_model import build_model, make_vllm_config, place_experts
+
+    cfg = config_dir("tiny-glm")
+    base, config = make_vllm_config(cfg), make_vllm_config(cfg, dp=4, ep=True)
+
+    def maps(model):
+        return {name: (m.local_num_experts, m._expert_map.tolist()) for name, m in model.named_modules() if hasattr(m, "_expert_map")}
+
+    config.compilation_config.static_forward_context.clear()
+    model = build_model(config, dp_rank=0, base_config=base)
+    assert place_experts(model, config, 0, 0) == 0  # its own rank: nothing moves
+    moved = place_experts(model, config, 0, 2)
+    config.compilation_config.static_forward_context.clear()
+    real = build_model(config, dp_rank=2, base_config=base)
+    assert moved == len(maps(real)) > 0
+    assert maps(model) == maps(real)
+    assert all(v[1].count(-1) == 6 for v in maps(real).values())  # 2 of the 8 experts are local

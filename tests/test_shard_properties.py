@@ -93,3 +93,48 @@ def test_shards_tile_the_tensor_exactly_once_per_replica(shape, fsdp, ep):
                     view = view.narrow(dim, a, b - a)
                 view += 1
             assert bool((seen == 1).all())
+
+
+def _cut_by_successive_cuts(runs: Runs, seg_start, seg_len, seg_local, seg_rank) -> Runs:
+    """The oracle: cut every run at its current segment's end, one round of cuts at a time."""
+    out = []
+    src_off, dst_off, remaining = runs.src_off.copy(), runs.dst_off.copy(), runs.length.copy()
+    alive = np.arange(len(runs))
+    while len(alive):
+        seg = np.searchsorted(seg_start, src_off, side="right") - 1
+        take = np.minimum(remaining, seg_start[seg] + seg_len[seg] - src_off)
+        out.append(dataclasses.replace(runs.take(alive), src_off=seg_local[seg] + (src_off - seg_start[seg]),
+                                       dst_off=dst_off.copy(), length=take, src_rank=seg_rank[seg]))
+        src_off, dst_off, remaining = src_off + take, dst_off + take, remaining - take
+        left = remaining > 0
+        alive, src_off, dst_off, remaining = alive[left], src_off[left], dst_off[left], remaining[left]
+    return Runs.concat(out)
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases(), st.integers(0, 3))
+def test_vectorised_cut_equals_successive_cuts(case, wire):
+    from weightplan.compiler.passes.split_shards import _cut, _segments
+
+    shape, layout, sharding, pieces, order = case
+    src_start, rows = 0, []
+    for i, k in enumerate(order):
+        lo, hi = pieces[k]
+        rows.append((0, src_start, i % 2, lo, hi - lo, wire))
+        src_start += hi - lo
+    runs = Runs(*np.array(rows, dtype=np.int64).T, np.zeros(len(rows), dtype=np.int64))
+    segments = _segments(layout, shape, sharding)
+    got, want = _cut(runs, *segments), _cut_by_successive_cuts(runs, *segments)
+    for name in Runs.FIELDS:
+        assert getattr(got, name).tolist() == getattr(want, name).tolist(), name
+
+
+def test_cut_refuses_bytes_no_rank_holds():
+    import pytest
+
+    from weightplan.compiler.passes.split_shards import _cut
+
+    runs = Runs(*(np.array([v], dtype=np.int64) for v in (0, 2, 0, 0, 6, 0, 0)))
+    gap = (np.array([0, 5]), np.array([4, 4]), np.array([0, 0]), np.array([0, 1]))  # element 4 is held by nobody
+    with pytest.raises(AssertionError, match="held by no trainer rank"):
+        _cut(runs, *gap)

@@ -163,3 +163,40 @@ def current_platform_name() -> str:
     from vllm.platforms import current_platform
 
     return str(current_platform.device_type or "cpu")
+
+
+def place_experts(model: torch.nn.Module, vllm_config, tp_rank: int = 0, dp_rank: int = 0) -> int | None:
+    """Re-point every MoE layer's expert placement to this rank of the layout, as vLLM's elastic EP does.
+
+    Each `RoutedExperts` gets the `FusedMoEParallelConfig` vLLM derives for this rank
+    (`FusedMoEParallelConfig.make` under `parallel_rank`) and rebuilds its expert map with
+    `update_expert_map()`. Returns the number of layers re-pointed, or None if a layer's number
+    of local experts changed: its parameters would then have another shape than on this rank,
+    and the model must be dropped.
+    """
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    moved = 0
+    with parallel_rank(vllm_config, tp_rank, dp_rank):
+        for module in experts:
+            old = module.moe_config.moe_parallel_config
+            # make() flattens the layer's TP size across DP and PCP; undo that to get its input back.
+            flat = old.ep_size if old.use_ep else old.tp_size
+            new = FusedMoEParallelConfig.make(
+                tp_size_=flat // (old.dp_size * old.pcp_size),
+                pcp_size_=old.pcp_size,
+                dp_size_=old.dp_size,
+                sp_size_=old.sp_size,
+                vllm_parallel_config=vllm_config.parallel_config,
+            )
+            if new == old:
+                continue
+            local = module.local_num_experts
+            module.moe_config.moe_parallel_config = new
+            module.update_expert_map()
+            moved += 1
+            if module.local_num_experts != local:
+                return None
+    return moved

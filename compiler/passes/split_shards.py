@@ -27,13 +27,16 @@ def split_shards(program: Program) -> Program:
     sizes = np.array([itemsize(c[-1]) for c in program.cast_chains] or [0], dtype=np.int64)
     served = np.zeros(layout.ranks, dtype=np.int64)
     pieces = []
+    segments: dict[tuple, tuple] = {}  # (shape, sharding) -> _segments(...): layers repeat shapes
     by_src = runs.take(np.argsort(runs.src, kind="stable"))
     bounds = np.searchsorted(by_src.src, np.arange(len(program.sources) + 1))
     for src in np.flatnonzero(np.diff(bounds)):
         spec = program.sources[src]
         mine = by_src.take(np.arange(bounds[src], bounds[src + 1]))
-        seg_start, seg_len, seg_local, seg_rank = _segments(layout, spec.shape, spec.sharding)
-        pieces.append(_cut(mine, seg_start, seg_len, seg_local, seg_rank))
+        key = (spec.shape, spec.sharding)
+        if key not in segments:
+            segments[key] = _segments(layout, spec.shape, spec.sharding)
+        pieces.append(_cut(mine, *segments[key]))
     cut = Runs.concat(pieces)
     # Pick one holder (replica) per piece, balancing bytes served.
     weight = cut.length * sizes[cut.wire] * holders[cut.dest]
@@ -45,13 +48,20 @@ def split_shards(program: Program) -> Program:
             served[choice] += weight[i]
             base[i] = choice
     cut = dataclasses.replace(cut, src_rank=base)
+    numel_of: dict[tuple, np.ndarray] = {}
     shard_numel = np.zeros((layout.ranks, len(program.sources)), dtype=np.int64)
     for i, spec in enumerate(program.sources):
-        for rank in range(layout.ranks):
-            box = shard_box(layout, spec.shape, spec.sharding, rank)
-            shard_numel[rank, i] = int(np.prod([b - a for a, b in box])) if box else (1 if not spec.shape else 0)
+        key = (spec.shape, spec.sharding)
+        if key not in numel_of:
+            numel_of[key] = np.array([_box_numel(shard_box(layout, spec.shape, spec.sharding, rank), spec.shape)
+                                      for rank in range(layout.ranks)], dtype=np.int64)
+        shard_numel[:, i] = numel_of[key]
     meta = dict(program.meta, shard_numel=shard_numel)
     return dataclasses.replace(program, runs=cut, meta=meta)
+
+
+def _box_numel(box, shape) -> int:
+    return int(np.prod([b - a for a, b in box])) if box else (1 if not shape else 0)
 
 
 def _segments(layout: TrainerLayout, shape, sharding):
@@ -67,23 +77,32 @@ def _segments(layout: TrainerLayout, shape, sharding):
 
 
 def _cut(runs: Runs, seg_start, seg_len, seg_local, seg_rank) -> Runs:
-    """Split runs (global source offsets) at segment ends; map each piece to (rank, local offset)."""
-    out = []
-    src_off, dst_off, remaining = runs.src_off.copy(), runs.dst_off.copy(), runs.length.copy()
-    alive = np.arange(len(runs))
-    while len(alive):
-        seg = np.searchsorted(seg_start, src_off, side="right") - 1
-        if (seg < 0).any() or (src_off >= seg_start[seg] + seg_len[seg]).any():
-            raise AssertionError("a source byte is held by no trainer rank")
-        take = np.minimum(remaining, seg_start[seg] + seg_len[seg] - src_off)
-        out.append(dataclasses.replace(
-            runs.take(alive),
-            src_off=seg_local[seg] + (src_off - seg_start[seg]),
-            dst_off=dst_off.copy(),
-            length=take,
-            src_rank=seg_rank[seg],
-        ))
-        src_off, dst_off, remaining = src_off + take, dst_off + take, remaining - take
-        left = remaining > 0
-        alive, src_off, dst_off, remaining = alive[left], src_off[left], dst_off[left], remaining[left]
-    return Runs.concat(out)
+    """Split runs (global source offsets) at segment ends; map each piece to (rank, local offset).
+
+    Pieces come out ordered by (piece index within its run, run), as successive cuts would give.
+    """
+    end = runs.src_off + runs.length
+    first = np.searchsorted(seg_start, runs.src_off, side="right") - 1
+    last = np.searchsorted(seg_start, end - 1, side="right") - 1
+    if len(runs) and ((first < 0).any() or (last < first).any()):
+        raise AssertionError("a source byte is held by no trainer rank")
+    count = last - first + 1
+    offset = np.cumsum(count) - count  # where each run's pieces start
+    run = np.repeat(np.arange(len(runs)), count)
+    k = np.arange(len(run)) - offset[run]  # piece index within its run
+    seg = first[run] + k
+    lo = np.maximum(runs.src_off[run], seg_start[seg])
+    hi = np.minimum(end[run], seg_start[seg] + seg_len[seg])
+    length = hi - lo
+    if len(runs) and ((length <= 0).any() or (np.add.reduceat(length, offset) != runs.length).any()):
+        raise AssertionError("a source byte is held by no trainer rank")
+    order = np.lexsort((run, k))
+    run, seg, lo, length = run[order], seg[order], lo[order], length[order]
+    pieces = runs.take(run)
+    return dataclasses.replace(
+        pieces,
+        src_off=seg_local[seg] + (lo - seg_start[seg]),
+        dst_off=pieces.dst_off + (lo - pieces.src_off),
+        length=length,
+        src_rank=seg_rank[seg],
+    )

@@ -1,0 +1,115 @@
+"""Trace every inference rank with one vLLM model per TP rank, re-pointed per DP rank (guarded).
+
+Under DP (attention), the ranks that share a TP rank build identical modules; only the MoE
+layers' expert placement depends on the DP rank (which experts are local with EP, which TP slice
+of every expert without it). So the model of DP rank 0 is built once per TP rank, and each other
+rank re-points its MoE layers with vLLM's own `update_expert_map` (`place_experts`) and is traced
+on it.
+
+Guard: before a re-pointed trace is used, the last rank is traced on the re-pointed model and also
+built and traced for real; destinations and assignments must be identical, or every rank is built
+for real (as is any rank whose re-pointing would change a parameter shape).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+
+from ..timing import phase
+from .trace import trace_load
+from .vllm_model import build_model, parallel_rank, place_experts
+
+
+class RankTracer:
+    """`trace(rank)` -> (assignments, dests) of one inference rank; ranks are asked for in order."""
+
+    def __init__(self, vllm_config, base_config, layout, sources, fmt: str, timings: dict, *, share: bool = True):
+        self.vllm_config, self.base_config, self.layout = vllm_config, base_config, layout
+        self.sources, self.fmt, self.timings = sources, fmt, timings
+        self.share = share and layout.dp > 1
+        self.models: dict[int, object] = {}  # TP rank -> model built for DP rank 0
+        self.placed_at: dict[int, int] = {}  # TP rank -> DP rank its shared model is placed for
+        self.guarded: dict[int, tuple] = {}  # the guard rank's real trace, until asked for
+        self.stats = {"models_built": 0, "ranks_repointed": 0, "guard": "not run" if self.share else "off"}
+
+    def trace(self, rank: int, progress: Callable[[int, int], None] | None = None) -> tuple[list, list]:
+        if rank in self.guarded:
+            return self.guarded.pop(rank)
+        tp_rank, dp_rank = self.layout.rank_coords(rank)
+        if self.share and dp_rank > 0 and self.stats["guard"] == "not run":
+            self._guard()
+        if self.share:
+            model = self._placed(tp_rank, dp_rank)
+            if model is not None:
+                self.stats["ranks_repointed"] += dp_rank > 0
+                return self._trace(model, tp_rank, dp_rank, progress)
+        model = self._build(tp_rank, dp_rank)
+        try:
+            return self._trace(model, tp_rank, dp_rank, progress)
+        finally:
+            del model
+            gc.collect()  # vLLM modules form cycles; with the GC paused, dropped models would pile up
+
+    def _guard(self) -> None:
+        """Trace the last rank on a re-pointed model and on a real build; share models only if identical."""
+        rank = self.layout.ranks - 1
+        tp_rank, dp_rank = self.layout.rank_coords(rank)
+        model = self._placed(tp_rank, dp_rank)
+        shared = self._trace(model, tp_rank, dp_rank, None) if model is not None else None
+        context = self.vllm_config.compilation_config.static_forward_context
+        kept = dict(context)  # the shared model's layers; the real build registers its own
+        fresh = self._build(tp_rank, dp_rank)
+        real = self._trace(fresh, tp_rank, dp_rank, None)
+        del fresh
+        context.clear()
+        context.update(kept)
+        gc.collect()
+        self.guarded[rank] = real
+        if model is None:
+            return  # _placed gave up already and said why
+        if shared == real:
+            self.stats["guard"] = f"passed (rank {rank})"
+        else:
+            self.stats["guard"] = f"failed (rank {rank}): every rank built for real"
+            self._stop_sharing()
+
+    def _placed(self, tp_rank: int, dp_rank: int):
+        """The shared model of this TP rank with its MoE layers placed for `dp_rank`, or None."""
+        model = self.models.get(tp_rank)
+        if model is None:
+            model = self.models[tp_rank] = self._build(tp_rank, 0)
+            # Placing a model for the rank it was built for must change nothing.
+            if self._place(model, tp_rank, 0) != 0:
+                return self._give_up("re-pointing a model to its own DP rank changed it")
+        if self.placed_at.get(tp_rank, 0) != dp_rank:
+            if self._place(model, tp_rank, dp_rank) is None:
+                return self._give_up(f"re-pointing to DP rank {dp_rank} changed a parameter shape")
+        self.placed_at[tp_rank] = dp_rank
+        return model
+
+    def _place(self, model, tp_rank: int, dp_rank: int) -> int | None:
+        with phase(self.timings, "build"):
+            return place_experts(model, self.vllm_config, tp_rank, dp_rank)
+
+    def _give_up(self, why: str) -> None:
+        self.stats["guard"] = f"{why}: every rank built for real"
+        self._stop_sharing()
+        return None
+
+    def _stop_sharing(self) -> None:
+        self.share = False
+        self.models.clear()
+        self.placed_at.clear()
+        gc.collect()
+
+    def _build(self, tp_rank: int, dp_rank: int):
+        with phase(self.timings, "build"):
+            self.vllm_config.compilation_config.static_forward_context.clear()  # layer names are per model
+            model = build_model(self.vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=self.base_config)
+        self.stats["models_built"] += 1
+        return model
+
+    def _trace(self, model, tp_rank: int, dp_rank: int, progress) -> tuple[list, list]:
+        with phase(self.timings, "trace"), parallel_rank(self.vllm_config, tp_rank, dp_rank):
+            return trace_load(model, self.sources, self.fmt, progress)
