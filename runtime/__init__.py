@@ -1,7 +1,18 @@
 """The weightplan runtime: reads plan files and executes them; never imports the compiler."""
 
-from .errors import PlanFormatError, PlanMismatchError, WeightplanError
+from .errors import LayoutError, PlanFormatError, PlanMismatchError, WeightplanError
 from .host_executor import execute_local
 from .plan_format import Plan, load_plan
+from .trainer_layout import read_trainer_layout, write_trainer_layout
 
-__all__ = ["Plan", "PlanFormatError", "PlanMismatchError", "WeightplanError", "execute_local", "load_plan"]
+__all__ = [
+    "LayoutError",
+    "Plan",
+    "PlanFormatError",
+    "PlanMismatchError",
+    "WeightplanError",
+    "execute_local",
+    "load_plan",
+    "read_trainer_layout",
+    "write_trainer_layout",
+]

@@ -11,3 +11,7 @@ class PlanFormatError(WeightplanError):
 
 class PlanMismatchError(WeightplanError):
     """A plan does not match what it is run against (vLLM version, config, tensors, ranks)."""
+
+
+class LayoutError(WeightplanError):
+    """A trainer layout (a --trainer-layout file or a live model's DTensors) is malformed or does not fit the trainer."""
