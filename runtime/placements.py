@@ -158,6 +158,8 @@ def mesh_boxes(sharding: Sharding, shape: tuple[int, ...]) -> tuple[Box, ...]:
         for d, size in enumerate(shape):
             steps = [(p, mesh.shape[i], coords[i]) for i, p in enumerate(placements) if p.kind != "replicate" and p.dim == d]
             intervals = _shard_indices(size, steps)
+            if len(intervals) > 1 and not math.prod(shape):  # no elements: only the shard's shape matters
+                intervals = [(intervals[0][0], intervals[0][0] + sum(b - a for a, b in intervals))]
             if len(intervals) > 1:
                 raise ValueError(
                     f"placements ({', '.join(map(str, placements))}) give the rank at mesh coordinate {tuple(coords)} "

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from weightplan.runtime.placements import Mesh, Placement, Sharding
+
+from .fake_world import as_rank, run_in_fresh_process
 
 
 @st.composite
@@ -41,22 +40,21 @@ def _torch_placement(p: Placement):
     return Replicate()
 
 
-def _as_rank(rank: int, world: int):
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+def test_boxes_equal_dtensor_local_shards():
+    run_in_fresh_process(_check_boxes)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _no_process_group_left():
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def _check_boxes():
+    _boxes_equal_dtensor_local_shards()
+
+
+def test_ranks_outside_the_mesh_hold_nothing():
+    run_in_fresh_process(_ranks_outside_the_mesh_hold_nothing)
 
 
 @settings(max_examples=150, deadline=None)
 @given(layouts())
-def test_boxes_equal_dtensor_local_shards(case):
+def _boxes_equal_dtensor_local_shards(case):
     sharding, shape = case
     world = len(sharding.mesh.ranks)
     full = torch.arange(max(math.prod(shape), 1), dtype=torch.int64)[: math.prod(shape)].reshape(shape)
@@ -68,7 +66,7 @@ def test_boxes_equal_dtensor_local_shards(case):
         boxes = None
     not_boxes = 0
     for rank in range(world):
-        _as_rank(rank, world)
+        as_rank(rank, world)
         mesh = DeviceMesh("cpu", torch.tensor(sharding.mesh.ranks).reshape(sharding.mesh.shape))
         local = distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()
         local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
@@ -90,9 +88,9 @@ def test_boxes_equal_dtensor_local_shards(case):
         assert not_boxes > 0, "we refused a layout whose shards DTensor holds as boxes"
 
 
-def test_ranks_outside_the_mesh_hold_nothing():
+def _ranks_outside_the_mesh_hold_nothing():
     sharding = Sharding(Mesh((2,), (1, 3)), (Placement("shard", 0),))
     assert sharding.box((4, 2), 0) is None and sharding.box((4, 2), 3) == ((2, 4), (0, 2))
-    _as_rank(0, 4)
+    as_rank(0, 4)
     mesh = DeviceMesh("cpu", torch.tensor([1, 3]))
     assert compute_local_shape_and_global_offset((4, 2), mesh, [Shard(0)]) == ((0,), ())

@@ -7,11 +7,9 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from weightplan.compiler.compile import CompileOptions, compile_plan
 from weightplan.compiler.frontend.trainer_formats import trainer_specs
@@ -20,16 +18,7 @@ from weightplan.compiler.verify_plan import verify_plan
 from weightplan.runtime import LayoutError, load_plan, write_trainer_layout
 
 from .conftest import config_dir
-
-
-@pytest.fixture(scope="module")
-def fake_world():
-    """A fake 4-rank process group in this one process (we are rank 0)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    yield
-    dist.destroy_process_group()
+from .fake_world import as_rank, run_in_fresh_process
 
 
 def _torchtitan_fsdp4_ep2(specs) -> dict[str, torch.Tensor]:
@@ -47,10 +36,15 @@ def _torchtitan_fsdp4_ep2(specs) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_layout_written_from_dtensors_gives_the_shorthand_plan_byte_for_byte(fake_world, plan_cache, tmp_path):
+def _write_tiny_glm_fsdp4_ep2(path):
+    as_rank(0, 4)
+    write_trainer_layout(_torchtitan_fsdp4_ep2(trainer_specs(config_dir("tiny-glm"), "stacked", torch.bfloat16)), path)
+
+
+def test_layout_written_from_dtensors_gives_the_shorthand_plan_byte_for_byte(plan_cache, tmp_path):
     model = config_dir("tiny-glm")
-    specs = trainer_specs(model, "stacked", torch.bfloat16)
-    layout = write_trainer_layout(_torchtitan_fsdp4_ep2(specs), tmp_path / "layout.json")
+    layout = tmp_path / "layout.json"
+    run_in_fresh_process(_write_tiny_glm_fsdp4_ep2, layout)
     data = json.loads(layout.read_text())
     assert data["world_size"] == 4 and len(data["meshes"]) == 2
     assert data["tensors"]["model.layers.1.mlp.experts.gate_up_proj"]["placements"] == ["_StridedShard(0, split_factor=2)", "Shard(0)"]
@@ -62,25 +56,35 @@ def test_layout_written_from_dtensors_gives_the_shorthand_plan_byte_for_byte(fak
     assert load_plan(explicit).header["trainer"]["token"] == "fsdp4-ep2"
 
 
-def test_module_layout_writes_buffers_replicated_and_tied_weights_once(fake_world, tmp_path):
+def test_module_layout_writes_buffers_replicated_and_tied_weights_once(tmp_path):
+    run_in_fresh_process(_module_layout, tmp_path / "m.json")
+
+
+def _module_layout(path):
+    as_rank(0, 4)
     mesh = DeviceMesh("cpu", torch.arange(4))
     module = torch.nn.Module()
     module.embed = torch.nn.Parameter(distribute_tensor(torch.zeros(8, 2), mesh, [Shard(0)], src_data_rank=None))
     module.head = module.embed
     module.register_buffer("bias", torch.zeros(3))
-    data = json.loads(write_trainer_layout(module, tmp_path / "m.json").read_text())
+    data = json.loads(write_trainer_layout(module, path).read_text())
     assert list(data["tensors"]) == ["embed", "bias"]
     assert data["tensors"]["bias"] == {"shape": [3], "dtype": "float32", "mesh": 0, "placements": ["Replicate()"]}
     assert data["meshes"] == [{"shape": [4], "ranks": [0, 1, 2, 3]}]  # the world mesh, stored once
 
 
-def test_partial_placements_are_refused(fake_world, tmp_path):
+def test_partial_placements_are_refused(tmp_path):
+    run_in_fresh_process(_partial_refused, tmp_path / "p.json")
+
+
+def _partial_refused(path):
     from torch.distributed.tensor import DTensor, Partial
 
+    as_rank(0, 4)
     mesh = DeviceMesh("cpu", torch.arange(4))
     partial = DTensor.from_local(torch.zeros(2), mesh, [Partial()], run_check=False)
     with pytest.raises(LayoutError, match="tensor 'w' has placement Partial"):
-        write_trainer_layout({"w": partial}, tmp_path / "p.json")
+        write_trainer_layout({"w": partial}, path)
 
 
 def _explicit_llama_layout(path):
