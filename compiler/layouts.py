@@ -96,8 +96,8 @@ class ExplicitTrainer:
                 raise LayoutError(f"{where}: tensor {spec.name!r} has global shape {list(entry.shape)}, the trainer "
                                   f"tensor is {list(spec.shape)}; write the file from the same model config")
             if entry.dtype != spec.dtype:
-                raise LayoutError(f"{where}: tensor {spec.name!r} is {entry.dtype}, the trainer tensors are {spec.dtype}; "
-                                  "pass the matching --trainer-dtype")
+                raise LayoutError(f"{where}: tensor {spec.name!r} is {entry.dtype}, the trainer tensor is {spec.dtype} "
+                                  "(masters follow --trainer-dtype); pass the matching --trainer-dtype")
         return ShardLayout.build(specs, [tensors[s.name].sharding for s in specs])
 
 

@@ -69,7 +69,7 @@ def summarize(plan: Plan) -> dict:
     return {
         "format_version": h["format_version"],
         "model": h["model"],
-        "trainer": h["trainer"],
+        "trainer": {k: v for k, v in h["trainer"].items() if k != "boxes"},
         "inference": h["inference"],
         "quant": h["quant"],
         "src_ranks": h["src_ranks"],

@@ -76,7 +76,7 @@ CASES = [
     ("rank in no mesh", lambda d: d.__setitem__("world_size", 3),
      "trainer rank 2 of world_size 3 holds no tensor"),
     ("dtype mismatch", lambda d: d["tensors"][EMBED].__setitem__("dtype", "float32"),
-     rf"tensor '{EMBED}' is float32, the trainer tensors are bfloat16; pass the matching --trainer-dtype"),
+     rf"tensor '{EMBED}' is float32, the trainer tensor is bfloat16 \(masters follow --trainer-dtype\); pass the matching --trainer-dtype"),
     ("unknown mesh", lambda d: d["tensors"][EMBED].__setitem__("mesh", 3),
      rf"tensor '{EMBED}' names mesh 3; the file has meshes 0..0"),
     ("not a layout file", lambda d: d.__setitem__("format", "something-else"),
