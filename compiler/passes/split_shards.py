@@ -49,12 +49,12 @@ def split_shards(program: Program) -> Program:
     chosen = first[group]
     single = count[group] == 1
     served = np.bincount(chosen[single], weights=weight[single], minlength=layout.ranks).astype(np.int64)
-    for i in np.argsort(-weight, kind="stable"):
+    shared = np.flatnonzero(~single)
+    for i in shared[np.argsort(-weight[shared], kind="stable")]:
         options = groups[group[i]]
-        if len(options) > 1:
-            choice = options[np.argmin(served[options])]
-            served[choice] += weight[i]
-            chosen[i] = choice
+        choice = options[np.argmin(served[options])]
+        served[choice] += weight[i]
+        chosen[i] = choice
     cut = dataclasses.replace(cut, src_rank=chosen)
     return dataclasses.replace(program, runs=cut, meta=dict(program.meta, shard_numel=shard_numel))
 
