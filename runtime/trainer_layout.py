@@ -138,11 +138,12 @@ def write_trainer_layout(tensors, path: str | Path, *, world_size: int | None = 
     lines = []
     for name, tensor in items:
         if isinstance(tensor, DTensor):
-            ranks = tensor.device_mesh.mesh.tolist()
+            grid = tensor.device_mesh.mesh
+            shape, ranks = list(grid.shape), grid.tolist()
             placements = [_placement(name, p, tensor.ndim, i) for i, p in enumerate(tensor.placements)]
         else:
-            ranks, placements = list(range(world_size)), ["Replicate()"]
-        mesh = json.dumps({"shape": list(torch.tensor(ranks).shape), "ranks": ranks})
+            shape, ranks, placements = [world_size], list(range(world_size)), ["Replicate()"]
+        mesh = json.dumps({"shape": shape, "ranks": ranks})
         entry = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
                  "mesh": meshes.setdefault(mesh, len(meshes)), "placements": placements}
         lines.append(f"  {json.dumps(name)}: {json.dumps(entry)}")
