@@ -58,18 +58,22 @@ def synthetic_plan(n: int, out: Path) -> Path:
     """One bf16 tensor moved in n runs of RUN_ELEMS elements, read in reverse order so none coalesce."""
     from weightplan.compiler.ir import Program, Runs, TensorSpec
     from weightplan.compiler.plan_writer import write_program
+    from weightplan.runtime.shards import TrainerLayout
 
     numel = n * RUN_ELEMS
     i = np.arange(n, dtype=np.int64)
     zeros = np.zeros(n, dtype=np.int64)
     runs = Runs(src=zeros, src_off=(n - 1 - i) * RUN_ELEMS, dest=zeros, dst_off=i * RUN_ELEMS,
                 length=np.full(n, RUN_ELEMS, dtype=np.int64), wire=zeros, src_rank=zeros)
+    sources = (TensorSpec("synthetic.weight", (numel,), "bfloat16"),)
+    layout = TrainerLayout().bind(sources)  # one trainer rank holding the whole tensor
     program = Program(
-        sources=(TensorSpec("synthetic.weight", (numel,), "bfloat16"),),
+        sources=sources,
         dests=(TensorSpec("synthetic.weight", (numel,), "bfloat16", ranks=(0,)),),
         runs=runs, cast_chains=(("bfloat16",),),
         meta={"vllm_version": "synthetic", "model": f"synthetic-{n}", "config_sha256": "", "architecture": "none",
-              "trainer": {"format": "hf", "dtype": "bf16", "token": "fsdp1", "fsdp": 1, "ep": 1, "replicas": 1},
+              "trainer": {"format": "hf", "dtype": "bf16", "token": layout.token, **layout.as_dict()},
+              "trainer_layout": layout,
               "inference": {"token": "tp1", "tp": 1, "dp": 1, "ep": False, "platform": "cpu"},
               "quant": "none", "src_ranks": 1, "dst_ranks": 1},
     )

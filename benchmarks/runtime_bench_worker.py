@@ -26,7 +26,6 @@ import torch.distributed as dist
 
 from weightplan.runtime import Receiver, Rendezvous, Sender, load_plan
 from weightplan.runtime.rank_tables import reads_of
-from weightplan.runtime.shards import shard_box
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 IOV_MAX = 1024
@@ -40,9 +39,8 @@ def trainer_shards(plan, rank: int, seed: int) -> dict[str, torch.Tensor]:
     """This rank's shard of deterministic random full tensors (generated per shard, never whole)."""
     out = {}
     for i, entry in enumerate(plan.sources):
-        box = shard_box(plan.trainer_layout, entry.shape, entry.sharding, rank)
         g = torch.Generator().manual_seed(seed * 1_000_003 + i * 7919 + rank)
-        out[entry.name] = torch.randn([b - a for a, b in box], generator=g).to(getattr(torch, entry.dtype))
+        out[entry.name] = torch.randn(plan.local_shape(i, rank), generator=g).to(getattr(torch, entry.dtype))
     return out
 
 
@@ -169,7 +167,6 @@ def main() -> None:
 
 def _baseline(plan, args, shards, groups, model, n_src: int) -> None:
     """The usual way: gather each full tensor on trainer 0, broadcast it to every inference rank, which streams it into load_weights."""
-    layout = plan.trainer_layout
     trainers, bcast = groups
 
     def receive():
@@ -186,9 +183,9 @@ def _baseline(plan, args, shards, groups, model, n_src: int) -> None:
         with torch.no_grad(), parallel_rank(config, args.rank % info["tp"], args.rank // info["tp"]):
             model.load_weights(receive())
         return
-    for entry in plan.sources:
-        boxes = [shard_box(layout, entry.shape, entry.sharding, r) for r in range(n_src)]
-        parts = [torch.empty([b - a for a, b in box], dtype=getattr(torch, entry.dtype)) for box in boxes]
+    for i, entry in enumerate(plan.sources):
+        boxes = [plan.shard_box(i, r) for r in range(n_src)]
+        parts = [torch.empty(plan.local_shape(i, r), dtype=getattr(torch, entry.dtype)) for r in range(n_src)]
         for r, part in enumerate(parts):  # torch.chunk shards differ in size: one broadcast per shard
             if r == args.rank:
                 part.copy_(shards[entry.name])
@@ -197,7 +194,8 @@ def _baseline(plan, args, shards, groups, model, n_src: int) -> None:
         if args.rank == 0:
             full = torch.empty(entry.shape, dtype=parts[0].dtype)
             for box, part in zip(boxes, parts):
-                full[tuple(slice(a, b) for a, b in box)] = part
+                if box is not None and part.numel():
+                    full[tuple(slice(a, b) for a, b in box)] = part.view([b - a for a, b in box])
             _broadcast(bcast, full, 0)
 
 

@@ -25,7 +25,10 @@ def compile_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trainer-format", default="hf", help="trainer tensor layout: hf (checkpoint) or stacked (transformers-5 stacked experts)")
     parser.add_argument("--trainer-dtype", default="bf16", help="trainer master weight dtype: bf16 or fp32")
     parser.add_argument("--quant", default="none", help="inference quantization (this version: none)")
-    parser.add_argument("--trainer", default="fsdp=1", help="trainer layout: fsdp=N[,ep=M][,replicas=R]")
+    trainer = parser.add_mutually_exclusive_group()
+    trainer.add_argument("--trainer", default="fsdp=1", help="trainer layout: fsdp=N[,ep=M][,replicas=R]")
+    trainer.add_argument("--trainer-layout", type=Path, metavar="FILE",
+                         help="explicit trainer layout (JSON: per tensor shape, dtype, mesh, DTensor placements)")
     parser.add_argument("--inference", default="tp=1", help="vLLM layout: tp=T[,dp=D][,ep]")
     parser.add_argument("-o", "--output", type=Path, help="plan file (default plans/<model>/<trainer>__<inference>__<quant>.plan)")
     args = parser.parse_args(argv)
@@ -34,7 +37,7 @@ def compile_main(argv: list[str] | None = None) -> int:
     try:
         result = compile_plan(
             CompileOptions(args.model, args.trainer_format, args.trainer_dtype, args.quant, args.output,
-                           trainer=args.trainer, inference=args.inference),
+                           trainer=args.trainer, inference=args.inference, trainer_layout=args.trainer_layout),
             log=_log,
         )
     except WeightplanError as exc:

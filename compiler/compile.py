@@ -38,6 +38,7 @@ class CompileOptions:
     output: Path | None = None
     trainer: str = "fsdp=1"
     inference: str = "tp=1"
+    trainer_layout: Path | None = None
 
 
 @dataclass
@@ -71,12 +72,10 @@ def compile_plan(opts: CompileOptions, *, log=None) -> CompileResult:
 
 def _compile(opts: CompileOptions, log) -> CompileResult:
     check_options(opts)
-    trainer_layout = parse_trainer(opts.trainer)
+    trainer_layout = parse_trainer(opts.trainer, opts.trainer_layout, opts.trainer_format)
     inference = parse_inference(opts.inference)
     name, config_dir = resolve_model(opts.model)
     inference.check(load_config_json(config_dir))
-    if trainer_layout.ep > 1 and opts.trainer_format != "stacked":
-        raise ModelConfigError("trainer ep needs --trainer-format stacked (experts stacked on dim 0)")
     timings: dict[str, float] = {"setup": 0.0, "build": 0.0, "trace": 0.0, "passes": 0.0}
     start, start_cpu = time.perf_counter(), time.process_time()
 
@@ -85,6 +84,7 @@ def _compile(opts: CompileOptions, log) -> CompileResult:
     base = make_vllm_config(config_dir)
     vllm_config = make_vllm_config(config_dir, tp=inference.tp, dp=inference.dp, ep=inference.ep) if inference.ranks > 1 else base
     sources = trainer_specs(config_dir, opts.trainer_format, getattr(torch, TRAINER_DTYPES[opts.trainer_dtype]))
+    trainer_layout = trainer_layout.bind(sources)
     add(timings, "setup", (start, start_cpu))  # importing vLLM, the engine configs, the trainer table
 
     per_rank = []

@@ -1,13 +1,17 @@
-"""Layouts of both sides: parse `--trainer` / `--inference` and refuse what vLLM cannot build."""
+"""Layouts of both sides: parse `--trainer` / `--trainer-layout` / `--inference`, and refuse what
+vLLM cannot build or what does not fit the trainer's tensors, before anything is traced."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-from ..runtime.shards import TrainerLayout
+from ..runtime.errors import LayoutError
+from ..runtime.shards import ShardLayout, TrainerLayout
+from ..runtime.trainer_layout import LayoutFile, read_trainer_layout
 from .frontend.errors import ModelConfigError
 
-__all__ = ["InferenceLayout", "TrainerLayout", "parse_trainer", "parse_inference"]
+__all__ = ["ExplicitTrainer", "InferenceLayout", "TrainerLayout", "parse_trainer", "parse_inference"]
 
 
 @dataclass(frozen=True)
@@ -49,11 +53,52 @@ class InferenceLayout:
                 raise ModelConfigError(f"inference ep over {self.ranks} ranks does not divide the {experts} routed experts")
 
 
-def parse_trainer(text: str) -> TrainerLayout:
+def parse_trainer(text: str, layout_file: Path | None = None, fmt: str = "hf") -> "TrainerLayout | ExplicitTrainer":
+    """The trainer layout from `--trainer` or `--trainer-layout FILE` (checked on its own here;
+    `.bind(trainer tensors)` then gives the plan's ShardLayout)."""
+    if layout_file is not None:
+        if text != "fsdp=1":
+            raise ModelConfigError("pass either --trainer or --trainer-layout, not both")
+        return ExplicitTrainer(read_trainer_layout(layout_file), fmt)
     try:
-        return TrainerLayout.parse(text)
+        layout = TrainerLayout.parse(text)
     except ValueError as exc:
         raise ModelConfigError(str(exc)) from None
+    if layout.ep > 1 and fmt != "stacked":
+        raise ModelConfigError("trainer ep needs --trainer-format stacked (experts stacked on dim 0)")
+    return layout
+
+
+@dataclass(frozen=True)
+class ExplicitTrainer:
+    """A `--trainer-layout` file for trainer tensors of format `fmt`."""
+
+    file: LayoutFile
+    fmt: str
+
+    def bind(self, specs) -> ShardLayout:
+        """Check the file against the trainer's tensors (names, global shapes, dtypes); LayoutError names the tensor."""
+        where = f"trainer layout {self.file.path}"
+        tensors = self.file.tensors
+        known = {s.name for s in specs}
+        unknown = [name for name in tensors if name not in known]
+        if unknown:
+            raise LayoutError(f"{where}: tensor {unknown[0]!r} is not a trainer tensor of --trainer-format {self.fmt}; "
+                              "write the file from the trainer model, or pass the --trainer-format its names follow")
+        missing = [s.name for s in specs if s.name not in tensors]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise LayoutError(f"{where} has no entry for trainer tensor {missing[0]!r}{more}; every trainer tensor "
+                              f"of --trainer-format {self.fmt} needs one")
+        for spec in specs:
+            entry = tensors[spec.name]
+            if entry.shape != tuple(spec.shape):
+                raise LayoutError(f"{where}: tensor {spec.name!r} has global shape {list(entry.shape)}, the trainer "
+                                  f"tensor is {list(spec.shape)}; write the file from the same model config")
+            if entry.dtype != spec.dtype:
+                raise LayoutError(f"{where}: tensor {spec.name!r} is {entry.dtype}, the trainer tensor is {spec.dtype} "
+                                  "(masters follow --trainer-dtype); pass the matching --trainer-dtype")
+        return ShardLayout.build(specs, [tensors[s.name].sharding for s in specs])
 
 
 def parse_inference(text: str) -> InferenceLayout:

@@ -34,7 +34,7 @@ def as_program(plan: Plan) -> Program:
     for s, r in set(zip(plan.runs["src"].tolist(), plan.runs["src_rank"].tolist())):
         shard_numel[r, s] = int(np.prod(plan.local_shape(s, r), dtype=np.int64))
     return Program(
-        sources=tuple(TensorSpec(e.name, e.shape, e.dtype, e.sharding) for e in plan.sources),
+        sources=tuple(TensorSpec(e.name, e.shape, e.dtype) for e in plan.sources),
         dests=tuple(TensorSpec(e.name, e.shape, e.dtype, ranks=e.ranks) for e in plan.dests),
         runs=runs,
         cast_chains=plan.cast_chains,
@@ -69,7 +69,7 @@ def summarize(plan: Plan) -> dict:
     return {
         "format_version": h["format_version"],
         "model": h["model"],
-        "trainer": h["trainer"],
+        "trainer": {k: v for k, v in h["trainer"].items() if k != "boxes"},
         "inference": h["inference"],
         "quant": h["quant"],
         "src_ranks": h["src_ranks"],

@@ -11,6 +11,7 @@ from .ir import Program
 def plan_header(program: Program) -> dict:
     """Header fields derived from the program; `program.meta` supplies model/layout/version facts."""
     meta = program.meta
+    layout = meta["trainer_layout"]
     return {
         "vllm_version": meta["vllm_version"],
         "model": meta["model"],
@@ -21,7 +22,7 @@ def plan_header(program: Program) -> dict:
         "quant": meta["quant"],
         "src_ranks": meta["src_ranks"],
         "dst_ranks": meta["dst_ranks"],
-        "sources": [[s.name, list(s.shape), s.dtype, s.sharding] for s in program.sources],
+        "sources": [[s.name, list(s.shape), s.dtype, layout.of[layout.index(s.name)]] for s in program.sources],
         "dests": [[d.name, list(d.shape), d.dtype, list(d.ranks)] for d in program.dests],
         "cast_chains": [list(c) for c in program.cast_chains],
         "stats": meta.get("stats", {}),

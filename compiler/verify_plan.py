@@ -12,7 +12,7 @@ import torch
 from ..runtime import execute_local, load_plan
 from ..runtime.errors import PlanMismatchError
 from ..runtime.plan_format import Plan
-from ..runtime.shards import box_segments, shard_box
+from ..runtime.shards import box_segments
 from .frontend.trainer_formats import checkpoint_tensors
 from .frontend.errors import ModelConfigError
 from .frontend.vllm_model import build_model, current_platform_name, make_vllm_config, parallel_rank
@@ -60,12 +60,10 @@ def random_sources(plan: Plan, mask: np.ndarray, seed: int) -> dict[str, torch.T
     reads are left unset; both the plan and vLLM read the same tensors, so they agree or differ together.
     """
     generator = torch.Generator().manual_seed(seed)
-    layout = plan.trainer_layout
     ranges: dict[int, list[tuple[int, int]]] = {}
     runs = plan.runs
     for rank, src, off, length in zip(*(runs[c][mask].tolist() for c in ("src_rank", "src", "src_off", "length"))):
-        entry = plan.sources[src]
-        starts, lengths, local = box_segments(entry.shape, shard_box(layout, entry.shape, entry.sharding, rank))
+        starts, lengths, local = box_segments(plan.sources[src].shape, plan.shard_box(src, rank))
         while length > 0:
             k = int(np.searchsorted(local, off, side="right")) - 1
             take = min(length, int(local[k] + lengths[k] - off))
@@ -144,14 +142,13 @@ def verify_plan(
 
 def shard_sources(plan: Plan, full: dict[str, torch.Tensor], ranks: set[int]) -> dict[int, dict[str, torch.Tensor]]:
     """The given trainer ranks' local shards (contiguous copies of their boxes) of the full tensors."""
-    layout = plan.trainer_layout
     out: dict[int, dict[str, torch.Tensor]] = {}
     for rank in sorted(ranks):
         local = {}
-        for entry in plan.sources:
-            if entry.name not in full:
+        for i, entry in enumerate(plan.sources):
+            box = plan.shard_box(i, rank)
+            if entry.name not in full or box is None:
                 continue
-            box = shard_box(layout, entry.shape, entry.sharding, rank)
             tensor = full[entry.name]
             for dim, (lo, hi) in enumerate(box):
                 tensor = tensor.narrow(dim, lo, hi - lo)

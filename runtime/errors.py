@@ -15,3 +15,7 @@ class PlanMismatchError(WeightplanError):
 
 class SyncError(WeightplanError):
     """A weight sync failed or timed out; the receiver's weights are marked incomplete."""
+
+
+class LayoutError(WeightplanError):
+    """A trainer layout (a --trainer-layout file or a live model's DTensors) is malformed or does not fit the trainer."""

@@ -18,15 +18,17 @@ import json
 import struct
 import zlib
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 
 from .errors import PlanFormatError
-from .shards import TrainerLayout, local_shape
+from .placements import Box
+from .shards import ShardLayout
 
 MAGIC = b"WPLAN\x00\r\n"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 RUN_COLUMNS = ("src_rank", "src", "src_off", "dest", "dst_off", "length", "wire")
 # Header keys that the fingerprint covers: everything the plan assumes about both sides.
 FINGERPRINT_KEYS = (
@@ -47,12 +49,13 @@ DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64":
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """A trainer tensor (with its sharding) or a destination entry (with the inference ranks holding it)."""
+    """A trainer tensor (with its index into the header's trainer layouts) or a destination entry
+    (with the inference ranks holding it)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
-    sharding: str = "dense"
+    layout: int = 0
     ranks: tuple[int, ...] = (0,)
 
     @property
@@ -78,14 +81,19 @@ class Plan:
     def fingerprint(self) -> str:
         return self.header["fingerprint"]
 
-    @property
-    def trainer_layout(self) -> TrainerLayout:
-        t = self.header["trainer"]
-        return TrainerLayout(t["fsdp"], t["ep"], t["replicas"])
+    @cached_property
+    def trainer_layout(self) -> ShardLayout:
+        """The box of each source every trainer rank holds (see runtime/shards.py)."""
+        return ShardLayout.from_header(self.header["trainer"], [(e.name, e.layout) for e in self.sources])
+
+    def shard_box(self, source: int, rank: int) -> Box | None:
+        """The box of source `source` that trainer `rank` holds; None if the rank is not in its mesh."""
+        return self.trainer_layout.box(source, rank)
 
     def local_shape(self, source: int, rank: int) -> tuple[int, ...]:
-        entry = self.sources[source]
-        return local_shape(self.trainer_layout, entry.shape, entry.sharding, rank)
+        """Shape of trainer `rank`'s local shard of source `source`; (0,) off its mesh, as DTensor reports."""
+        box = self.shard_box(source, rank)
+        return (0,) if box is None else tuple(b - a for a, b in box)
 
     @property
     def n_runs(self) -> int:
@@ -164,11 +172,19 @@ def decode_plan(data: bytes, origin: str = "<bytes>") -> Plan:
     runs = {c: flat[i * n : (i + 1) * n] for i, c in enumerate(RUN_COLUMNS)}
     try:
         sources = tuple(TensorEntry(s[0], tuple(s[1]), s[2], s[3]) for s in header["sources"])
-        dests = tuple(TensorEntry(d[0], tuple(d[1]), d[2], "dense", tuple(d[3])) for d in header["dests"])
+        dests = tuple(TensorEntry(d[0], tuple(d[1]), d[2], 0, tuple(d[3])) for d in header["dests"])
         chains = tuple(tuple(c) for c in header["cast_chains"])
     except (KeyError, IndexError, TypeError) as exc:
         raise PlanFormatError(f"{origin}: malformed tensor tables in the header ({exc})") from None
     plan = Plan(header, sources, dests, chains, runs)
+    try:
+        layout = plan.trainer_layout
+        bad = [e.name for e in sources if not 0 <= e.layout < len(layout.classes)]
+        bad += [e.name for e in sources if any(b is not None and len(b) != len(e.shape) for b in layout.classes[e.layout])]
+        if bad or any(len(c) != header["src_ranks"] for c in layout.classes):
+            raise ValueError(f"source {bad[0]!r}" if bad else "a box table does not list every trainer rank")
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise PlanFormatError(f"{origin}: malformed trainer layout in the header ({exc})") from None
     _check_tables(plan, origin)
     return plan
 

@@ -1,29 +1,45 @@
-"""Trainer layouts: which rank holds which box of each trainer tensor (FSDP2 / EP / HSDP semantics).
+"""Trainer layouts: the `fsdp/ep/replicas` shorthand as DTensor placements, and the canonical
+explicit layout (`ShardLayout`: the box of every trainer tensor each rank holds) a plan carries.
 
-Shared by the compiler (to split runs by shard) and the runtime (to check and address shards).
+Shared by the compiler (to bind layouts and split runs by shard) and the runtime (to address shards).
+The shorthand follows FSDP2, EP and HSDP as torchtitan lays them out, on ranks
+0 .. fsdp * replicas - 1 (rank k * fsdp + j is rank j of replica k):
 
-- Every non-expert tensor is sharded on dim 0 across the `fsdp` ranks of a replica with
-  torch.chunk rules: chunks of ceil(d0 / fsdp) rows, the last ones smaller or empty.
-- Expert stacks (`sharding == "expert"`, dim 0 = experts) are first split with torch.chunk over
-  `ep` groups; rank j of a replica is in EP group j % ep (EP ranks are the fastest-varying mesh
-  dim, as torchtitan builds its mesh). Each group's local stack is then sharded by the remaining
-  fsdp // ep ranks (rank j has index j // ep among them) on dim 0 when (fsdp // ep) * ep does not
-  exceed the number of experts, otherwise on dim 1.
-- `replicas` (HSDP) repeats the layout: rank k * fsdp + j holds what rank j holds.
+- every non-expert tensor: mesh (replicas, fsdp), placements (Replicate(), Shard(0)); FSDP2
+  chunks dim 0 with torch.chunk rules (the last chunks may be smaller or empty);
+- expert stacks (`sharding == "expert"`, dim 0 = experts) with ep > 1: rank j of a replica is in
+  EP group j % ep (EP is the fastest-varying mesh dim) with index j // ep among the group's
+  fsdp // ep ranks. EP chunks the experts, then FSDP chunks each group's stack on dim 0, or on
+  dim 1 when (fsdp // ep) * ep exceeds the number of experts. As placements that is mesh
+  (replicas, ep, fsdp // ep) holding rank k * fsdp + c * ep + g at (k, g, c), with
+  (Replicate(), Shard(0), Shard(0)) or (Replicate(), Shard(0), Shard(1)). FSDP2 itself reports
+  the dim-0 case as (_StridedShard(0, split_factor=ep), Shard(0)) on mesh (fsdp // ep, ep), which
+  gives the same boxes whenever ep divides the experts.
+
+A plan stores layouts as boxes, not placements, so every description of the same shards (the
+shorthand, or the file a DTensor trainer writes) gives the same plan.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from dataclasses import dataclass
+from functools import cached_property, lru_cache
 
 import numpy as np
 
 from .errors import PlanMismatchError
+from .placements import REPLICATE, Box, Mesh, Placement, Sharding, mesh_boxes
+
+RankBoxes = tuple[Box | None, ...]  # the box each trainer rank holds; None: not in the tensor's mesh
 
 
 @dataclass(frozen=True)
 class TrainerLayout:
+    """The `--trainer fsdp=N[,ep=M][,replicas=R]` shorthand."""
+
     fsdp: int = 1
     ep: int = 1
     replicas: int = 1
@@ -55,42 +71,110 @@ class TrainerLayout:
             parts.append(f"r{self.replicas}")
         return "-".join(parts)
 
-    def as_dict(self) -> dict:
-        return {"fsdp": self.fsdp, "ep": self.ep, "replicas": self.replicas}
+    def sharding_for(self, shape: tuple[int, ...], sharding: str) -> Sharding:
+        """The mesh and placements of a tensor of this shape and kind ("dense" or "expert")."""
+        return _expand(self, tuple(shape), sharding)
+
+    def bind(self, specs) -> "ShardLayout":
+        """The explicit layout of these trainer tensors (objects with name, shape and sharding kind)."""
+        return ShardLayout.build(specs, [self.sharding_for(s.shape, s.sharding) for s in specs])
 
 
-def _chunk(size: int, parts: int, index: int) -> tuple[int, int]:
-    """torch.chunk's piece `index` of `size` split into `parts`: [start, stop), possibly empty."""
-    step = math.ceil(size / parts) if size else 0
-    start = min(index * step, size)
-    return start, min(start + step, size)
+@lru_cache(maxsize=4096)
+def _expand(layout: TrainerLayout, shape: tuple[int, ...], kind: str) -> Sharding:
+    shard0 = Placement("shard", 0) if shape else REPLICATE
+    ranks = np.arange(layout.ranks)
+    if kind != "expert" or layout.ep == 1:
+        return Sharding(Mesh((layout.replicas, layout.fsdp), tuple(ranks.tolist())), (REPLICATE, shard0))
+    degree = layout.fsdp // layout.ep
+    inner = Placement("shard", 1) if degree * layout.ep > shape[0] and len(shape) >= 2 else shard0
+    grid = ranks.reshape(layout.replicas, degree, layout.ep).transpose(0, 2, 1)
+    return Sharding(Mesh(grid.shape, tuple(grid.reshape(-1).tolist())), (REPLICATE, shard0, inner))
 
 
-def shard_box(layout: TrainerLayout, shape: tuple[int, ...], sharding: str, rank: int) -> tuple[tuple[int, int], ...]:
-    """The [start, stop) range per dim of the global tensor that trainer `rank` holds."""
+def shard_box(layout: TrainerLayout, shape: tuple[int, ...], sharding: str, rank: int) -> Box:
+    """The [start, stop) range per dim of the global tensor that trainer `rank` holds under a shorthand."""
     if not 0 <= rank < layout.ranks:
         raise PlanMismatchError(f"trainer rank {rank} is outside the layout's {layout.ranks} ranks")
-    box = [(0, n) for n in shape]
-    if not shape:
-        return tuple(box) if rank % layout.fsdp == 0 else ()
-    j = rank % layout.fsdp
-    if sharding != "expert" or layout.ep == 1:
-        box[0] = _chunk(shape[0], layout.fsdp, j)
-        return tuple(box)
-    group, inner = j % layout.ep, j // layout.ep
-    degree = layout.fsdp // layout.ep
-    lo, hi = _chunk(shape[0], layout.ep, group)
-    if degree * layout.ep <= shape[0] or len(shape) < 2:
-        a, b = _chunk(hi - lo, degree, inner)
-        box[0] = (lo + a, lo + b)
-    else:
-        box[0] = (lo, hi)
-        box[1] = _chunk(shape[1], degree, inner)
-    return tuple(box)
+    return layout.sharding_for(shape, sharding).box(shape, rank)
 
 
-def local_shape(layout: TrainerLayout, shape: tuple[int, ...], sharding: str, rank: int) -> tuple[int, ...]:
-    return tuple(b - a for a, b in shard_box(layout, shape, sharding, rank))
+@lru_cache(maxsize=65536)
+def rank_boxes(sharding: Sharding, shape: tuple[int, ...], world: int) -> RankBoxes:
+    """The box each of `world` trainer ranks holds of a tensor with this sharding."""
+    boxes: list[Box | None] = [None] * world
+    for rank, box in zip(sharding.mesh.ranks, mesh_boxes(sharding, shape)):
+        boxes[rank] = box
+    return tuple(boxes)
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """The explicit layout a plan carries: per trainer tensor (in trainer order) the box each rank holds.
+
+    `classes` holds each distinct per-rank box table once; `of[i]` is tensor i's class. `token`
+    names the layout: the shorthand (smallest ep) with the same boxes, else `layout-<hash>`.
+    """
+
+    token: str
+    names: tuple[str, ...]
+    classes: tuple[RankBoxes, ...]
+    of: tuple[int, ...]
+
+    @staticmethod
+    def build(specs, shardings) -> "ShardLayout":
+        """From trainer tensors (name, shape, sharding kind) and their Shardings; ValueError if a shard is no box."""
+        world = 1 + max((max(s.mesh.ranks) for s in shardings), default=0)
+        classes: dict[RankBoxes, int] = {}
+        of = tuple(classes.setdefault(rank_boxes(s, tuple(spec.shape), world), len(classes)) for spec, s in zip(specs, shardings))
+        table = tuple(classes)
+        return ShardLayout(_token(specs, table, of, world), tuple(s.name for s in specs), table, of)
+
+    @property
+    def ranks(self) -> int:
+        """Number of trainer ranks."""
+        return len(self.classes[0]) if self.classes else 1
+
+    def box(self, index: int, rank: int) -> Box | None:
+        return self.classes[self.of[index]][rank]
+
+    @cached_property
+    def _index(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.names)}
+
+    def index(self, name: str) -> int:
+        return self._index[name]
+
+    def as_dict(self) -> dict:
+        """The header's `trainer.boxes` table: per class, per rank, [[start, stop], ...] or null."""
+        return {"boxes": [[None if b is None else [list(r) for r in b] for b in boxes] for boxes in self.classes]}
+
+    @staticmethod
+    def from_header(trainer: dict, sources: list[tuple[str, int]]) -> "ShardLayout":
+        """Rebuild from a plan header: `trainer` (token and boxes) and (name, class) per source."""
+        classes = tuple(tuple(None if b is None else tuple(tuple(r) for r in b) for b in boxes) for boxes in trainer["boxes"])
+        return ShardLayout(trainer["token"], tuple(n for n, _ in sources), classes, tuple(c for _, c in sources))
+
+    def bind(self, specs) -> "ShardLayout":
+        if tuple(s.name for s in specs) != self.names:
+            raise ValueError("this trainer layout describes other trainer tensors")
+        return self
+
+
+def _token(specs, classes: tuple[RankBoxes, ...], of: tuple[int, ...], world: int) -> str:
+    for replicas in _divisors(world):
+        fsdp = world // replicas
+        for ep in _divisors(fsdp):
+            candidate = TrainerLayout(fsdp, ep, replicas)
+            if all(rank_boxes(candidate.sharding_for(s.shape, s.sharding), tuple(s.shape), world) == classes[c]
+                   for s, c in zip(specs, of)):
+                return candidate.token
+    tables = ShardLayout("", (), classes, of).as_dict()["boxes"], list(of)
+    return "layout-" + hashlib.sha256(json.dumps(tables).encode()).hexdigest()[:12]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def box_segments(shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -19,7 +19,6 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 import torch
 
 from weightplan.runtime import Receiver, Rendezvous, Sender, SyncError, execute_local, load_plan
-from weightplan.runtime.shards import shard_box
 
 
 def full_weights(plan, seed: int, version: int) -> dict[str, torch.Tensor]:
@@ -32,10 +31,14 @@ def full_weights(plan, seed: int, version: int) -> dict[str, torch.Tensor]:
 
 
 def shard(plan, full: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    """Trainer `rank`'s local shards of the full tensors, as the plan's trainer layout cuts them."""
     local = {}
-    for entry in plan.sources:
-        tensor = full[entry.name]
-        for dim, (lo, hi) in enumerate(shard_box(plan.trainer_layout, entry.shape, entry.sharding, rank)):
+    for i, entry in enumerate(plan.sources):
+        tensor, box = full[entry.name], plan.shard_box(i, rank)
+        if box is None:  # this rank is outside the tensor's mesh
+            local[entry.name] = tensor.new_empty(plan.local_shape(i, rank))
+            continue
+        for dim, (lo, hi) in enumerate(box):
             tensor = tensor.narrow(dim, lo, hi - lo)
         local[entry.name] = tensor.contiguous()
     return local

@@ -6,74 +6,74 @@ import dataclasses
 
 import numpy as np
 
-from ...runtime.shards import TrainerLayout, box_segments, shard_box
+from ...runtime.shards import TrainerLayout, box_segments
 from ..ir import Program, Runs, itemsize
 
 
 def split_shards(program: Program) -> Program:
     """Give every run one serving trainer rank and a shard-local source offset.
 
-    Where several ranks hold the same bytes (HSDP replicas), the piece goes to the holder that
-    has served the fewest bytes so far (bytes counted once per inference rank that reads them),
-    visiting pieces in a fixed order, so the choice is deterministic and balanced.
+    `meta["trainer_layout"]` (a ShardLayout, or a TrainerLayout shorthand; default one rank) says
+    which box of each source every rank holds. Where several ranks hold the same box (HSDP
+    replicas, Replicate() placements), each piece goes to the holder that has served the fewest
+    bytes so far (bytes counted once per inference rank that reads them, pieces with one holder
+    counted first, the others visited largest first), so the choice is deterministic and balanced.
     """
-    layout: TrainerLayout = program.meta.get("trainer_layout", TrainerLayout())  # default: one rank holds all
+    layout = (program.meta.get("trainer_layout") or TrainerLayout()).bind(program.sources)
     runs = program.runs
+    class_numel = np.array([[0 if b is None else int(np.prod([hi - lo for lo, hi in b])) for b in boxes]
+                            for boxes in layout.classes], dtype=np.int64).reshape(len(layout.classes), layout.ranks)
+    shard_numel = np.ascontiguousarray(class_numel[list(layout.of)].T).reshape(layout.ranks, len(program.sources))
     if layout.ranks == 1:  # one trainer rank holds every tensor whole: global offsets are local
-        shard_numel = np.array([[spec.numel for spec in program.sources]], dtype=np.int64)
         cut = dataclasses.replace(runs, src_rank=np.zeros(len(runs), dtype=np.int64))
         return dataclasses.replace(program, runs=cut, meta=dict(program.meta, shard_numel=shard_numel))
     holders = np.array([len(d.ranks) for d in program.dests], dtype=np.int64)
     sizes = np.array([itemsize(c[-1]) for c in program.cast_chains] or [0], dtype=np.int64)
-    served = np.zeros(layout.ranks, dtype=np.int64)
+    groups: list[np.ndarray] = []  # the ranks holding each distinct box, ascending
+    segments: dict[int, tuple] = {}
     pieces = []
-    segments: dict[tuple, tuple] = {}  # (shape, sharding) -> _segments(...): layers repeat shapes
     by_src = runs.take(np.argsort(runs.src, kind="stable"))
     bounds = np.searchsorted(by_src.src, np.arange(len(program.sources) + 1))
     for src in np.flatnonzero(np.diff(bounds)):
         spec = program.sources[src]
+        cls = layout.of[src]
+        if cls not in segments:
+            segments[cls] = _segments(layout.classes[cls], spec.shape, groups)
         mine = by_src.take(np.arange(bounds[src], bounds[src + 1]))
-        key = (spec.shape, spec.sharding)
-        if key not in segments:
-            segments[key] = _segments(layout, spec.shape, spec.sharding)
-        pieces.append(_cut(mine, *segments[key]))
+        pieces.append(_cut(mine, *segments[cls]))
     cut = Runs.concat(pieces)
-    # Pick one holder (replica) per piece, balancing bytes served.
+    group = cut.src_rank  # _cut leaves the holder group in src_rank
     weight = cut.length * sizes[cut.wire] * holders[cut.dest]
-    base = cut.src_rank.copy()
-    if layout.replicas > 1:
-        for i in np.argsort(-weight, kind="stable"):
-            options = base[i] + layout.fsdp * np.arange(layout.replicas)
-            choice = options[np.argmin(served[options])]
-            served[choice] += weight[i]
-            base[i] = choice
-    cut = dataclasses.replace(cut, src_rank=base)
-    numel_of: dict[tuple, np.ndarray] = {}
-    shard_numel = np.zeros((layout.ranks, len(program.sources)), dtype=np.int64)
-    for i, spec in enumerate(program.sources):
-        key = (spec.shape, spec.sharding)
-        if key not in numel_of:
-            numel_of[key] = np.array([_box_numel(shard_box(layout, spec.shape, spec.sharding, rank), spec.shape)
-                                      for rank in range(layout.ranks)], dtype=np.int64)
-        shard_numel[:, i] = numel_of[key]
-    meta = dict(program.meta, shard_numel=shard_numel)
-    return dataclasses.replace(program, runs=cut, meta=meta)
+    count = np.array([len(g) for g in groups], dtype=np.int64)
+    first = np.array([g[0] for g in groups], dtype=np.int64)
+    chosen = first[group]
+    single = count[group] == 1
+    served = np.bincount(chosen[single], weights=weight[single], minlength=layout.ranks).astype(np.int64)
+    shared = np.flatnonzero(~single)
+    for i in shared[np.argsort(-weight[shared], kind="stable")]:
+        options = groups[group[i]]
+        choice = options[np.argmin(served[options])]
+        served[choice] += weight[i]
+        chosen[i] = choice
+    cut = dataclasses.replace(cut, src_rank=chosen)
+    return dataclasses.replace(program, runs=cut, meta=dict(program.meta, shard_numel=shard_numel))
 
 
-def _box_numel(box, shape) -> int:
-    return int(np.prod([b - a for a, b in box])) if box else (1 if not shape else 0)
-
-
-def _segments(layout: TrainerLayout, shape, sharding):
-    """All shard segments of one tensor within replica 0, sorted by global start."""
+def _segments(boxes, shape, groups: list[np.ndarray]):
+    """The distinct non-empty boxes of one tensor as flat segments sorted by global start, each
+    tagged with the index of its holder group (appended to `groups`)."""
+    holders: dict[tuple, list[int]] = {}
+    for rank, box in enumerate(boxes):
+        if box is not None and all(hi > lo for lo, hi in box):
+            holders.setdefault(box, []).append(rank)
     parts = []
-    for rank in range(layout.fsdp):
-        box = shard_box(layout, shape, sharding, rank)
+    for box, ranks in holders.items():
         start, length, local = box_segments(shape, box)
-        parts.append((start, length, local, np.full(len(start), rank, dtype=np.int64)))
-    start, length, local, rank = (np.concatenate(p) for p in zip(*parts))
+        parts.append((start, length, local, np.full(len(start), len(groups), dtype=np.int64)))
+        groups.append(np.array(ranks, dtype=np.int64))
+    start, length, local, group = (np.concatenate(p) for p in zip(*parts))
     order = np.argsort(start, kind="stable")
-    return start[order], length[order], local[order], rank[order]
+    return start[order], length[order], local[order], group[order]
 
 
 def _cut(runs: Runs, seg_start, seg_len, seg_local, seg_rank) -> Runs:
