@@ -23,9 +23,10 @@ from .models import config_hash, load_config_json, resolve_model
 from .passes.pipeline import run_passes
 from .passes.verify import descriptors_lower_bound, descriptors_posted, verify
 from .plan_writer import write_program
+from . import quant_compile
+from .quant_compile import QUANTS
 
 TRAINER_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
-QUANTS = ("none",)
 
 
 @dataclass(frozen=True)
@@ -81,23 +82,31 @@ def _compile(opts: CompileOptions, log) -> CompileResult:
 
     import vllm
 
-    base = make_vllm_config(config_dir)
-    vllm_config = make_vllm_config(config_dir, tp=inference.tp, dp=inference.dp, ep=inference.ep) if inference.ranks > 1 else base
+    quantization = quant_compile.vllm_quantization(opts.quant)
+    base = make_vllm_config(config_dir, quantization=quantization)
+    vllm_config = (make_vllm_config(config_dir, tp=inference.tp, dp=inference.dp, ep=inference.ep, quantization=quantization)
+                   if inference.ranks > 1 else base)
     sources = trainer_specs(config_dir, opts.trainer_format, getattr(torch, TRAINER_DTYPES[opts.trainer_dtype]))
     timings["build"] += time.perf_counter() - start
 
     per_rank = []
     chains: tuple = ()
     assignments_total = 0
+    quantized: dict = {}
+    derived: list = []
     for rank in range(inference.ranks):
         tp_rank, dp_rank = inference.rank_coords(rank)
         t = time.perf_counter()
         vllm_config.compilation_config.static_forward_context.clear()  # layer names are per model
-        model = build_model(vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=base)
+        with quant_compile.build_context(opts.quant):
+            model = build_model(vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=base)
+            quant_compile.prepare_trace(opts.quant, model)
         timings["build"] += time.perf_counter() - t
         t = time.perf_counter()
         with parallel_rank(vllm_config, tp_rank, dp_rank):
             assignments, dests = trace_load(model, sources, opts.trainer_format, _progress(log, name, rank, inference.ranks))
+            with quant_compile.build_context(opts.quant):
+                quant_compile.trace_post_load(opts.quant, model, quantized, derived)
         timings["trace"] += time.perf_counter() - t
         t = time.perf_counter()
         lowered = run_passes(Program(tuple(sources), tuple(dests), tuple(assignments), cast_chains=chains), stop_before="split_shards")
@@ -127,8 +136,7 @@ def _compile(opts: CompileOptions, log) -> CompileResult:
     split = run_passes(program, start_at="split_shards", stop_before="coalesce")
     runs_before = len(split.runs)
     lower_bound = descriptors_lower_bound(split.runs, split.dests)
-    compiled = run_passes(split, start_at="coalesce")
-    coverage = verify(compiled)
+    compiled, coverage = quant_compile.finish(opts.quant, run_passes(split, start_at="coalesce"), quantized, derived)
     timings["passes"] += time.perf_counter() - t
 
     stats = {

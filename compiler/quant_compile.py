@@ -1,0 +1,69 @@
+"""The --quant hooks of compile_plan: build context, post-load trace per rank, and block placement at the end."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+from .frontend.errors import ModelConfigError
+from .ir import Program
+from .passes.place_quant import place_quant
+from .passes.verify import Coverage, PlanInvariantError, verify
+
+QUANTS = ("none", "fp8_per_block")
+
+
+def vllm_quantization(quant: str) -> str | None:
+    return None if quant == "none" else quant
+
+
+def build_context(quant: str):
+    """During model builds: stub only vLLM's fp8 kernel choice (see frontend/fp8_kernels.py)."""
+    if quant == "none":
+        return contextlib.nullcontext()
+    from .frontend.fp8_kernels import triton_fp8_kernels
+
+    return triton_fp8_kernels()
+
+
+def prepare_trace(quant: str, model) -> None:
+    """Before tracing load_weights: let the quantized layers' loaders write their bf16 parameters."""
+    if quant != "none":
+        from .frontend.fp8_trace import unwrap_online_loaders
+
+        unwrap_online_loaders(model)
+
+
+def trace_post_load(quant: str, model, found: dict, derived: list) -> None:
+    """After tracing one rank: trace process_weights_after_loading; collect quantized tensors and derived state."""
+    if quant == "none":
+        return
+    from .frontend import fp8_trace
+
+    tensors, _ = fp8_trace.trace_post_load(model)
+    for t in tensors:
+        found[t.staging] = (t.weight, t.scale)
+    if not derived:
+        derived.extend([d.module, d.what, list(d.reads), d.where] for d in fp8_trace.derived_state(model))
+
+
+def finish(quant: str, program: Program, found: dict, derived: list) -> tuple[Program, Coverage]:
+    """Check coverage and, with fp8, place every block's quantization; returns the program to write."""
+    if quant == "none":
+        return program, verify(program)
+    coverage = verify(program, require_full_coverage=False)
+    stray = [name for name in coverage.uncovered if name not in found]
+    if stray:
+        raise PlanInvariantError(f"{len(stray)} destination tensors are not fully written by the plan, e.g. {', '.join(stray[:5])}")
+    if not found:
+        raise ModelConfigError(f"--quant {quant}: vLLM quantizes no layer of this model online; compile with --quant none")
+    from .frontend.fp8_kernels import KERNEL_LAYOUT
+
+    program = dataclasses.replace(program, meta=dict(program.meta, quant_tensors=found))
+    placed = place_quant(program)
+    placed.meta["quant_layout"] = KERNEL_LAYOUT
+    placed.meta["derived"] = derived + [
+        [name, "zero padding of rows/cols vLLM adds to reach 128 multiples (MoE); bytes no run writes", [name], "plan"]
+        for name in coverage.uncovered
+    ]
+    return placed, coverage
