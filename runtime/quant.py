@@ -82,3 +82,12 @@ def span_dest_segments(shape: tuple[int, ...], first: int, count: int, block: in
             else:
                 out.append((off, c1 - c0))
     return out
+
+
+def span_elements(shape: tuple[int, ...], first: int, count: int, block: int = BLOCK) -> int:
+    """Destination elements (fp8 bytes) a span of blocks covers; edge blocks are smaller than block x block."""
+    rows, cols = shape[-2:]
+    total = 0
+    for _, brow, bcol, n in span_bands(shape, first, count, block):
+        total += (min(brow * block + block, rows) - brow * block) * (min((bcol + n) * block, cols) - bcol * block)
+    return total
