@@ -44,15 +44,18 @@ def verify_quant(shapes: list[tuple[int, ...]], holders: list[int], stage: dict,
         copies = {(int(stage["side"][i]), int(stage["stage_off"][i]), int(stage["length"][i]), int(stage["src_rank"][i]))
                   for i in runs.tolist()}
         for run_side, off, length, rank in copies:
-            touched = np.concatenate([np.arange(lo, hi) for lo, hi in block_ranges(shape, off, length)])
-            for b in touched.tolist():
-                if side[b] == SENDER and owner[b] != rank:
+            for lo, hi in block_ranges(shape, off, length):
+                sides, owners = side[lo:hi], owner[lo:hi]
+                stray = np.flatnonzero((sides == SENDER) & (owners != rank))
+                if len(stray):
+                    b = lo + int(stray[0])
                     raise PlanInvariantError(f"staging tensor {index}: sender-side block {b} of trainer rank {owner[b]} "
                                              f"is also written from trainer rank {rank}")
-                if (side[b], off, length, rank) not in copies:
-                    where = "sender" if side[b] == SENDER else "receiver"
-                    raise PlanInvariantError(f"staging tensor {index}: block {b} is quantized on the {where} side but its "
-                                             f"stage run [{off}:+{length}] from trainer rank {rank} does not go there")
+                for wanted, where in ((SENDER, "sender"), (RECEIVER, "receiver")):
+                    if (sides == wanted).any() and (wanted, off, length, rank) not in copies:
+                        b = lo + int(np.flatnonzero(sides == wanted)[0])
+                        raise PlanInvariantError(f"staging tensor {index}: block {b} is quantized on the {where} side but "
+                                                 f"its stage run [{off}:+{length}] from trainer rank {rank} does not go there")
         blocks += len(count) * holders[index]
         sender_blocks += int((side == SENDER).sum()) * holders[index]
     return QuantCoverage(blocks, sender_blocks)
