@@ -22,6 +22,9 @@ PLANS = [
     {"model": "glm-5.2", "trainer_format": "hf", "trainer_dtype": "bf16"},
     # The seed topology (issue: parallel layouts): targets 60 s wall, 4 GB RSS, 16 MB plan, src_balance <= 1.10.
     {"model": "glm-5.2", "trainer_format": "stacked", "trainer_dtype": "bf16", "trainer": "fsdp=64,ep=8", "inference": "dp=32,ep"},
+    # The seed topology with vLLM's online fp8_per_block (issue 5): targets wire_bytes <= 1.05 x dst_bytes, 60 s.
+    {"model": "glm-5.2", "trainer_format": "stacked", "trainer_dtype": "bf16", "trainer": "fsdp=64,ep=8", "inference": "dp=32,ep",
+     "quant": "fp8_per_block"},
 ]
 
 
@@ -34,12 +37,15 @@ def worker(spec: dict, output: str) -> None:
     result = compile_plan(CompileOptions(**spec, output=Path(output)))
     summary = summarize(load_plan(output))
     print(json.dumps({"timings": result.timings, "stats": result.stats, "plan_bytes": result.plan_bytes,
-                      "src_balance": summary["src_balance"], "dst_balance": summary["dst_balance"]}))
+                      "src_balance": summary["src_balance"], "dst_balance": summary["dst_balance"],
+                      "wire_bytes": summary["wire_bytes"], "dst_bytes": summary["dst_bytes"],
+                      "sender_quantized_fraction": summary["sender_quantized_fraction"]}))
 
 
 def run(spec: dict, out_dir: Path) -> dict:
     layouts = f"{spec.get('trainer', 'fsdp=1')} -> {spec.get('inference', 'tp=1')}"
-    output = out_dir / (f"{spec['model']}-{spec['trainer_format']}-{spec['trainer_dtype']}-{layouts}.plan".replace(" ", "").replace(">", ""))
+    quant = spec.get("quant", "none")
+    output = out_dir / (f"{spec['model']}-{spec['trainer_format']}-{spec['trainer_dtype']}-{layouts}-{quant}.plan".replace(" ", "").replace(">", ""))
     start = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, __file__, "--worker", json.dumps(spec), str(output)],
@@ -53,7 +59,7 @@ def run(spec: dict, out_dir: Path) -> dict:
     r = json.loads(stdout.strip().splitlines()[-1])
     t, s = r["timings"], r["stats"]
     return {
-        "plan": f"{spec['model']} {spec['trainer_format']}-{spec['trainer_dtype']} {layouts}",
+        "plan": f"{spec['model']} {spec['trainer_format']}-{spec['trainer_dtype']} {layouts} {quant}",
         "compile_s": round(t["total"], 2),
         "wall_s": round(wall, 2),
         "build_s": round(t["build"], 2),
@@ -68,6 +74,8 @@ def run(spec: dict, out_dir: Path) -> dict:
         "plan_bytes": r["plan_bytes"],
         "src_balance": round(r["src_balance"], 4),
         "dst_balance": round(r["dst_balance"], 4),
+        "wire_over_dst": round(r["wire_bytes"] / r["dst_bytes"], 4),
+        "sender_quantized_fraction": round(r["sender_quantized_fraction"], 4),
     }
 
 
