@@ -9,6 +9,7 @@ from .frontend.errors import ModelConfigError
 from .ir import Program
 from .passes.place_quant import place_quant
 from .passes.verify import Coverage, PlanInvariantError, verify
+from .passes.verify_quant import verify_quant
 
 QUANTS = ("none", "fp8_per_block")
 
@@ -66,4 +67,8 @@ def finish(quant: str, program: Program, found: dict, derived: list) -> tuple[Pr
         [name, "zero padding of rows/cols vLLM adds to reach 128 multiples (MoE); bytes no run writes", [name], "plan"]
         for name in coverage.uncovered
     ]
-    return placed, coverage
+    q = placed.meta["quant_placement"]
+    verify_quant([shape for _, shape, _, _, _ in q.staging], [len(ranks) for _, _, ranks, _, _ in q.staging], q.stage, q.spans)
+    after = verify(placed, require_full_coverage=False)
+    quant_bytes = sum((placed.dests[w].numel + 4 * placed.dests[s].numel) * len(ranks) for _, _, ranks, w, s in q.staging)
+    return placed, Coverage(after.dst_bytes, after.written_once_bytes + quant_bytes, ())
