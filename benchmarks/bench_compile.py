@@ -30,6 +30,9 @@ PLANS = [
     {"model": "glm-5.2", "trainer_format": "hf", "trainer_dtype": "bf16"},
     # The seed topology (issue: parallel layouts): targets 60 s wall, 4 GB RSS, 16 MB plan, src_balance <= 1.10.
     {"model": "glm-5.2", "trainer_format": "stacked", "trainer_dtype": "bf16", "trainer": "fsdp=64,ep=8", "inference": "dp=32,ep"},
+    # The seed topology with vLLM's online fp8_per_block (issue 5): targets wire_bytes <= 1.05 x dst_bytes, 60 s.
+    {"model": "glm-5.2", "trainer_format": "stacked", "trainer_dtype": "bf16", "trainer": "fsdp=64,ep=8", "inference": "dp=32,ep",
+     "quant": "fp8_per_block"},
 ]
 
 
@@ -50,12 +53,15 @@ def worker(spec: dict, output: str) -> None:
     print(json.dumps({"timings": result.timings, "stats": result.stats, "plan_bytes": result.plan_bytes,
                       "src_balance": summary["src_balance"], "dst_balance": summary["dst_balance"],
                       "compiled_at": compiled_at, "compiled_cpu": compiled_cpu,
-                      "plan": str(name), "identical_to_checked_in": checked_in.exists() and checked_in.read_bytes() == Path(output).read_bytes()}))
+                      "plan": str(name), "identical_to_checked_in": checked_in.exists() and checked_in.read_bytes() == Path(output).read_bytes(),
+                      "wire_bytes": summary["wire_bytes"], "dst_bytes": summary["dst_bytes"],
+                      "sender_quantized_fraction": summary["sender_quantized_fraction"]}))
 
 
 def run(spec: dict, out_dir: Path) -> dict:
     layouts = f"{spec.get('trainer', 'fsdp=1')} -> {spec.get('inference', 'tp=1')}"
-    output = out_dir / (f"{spec['model']}-{spec['trainer_format']}-{spec['trainer_dtype']}-{layouts}.plan".replace(" ", "").replace(">", ""))
+    quant = spec.get("quant", "none")
+    output = out_dir / (f"{spec['model']}-{spec['trainer_format']}-{spec['trainer_dtype']}-{layouts}-{quant}.plan".replace(" ", "").replace(">", ""))
     start, launched = time.perf_counter(), time.time()
     proc = subprocess.Popen(
         [sys.executable, __file__, "--worker", json.dumps(spec), str(output)],
@@ -70,7 +76,7 @@ def run(spec: dict, out_dir: Path) -> dict:
     t, s = r["timings"], r["stats"]
     return {
         "plan": r["plan"],
-        "layouts": f"{spec['model']} {spec['trainer_format']}-{spec['trainer_dtype']} {layouts}",
+        "layouts": f"{spec['model']} {spec['trainer_format']}-{spec['trainer_dtype']} {layouts} {quant}",
         "compile_s": round(t["total"], 2),
         "wall_s": round(r["compiled_at"] - launched, 2),
         "cpu_s": round(r["compiled_cpu"], 2),
@@ -94,6 +100,8 @@ def run(spec: dict, out_dir: Path) -> dict:
         "src_balance": round(r["src_balance"], 4),
         "dst_balance": round(r["dst_balance"], 4),
         "identical_to_checked_in": r["identical_to_checked_in"],
+        "wire_over_dst": round(r["wire_bytes"] / r["dst_bytes"], 4),
+        "sender_quantized_fraction": round(r["sender_quantized_fraction"], 4),
     }
 
 

@@ -24,7 +24,7 @@ def compile_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="shipped model name (e.g. glm-5.2) or a directory with a Hugging Face config.json")
     parser.add_argument("--trainer-format", default="hf", help="trainer tensor layout: hf (checkpoint) or stacked (transformers-5 stacked experts)")
     parser.add_argument("--trainer-dtype", default="bf16", help="trainer master weight dtype: bf16 or fp32")
-    parser.add_argument("--quant", default="none", help="inference quantization (this version: none)")
+    parser.add_argument("--quant", default="none", help="inference quantization: none or fp8_per_block (vLLM online 128x128 block fp8; quantized on the sender where blocks are shard-local)")
     trainer = parser.add_mutually_exclusive_group()
     trainer.add_argument("--trainer", default="fsdp=1", help="trainer layout: fsdp=N[,ep=M][,replicas=R]")
     trainer.add_argument("--trainer-layout", type=Path, metavar="FILE",

@@ -24,9 +24,10 @@ from .passes.pipeline import run_passes
 from .passes.verify import descriptors_lower_bound, descriptors_posted, verify
 from .plan_writer import write_program
 from .timing import add, clock, phase
+from . import quant_compile
+from .quant_compile import QUANTS
 
 TRAINER_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
-QUANTS = ("none",)
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,10 @@ def _compile(opts: CompileOptions, log) -> CompileResult:
 
     import vllm
 
-    base = make_vllm_config(config_dir)
-    vllm_config = make_vllm_config(config_dir, tp=inference.tp, dp=inference.dp, ep=inference.ep) if inference.ranks > 1 else base
+    quantization = quant_compile.vllm_quantization(opts.quant)
+    base = make_vllm_config(config_dir, quantization=quantization)
+    vllm_config = (make_vllm_config(config_dir, tp=inference.tp, dp=inference.dp, ep=inference.ep, quantization=quantization)
+                   if inference.ranks > 1 else base)
     sources = trainer_specs(config_dir, opts.trainer_format, getattr(torch, TRAINER_DTYPES[opts.trainer_dtype]))
     trainer_layout = trainer_layout.bind(sources)
     add(timings, "setup", (start, start_cpu))  # importing vLLM, the engine configs, the trainer table
@@ -90,7 +93,8 @@ def _compile(opts: CompileOptions, log) -> CompileResult:
     per_rank = []
     chains: tuple = ()
     assignments_total = 0
-    ranks = RankTracer(vllm_config, base, inference, sources, opts.trainer_format, timings)
+    quant_hooks = quant_compile.hooks(opts.quant)
+    ranks = RankTracer(vllm_config, base, inference, sources, opts.trainer_format, timings, quant_hooks=quant_hooks)
     for rank in range(inference.ranks):
         assignments, dests = ranks.trace(rank, _progress(log, name, rank, inference.ranks))
         with phase(timings, "passes"):
@@ -119,8 +123,8 @@ def _compile(opts: CompileOptions, log) -> CompileResult:
     split = run_passes(program, start_at="split_shards", stop_before="coalesce")
     runs_before = len(split.runs)
     lower_bound = descriptors_lower_bound(split.runs, split.dests)
-    compiled = run_passes(split, start_at="coalesce")
-    coverage = verify(compiled)
+    found, derived = (quant_hooks.found, quant_hooks.derived) if quant_hooks else ({}, [])
+    compiled, coverage = quant_compile.finish(opts.quant, run_passes(split, start_at="coalesce"), found, derived)
     add(timings, "passes", started)
 
     stats = {

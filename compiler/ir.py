@@ -182,3 +182,23 @@ def itemsize(dtype: str) -> int:
         return DTYPE_SIZES[dtype]
     except KeyError:
         raise ValueError(f"unsupported dtype {dtype!r}; supported: {sorted(DTYPE_SIZES)}") from None
+
+
+@dataclass(frozen=True)
+class QuantPlacement:
+    """Where each 128x128 block of each quantized tensor is quantized (fp8_per_block), as parallel arrays.
+
+    `staging` rows: (name, shape, ranks, weight dest index, scale dest index); the bf16 tensor
+    vLLM's loaders write before process_weights_after_loading. Stage runs (`stage_*`, in
+    elements) copy trainer shard bytes into a staging tensor: side 0 on the trainer rank itself
+    (into its arena, never on the wire), side 1 pulled by the receivers. Spans cover flat block
+    ids [first, first + count) (matrix, block row, block col order): side 0 quantized by trainer
+    `src_rank`, side 1 by each receiver from its staging.
+    """
+
+    staging: tuple[tuple, ...]
+    stage: dict  # columns STAGE_COLUMNS -> int64 arrays
+    spans: dict  # columns SPAN_COLUMNS -> int64 arrays
+
+    SENDER = 0
+    RECEIVER = 1

@@ -5,9 +5,11 @@ from __future__ import annotations
 import jinja2
 import numpy as np
 
-from ..runtime.plan_format import Plan
+from ..runtime.plan_format import DTYPE_SIZES, RECEIVER, SENDER, Plan
 from .ir import Program, Runs, TensorSpec
+from ..runtime.quant import span_elements
 from .passes.verify import descriptors_lower_bound, descriptors_posted, verify
+from .passes.verify_quant import verify_quant
 
 TEXT = jinja2.Template(
     """\
@@ -19,7 +21,8 @@ weightplan plan (format {{ s.format_version }})
   sources        {{ h.sources | length }} trainer tensors
   destinations   {{ s.dst_tensors }} tensors ({{ s.dst_entries }} distinct), {{ s.dst_bytes }} bytes, coverage {{ "%.6f" | format(s.dst_coverage) }}
   wire           {{ s.wire_bytes }} bytes
-  descriptors    {{ s.descriptors }} posted, {{ s.descriptors_stored }} stored (lower bound {{ s.descriptors_lower_bound }})
+{% if s.quantized_blocks %}  fp8 blocks     {{ s.quantized_blocks }} in {{ s.quantized_tensors }} tensors, {{ "%.4f" | format(s.sender_quantized_fraction) }} quantized on the sender; {{ s.derived }} derived post-load items
+{% endif %}  descriptors    {{ s.descriptors }} posted, {{ s.descriptors_stored }} stored (lower bound {{ s.descriptors_lower_bound }})
   balance        trainer ranks {{ "%.3f" | format(s.src_balance) }}, inference ranks {{ "%.3f" | format(s.dst_balance) }} (max/mean bytes)
   fingerprint    {{ s.fingerprint }}
 {% for r in runs %}  {{ "%-6d" | format(loop.index0) }} trainer {{ r.src_rank }} {{ r.src }}[{{ r.src_off }}:+{{ r.length }}] -> {{ r.dest }}[{{ r.dst_off }}:+{{ r.length }}]{{ r.cast }}
@@ -53,6 +56,19 @@ def per_rank_bytes(plan: Plan) -> tuple[list[int], list[int]]:
         holders[i] = len(entry.ranks)
     weights = nbytes * holders[plan.runs["dest"]] if plan.n_runs else nbytes
     src = np.bincount(plan.runs["src_rank"], weights=weights, minlength=plan.header["src_ranks"])
+    # fp8: receiver-side stage runs carry bf16; sender-side spans carry fp8 values and float32 scales.
+    stage, spans = plan.stage, plan.spans
+    sizes = np.array([DTYPE_SIZES[chain[-1]] for chain in plan.cast_chains] or [0], dtype=np.int64)
+    for i in np.flatnonzero(stage["side"] == RECEIVER).tolist():
+        entry = plan.staging[stage["stage"][i]]
+        n = int(stage["length"][i] * sizes[stage["wire"][i]])
+        dst[list(entry.ranks)] += n
+        src[stage["src_rank"][i]] += n * len(entry.ranks)
+    for i in np.flatnonzero(spans["side"] == SENDER).tolist():
+        entry = plan.staging[spans["stage"][i]]
+        n = span_elements(entry.shape, int(spans["first_block"][i]), int(spans["n_blocks"][i])) + 4 * int(spans["n_blocks"][i])
+        dst[list(entry.ranks)] += n
+        src[spans["src_rank"][i]] += n * len(entry.ranks)
     return [int(x) for x in dst], [int(x) for x in src]
 
 
@@ -65,6 +81,8 @@ def summarize(plan: Plan) -> dict:
     h = plan.header
     program = as_program(plan)
     coverage = verify(program, require_full_coverage=False)
+    quant = verify_quant([e.shape for e in plan.staging], [len(e.ranks) for e in plan.staging], plan.stage, plan.spans)
+    quant_bytes = sum((plan.dests[e.weight].nbytes + plan.dests[e.scale].nbytes) * len(e.ranks) for e in plan.staging)
     bytes_dst, bytes_src = per_rank_bytes(plan)
     return {
         "format_version": h["format_version"],
@@ -81,7 +99,11 @@ def summarize(plan: Plan) -> dict:
         "descriptors": descriptors_posted(program.runs, program.dests),
         "descriptors_stored": plan.n_runs,
         "descriptors_lower_bound": descriptors_lower_bound(program.runs, program.dests),
-        "dst_coverage": coverage.fraction,
+        "dst_coverage": (coverage.written_once_bytes + quant_bytes) / coverage.dst_bytes if coverage.dst_bytes else 1.0,
+        "quantized_tensors": sum(len(e.ranks) for e in plan.staging),
+        "quantized_blocks": quant.blocks,
+        "sender_quantized_fraction": quant.sender_fraction,
+        "derived": len(h.get("derived", [])),
         "bytes_per_dst_rank": bytes_dst,
         "bytes_per_src_rank": bytes_src,
         "src_balance": _balance(bytes_src),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..runtime.plan_format import RUN_COLUMNS, write_plan
-from .ir import Program
+from .ir import Program, QuantPlacement
 
 
 def plan_header(program: Program) -> dict:
@@ -26,11 +26,19 @@ def plan_header(program: Program) -> dict:
         "dests": [[d.name, list(d.shape), d.dtype, list(d.ranks)] for d in program.dests],
         "cast_chains": [list(c) for c in program.cast_chains],
         "stats": meta.get("stats", {}),
+        "staging": [[n, list(shape), "bfloat16", list(ranks), w, s] for n, shape, ranks, w, s in _quant(program).staging],
+        "quant_layout": meta.get("quant_layout", {}),
+        "derived": meta.get("derived", []),
     }
+
+
+def _quant(program: Program) -> QuantPlacement:
+    return program.meta.get("quant_placement") or QuantPlacement((), {}, {})
 
 
 def write_program(program: Program, path: Path) -> int:
     """Write atomically; returns the file size."""
-    runs = program.runs
-    written = write_plan(path, plan_header(program), {column: getattr(runs, column) for column in RUN_COLUMNS})
+    runs, quant = program.runs, _quant(program)
+    written = write_plan(path, plan_header(program), {column: getattr(runs, column) for column in RUN_COLUMNS},
+                         quant.stage or None, quant.spans or None)
     return written.stat().st_size

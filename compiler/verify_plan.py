@@ -52,7 +52,7 @@ def check_fingerprint(plan: Plan, config_dir: Path) -> None:
         raise PlanMismatchError("plan does not match this environment: " + "; ".join(problems) + ". Recompile it with compile-plan.")
 
 
-def random_sources(plan: Plan, mask: np.ndarray, seed: int) -> dict[str, torch.Tensor]:
+def random_sources(plan: Plan, mask: np.ndarray, seed: int, stage_mask: np.ndarray | None = None) -> dict[str, torch.Tensor]:
     """Full-size trainer tensors holding random values exactly where the selected runs read.
 
     Tensors are allocated with torch.empty (pages the process never touches stay unallocated),
@@ -62,7 +62,10 @@ def random_sources(plan: Plan, mask: np.ndarray, seed: int) -> dict[str, torch.T
     generator = torch.Generator().manual_seed(seed)
     ranges: dict[int, list[tuple[int, int]]] = {}
     runs = plan.runs
-    for rank, src, off, length in zip(*(runs[c][mask].tolist() for c in ("src_rank", "src", "src_off", "length"))):
+    reads = [runs[c][mask].tolist() for c in ("src_rank", "src", "src_off", "length")]
+    if stage_mask is not None:  # fp8: stage runs read trainer shards too
+        reads = [a + plan.stage[c][stage_mask].tolist() for a, c in zip(reads, ("src_rank", "src", "src_off", "length"))]
+    for rank, src, off, length in zip(*reads):
         starts, lengths, local = box_segments(plan.sources[src].shape, plan.shard_box(src, rank))
         while length > 0:
             k = int(np.searchsorted(local, off, side="right")) - 1
@@ -110,14 +113,19 @@ def verify_plan(
     chosen = np.zeros(len(plan.dests), dtype=bool)
     chosen[entries] = True
     mask = chosen[plan.runs["dest"]]
-    needed = {plan.sources[i].name for i in set(plan.runs["src"][mask].tolist())}
+    staged = np.array([chosen[e.weight] or chosen[e.scale] for e in plan.staging] + [False], dtype=bool)
+    stage_mask = staged[plan.stage["stage"]]
+    needed = {plan.sources[i].name for i in set(plan.runs["src"][mask].tolist()) | set(plan.stage["src"][stage_mask].tolist())}
     log(f"verifying {len(entries)} of {len(plan.dests)} destination entries from {len(needed)} trainer tensors")
 
-    full = random_sources(plan, mask, seed)
-    shards = shard_sources(plan, full, set(plan.runs["src_rank"][mask].tolist()))
+    full = random_sources(plan, mask, seed, stage_mask)
+    shards = shard_sources(plan, full, set(plan.runs["src_rank"][mask].tolist()) | set(plan.stage["src_rank"][stage_mask].tolist()))
     info = plan.header["inference"]
-    base = make_vllm_config(config_dir)
-    vllm_config = make_vllm_config(config_dir, tp=info["tp"], dp=info["dp"], ep=info["ep"]) if plan.header["dst_ranks"] > 1 else base
+    quant = plan.header["quant"]
+    quantization = None if quant == "none" else quant
+    base = make_vllm_config(config_dir, quantization=quantization)
+    vllm_config = (make_vllm_config(config_dir, tp=info["tp"], dp=info["dp"], ep=info["ep"], quantization=quantization)
+                   if plan.header["dst_ranks"] > 1 else base)
 
     from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
 
@@ -127,9 +135,13 @@ def verify_plan(
         if not names:
             continue
         tp_rank, dp_rank = rank % info["tp"], rank // info["tp"]
-        reference = _vllm_load(vllm_config, base, plan, full, names, tp_rank, dp_rank)
-        vllm_config.compilation_config.static_forward_context.clear()
-        planned = _materialize(build_model(vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=base), names, float("nan"))
+        if quantization is None:
+            reference = _vllm_load(vllm_config, base, plan, full, names, tp_rank, dp_rank)
+            vllm_config.compilation_config.static_forward_context.clear()
+            planned = _materialize(build_model(vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=base), names, float("nan"))
+        else:
+            reference = vllm_load_quantized(vllm_config, base, plan, full, names, tp_rank, dp_rank)
+            planned = {e.name: _poisoned(e) for e in plan.dests if rank in e.ranks and e.name in names}
         execute_local(plan, shards, {rank: planned}, only=names)
         expected = compute_tensor_digests(_Params(reference))
         actual = compute_tensor_digests(_Params(planned))
@@ -155,6 +167,48 @@ def shard_sources(plan: Plan, full: dict[str, torch.Tensor], ranks: set[int]) ->
             local[entry.name] = tensor.contiguous()
         out[rank] = local
     return out
+
+
+def _poisoned(entry) -> torch.Tensor:
+    """A destination tensor whose bytes are all 0x7f (NaN in bf16/fp8 e4m3, a large float32): unwritten bytes show."""
+    tensor = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
+    tensor.view(-1).view(torch.uint8).fill_(0x7F)
+    return tensor
+
+
+def vllm_load_quantized(vllm_config, base, plan: Plan, full: dict[str, torch.Tensor], chosen: set[str], tp_rank: int,
+                        dp_rank: int) -> dict[str, torch.Tensor]:
+    """vLLM's own online quantization on CPU: load_weights, then process_weights_after_loading of every quantized layer.
+
+    The model is built on the CPU with the kernel-choice stub (frontend/fp8_kernels.py), so every
+    parameter of the rank is materialized: fine for small configs, too large for full GLM-5.2.
+    Attention layers' own post-load step (MLA absorption, not a parameter) is not run.
+    """
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_processing
+
+    from .frontend.fp8_kernels import triton_fp8_kernels
+
+    fmt = plan.header["trainer"]["format"]
+
+    def stream():
+        for entry in plan.sources:
+            tensor = full.get(entry.name)
+            if tensor is None:  # not read by the sampled destinations: zeros stand in
+                tensor = torch.zeros(entry.shape, dtype=getattr(torch, entry.dtype))
+            yield from checkpoint_tensors(fmt, entry.name, tensor)
+
+    vllm_config.compilation_config.static_forward_context.clear()
+    with triton_fp8_kernels():
+        model = build_model(vllm_config, "cpu", tp_rank=tp_rank, dp_rank=dp_rank, base_config=base)
+        with torch.no_grad(), parallel_rank(vllm_config, tp_rank, dp_rank):
+            model.load_weights(stream())
+            finalize_layerwise_processing(model, vllm_config.model_config)
+            for module in model.modules():
+                method = getattr(module, "quant_method", None)
+                if isinstance(method, QuantizeMethodBase):
+                    method.process_weights_after_loading(module)
+    return {name: p for name, p in model.named_parameters() if name in chosen}
 
 
 def _materialize(model: torch.nn.Module, names: set[str], fill: float) -> dict[str, torch.Tensor]:

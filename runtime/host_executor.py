@@ -9,6 +9,7 @@ import torch
 
 from .checks import check_tensors, named_tensors
 from .errors import PlanMismatchError
+from .host_quant import execute_quant
 from .plan_format import Plan
 
 
@@ -45,11 +46,13 @@ def execute_local(
     any_mask = np.zeros(plan.n_runs, dtype=bool)
     for mask in masks.values():
         any_mask |= mask
-    for src_rank in sorted(set(runs["src_rank"][any_mask].tolist())):
+    stage_mask = _stage_mask(plan, set(dst_tensors), only)
+    for src_rank in sorted(set(runs["src_rank"][any_mask].tolist()) | set(plan.stage["src_rank"][stage_mask].tolist())):
         if src_rank not in sources:
             raise PlanMismatchError(f"no source tensors given for trainer rank {src_rank}")
     for src_rank, given in sources.items():
         needed = set(runs["src"][any_mask & (runs["src_rank"] == src_rank)].tolist())
+        needed |= set(plan.stage["src"][stage_mask & (plan.stage["src_rank"] == src_rank)].tolist())
         expected = {plan.sources[i].name: (plan.local_shape(i, src_rank), plan.sources[i].dtype) for i in needed}
         check_tensors(given, expected, {e.name for e in plan.sources}, f"trainer rank {src_rank}")
 
@@ -76,4 +79,15 @@ def execute_local(
                     value = value.to(dtype)
                 dst[do : do + n].copy_(value)
             written += int((runs["length"][mask] * itemsizes[mask]).sum())
+    if plan.staging:
+        written += execute_quant(plan, sources, dst_tensors, only)
     return written
+
+
+def _stage_mask(plan: Plan, ranks: set[int], only: set[str] | None) -> np.ndarray:
+    """Stage runs needed by the given inference ranks (restricted to `only` destination names)."""
+    wanted = np.zeros(len(plan.staging) + 1, dtype=bool)
+    for i, entry in enumerate(plan.staging):
+        names = {plan.dests[entry.weight].name, plan.dests[entry.scale].name}
+        wanted[i] = bool(ranks & set(entry.ranks)) and (only is None or bool(names & only))
+    return wanted[plan.stage["stage"]]

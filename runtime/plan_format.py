@@ -5,7 +5,8 @@ Layout (all integers little-endian):
     magic       8 bytes   b"WPLAN\\x00\\r\\n"
     header_len  u64
     header      canonical JSON (sorted keys, no spaces), UTF-8
-    payload     zlib stream of the run columns, each int64[n_runs], in RUN_COLUMNS order
+    payload     zlib stream of int64 columns: the runs (RUN_COLUMNS, n_runs each), then the stage runs
+                (STAGE_COLUMNS, n_stage_runs each), then the block spans (SPAN_COLUMNS, n_spans each)
     digest      32 bytes  SHA-256 of everything before it
 
 Reading never unpickles or evaluates anything: JSON plus numpy.frombuffer of int64 columns.
@@ -30,6 +31,12 @@ from .shards import ShardLayout
 MAGIC = b"WPLAN\x00\r\n"
 FORMAT_VERSION = 2
 RUN_COLUMNS = ("src_rank", "src", "src_off", "dest", "dst_off", "length", "wire")
+# fp8_per_block (format 2): bf16 runs from a trainer shard into a staging tensor (side 0: on the
+# trainer rank, into its arena; side 1: pulled by the receivers), and spans of 128x128 blocks
+# quantized on one side (src_rank is the quantizing trainer rank for side 0, -1 for side 1).
+STAGE_COLUMNS = ("side", "src_rank", "src", "src_off", "stage", "stage_off", "length", "wire")
+SPAN_COLUMNS = ("stage", "first_block", "n_blocks", "side", "src_rank")
+SENDER, RECEIVER = 0, 1
 # Header keys that the fingerprint covers: everything the plan assumes about both sides.
 FINGERPRINT_KEYS = (
     "format_version",
@@ -42,6 +49,9 @@ FINGERPRINT_KEYS = (
     "sources",
     "dests",
     "cast_chains",
+    "staging",
+    "quant_layout",
+    "derived",
 )
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int8": 1,
                "uint8": 1, "float8_e4m3fn": 1, "bool": 1}
@@ -68,6 +78,22 @@ class TensorEntry:
 
 
 @dataclass(frozen=True)
+class StagingEntry:
+    """A bf16 tensor vLLM's loaders write and process_weights_after_loading quantizes into dests weight + scale."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    ranks: tuple[int, ...]
+    weight: int
+    scale: int
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+@dataclass(frozen=True)
 class Plan:
     """A loaded plan: header fields, tensor tables and run columns (elements, not bytes)."""
 
@@ -76,6 +102,9 @@ class Plan:
     dests: tuple[TensorEntry, ...]
     cast_chains: tuple[tuple[str, ...], ...]
     runs: dict[str, np.ndarray] = field(repr=False)
+    staging: tuple[StagingEntry, ...] = ()
+    stage: dict[str, np.ndarray] = field(default_factory=lambda: _empty(STAGE_COLUMNS), repr=False)
+    spans: dict[str, np.ndarray] = field(default_factory=lambda: _empty(SPAN_COLUMNS), repr=False)
 
     @property
     def fingerprint(self) -> str:
@@ -114,24 +143,37 @@ def _canonical(obj) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
-def encode_plan(header: dict, runs: dict[str, np.ndarray]) -> bytes:
-    """Serialize deterministically; `header` must hold the FINGERPRINT_KEYS fields."""
-    n = {len(runs[c]) for c in RUN_COLUMNS}
-    if len(n) != 1:
-        raise ValueError(f"run columns differ in length: {n}")
-    header = dict(header, format_version=FORMAT_VERSION, kind="weightplan", n_runs=n.pop())
+def _empty(columns) -> dict[str, np.ndarray]:
+    return {c: np.zeros(0, dtype=np.int64) for c in columns}
+
+
+def encode_plan(header: dict, runs: dict[str, np.ndarray], stage: dict | None = None, spans: dict | None = None) -> bytes:
+    """Serialize deterministically; `header` must hold the FINGERPRINT_KEYS fields (quant tables default to empty)."""
+    stage, spans = stage or _empty(STAGE_COLUMNS), spans or _empty(SPAN_COLUMNS)
+    counts = []
+    for table, names in ((runs, RUN_COLUMNS), (stage, STAGE_COLUMNS), (spans, SPAN_COLUMNS)):
+        n = {len(table[c]) for c in names}
+        if len(n) != 1:
+            raise ValueError(f"columns {names} differ in length: {n}")
+        counts.append(n.pop())
+    header = {"staging": [], "quant_layout": {}, "derived": [], **header}
+    header = dict(header, format_version=FORMAT_VERSION, kind="weightplan", n_runs=counts[0], n_stage_runs=counts[1],
+                  n_spans=counts[2])
     header["fingerprint"] = fingerprint(header)
-    columns = b"".join(np.ascontiguousarray(runs[c], dtype="<i8").tobytes() for c in RUN_COLUMNS)
+    columns = b"".join(np.ascontiguousarray(table[c], dtype="<i8").tobytes()
+                       for table, names in ((runs, RUN_COLUMNS), (stage, STAGE_COLUMNS), (spans, SPAN_COLUMNS))
+                       for c in names)
     payload = zlib.compress(columns, 6)
     head = _canonical(header)
     body = MAGIC + struct.pack("<Q", len(head)) + head + payload
     return body + hashlib.sha256(body).digest()
 
 
-def write_plan(path: str | Path, header: dict, runs: dict[str, np.ndarray]) -> Path:
+def write_plan(path: str | Path, header: dict, runs: dict[str, np.ndarray], stage: dict | None = None,
+               spans: dict | None = None) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = encode_plan(header, runs)
+    data = encode_plan(header, runs, stage, spans)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_bytes(data)
     tmp.replace(path)  # atomic: a reader never sees a half-written plan
@@ -161,22 +203,28 @@ def decode_plan(data: bytes, origin: str = "<bytes>") -> Plan:
         raise PlanFormatError(f"{origin} uses old plan format {version}; recompile it with compile-plan")
     if fingerprint(header) != header.get("fingerprint"):
         raise PlanFormatError(f"{origin}: header fingerprint does not match its contents")
-    n = header["n_runs"]
+    n, n_stage, n_spans = header["n_runs"], header["n_stage_runs"], header["n_spans"]
     try:
         columns = zlib.decompress(body[start + head_len :])
     except zlib.error as exc:
         raise PlanFormatError(f"{origin} has a corrupted payload: {exc}") from None
-    if len(columns) != 8 * n * len(RUN_COLUMNS):
-        raise PlanFormatError(f"{origin}: payload holds {len(columns)} bytes, expected {8 * n * len(RUN_COLUMNS)}")
+    expected = 8 * (n * len(RUN_COLUMNS) + n_stage * len(STAGE_COLUMNS) + n_spans * len(SPAN_COLUMNS))
+    if len(columns) != expected:
+        raise PlanFormatError(f"{origin}: payload holds {len(columns)} bytes, expected {expected}")
     flat = np.frombuffer(columns, dtype="<i8").astype(np.int64)
-    runs = {c: flat[i * n : (i + 1) * n] for i, c in enumerate(RUN_COLUMNS)}
+    tables, at = [], 0
+    for count, names in ((n, RUN_COLUMNS), (n_stage, STAGE_COLUMNS), (n_spans, SPAN_COLUMNS)):
+        tables.append({c: flat[at + i * count : at + (i + 1) * count] for i, c in enumerate(names)})
+        at += count * len(names)
+    runs, stage, spans = tables
     try:
         sources = tuple(TensorEntry(s[0], tuple(s[1]), s[2], s[3]) for s in header["sources"])
         dests = tuple(TensorEntry(d[0], tuple(d[1]), d[2], 0, tuple(d[3])) for d in header["dests"])
         chains = tuple(tuple(c) for c in header["cast_chains"])
-    except (KeyError, IndexError, TypeError) as exc:
+        staging = tuple(StagingEntry(e[0], tuple(e[1]), e[2], tuple(e[3]), int(e[4]), int(e[5])) for e in header["staging"])
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise PlanFormatError(f"{origin}: malformed tensor tables in the header ({exc})") from None
-    plan = Plan(header, sources, dests, chains, runs)
+    plan = Plan(header, sources, dests, chains, runs, staging, stage, spans)
     try:
         layout = plan.trainer_layout
         bad = [e.name for e in sources if not 0 <= e.layout < len(layout.classes)]
@@ -186,6 +234,7 @@ def decode_plan(data: bytes, origin: str = "<bytes>") -> Plan:
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise PlanFormatError(f"{origin}: malformed trainer layout in the header ({exc})") from None
     _check_tables(plan, origin)
+    _check_quant_tables(plan, origin)
     return plan
 
 
@@ -215,6 +264,42 @@ def _check_tables(plan: Plan, origin: str) -> None:
         for dtype in chain:
             if dtype not in DTYPE_SIZES:
                 raise PlanFormatError(f"{origin}: unknown dtype {dtype!r} in a cast chain")
+
+
+def _check_quant_tables(plan: Plan, origin: str) -> None:
+    stage, spans, staging = plan.stage, plan.spans, plan.staging
+    for entry in staging:
+        if not (0 <= entry.weight < len(plan.dests) and 0 <= entry.scale < len(plan.dests)):
+            raise PlanFormatError(f"{origin}: staging tensor {entry.name!r} names a destination outside the table")
+    for table, what in ((stage, "stage run"), (spans, "block span")):
+        if len(table["stage"]) and (table["stage"].min() < 0 or table["stage"].max() >= len(staging)):
+            raise PlanFormatError(f"{origin}: a {what} indexes outside the staging table")
+        if len(table["side"]) and not np.isin(table["side"], (SENDER, RECEIVER)).all():
+            raise PlanFormatError(f"{origin}: a {what} has a side other than 0 (sender) or 1 (receiver)")
+    if len(stage["length"]):
+        if stage["length"].min() <= 0:
+            raise PlanFormatError(f"{origin}: a stage run has non-positive length")
+        if stage["src"].min() < 0 or stage["src"].max() >= len(plan.sources) or stage["wire"].min() < 0 \
+                or stage["wire"].max() >= len(plan.cast_chains):
+            raise PlanFormatError(f"{origin}: a stage run indexes outside its tables")
+        if stage["src_rank"].min() < 0 or stage["src_rank"].max() >= plan.header["src_ranks"]:
+            raise PlanFormatError(f"{origin}: a stage run names a trainer rank outside the plan's {plan.header['src_ranks']}")
+        numel = np.array([e.numel for e in staging], dtype=np.int64)[stage["stage"]]
+        if stage["stage_off"].min() < 0 or (stage["stage_off"] + stage["length"] > numel).any():
+            raise PlanFormatError(f"{origin}: a stage run reaches outside its staging tensor")
+        shard = np.array([int(np.prod(plan.local_shape(s, r), dtype=np.int64))
+                          for s, r in zip(stage["src"].tolist(), stage["src_rank"].tolist())], dtype=np.int64)
+        if stage["src_off"].min() < 0 or (stage["src_off"] + stage["length"] > shard).any():
+            raise PlanFormatError(f"{origin}: a stage run reaches outside its source shard")
+    if len(spans["n_blocks"]):
+        if spans["n_blocks"].min() <= 0 or spans["first_block"].min() < 0:
+            raise PlanFormatError(f"{origin}: a block span is empty or starts before block 0")
+        scale_numel = np.array([plan.dests[e.scale].numel for e in staging], dtype=np.int64)[spans["stage"]]
+        if (spans["first_block"] + spans["n_blocks"] > scale_numel).any():
+            raise PlanFormatError(f"{origin}: a block span reaches past its tensor's last block")
+        sender = spans["side"] == SENDER
+        if (spans["src_rank"][sender] < 0).any() or (spans["src_rank"][sender] >= plan.header["src_ranks"]).any():
+            raise PlanFormatError(f"{origin}: a sender-side block span names no valid trainer rank")
 
 
 def load_plan(path: str | Path) -> Plan:

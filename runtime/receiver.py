@@ -14,7 +14,7 @@ from .checks import check_tensors, flat_view, named_tensors
 from .errors import PlanMismatchError, SyncError
 from .nixl_agent import NixlAgent
 from .plan_format import Plan
-from .rank_tables import Reads, held_entries, packing, pipeline_groups, reads_of, served_regions
+from .rank_tables import Reads, held_entries, packing, pipeline_groups, reads_of, refuse_quantized, served_regions
 from .region_digests import byte_view, run_digests
 from .rendezvous import Rendezvous
 from .sender import inference_agent, trainer_agent
@@ -101,6 +101,7 @@ class Receiver:
 
     def __init__(self, plan: Plan, rank: int, destination, *, rendezvous: Rendezvous, timeout: float = 60.0,
                  verify: bool = False, group_bytes: int = 256 << 20, post_op=None):
+        refuse_quantized(plan)
         held = held_entries(plan, rank)
         self.plan, self.rank, self.rendezvous, self.timeout, self.verify = plan, rank, rendezvous, timeout, verify
         self.post_op = post_op

@@ -15,7 +15,7 @@ from .checks import check_tensors, flat_view, named_tensors
 from .errors import PlanMismatchError
 from .nixl_agent import NixlAgent
 from .plan_format import Plan
-from .rank_tables import check_src_rank, packing, readers, served_regions, served_runs
+from .rank_tables import check_src_rank, packing, readers, refuse_quantized, served_regions, served_runs
 from .region_digests import byte_view, run_digests
 from .rendezvous import Rendezvous
 
@@ -67,6 +67,7 @@ class Sender:
 
     def __init__(self, plan: Plan, rank: int, tensors, *, rendezvous: Rendezvous, timeout: float = 60.0,
                  digests: bool = False):
+        refuse_quantized(plan)
         check_src_rank(plan, rank)
         self.plan, self.rank, self.rendezvous, self.timeout, self.digests = plan, rank, rendezvous, timeout, digests
         self.regions = served_regions(plan, rank)

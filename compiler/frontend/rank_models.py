@@ -13,6 +13,7 @@ for real (as is any rank whose re-pointing would change a parameter shape).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from collections.abc import Callable
 
@@ -24,10 +25,13 @@ from .vllm_model import build_model, parallel_rank, place_experts
 class RankTracer:
     """`trace(rank)` -> (assignments, dests) of one inference rank; ranks are asked for in order."""
 
-    def __init__(self, vllm_config, base_config, layout, sources, fmt: str, timings: dict, *, share: bool = True):
+    def __init__(self, vllm_config, base_config, layout, sources, fmt: str, timings: dict, *, share: bool = True,
+                 quant_hooks=None):
         self.vllm_config, self.base_config, self.layout = vllm_config, base_config, layout
         self.sources, self.fmt, self.timings = sources, fmt, timings
-        self.share = share and layout.dp > 1
+        # With quantization, tracing the post-load step replaces the model's parameters: no sharing.
+        self.hooks = quant_hooks
+        self.share = share and layout.dp > 1 and quant_hooks is None
         self.models: dict[int, object] = {}  # TP rank -> model built for DP rank 0
         self.placed_at: dict[int, int] = {}  # TP rank -> DP rank its shared model is placed for
         self.guarded: dict[int, tuple] = {}  # the guard rank's real trace, until asked for
@@ -106,10 +110,17 @@ class RankTracer:
     def _build(self, tp_rank: int, dp_rank: int):
         with phase(self.timings, "build"):
             self.vllm_config.compilation_config.static_forward_context.clear()  # layer names are per model
-            model = build_model(self.vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=self.base_config)
+            with self.hooks.build_context() if self.hooks else contextlib.nullcontext():
+                model = build_model(self.vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=self.base_config)
+                if self.hooks:
+                    self.hooks.prepare(model)
         self.stats["models_built"] += 1
         return model
 
     def _trace(self, model, tp_rank: int, dp_rank: int, progress) -> tuple[list, list]:
         with phase(self.timings, "trace"), parallel_rank(self.vllm_config, tp_rank, dp_rank):
-            return trace_load(model, self.sources, self.fmt, progress)
+            traced = trace_load(model, self.sources, self.fmt, progress)
+            if self.hooks:
+                with self.hooks.build_context():
+                    self.hooks.post_load(model)
+            return traced

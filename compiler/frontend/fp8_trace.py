@@ -1,0 +1,112 @@
+"""Trace vLLM's online fp8_per_block post-load step on meta: which bf16 tensors become which fp8 weights and scales."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ModelConfigError
+from .lazy_weight import dtype_name
+from ...runtime.quant import BLOCK, block_grid
+
+QUANT_METHODS = ("Fp8PerBlockOnlineLinearMethod", "Fp8PerBlockOnlineMoEMethod")
+# bf16 parameter vLLM's loaders write -> (fp8 weight, float32 block scale) after process_weights_after_loading
+_FINAL_NAMES = {"weight": ("weight", "weight_scale_inv"), "w13_weight": ("w13_weight", "w13_weight_scale_inv"),
+                "w2_weight": ("w2_weight", "w2_weight_scale_inv")}
+
+
+@dataclass(frozen=True)
+class QuantTensor:
+    """One bf16 tensor vLLM quantizes after loading: `staging` (bf16, what load_weights writes) -> weight + scale."""
+
+    staging: str
+    weight: str
+    scale: str
+    shape: tuple[int, ...]
+    scale_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Derived:
+    """State vLLM derives from loaded parameters and keeps outside them; `where` says who (re)computes it."""
+
+    module: str
+    what: str
+    reads: tuple[str, ...]
+    where: str
+
+
+def quantized_modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    for name, module in model.named_modules():
+        if type(getattr(module, "quant_method", None)).__name__ in QUANT_METHODS:
+            yield name, module
+
+
+def unwrap_online_loaders(model: torch.nn.Module) -> None:
+    """Give the quantized layers back their own weight loaders, so load_weights writes the bf16 parameters.
+
+    Online quantization wraps them to buffer loads and quantize each layer once complete
+    (`online_process_loader`); the trace records the loads, and the post-load step is traced apart.
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader
+
+    for _, module in quantized_modules(model):
+        for param in module.parameters(recurse=False):
+            if hasattr(param, "weight_loader"):
+                param.weight_loader = _get_original_loader(param)
+
+
+def trace_post_load(model: torch.nn.Module) -> tuple[list[QuantTensor], dict[str, torch.Tensor]]:
+    """Run each quantized layer's process_weights_after_loading on meta; return the quantized tensors and final params.
+
+    The final parameters (names, shapes, dtypes) are read back from vLLM, and each must be the
+    plain 128x128 block layout (fp8 weight shaped like the bf16 tensor, float32 scale per block);
+    anything else is refused, naming the layer.
+    """
+    found: list[QuantTensor] = []
+    loaded = {name: (tuple(p.shape), p.dtype) for name, p in model.named_parameters()}
+    with torch.no_grad():
+        for prefix, module in quantized_modules(model):
+            module.quant_method.process_weights_after_loading(module)
+            final = dict(module.named_parameters(recurse=False))
+            for local, (wname, sname) in _FINAL_NAMES.items():
+                key = f"{prefix}.{local}"
+                if key not in loaded:
+                    continue
+                shape, dtype = loaded[key]
+                weight, scale = final.get(wname), final.get(sname)
+                expected_scale = _scale_shape(shape)
+                if (weight is None or scale is None or tuple(weight.shape) != shape or weight.dtype != torch.float8_e4m3fn
+                        or tuple(scale.shape) != expected_scale or scale.dtype != torch.float32):
+                    got = {n: (tuple(p.shape), dtype_name(p.dtype)) for n, p in final.items()}
+                    raise ModelConfigError(
+                        f"fp8_per_block: {prefix} ({type(module.quant_method).__name__}) did not produce the plain block "
+                        f"layout for {local} {list(shape)} {dtype_name(dtype)}: got {got}; this compiler supports only "
+                        f"{BLOCK}x{BLOCK} fp8 e4m3 weights with float32 scales and no kernel shuffle"
+                    )
+                found.append(QuantTensor(key, f"{prefix}.{wname}", f"{prefix}.{sname}", shape, expected_scale))
+    return found, dict(model.named_parameters())
+
+
+def _scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    matrices, rows, cols = block_grid(shape)
+    return (*shape[:-2], rows, cols)
+
+
+def derived_state(model: torch.nn.Module) -> list[Derived]:
+    """Post-load state outside the parameters: MLA layers absorb kv_b_proj into W_UK/W_UV when processed."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+    names = {id(module): name for name, module in model.named_modules()}
+    out = []
+    for name, module in model.named_modules():
+        if is_deferred_attention_layer(module):
+            kv_b = getattr(module, "kv_b_proj", None)
+            reads = ()
+            if kv_b is not None and id(kv_b) in names:
+                reads = tuple(f"{names[id(kv_b)]}.{n}" for n, _ in kv_b.named_parameters(recurse=False))
+            out.append(Derived(name, "attention process_weights_after_loading (MLA: W_UK/W_UV absorbed from kv_b_proj)",
+                               reads, "receiver"))
+    return out

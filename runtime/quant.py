@@ -1,0 +1,93 @@
+"""fp8 128x128 block quantization shared by sender and receiver, bit-exact with vLLM's per_block_cast_to_fp8."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+BLOCK = 128
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448.0, what vLLM's get_fp8_min_max gives for e4m3fn (non-fnuz platforms)
+
+
+def per_block_fp8(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D tensor in block x block tiles: (fp8 values of x's shape, float32 scale per tile).
+
+    The same ops in the same order as vllm.utils.deep_gemm.per_block_cast_to_fp8(use_ue8m0=False):
+    zero-pad to whole tiles, amax per tile (floored at 1e-4), scale = amax / 448, value * (1 / scale).
+    Tiles are independent, so any block-aligned sub-tensor quantizes to the same bytes as the whole.
+    """
+    assert x.dim() == 2, x.shape
+    m, n = x.shape
+    padded = torch.zeros((math.ceil(m / block) * block, math.ceil(n / block) * block), dtype=x.dtype, device=x.device)
+    padded[:m, :n] = x
+    tiles = padded.view(-1, block, padded.size(1) // block, block)
+    amax = tiles.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
+    scale = amax / FP8_MAX
+    values = (tiles * (1.0 / scale)).to(FP8)
+    return values.view_as(padded)[:m, :n].contiguous(), scale.view(tiles.size(0), tiles.size(2))
+
+
+def block_grid(shape: tuple[int, ...], block: int = BLOCK) -> tuple[int, int, int]:
+    """(matrices, block rows, block cols) of a 2-D or 3-D (experts first) quantized tensor."""
+    *lead, rows, cols = shape
+    return math.prod(lead), math.ceil(rows / block), math.ceil(cols / block)
+
+
+def span_bands(shape: tuple[int, ...], first: int, count: int, block: int = BLOCK):
+    """Split a span of flat block ids (matrix, block row, block col order) into per-band pieces.
+
+    Yields (matrix, block_row, first_col, n_cols): consecutive blocks of one block row.
+    """
+    _, nbr, nbc = block_grid(shape, block)
+    b, end = first, first + count
+    while b < end:
+        band, col = divmod(b, nbc)
+        take = min(nbc - col, end - b)
+        matrix, row = divmod(band, nbr)
+        yield matrix, row, col, take
+        b += take
+
+
+def quantize_span(staging: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, first: int, count: int,
+                  block: int = BLOCK) -> None:
+    """Quantize blocks [first, first + count) of `staging` (bf16) into `weight` (fp8) and `scale` (float32).
+
+    All three tensors are shaped as the plan says: weight like staging, scale [..., block rows, block cols].
+    """
+    rows, cols = staging.shape[-2:]
+    s2 = staging.reshape(-1, rows, cols)
+    w2 = weight.view(-1, rows, cols)
+    sc = scale.view(s2.shape[0], -1, scale.shape[-1])
+    for matrix, brow, bcol, n in span_bands(tuple(staging.shape), first, count, block):
+        r0, c0 = brow * block, bcol * block
+        r1, c1 = min(r0 + block, rows), min(c0 + n * block, cols)
+        values, scales = per_block_fp8(s2[matrix, r0:r1, c0:c1], block)
+        w2[matrix, r0:r1, c0:c1] = values
+        sc[matrix, brow, bcol : bcol + n] = scales[0]
+
+
+def span_dest_segments(shape: tuple[int, ...], first: int, count: int, block: int = BLOCK):
+    """Flat element segments (offset, length) of the destination a span covers, in destination order."""
+    rows, cols = shape[-2:]
+    out = []
+    for matrix, brow, bcol, n in span_bands(shape, first, count, block):
+        c0, c1 = bcol * block, min((bcol + n) * block, cols)
+        base = matrix * rows * cols
+        for r in range(brow * block, min(brow * block + block, rows)):
+            off = base + r * cols + c0
+            if out and out[-1][0] + out[-1][1] == off:
+                out[-1] = (out[-1][0], out[-1][1] + c1 - c0)
+            else:
+                out.append((off, c1 - c0))
+    return out
+
+
+def span_elements(shape: tuple[int, ...], first: int, count: int, block: int = BLOCK) -> int:
+    """Destination elements (fp8 bytes) a span of blocks covers; edge blocks are smaller than block x block."""
+    rows, cols = shape[-2:]
+    total = 0
+    for _, brow, bcol, n in span_bands(shape, first, count, block):
+        total += (min(brow * block + block, rows) - brow * block) * (min((bcol + n) * block, cols) - bcol * block)
+    return total

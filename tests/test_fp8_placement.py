@@ -1,0 +1,131 @@
+"""place_quant on random shapes and shardings: each block once, on one side; sender blocks read only their rank."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from weightplan.compiler.ir import Program, Runs, TensorSpec
+from weightplan.compiler.passes.place_quant import block_owners, block_ranges, place_quant
+from weightplan.compiler.passes.verify import PlanInvariantError
+from weightplan.compiler.passes.verify_quant import verify_quant
+from weightplan.runtime.quant import block_grid
+
+
+def _program(shape, pieces, ranks_of_dest=(0,)):
+    """One bf16 source == one quantized destination; `pieces` = [(off, length, trainer rank)] tiling it (maybe with gaps)."""
+    n = len(pieces)
+    runs = Runs(
+        src=np.zeros(n, dtype=np.int64),
+        src_off=np.array([p[0] for p in pieces], dtype=np.int64),
+        dest=np.ones(n, dtype=np.int64),
+        dst_off=np.array([p[0] for p in pieces], dtype=np.int64),
+        length=np.array([p[1] for p in pieces], dtype=np.int64),
+        wire=np.zeros(n, dtype=np.int64),
+        src_rank=np.array([p[2] for p in pieces], dtype=np.int64),
+    )
+    sources = (TensorSpec("w", shape, "bfloat16"),)
+    dests = (TensorSpec("norm", (4,), "bfloat16", ranks=ranks_of_dest), TensorSpec("layer.weight", shape, "bfloat16", ranks=ranks_of_dest))
+    return Program(sources, dests, runs=runs, cast_chains=(("bfloat16",),),
+                   meta={"quant_tensors": {"layer.weight": ("layer.weight", "layer.weight_scale_inv")}})
+
+
+@st.composite
+def sharded(draw):
+    experts = draw(st.sampled_from([(), (1,), (3,)]))
+    rows, cols = draw(st.integers(1, 520)), draw(st.integers(1, 300))
+    shape = (*experts, rows, cols)
+    numel = int(np.prod(shape))
+    cuts = sorted(set(draw(st.lists(st.integers(1, max(numel - 1, 1)), max_size=8))) - {numel})
+    bounds = [0, *cuts, numel]
+    ranks = draw(st.lists(st.integers(0, 3), min_size=len(bounds) - 1, max_size=len(bounds) - 1))
+    pieces = [(a, b - a, r) for a, b, r in zip(bounds, bounds[1:], ranks) if b > a]
+    gaps = draw(st.booleans())  # padding: elements nobody writes
+    if gaps and len(pieces) > 1:
+        pieces = pieces[::2]
+    return shape, pieces
+
+
+@settings(max_examples=150, deadline=None)
+@given(sharded())
+def test_every_block_once_on_one_side_and_sender_blocks_are_rank_local(case):
+    shape, pieces = case
+    placed = place_quant(_program(shape, pieces))
+    q = placed.meta["quant_placement"]
+    coverage = verify_quant([shape], [1], q.stage, q.spans)  # raises on any violated invariant
+    matrices, nbr, nbc = block_grid(shape)
+    assert coverage.blocks == matrices * nbr * nbc
+    # Brute force: the set of ranks writing each block, from the element ranges.
+    owners = [set() for _ in range(coverage.blocks)]
+    rows, cols = shape[-2:]
+    for off, length, rank in pieces:
+        for e in range(off, off + length, max(1, min(length, 7))):  # sample elements, plus the last one
+            for x in (e, off + length - 1):
+                g, c = divmod(x, cols)
+                owners[((g // rows) * nbr + (g % rows) // 128) * nbc + c // 128].add(rank)
+    side = np.full(coverage.blocks, -1)
+    rank_of = np.full(coverage.blocks, -1)
+    for first, n, s, r in zip(q.spans["first_block"], q.spans["n_blocks"], q.spans["side"], q.spans["src_rank"]):
+        side[first : first + n], rank_of[first : first + n] = s, r
+    for b, ranks in enumerate(owners):
+        if side[b] == 0:
+            assert ranks <= {rank_of[b]}
+    assert coverage.sender_blocks == int((side == 0).sum())
+    # Sender-side stage runs: only their own rank, and only for blocks quantized on that rank.
+    st_ = q.stage
+    for i in np.flatnonzero(st_["side"] == 0):
+        for lo, hi in block_ranges(shape, int(st_["stage_off"][i]), int(st_["length"][i])):
+            assert ((side[lo:hi] == 1) | (rank_of[lo:hi] == st_["src_rank"][i])).all()
+
+
+def test_dests_become_fp8_weight_and_scale_and_other_runs_stay():
+    shape = (300, 200)
+    prog = _program(shape, [(0, 128 * 200, 0), (128 * 200, 172 * 200, 1)], ranks_of_dest=(0, 2))
+    placed = place_quant(prog)
+    assert [(d.name, d.shape, d.dtype, d.ranks) for d in placed.dests] == [
+        ("norm", (4,), "bfloat16", (0, 2)),
+        ("layer.weight", (300, 200), "float8_e4m3fn", (0, 2)),
+        ("layer.weight_scale_inv", (3, 2), "float32", (0, 2)),
+    ]
+    q = placed.meta["quant_placement"]
+    assert q.staging == (("layer.weight", shape, (0, 2), 1, 2),)
+    # rows 0-127 from rank 0, 128-299 from rank 1: every block band lies within one rank.
+    assert q.spans["side"].tolist() == [0, 0] and q.spans["src_rank"].tolist() == [0, 1]
+    assert q.spans["n_blocks"].tolist() == [2, 4]
+    assert len(placed.runs) == 0  # both runs went into the staging tensor
+
+
+def test_unaligned_shards_send_shared_blocks_to_the_receiver():
+    shape = (256, 128)
+    placed = place_quant(_program(shape, [(0, 100 * 128, 0), (100 * 128, 156 * 128, 1)]))
+    q = placed.meta["quant_placement"]
+    assert list(zip(q.spans["side"].tolist(), q.spans["src_rank"].tolist(), q.spans["n_blocks"].tolist())) == [(1, -1, 1), (0, 1, 1)]
+    # rank 1's run feeds the shared block 0 (receiver) and its own block 1 (sender): listed on both sides
+    sides = sorted(zip(q.stage["side"].tolist(), q.stage["src_rank"].tolist()))
+    assert sides == [(0, 1), (1, 0), (1, 1)]
+
+
+def test_block_owners_marks_untouched_blocks_as_receiver():
+    owner = block_owners((2, 130, 10), [0], [130 * 10], [3])
+    assert owner.tolist() == [3, 3, -1, -1]
+
+
+def test_verify_quant_rejects_a_block_quantized_twice():
+    shape = (128, 128)
+    placed = place_quant(_program(shape, [(0, 128 * 128, 0)]))
+    q = placed.meta["quant_placement"]
+    spans = {k: np.concatenate([v, v]) for k, v in q.spans.items()}
+    with pytest.raises(PlanInvariantError, match="quantized 2 times"):
+        verify_quant([shape], [1], q.stage, spans)
+
+
+def test_verify_quant_rejects_a_sender_block_fed_by_another_rank():
+    shape = (128, 128)
+    placed = place_quant(_program(shape, [(0, 128 * 128, 0)]))
+    q = placed.meta["quant_placement"]
+    stage = {k: np.concatenate([v, v]) for k, v in q.stage.items()}
+    stage["src_rank"][1] = 1
+    with pytest.raises(PlanInvariantError, match="also written from trainer rank 1"):
+        verify_quant([shape], [1], stage, q.spans)
