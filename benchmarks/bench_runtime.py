@@ -81,13 +81,16 @@ def synthetic_plan(n: int, out: Path) -> Path:
     return out
 
 
-def run_job(plan: Path, n_src: int, n_dst: int, repeats: int, job: str, *, model: bool, gloo: bool, tmp: Path) -> list[dict]:
+def run_job(plan: Path, n_src: int, n_dst: int, repeats: int, job: str, *, model: bool, gloo: bool, tmp: Path,
+            verify: bool = False) -> list[dict]:
     from weightplan.runtime import Rendezvous
 
     rendezvous = Rendezvous.connect(job, "127.0.0.1:0", serve=True, timeout=900)
     common = ["--plan", str(plan), "--address", rendezvous.address, "--job", job, "--repeats", str(repeats)]
     if gloo:
         common += ["--gloo"]
+    if verify:
+        common += ["--verify"]
     procs = []
     for role, n in (("trainer", n_src), ("inference", n_dst)):
         for rank in range(n):
@@ -139,6 +142,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--overhead-only", action="store_true", help="only the host-overhead rows (quick)")
+    parser.add_argument("--verify", action="store_true", help="syncs also hash and compare every region (measures its cost)")
     args = parser.parse_args()
     reps = range(2, args.repeats + 1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -149,7 +153,7 @@ def main() -> None:
                 print(f"host overhead, {n:>7,} descriptors: sync {o['sync_s'] * 1e3:.1f} ms, overhead {o['overhead_ms']:.1f} ms")
             return
         plan = compile_bench_plan(tmp / "bench.plan")
-        events = run_job(plan, 2, 2, args.repeats, "bench-runtime", model=True, gloo=True, tmp=tmp)
+        events = run_job(plan, 2, 2, args.repeats, "bench-runtime", model=True, gloo=True, tmp=tmp, verify=args.verify)
         syncs = [e for e in events if e.get("round") == "sync" and e["role"] == "inference"]
         nbytes = sum(e["bytes"] for e in syncs if e["rep"] == 1)
         descriptors = sum(e["descriptors"] for e in syncs if e["rep"] == 1)
@@ -173,9 +177,11 @@ def main() -> None:
         "speedup_vs_baseline": round(baseline / sync, 3),
         "host_overhead_ms_10k": round(overhead[10_000]["overhead_ms"], 2),
         "host_overhead_ms_100k": round(overhead[100_000]["overhead_ms"], 2),
+        "verify": args.verify,
     }
     print(f"GLM-5.2-shaped model ({CONFIG.name}), 2 trainer -> 2 inference processes (dp=2,ep), bf16, "
-          f"{gb:.3f} GB destination bytes in {descriptors} descriptors; medians of reps 2..{args.repeats}")
+          f"{gb:.3f} GB destination bytes in {descriptors} descriptors; medians of reps 2..{args.repeats}"
+          + ("; per-sync verification on (trainers hash at publish, receivers after each group)" if args.verify else ""))
     print(f"  (a)  memcpy, one process            {memcpy:7.2f} GB/s")
     print(f"  (a') process_vm_readv ceiling       {gb / ceiling:7.2f} GB/s  {ceiling:.3f} s")
     print(f"  (b)  weightplan sync (NIXL READ)    {gb / sync:7.2f} GB/s  {sync:.3f} s   (first sync with connection set-up: {first_sync:.3f} s)")

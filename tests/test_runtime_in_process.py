@@ -187,3 +187,18 @@ def test_notifications_from_unknown_agents_are_ignored(rendezvous, bf16_plan):
     sender.publish(1)
     report = sender.release(1, timeout=0.5)
     assert report.acked == () and report.timed_out == (0,)
+
+
+def test_fp8_plans_are_refused_by_the_nixl_runtime_before_registration(no_agents, rendezvous, tmp_path):
+    from weightplan.compiler.compile import CompileOptions, compile_plan
+
+    from .conftest import config_dir
+
+    out = tmp_path / "fp8.plan"
+    compile_plan(CompileOptions(str(config_dir("fp8-glm")), "hf", "bf16", "fp8_per_block", out))
+    plan = load_plan(out)
+    assert plan.staging, "an fp8 plan carries quantization tables"
+    with pytest.raises(PlanMismatchError, match="does not execute quantization tables yet"):
+        Sender(plan, 0, {}, rendezvous=rendezvous)
+    with pytest.raises(PlanMismatchError, match="does not execute quantization tables yet"):
+        Receiver(plan, 0, {}, rendezvous=rendezvous)
