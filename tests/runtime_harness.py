@@ -67,6 +67,17 @@ class Job:
         except subprocess.TimeoutExpired:
             raise AssertionError(f"{key} still running after {timeout} s:\n{self.stderr(key)}") from None
 
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def assert_clean_exit(self, *keys: str) -> None:
+        """The given workers (default: all) exit with status 0."""
+        for key in keys or tuple(self.procs):
+            assert self.wait(key) == 0, self.stderr(key)
+
     def close(self) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:

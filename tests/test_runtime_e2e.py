@@ -13,9 +13,8 @@ VERSIONS = (1, 2, 3)
 @pytest.mark.parametrize("inference", ["dp=2,ep", "tp=2"])
 def test_three_syncs_match_vllm_load_of_the_fp32_masters(plan_cache, tmp_path, inference):
     plan = plan_cache("tiny-glm", "hf", "fp32", "fsdp=4", inference)
-    job = Job(tmp_path, plan, f"e2e-{inference.replace(',', '-').replace('=', '')}")
     versions = ",".join(map(str, VERSIONS))
-    try:
+    with Job(tmp_path, plan, f"e2e-{inference.replace(',', '-').replace('=', '')}") as job:
         for k in range(2):
             job.start(f"inf{k}", "inference", k, "--versions", versions, "--model", str(config_dir("tiny-glm")),
                       "--verify", "--timeout", "60")
@@ -31,7 +30,4 @@ def test_three_syncs_match_vllm_load_of_the_fp32_masters(plan_cache, tmp_path, i
                 released = job.event(f"tr{r}", "released", version)
                 assert released["timed_out"] == [] and released["failed"] == []
                 assert released["acked"], "every trainer rank serves some inference rank"
-        for key in job.procs:
-            assert job.wait(key) == 0, job.stderr(key)
-    finally:
-        job.close()
+        job.assert_clean_exit()

@@ -22,8 +22,7 @@ def _synced(job: Job, key: str, version: int) -> dict:
 
 
 def test_late_inference_rank_joins_at_the_next_sync(plan, tmp_path):
-    job = Job(tmp_path, plan, "late")
-    try:
+    with Job(tmp_path, plan, "late") as job:
         for r in range(2):
             job.start(f"tr{r}", "trainer", r, "--versions", "1,2,3", "--gate", "--timeout", str(TIMEOUT))
         job.start("inf0", "inference", 0, "--plain", "--versions", "1,2,3", "--timeout", "60")
@@ -41,15 +40,11 @@ def test_late_inference_rank_joins_at_the_next_sync(plan, tmp_path):
             _synced(job, f"inf{k}", 3)
         for r in range(2):
             assert job.event(f"tr{r}", "released", 2)["acked"] == [0, 1]
-        for key in job.procs:
-            assert job.wait(key) == 0, job.stderr(key)
-    finally:
-        job.close()
+        job.assert_clean_exit()
 
 
 def test_trainer_killed_mid_sync_fails_that_sync_then_a_restarted_trainer_restores_it(plan, tmp_path):
-    job = Job(tmp_path, plan, "trainer-dies")
-    try:
+    with Job(tmp_path, plan, "trainer-dies") as job:
         for r in range(2):
             job.start(f"tr{r}", "trainer", r, "--versions", "1,2,3", "--gate", "--timeout", str(TIMEOUT))
         for k in range(2):
@@ -76,15 +71,11 @@ def test_trainer_killed_mid_sync_fails_that_sync_then_a_restarted_trainer_restor
         job.go(3)
         for k in range(2):
             _synced(job, f"inf{k}", 3)
-        for key in ("tr0", "tr1b", "inf0", "inf1"):
-            assert job.wait(key) == 0, job.stderr(key)
-    finally:
-        job.close()
+        job.assert_clean_exit("tr0", "tr1b", "inf0", "inf1")
 
 
 def test_inference_rank_killed_mid_sync_blocks_nobody_beyond_the_timeout(plan, tmp_path):
-    job = Job(tmp_path, plan, "inference-dies")
-    try:
+    with Job(tmp_path, plan, "inference-dies") as job:
         job.start("inf0", "inference", 0, "--plain", "--versions", "1,2,3", "--timeout", "60")
         job.start("inf1", "inference", 1, "--plain", "--versions", "1,2,3", "--hold-at", "2", "--timeout", "60")
         for r in range(2):
@@ -102,7 +93,4 @@ def test_inference_rank_killed_mid_sync_blocks_nobody_beyond_the_timeout(plan, t
             assert third["seconds"] < TIMEOUT, "a rank given up on is not waited for again"
         for version in (1, 2, 3):
             _synced(job, "inf0", version)
-        for key in ("tr0", "tr1", "inf0"):
-            assert job.wait(key) == 0, job.stderr(key)
-    finally:
-        job.close()
+        job.assert_clean_exit("tr0", "tr1", "inf0")
