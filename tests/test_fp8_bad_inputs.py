@@ -32,10 +32,10 @@ def test_a_model_without_online_quantized_layers_is_refused():
 def _tiny_fp8_plan_bytes(staging_rows, stage, spans) -> bytes:
     header = {
         "vllm_version": "0.32.0", "model": "x", "config_sha256": "0", "architecture": "X",
-        "trainer": {"format": "hf", "dtype": "bf16", "token": "fsdp1", "fsdp": 1, "ep": 1, "replicas": 1},
+        "trainer": {"format": "hf", "dtype": "bf16", "token": "fsdp1", "boxes": [[[[0, 256], [0, 128]]]]},
         "inference": {"token": "tp1", "tp": 1, "dp": 1, "ep": False, "platform": "cpu"},
         "quant": "fp8_per_block", "src_ranks": 1, "dst_ranks": 1,
-        "sources": [["w", [256, 128], "bfloat16", "dense"]],
+        "sources": [["w", [256, 128], "bfloat16", 0]],
         "dests": [["l.weight", [256, 128], "float8_e4m3fn", [0]], ["l.weight_scale_inv", [2, 1], "float32", [0]]],
         "cast_chains": [["bfloat16"]], "stats": {}, "staging": staging_rows, "quant_layout": {"layout": "plain"}, "derived": [],
     }
