@@ -123,7 +123,7 @@ def test_vectorised_cut_equals_successive_cuts(case, wire):
         rows.append((0, src_start, i % 2, lo, hi - lo, wire))
         src_start += hi - lo
     runs = Runs(*np.array(rows, dtype=np.int64).T, np.zeros(len(rows), dtype=np.int64))
-    segments = _segments(layout, shape, sharding)
+    segments = _segments([shard_box(layout, shape, sharding, r) for r in range(layout.ranks)], shape, [])
     got, want = _cut(runs, *segments), _cut_by_successive_cuts(runs, *segments)
     for name in Runs.FIELDS:
         assert getattr(got, name).tolist() == getattr(want, name).tolist(), name
