@@ -116,7 +116,7 @@ def main() -> None:
     out_dir = args.out or Path(tempfile.mkdtemp(prefix="bench-compile-"))
     rows = []
     for spec in PLANS:
-        if args.only and args.only not in f"{spec.get('trainer', 'fsdp=1')} -> {spec.get('inference', 'tp=1')} {spec['trainer_format']}":
+        if args.only and args.only not in f"{spec.get('trainer', 'fsdp=1')} -> {spec.get('inference', 'tp=1')} {spec['trainer_format']} {spec.get('quant', 'none')}":
             continue
         row = run(spec, out_dir)
         rows.append(row)

@@ -161,6 +161,10 @@ def main() -> None:
         sync = statistics.median(wall(events, "sync", r, "trainer", "inference") for r in reps)
         first_sync = wall(events, "sync", 1, "trainer", "inference")
         baseline = statistics.median(wall(events, "baseline", r) for r in reps)
+        # Time inference ranks spent outside gloo calls during the baseline: vLLM's load_weights.
+        loading = statistics.median(max(e["end"] - e["start"] - e["comm_s"] for e in events
+                                        if e.get("round") == "baseline" and e["rep"] == r and e["role"] == "inference")
+                                    for r in reps)
         identical = [e["value"] for e in events if e.get("event") == "identical"]
         memcpy = memcpy_gbps(nbytes)
         overhead = host_overhead(args.repeats, nbytes / ceiling, tmp)
@@ -185,7 +189,8 @@ def main() -> None:
     print(f"  (a)  memcpy, one process            {memcpy:7.2f} GB/s")
     print(f"  (a') process_vm_readv ceiling       {gb / ceiling:7.2f} GB/s  {ceiling:.3f} s")
     print(f"  (b)  weightplan sync (NIXL READ)    {gb / sync:7.2f} GB/s  {sync:.3f} s   (first sync with connection set-up: {first_sync:.3f} s)")
-    print(f"  (c)  all-gather + gloo bcast + load {gb / baseline:7.2f} GB/s  {baseline:.3f} s")
+    print(f"  (c)  all-gather + gloo bcast + load {gb / baseline:7.2f} GB/s  {baseline:.3f} s   "
+          f"(of which outside gloo on the slowest inference rank, i.e. load_weights: {loading:.3f} s)")
     print(f"  b / a' = {figures['sync_vs_ceiling']:.3f}   b / a = {figures['sync_vs_memcpy']:.3f}   c / b time = {figures['speedup_vs_baseline']:.2f}x")
     print(f"  digests after our sync == after vLLM load_weights of the same weights: {identical}")
     for n, o in overhead.items():

@@ -153,10 +153,10 @@ def main() -> None:
         # baseline: all-gather shards, broadcast full tensors from trainer 0, vLLM load_weights
         barrier()
         start = time.time()
-        _baseline(plan, args, tensors if args.role == "trainer" else None, groups, model, n_src)
+        comm = _baseline(plan, args, tensors if args.role == "trainer" else None, groups, model, n_src)
         end = time.time()
         barrier()
-        emit(round="baseline", rep=rep, role=args.role, rank=args.rank, start=start, end=end)
+        emit(round="baseline", rep=rep, role=args.role, rank=args.rank, start=start, end=end, comm_s=comm)
     if args.role == "inference" and model is not None and args.gloo:
         from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
 
@@ -165,14 +165,21 @@ def main() -> None:
     barrier()
 
 
-def _baseline(plan, args, shards, groups, model, n_src: int) -> None:
-    """The usual way: gather each full tensor on trainer 0, broadcast it to every inference rank, which streams it into load_weights."""
+def _baseline(plan, args, shards, groups, model, n_src: int) -> float:
+    """The usual way: gather each full tensor on trainer 0, broadcast it to every inference rank, which streams it
+    into load_weights. Returns the seconds this process spent inside gloo collectives."""
     trainers, bcast = groups
+    comm = [0.0]
+
+    def timed_broadcast(group, tensor, root):
+        began = time.perf_counter()
+        _broadcast(group, tensor, root)
+        comm[0] += time.perf_counter() - began
 
     def receive():
         for entry in plan.sources:
             full = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
-            _broadcast(bcast, full, 0)
+            timed_broadcast(bcast, full, 0)
             yield entry.name, full
 
     if args.role == "inference":
@@ -182,7 +189,7 @@ def _baseline(plan, args, shards, groups, model, n_src: int) -> None:
         config = make_vllm_config(args.model, tp=info["tp"], dp=info["dp"], ep=info["ep"])
         with torch.no_grad(), parallel_rank(config, args.rank % info["tp"], args.rank // info["tp"]):
             model.load_weights(receive())
-        return
+        return comm[0]
     for i, entry in enumerate(plan.sources):
         boxes = [plan.shard_box(i, r) for r in range(n_src)]
         parts = [torch.empty(plan.local_shape(i, r), dtype=getattr(torch, entry.dtype)) for r in range(n_src)]
@@ -190,13 +197,14 @@ def _baseline(plan, args, shards, groups, model, n_src: int) -> None:
             if r == args.rank:
                 part.copy_(shards[entry.name])
             if part.numel():
-                _broadcast(trainers, part, r)
+                timed_broadcast(trainers, part, r)
         if args.rank == 0:
             full = torch.empty(entry.shape, dtype=parts[0].dtype)
             for box, part in zip(boxes, parts):
                 if box is not None and part.numel():
                     full[tuple(slice(a, b) for a, b in box)] = part.view([b - a for a, b in box])
-            _broadcast(bcast, full, 0)
+            timed_broadcast(bcast, full, 0)
+    return comm[0]
 
 
 def _gloo(rendezvous: Rendezvous, name: str, rank: int, size: int):
