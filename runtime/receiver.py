@@ -100,7 +100,7 @@ class Receiver:
     """
 
     def __init__(self, plan: Plan, rank: int, destination, *, rendezvous: Rendezvous, timeout: float = 60.0,
-                 verify: bool = False, group_bytes: int = 256 << 20, post_op=None):
+                 verify: bool = False, group_bytes: int = 256 << 20, post_op=None, progress_thread: bool = False):
         refuse_quantized(plan)
         held = held_entries(plan, rank)
         self.plan, self.rank, self.rendezvous, self.timeout, self.verify = plan, rank, rendezvous, timeout, verify
@@ -116,7 +116,7 @@ class Receiver:
         self._group_names = [sorted({plan.dests[int(d)].name for src, r in self.reads.items()
                                      for d in r.dest[self._groups[src] == g].tolist()}) for g in range(self.n_groups)]
         self._seq = torch.zeros(plan.header["src_ranks"], dtype=torch.int64)
-        self.agent = NixlAgent(inference_agent(rendezvous.job, rank))
+        self.agent = NixlAgent(inference_agent(rendezvous.job, rank), progress_thread)
         self.agent.register(list(self._dst.values()) + [self._seq])
         self._tables = {src: descriptor_table(reads, self._groups[src], packing(plan, src).offsets_by_run(plan.n_runs),
                                               self._local_addresses(reads)) for src, reads in self.reads.items()}

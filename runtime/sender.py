@@ -66,7 +66,7 @@ class Sender:
     """
 
     def __init__(self, plan: Plan, rank: int, tensors, *, rendezvous: Rendezvous, timeout: float = 60.0,
-                 digests: bool = False):
+                 digests: bool = False, progress_thread: bool = False):
         refuse_quantized(plan)
         check_src_rank(plan, rank)
         self.plan, self.rank, self.rendezvous, self.timeout, self.digests = plan, rank, rendezvous, timeout, digests
@@ -90,7 +90,7 @@ class Sender:
         self._seq = torch.ones(1, dtype=torch.int64)  # odd: nothing published yet
         self.readers = readers(plan, rank)
         self.incarnation = uuid.uuid4().hex
-        self.agent = NixlAgent(trainer_agent(rendezvous.job, rank))
+        self.agent = NixlAgent(trainer_agent(rendezvous.job, rank), progress_thread)
         self.agent.register(self._exposed + [self._packed, self._seq])
         self._live: set[int] = set()  # inference ranks whose acknowledgement release() waits for
         self._joined: dict[int, str] = {}

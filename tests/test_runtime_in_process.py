@@ -41,7 +41,8 @@ def no_agents(monkeypatch):
 
 def _pair(plan, rendezvous, version=1, **receiver_kwargs):
     tensors = shard(plan, full_weights(plan, 0, version), 0)
-    sender = Sender(plan, 0, tensors, rendezvous=rendezvous, timeout=5, digests=True)
+    # Both agents live in this process, so the target side needs NIXL's progress thread.
+    sender = Sender(plan, 0, tensors, rendezvous=rendezvous, timeout=5, digests=True, progress_thread=True)
     destination = plain_destination(plan, 0)
     receiver = Receiver(plan, 0, destination, rendezvous=rendezvous, timeout=5, **receiver_kwargs)
     return tensors, sender, destination, receiver
@@ -119,7 +120,8 @@ def test_unpublished_version_times_out_with_a_clear_error(rendezvous, bf16_plan)
 
 
 def test_receiver_refuses_a_trainer_running_another_plan(rendezvous, bf16_plan, fp32_plan):
-    sender = Sender(fp32_plan, 0, shard(fp32_plan, full_weights(fp32_plan, 0, 1), 0), rendezvous=rendezvous, timeout=5)
+    sender = Sender(fp32_plan, 0, shard(fp32_plan, full_weights(fp32_plan, 0, 1), 0), rendezvous=rendezvous, timeout=5,
+                    progress_thread=True)
     receiver = Receiver(bf16_plan, 0, plain_destination(bf16_plan, 0), rendezvous=rendezvous, timeout=5)
     sender.publish(1)
     with pytest.raises(PlanMismatchError, match="both sides must load the same plan file"):
