@@ -53,7 +53,7 @@ def worker(spec: dict, output: str) -> None:
     print(json.dumps({"timings": result.timings, "stats": result.stats, "plan_bytes": result.plan_bytes,
                       "src_balance": summary["src_balance"], "dst_balance": summary["dst_balance"],
                       "compiled_at": compiled_at, "compiled_cpu": compiled_cpu,
-                      "plan": str(name), "identical_to_checked_in": checked_in.exists() and checked_in.read_bytes() == Path(output).read_bytes(),
+                      "plan": str(name), "identical_to_checked_in": checked_in.read_bytes() == Path(output).read_bytes() if checked_in.exists() else None,
                       "wire_bytes": summary["wire_bytes"], "dst_bytes": summary["dst_bytes"],
                       "sender_quantized_fraction": summary["sender_quantized_fraction"]}))
 
@@ -131,7 +131,8 @@ def main() -> None:
             f"{row['assignments']} assignments, {row['runs_before_coalesce']} runs -> {row['descriptors']} descriptors "
             f"(lower bound {row['descriptors_lower_bound']}); plan {row['plan_bytes']} bytes; "
             f"src_balance {row['src_balance']}, dst_balance {row['dst_balance']}; "
-            f"identical to the checked-in plan: {row['identical_to_checked_in']}",
+            (f"identical to the checked-in plan: {row['identical_to_checked_in']}" if row["identical_to_checked_in"] is not None
+             else "no checked-in plan to compare"),
             flush=True,
         )
     print(json.dumps(rows))
