@@ -105,6 +105,12 @@ def run(spec: dict, out_dir: Path) -> dict:
     }
 
 
+def _identity(row: dict) -> str:
+    if row["identical_to_checked_in"] is None:
+        return "no checked-in plan to compare"
+    return f"identical to the checked-in plan: {row['identical_to_checked_in']}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUTPUT"))
@@ -130,9 +136,7 @@ def main() -> None:
             f"{row['models_built']} vLLM models built, guard: {row['guard']}; "
             f"{row['assignments']} assignments, {row['runs_before_coalesce']} runs -> {row['descriptors']} descriptors "
             f"(lower bound {row['descriptors_lower_bound']}); plan {row['plan_bytes']} bytes; "
-            f"src_balance {row['src_balance']}, dst_balance {row['dst_balance']}; "
-            (f"identical to the checked-in plan: {row['identical_to_checked_in']}" if row["identical_to_checked_in"] is not None
-             else "no checked-in plan to compare"),
+            f"src_balance {row['src_balance']}, dst_balance {row['dst_balance']}; {_identity(row)}",
             flush=True,
         )
     print(json.dumps(rows))
