@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from .casts import cast_along
 from .checks import check_tensors, named_tensors
 from .errors import PlanMismatchError
 from .host_quant import execute_quant
@@ -57,7 +58,6 @@ def execute_local(
         check_tensors(given, expected, {e.name for e in plan.sources}, f"trainer rank {src_rank}")
 
     itemsizes = plan.wire_itemsize()
-    chains = [[getattr(torch, d) for d in chain[1:]] for chain in plan.cast_chains]
     written = 0
     with torch.no_grad():
         for rank, mask in masks.items():
@@ -74,10 +74,7 @@ def execute_local(
                 dst = flat_dst.get(d)
                 if dst is None:
                     dst = flat_dst[d] = dst_tensors[rank][plan.dests[d].name].detach().view(-1)
-                value = src[so : so + n]
-                for dtype in chains[w]:
-                    value = value.to(dtype)
-                dst[do : do + n].copy_(value)
+                dst[do : do + n].copy_(cast_along(src[so : so + n], plan.cast_chains[w]))
             written += int((runs["length"][mask] * itemsizes[mask]).sum())
     if plan.staging:
         written += execute_quant(plan, sources, dst_tensors, only)

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from .casts import cast_along
 from .plan_format import RECEIVER, SENDER, Plan
 from .quant import quantize_span, span_dest_segments
 
@@ -27,9 +28,7 @@ def fill_staging(plan: Plan, rows: np.ndarray, sources: Mapping[int, Mapping[str
     for i in rows.tolist():
         rank, src, off, dst, n, wire = (int(t[c][i]) for c in ("src_rank", "src", "src_off", "stage_off", "length", "wire"))
         value = sources[rank][plan.sources[src].name].detach().view(-1)[off : off + n]
-        for dtype in plan.cast_chains[wire][1:]:
-            value = value.to(getattr(torch, dtype))
-        flat[dst : dst + n].copy_(value)
+        flat[dst : dst + n].copy_(cast_along(value, plan.cast_chains[wire]))
         copied += n
     return copied
 

@@ -118,7 +118,9 @@ class Receiver:
         self._seq = torch.zeros(plan.header["src_ranks"], dtype=torch.int64)
         self.agent = NixlAgent(inference_agent(rendezvous.job, rank), progress_thread)
         self.agent.register(list(self._dst.values()) + [self._seq])
-        self._tables = {src: descriptor_table(reads, self._groups[src], packing(plan, src).offsets_by_run(plan.n_runs),
+        packings = {src: packing(plan, src) for src in self.reads}
+        self._packed_bytes = {src: p.nbytes for src, p in packings.items()}
+        self._tables = {src: descriptor_table(reads, self._groups[src], packings[src].offsets_by_run(plan.n_runs),
                                               self._local_addresses(reads)) for src, reads in self.reads.items()}
         self._local = {src: self.agent.prepare(None, np.stack([t.local, t.nbytes], axis=1)) for src, t in self._tables.items()}
         self._seq_local = {src: self.agent.prepare(None, np.array([[self._seq.data_ptr() + 8 * src, 8]])) for src in self.reads}
@@ -198,9 +200,9 @@ class Receiver:
         if not isinstance(regions, list) or [[s, c, n] for s, c, _, n in regions] != expected:
             raise PlanMismatchError(f"trainer rank {rank} exposes regions that differ from what the plan says it serves")
         packed_addr, packed_bytes = info.get("packed", (0, -1))
-        if packed_bytes != packing(self.plan, rank).nbytes:
+        if packed_bytes != self._packed_bytes[rank]:
             raise PlanMismatchError(f"trainer rank {rank} packs {packed_bytes} bytes of small runs, this rank expects "
-                                    f"{packing(self.plan, rank).nbytes}: run the same weightplan version on both sides")
+                                    f"{self._packed_bytes[rank]}: run the same weightplan version on both sides")
         name = trainer_agent(self.rendezvous.job, rank)
         self.agent.add_peer(self.rendezvous.get_bytes(f"trainer/{rank}/metadata/{incarnation}"), name)
         table = self._tables[rank]

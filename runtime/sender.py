@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .casts import cast_along
 from .checks import check_tensors, flat_view, named_tensors
 from .errors import PlanMismatchError
 from .nixl_agent import NixlAgent
@@ -146,10 +147,7 @@ class Sender:
         with torch.no_grad():
             for region, src, out in zip(self.regions, self._sources, self._exposed):
                 if region.staged:
-                    value = src
-                    for dtype in self.plan.cast_chains[region.chain][1:]:
-                        value = value.to(getattr(torch, dtype))
-                    out.copy_(value)
+                    out.copy_(cast_along(src, self.plan.cast_chains[region.chain]))
             self._pack()
         if self.digests:
             began = time.perf_counter()

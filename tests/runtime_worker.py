@@ -18,6 +18,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 import torch
 
+from weightplan.compiler.verify_plan import shard_sources
 from weightplan.runtime import Receiver, Rendezvous, Sender, SyncError, execute_local, load_plan
 
 
@@ -32,16 +33,7 @@ def full_weights(plan, seed: int, version: int) -> dict[str, torch.Tensor]:
 
 def shard(plan, full: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
     """Trainer `rank`'s local shards of the full tensors, as the plan's trainer layout cuts them."""
-    local = {}
-    for i, entry in enumerate(plan.sources):
-        tensor, box = full[entry.name], plan.shard_box(i, rank)
-        if box is None:  # this rank is outside the tensor's mesh
-            local[entry.name] = tensor.new_empty(plan.local_shape(i, rank))
-            continue
-        for dim, (lo, hi) in enumerate(box):
-            tensor = tensor.narrow(dim, lo, hi - lo)
-        local[entry.name] = tensor.contiguous()
-    return local
+    return shard_sources(plan, full, {rank})[rank]
 
 
 def emit(**fields) -> None:
