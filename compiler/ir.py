@@ -124,11 +124,15 @@ class Copy:
 
 @dataclass(frozen=True)
 class Runs:
-    """Byte runs as parallel arrays, in elements: src[src_off:+length] -> dst[dst_off:+length].
+    """Byte runs as parallel arrays, in elements: row i < count of a run copies
+    src[src_off + i*src_stride :+length] -> dst[dst_off + i*dst_stride :+length].
 
-    `src`, `dest` and `wire` index `Program.sources`, `Program.dests` and `Program.cast_chains`.
-    `src_rank` is the trainer rank serving the run; `src_off` is global until split_shards makes
-    it an offset into that rank's shard. Every inference rank of `dests[dest].ranks` reads the run.
+    A plain run has count 1 and strides 0; a strided run (count > 1) stands for `count` rows,
+    each contiguous on both sides, that one table row describes (e.g. a TP column slice of every
+    row of a matrix). `src`, `dest` and `wire` index `Program.sources`, `Program.dests` and
+    `Program.cast_chains`. `src_rank` is the trainer rank serving the run; `src_off` is global
+    until split_shards makes it an offset into that rank's shard. Every inference rank of
+    `dests[dest].ranks` reads the run.
     """
 
     src: np.ndarray
@@ -138,12 +142,22 @@ class Runs:
     length: np.ndarray
     wire: np.ndarray
     src_rank: np.ndarray
+    count: np.ndarray
+    src_stride: np.ndarray
+    dst_stride: np.ndarray
 
-    FIELDS = ("src", "src_off", "dest", "dst_off", "length", "wire", "src_rank")
+    FIELDS = ("src", "src_off", "dest", "dst_off", "length", "wire", "src_rank", "count", "src_stride", "dst_stride")
 
     @staticmethod
     def empty() -> "Runs":
         return Runs(*(np.zeros(0, dtype=np.int64) for _ in Runs.FIELDS))
+
+    @staticmethod
+    def plain(src, src_off, dest, dst_off, length, wire, src_rank) -> "Runs":
+        """Runs of one row each (count 1, strides 0)."""
+        columns = [np.asarray(c, dtype=np.int64) for c in (src, src_off, dest, dst_off, length, wire, src_rank)]
+        n = len(columns[4])
+        return Runs(*columns, np.ones(n, dtype=np.int64), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
 
     @staticmethod
     def concat(parts: list["Runs"]) -> "Runs":
@@ -156,6 +170,32 @@ class Runs:
 
     def __len__(self) -> int:
         return int(self.length.shape[0])
+
+    @property
+    def rows(self) -> int:
+        """Contiguous rows these runs stand for: the descriptors a reader posts without packing."""
+        return int(self.count.sum())
+
+    def src_end(self) -> np.ndarray:
+        """One past the last source element any row reads."""
+        return self.src_off + (self.count - 1) * self.src_stride + self.length
+
+    def dst_end(self) -> np.ndarray:
+        """One past the last destination element any row writes."""
+        return self.dst_off + (self.count - 1) * self.dst_stride + self.length
+
+    def expand(self, mask: np.ndarray | None = None) -> "Runs":
+        """These runs (or those selected by `mask`) as plain one-row runs, rows of a run in order."""
+        runs = self if mask is None else self.take(np.flatnonzero(mask))
+        begin = np.cumsum(runs.count) - runs.count
+        run = np.repeat(np.arange(len(runs)), runs.count)
+        return runs.row(run, np.arange(len(run)) - begin[run])
+
+    def row(self, run: np.ndarray, index: np.ndarray) -> "Runs":
+        """Row `index[k]` of run `run[k]`, for each k, as plain runs."""
+        r = self.take(run)
+        return Runs.plain(r.src, r.src_off + index * r.src_stride, r.dest,
+                          r.dst_off + index * r.dst_stride, r.length, r.wire, r.src_rank)
 
 
 @dataclass(frozen=True)

@@ -25,16 +25,16 @@ weightplan plan (format {{ s.format_version }})
 {% endif %}  descriptors    {{ s.descriptors }} posted, {{ s.descriptors_stored }} stored (lower bound {{ s.descriptors_lower_bound }})
   balance        trainer ranks {{ "%.3f" | format(s.src_balance) }}, inference ranks {{ "%.3f" | format(s.dst_balance) }} (max/mean bytes)
   fingerprint    {{ s.fingerprint }}
-{% for r in runs %}  {{ "%-6d" | format(loop.index0) }} trainer {{ r.src_rank }} {{ r.src }}[{{ r.src_off }}:+{{ r.length }}] -> {{ r.dest }}[{{ r.dst_off }}:+{{ r.length }}]{{ r.cast }}
+{% for r in runs %}  {{ "%-6d" | format(loop.index0) }} trainer {{ r.src_rank }} {{ r.src }}[{{ r.src_off }}:+{{ r.length }}] -> {{ r.dest }}[{{ r.dst_off }}:+{{ r.length }}]{{ r.rows }}{{ r.cast }}
 {% endfor %}""",
     undefined=jinja2.StrictUndefined,
 )
 
 
 def as_program(plan: Plan) -> Program:
-    runs = Runs(**{f: plan.runs[f] for f in Runs.FIELDS})
+    runs = Runs(**{f: plan.table[f] for f in Runs.FIELDS})
     shard_numel = np.zeros((plan.header["src_ranks"], len(plan.sources)), dtype=np.int64)
-    for s, r in set(zip(plan.runs["src"].tolist(), plan.runs["src_rank"].tolist())):
+    for s, r in set(zip(plan.table["src"].tolist(), plan.table["src_rank"].tolist())):
         shard_numel[r, s] = int(np.prod(plan.local_shape(s, r), dtype=np.int64))
     return Program(
         sources=tuple(TensorSpec(e.name, e.shape, e.dtype) for e in plan.sources),
@@ -47,15 +47,16 @@ def as_program(plan: Plan) -> Program:
 
 def per_rank_bytes(plan: Plan) -> tuple[list[int], list[int]]:
     """Bytes each inference rank reads and each trainer rank serves (once per reading rank)."""
-    nbytes = (plan.runs["length"] * plan.wire_itemsize()).astype(np.float64)
-    per_dest = np.bincount(plan.runs["dest"], weights=nbytes, minlength=len(plan.dests))
+    table = plan.table
+    nbytes = (table["count"] * table["length"] * plan.stored_itemsize()).astype(np.float64)
+    per_dest = np.bincount(table["dest"], weights=nbytes, minlength=len(plan.dests))
     dst = np.zeros(plan.header["dst_ranks"], dtype=np.float64)
     holders = np.zeros(len(plan.dests), dtype=np.int64)
     for i, entry in enumerate(plan.dests):
         dst[list(entry.ranks)] += per_dest[i]
         holders[i] = len(entry.ranks)
-    weights = nbytes * holders[plan.runs["dest"]] if plan.n_runs else nbytes
-    src = np.bincount(plan.runs["src_rank"], weights=weights, minlength=plan.header["src_ranks"])
+    weights = nbytes * holders[table["dest"]] if len(nbytes) else nbytes
+    src = np.bincount(table["src_rank"], weights=weights, minlength=plan.header["src_ranks"])
     # fp8: receiver-side stage runs carry bf16; sender-side spans carry fp8 values and float32 scales.
     stage, spans = plan.stage, plan.spans
     sizes = np.array([DTYPE_SIZES[chain[-1]] for chain in plan.cast_chains] or [0], dtype=np.int64)
@@ -97,7 +98,7 @@ def summarize(plan: Plan) -> dict:
         "dst_bytes": coverage.dst_bytes,
         "wire_bytes": sum(bytes_dst),
         "descriptors": descriptors_posted(program.runs, program.dests),
-        "descriptors_stored": plan.n_runs,
+        "descriptors_stored": plan.n_stored_runs,
         "descriptors_lower_bound": descriptors_lower_bound(program.runs, program.dests),
         "dst_coverage": (coverage.written_once_bytes + quant_bytes) / coverage.dst_bytes if coverage.dst_bytes else 1.0,
         "quantized_tensors": sum(len(e.ranks) for e in plan.staging),
@@ -114,8 +115,8 @@ def summarize(plan: Plan) -> dict:
 
 def render_text(plan: Plan, summary: dict, runs: int = 0) -> str:
     rows = []
-    cols = plan.runs
-    for i in range(min(runs, plan.n_runs)):
+    cols = plan.table
+    for i in range(min(runs, plan.n_stored_runs)):
         chain = plan.cast_chains[cols["wire"][i]]
         rows.append(
             {
@@ -126,6 +127,8 @@ def render_text(plan: Plan, summary: dict, runs: int = 0) -> str:
                 "dst_off": int(cols["dst_off"][i]),
                 "length": int(cols["length"][i]),
                 "cast": "" if len(chain) == 1 else " (" + " -> ".join(chain) + ")",
+                "rows": "" if cols["count"][i] == 1 else
+                f" x{int(cols['count'][i])} rows (strides {int(cols['src_stride'][i])}/{int(cols['dst_stride'][i])})",
             }
         )
     return TEXT.render(s=summary, h=plan.header, runs=rows)

@@ -5,7 +5,8 @@ Layout (all integers little-endian):
     magic       8 bytes   b"WPLAN\\x00\\r\\n"
     header_len  u64
     header      canonical JSON (sorted keys, no spaces), UTF-8
-    payload     zlib stream of int64 columns: the runs (RUN_COLUMNS, n_runs each), then the stage runs
+    payload     zlib stream of int64 columns: the runs (RUN_COLUMNS, n_runs each; a run with count > 1
+                stands for `count` rows, row i at src_off + i*src_stride and dst_off + i*dst_stride), then the stage runs
                 (STAGE_COLUMNS, n_stage_runs each), then the block spans (SPAN_COLUMNS, n_spans each)
     digest      32 bytes  SHA-256 of everything before it
 
@@ -29,8 +30,9 @@ from .placements import Box
 from .shards import ShardLayout
 
 MAGIC = b"WPLAN\x00\r\n"
-FORMAT_VERSION = 2
-RUN_COLUMNS = ("src_rank", "src", "src_off", "dest", "dst_off", "length", "wire")
+FORMAT_VERSION = 3
+ROW_COLUMNS = ("src_rank", "src", "src_off", "dest", "dst_off", "length", "wire")
+RUN_COLUMNS = ROW_COLUMNS + ("count", "src_stride", "dst_stride")
 # fp8_per_block (format 2): bf16 runs from a trainer shard into a staging tensor (side 0: on the
 # trainer rank, into its arena; side 1: pulled by the receivers), and spans of 128x128 blocks
 # quantized on one side (src_rank is the quantizing trainer rank for side 0, -1 for side 1).
@@ -95,13 +97,17 @@ class StagingEntry:
 
 @dataclass(frozen=True)
 class Plan:
-    """A loaded plan: header fields, tensor tables and run columns (elements, not bytes)."""
+    """A loaded plan: header fields, tensor tables and run columns (elements, not bytes).
+
+    `table` holds the runs as stored (RUN_COLUMNS, strided runs included); `runs` the same runs
+    as contiguous rows (ROW_COLUMNS), which is what executors move.
+    """
 
     header: dict
     sources: tuple[TensorEntry, ...]
     dests: tuple[TensorEntry, ...]
     cast_chains: tuple[tuple[str, ...], ...]
-    runs: dict[str, np.ndarray] = field(repr=False)
+    table: dict[str, np.ndarray] = field(repr=False)
     staging: tuple[StagingEntry, ...] = ()
     stage: dict[str, np.ndarray] = field(default_factory=lambda: _empty(STAGE_COLUMNS), repr=False)
     spans: dict[str, np.ndarray] = field(default_factory=lambda: _empty(SPAN_COLUMNS), repr=False)
@@ -124,14 +130,37 @@ class Plan:
         box = self.shard_box(source, rank)
         return (0,) if box is None else tuple(b - a for a, b in box)
 
+    @cached_property
+    def runs(self) -> dict[str, np.ndarray]:
+        """Every row of every run, in stored order (rows of a strided run consecutive), as plain columns."""
+        t = self.table
+        count = t["count"]
+        run = np.repeat(np.arange(len(count)), count)
+        step = np.arange(len(run)) - np.repeat(np.cumsum(count) - count, count)
+        rows = {c: t[c][run] for c in ROW_COLUMNS}
+        rows["src_off"] = rows["src_off"] + step * t["src_stride"][run]
+        rows["dst_off"] = rows["dst_off"] + step * t["dst_stride"][run]
+        return rows
+
     @property
     def n_runs(self) -> int:
-        return int(self.runs["length"].shape[0])
+        """Rows (contiguous runs) in the plan; `n_stored_runs` counts table entries."""
+        return int(self.table["count"].sum())
+
+    @property
+    def n_stored_runs(self) -> int:
+        return int(self.table["count"].shape[0])
 
     def wire_itemsize(self) -> np.ndarray:
-        """Bytes per element on the wire (the destination dtype) for each run."""
-        sizes = np.array([DTYPE_SIZES[chain[-1]] for chain in self.cast_chains] or [0], dtype=np.int64)
-        return sizes[self.runs["wire"]]
+        """Bytes per element on the wire (the destination dtype) for each row of `runs`."""
+        return self._sizes()[self.runs["wire"]]
+
+    def stored_itemsize(self) -> np.ndarray:
+        """Bytes per element on the wire for each entry of `table`."""
+        return self._sizes()[self.table["wire"]]
+
+    def _sizes(self) -> np.ndarray:
+        return np.array([DTYPE_SIZES[chain[-1]] for chain in self.cast_chains] or [0], dtype=np.int64)
 
 
 def fingerprint(header: dict) -> str:
@@ -239,14 +268,19 @@ def decode_plan(data: bytes, origin: str = "<bytes>") -> Plan:
 
 
 def _check_tables(plan: Plan, origin: str) -> None:
-    runs, sources, dests, chains = plan.runs, plan.sources, plan.dests, plan.cast_chains
+    runs, sources, dests, chains = plan.table, plan.sources, plan.dests, plan.cast_chains
     for column, table in (("src", sources), ("dest", dests), ("wire", chains)):
         values = runs[column]
         if len(values) and (values.min() < 0 or values.max() >= len(table)):
             raise PlanFormatError(f"{origin}: run column {column!r} indexes outside its table")
-    length = runs["length"]
+    length, count = runs["length"], runs["count"]
     if len(length) and length.min() <= 0:
         raise PlanFormatError(f"{origin}: a run has non-positive length")
+    plain = count == 1
+    if len(count) and ((count < 1).any() or (plain & ((runs["src_stride"] != 0) | (runs["dst_stride"] != 0))).any()
+                       or (~plain & ((runs["dst_stride"] < length) | (runs["src_stride"] < 0))).any()):
+        raise PlanFormatError(f"{origin}: a strided run has a count below 1, strides on a one-row run, a negative "
+                              "source stride or destination rows that overlap")
     ranks = runs["src_rank"]
     if len(ranks) and (ranks.min() < 0 or ranks.max() >= plan.header["src_ranks"]):
         raise PlanFormatError(f"{origin}: a run names a trainer rank outside the plan's {plan.header['src_ranks']}")
@@ -258,7 +292,8 @@ def _check_tables(plan: Plan, origin: str) -> None:
                   ("dst_off", np.array([e.numel for e in dests], dtype=np.int64)[runs["dest"]], "destination tensor"))
         for column, limit, what in limits:
             offset = runs[column]
-            if offset.min() < 0 or (offset + length > limit).any():
+            stride = runs["src_stride" if column == "src_off" else "dst_stride"]
+            if offset.min() < 0 or (offset + (count - 1) * stride + length > limit).any():
                 raise PlanFormatError(f"{origin}: a run reaches outside its {what}")
     for chain in chains:
         for dtype in chain:

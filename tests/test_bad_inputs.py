@@ -144,6 +144,6 @@ def test_verify_refuses_a_plan_for_another_vllm(plan_cache, tmp_path):
     plan = load_plan(plan_cache("tiny-llama"))
     header = {k: v for k, v in plan.header.items() if k not in ("fingerprint", "n_runs", "kind", "format_version")}
     header["vllm_version"] = "0.1.0"
-    other = write_plan(tmp_path / "old.plan", header, {c: plan.runs[c] for c in RUN_COLUMNS})
+    other = write_plan(tmp_path / "old.plan", header, {c: plan.table[c] for c in RUN_COLUMNS})
     with pytest.raises(PlanMismatchError, match="vLLM version: plan 0.1.0, installed 0.32.0"):
         verify_plan(other, model=str(config_dir("tiny-llama")))

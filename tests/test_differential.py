@@ -45,8 +45,8 @@ def test_verify_detects_a_corrupted_run(plan_cache, tmp_path):
     from weightplan.runtime.plan_format import RUN_COLUMNS, write_plan
 
     plan = load_plan(plan_cache("tiny-llama", "hf", "bf16"))
-    runs = {c: plan.runs[c].copy() for c in RUN_COLUMNS}
-    long_runs = [i for i in range(plan.n_runs) if runs["length"][i] > 2]
+    runs = {c: plan.table[c].copy() for c in RUN_COLUMNS}
+    long_runs = [i for i in range(plan.n_stored_runs) if runs["length"][i] > 2 and runs["count"][i] == 1]
     runs["src_off"][long_runs[0]] += 1
     runs["length"][long_runs[0]] -= 1
     runs["dst_off"][long_runs[0]] += 1

@@ -17,7 +17,7 @@ from weightplan.runtime.quant import block_grid
 def _program(shape, pieces, ranks_of_dest=(0,)):
     """One bf16 source == one quantized destination; `pieces` = [(off, length, trainer rank)] tiling it (maybe with gaps)."""
     n = len(pieces)
-    runs = Runs(
+    runs = Runs.plain(
         src=np.zeros(n, dtype=np.int64),
         src_off=np.array([p[0] for p in pieces], dtype=np.int64),
         dest=np.ones(n, dtype=np.int64),

@@ -161,7 +161,8 @@ def execute(program: Program, runs: Runs, case: Case) -> dict[str, torch.Tensor]
     dests = {k: v.clone() for k, v in initial_dests(case).items()}
     src_flat = [sources[spec.name].reshape(-1) for spec in program.sources]
     dst_flat = [dests[spec.name].view(-1) for spec in program.dests]
-    cols = zip(*(getattr(runs, f).tolist() for f in ("src", "src_off", "dest", "dst_off", "length", "wire")))
+    rows = runs.expand()
+    cols = zip(*(getattr(rows, f).tolist() for f in ("src", "src_off", "dest", "dst_off", "length", "wire")))
     for s, so, d, do, n, w in cols:
         chain = program.cast_chains[w]
         assert chain[0] == program.sources[s].dtype, (chain, program.sources[s])
@@ -579,14 +580,15 @@ def test_coalesce_preserves_result_and_never_adds_runs(case):
     want = eager(case)
     assert_same_bytes(execute(lowered, lowered.runs, case), want)
     assert_same_bytes(execute(coalesced, coalesced.runs, case), want)
-    assert len(coalesced.runs) <= len(lowered.runs)
-    assert int(coalesced.runs.length.sum()) == int(lowered.runs.length.sum())
+    assert coalesced.runs.rows <= lowered.runs.rows
+    assert int((coalesced.runs.length * coalesced.runs.count).sum()) == int((lowered.runs.length * lowered.runs.count).sum())
 
 
 def brute_force_min_runs(runs: Runs) -> int:
     """Elements whose predecessor pair (src-1, dst-1, same tensors and cast chain) is not mapped."""
     pairs = set()
-    for s, so, d, do, n, w in zip(*(getattr(runs, f).tolist() for f in ("src", "src_off", "dest", "dst_off", "length", "wire"))):
+    rows = runs.expand()
+    for s, so, d, do, n, w in zip(*(getattr(rows, f).tolist() for f in ("src", "src_off", "dest", "dst_off", "length", "wire"))):
         for i in range(n):
             pairs.add((s, d, w, so + i, do + i))
     return sum(1 for (s, d, w, a, b) in pairs if (s, d, w, a - 1, b - 1) not in pairs)
@@ -596,10 +598,11 @@ def brute_force_min_runs(runs: Runs) -> int:
 @given(cases())
 def test_coalesce_reaches_the_descriptor_lower_bound(case):
     lowered, coalesced = compile_case(case)
-    assert len(coalesced.runs) == descriptors_lower_bound(lowered.runs)
-    assert descriptors_lower_bound(coalesced.runs) == len(coalesced.runs)
-    if int(lowered.runs.length.sum()) <= BRUTE_FORCE_LIMIT:
-        assert len(coalesced.runs) == brute_force_min_runs(lowered.runs)
+    assert coalesced.runs.rows == descriptors_lower_bound(lowered.runs)
+    assert descriptors_lower_bound(coalesced.runs) == coalesced.runs.rows
+    assert descriptors_lower_bound(lowered.runs.expand()) == coalesced.runs.rows
+    if int((lowered.runs.length * lowered.runs.count).sum()) <= BRUTE_FORCE_LIMIT:
+        assert coalesced.runs.rows == brute_force_min_runs(lowered.runs)
 
 
 @SETTINGS

@@ -39,16 +39,22 @@ def one_copy(program: Program) -> Copy:
 
 
 def runs_table(program: Program) -> list[tuple[int, ...]]:
-    """Runs as (src, src_off, dest, dst_off, length, wire) rows, in their stored order."""
-    r = program.runs
+    """Runs as (src, src_off, dest, dst_off, length, wire) rows (strided runs expanded), in their stored order."""
+    r = program.runs.expand()
     return list(zip(*(getattr(r, f).tolist() for f in ("src", "src_off", "dest", "dst_off", "length", "wire"))))
+
+
+def stored(program: Program) -> list[tuple[int, ...]]:
+    """Runs as stored: (src_off, dst_off, length, count, src_stride, dst_stride)."""
+    r = program.runs
+    return list(zip(*(getattr(r, f).tolist() for f in ("src_off", "dst_off", "length", "count", "src_stride", "dst_stride"))))
 
 
 def make_runs(rows, ranks=None) -> Runs:
     """Runs from (src, src_off, dest, dst_off, length, wire) rows, all rank 0 -> rank 0."""
     cols = np.array(rows, dtype=np.int64).reshape(-1, 6).T
     zeros = np.zeros(cols.shape[1], dtype=np.int64)
-    return Runs(*cols, zeros.copy())
+    return Runs.plain(*cols, zeros)
 
 
 W46 = {"w": ((4, 6), "float32")}
@@ -189,10 +195,19 @@ def test_lower_contiguous_copy_merges_all_dims_into_one_run():
     assert p.cast_chains == (("float32",),)
 
 
-def test_lower_narrowed_destination_gives_one_run_per_row():
+def test_lower_narrowed_destination_gives_one_strided_run_of_rows():
     p = lower_runs(fold_views(trace(W46, {"d": ((4, 10), "float32")},
                                     lambda w, d: d["d"].narrow(1, 2, 6).copy_(w["w"]))))
+    assert stored(p) == [(0, 2, 6, 4, 6, 10)]
     assert runs_table(p) == [(0, 0, 0, 2, 6, 0), (0, 6, 0, 12, 6, 0), (0, 12, 0, 22, 6, 0), (0, 18, 0, 32, 6, 0)]
+
+
+def test_lower_enumerates_dims_outside_the_strided_one():
+    # d[:, :2, 1:3] of a (2, 3, 4) tensor: dims 0 and 1 merge on the source side only, so dim 1
+    # becomes the run's rows and dim 0 is enumerated.
+    p = lower_runs(fold_views(trace({"w": ((2, 2, 2), "float32")}, {"d": ((2, 3, 4), "float32")},
+                                    lambda w, d: d["d"][:, :2, 1:3].copy_(w["w"]))))
+    assert stored(p) == [(0, 1, 2, 2, 2, 4), (4, 13, 2, 2, 2, 4)]
 
 
 def test_lower_merges_outer_dims_when_both_sides_continue():
@@ -204,6 +219,7 @@ def test_lower_merges_outer_dims_when_both_sides_continue():
 
 def test_lower_transposed_source_gives_length_one_runs_in_destination_order():
     p = lower_runs(fold_views(trace(W46, {"d": ((6, 4), "float32")}, lambda w, d: d["d"].copy_(w["w"].t()))))
+    assert stored(p)[0] == (0, 0, 1, 4, 6, 1)  # d's row j: w[:, j], elements 6 apart
     rows = runs_table(p)
     assert len(rows) == 24 and {r[4] for r in rows} == {1}
     assert [r[3] for r in rows] == list(range(24))
@@ -220,6 +236,7 @@ def test_lower_transposed_destination_visits_destination_memory_order():
 def test_lower_broadcast_source_repeats_the_row():
     p = lower_runs(fold_views(trace({"w": ((4,), "float32")}, {"d": ((3, 4), "float32")},
                                     lambda w, d: d["d"].copy_(w["w"]))))
+    assert stored(p) == [(0, 0, 4, 3, 0, 4)]
     assert runs_table(p) == [(0, 0, 0, 0, 4, 0), (0, 0, 0, 4, 4, 0), (0, 0, 0, 8, 4, 0)]
 
 
@@ -231,11 +248,11 @@ def test_lower_wire_indexes_distinct_cast_chains():
 
 
 def test_strided_runs_ignores_size_one_dims_and_handles_scalars():
-    src_off, dst_off, length = strided_runs(Geometry(5, (3, 1, 2), (2, 99, 1)), Geometry(0, (3, 1, 2), (2, 7, 1)))
-    assert (src_off.tolist(), dst_off.tolist(), length.tolist()) == ([5], [0], [6])
-    src_off, dst_off, length = strided_runs(Geometry(3, (), ()), Geometry(8, (), ()))
-    assert (src_off.tolist(), dst_off.tolist(), length.tolist()) == ([3], [8], [1])
-    src_off, dst_off, length = strided_runs(Geometry(0, (2, 0), (1, 1)), Geometry(0, (2, 0), (1, 1)))
+    src_off, dst_off, length, count, *_ = strided_runs(Geometry(5, (3, 1, 2), (2, 99, 1)), Geometry(0, (3, 1, 2), (2, 7, 1)))
+    assert (src_off.tolist(), dst_off.tolist(), length.tolist(), count.tolist()) == ([5], [0], [6], [1])
+    src_off, dst_off, length, count, *_ = strided_runs(Geometry(3, (), ()), Geometry(8, (), ()))
+    assert (src_off.tolist(), dst_off.tolist(), length.tolist(), count.tolist()) == ([3], [8], [1], [1])
+    src_off, dst_off, length, *_ = strided_runs(Geometry(0, (2, 0), (1, 1)), Geometry(0, (2, 0), (1, 1)))
     assert len(length) == 0
 
 
@@ -294,6 +311,49 @@ def test_coalesce_sorts_and_merges_long_chains():
 def test_coalesce_empty_program_is_unchanged():
     p = Program(sources=(), dests=(), runs=Runs.empty())
     assert coalesce(p) is p
+
+
+def _strided(rows) -> Runs:
+    """Runs from (src_off, dst_off, length, count, src_stride, dst_stride) rows of one stream."""
+    cols = np.array(rows, dtype=np.int64).reshape(-1, 6).T
+    zeros = np.zeros(cols.shape[1], dtype=np.int64)
+    return Runs(zeros, cols[0], zeros, cols[1], cols[2], zeros, zeros, cols[3], cols[4], cols[5])
+
+
+def _one_stream(runs: Runs) -> Program:
+    return Program(sources=(TensorSpec("w", (64,), "float32"),), dests=(TensorSpec("d", (64,), "float32"),),
+                   runs=runs, cast_chains=(("float32",),))
+
+
+def test_coalesce_joins_strided_runs_that_continue_one_progression():
+    # Two experts' column slices: rows 0-2 then rows 3-5 of one progression.
+    merged = coalesce(_one_stream(_strided([(8 * 3 + 2, 9, 3, 3, 8, 3), (2, 0, 3, 3, 8, 3)])))
+    assert stored(merged) == [(2, 0, 3, 6, 8, 3)]
+
+
+def test_coalesce_peels_a_strided_row_that_continues_a_plain_run():
+    # A plain run src[0:2] -> dst[0:2] is continued on both sides by the first row of a strided run.
+    merged = coalesce(_one_stream(_strided([(0, 0, 2, 1, 0, 0), (2, 2, 3, 3, 10, 5)])))
+    assert stored(merged) == [(0, 0, 5, 1, 0, 0), (12, 7, 3, 2, 10, 5)]
+    assert descriptors_lower_bound(_strided([(0, 0, 2, 1, 0, 0), (2, 2, 3, 3, 10, 5)])) == merged.runs.rows == 3
+
+
+def test_coalesce_takes_interleaved_strided_runs_row_by_row():
+    # Left and right halves of four 4-element rows, copied by two strided runs: one contiguous run.
+    merged = coalesce(_one_stream(_strided([(0, 0, 2, 4, 4, 4), (2, 2, 2, 4, 4, 4)])))
+    assert stored(merged) == [(0, 0, 16, 1, 0, 0)]
+
+
+def test_verify_rejects_malformed_strided_runs():
+    overlapping_rows = _one_stream(_strided([(0, 0, 4, 2, 4, 2)]))
+    with pytest.raises(PlanInvariantError, match="malformed strided run"):
+        verify(overlapping_rows, require_full_coverage=False)
+    strided_plain = _one_stream(_strided([(0, 0, 4, 1, 4, 4)]))
+    with pytest.raises(PlanInvariantError, match="malformed strided run"):
+        verify(strided_plain, require_full_coverage=False)
+    past_the_end = _one_stream(_strided([(0, 0, 4, 9, 4, 8)]))
+    with pytest.raises(PlanInvariantError, match="destination run out of bounds"):
+        verify(past_the_end, require_full_coverage=False)
 
 
 # --- verify --------------------------------------------------------------------------------

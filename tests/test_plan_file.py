@@ -24,10 +24,10 @@ def test_round_trip_is_exact(plan_cache):
     path = plan_cache("tiny-glm", "stacked", "fp32")
     data = path.read_bytes()
     plan = decode_plan(data)
-    again = encode_plan(_header(plan), {c: plan.runs[c] for c in RUN_COLUMNS})
+    again = encode_plan(_header(plan), {c: plan.table[c] for c in RUN_COLUMNS})
     assert again == data
     for column in RUN_COLUMNS:
-        assert plan.runs[column].dtype == np.int64
+        assert plan.table[column].dtype == np.int64
 
 
 def test_compiling_twice_gives_identical_bytes(plan_cache, tmp_path):

@@ -47,6 +47,6 @@ def merge_ranks(programs: list[Program], cast_chains: tuple) -> Program:
 
 def _digest(runs: Runs, lo: int, hi: int) -> bytes:
     h = hashlib.sha256()
-    for column in ("src", "src_off", "dst_off", "length", "wire"):
+    for column in ("src", "src_off", "dst_off", "length", "wire", "count", "src_stride", "dst_stride"):
         h.update(np.ascontiguousarray(getattr(runs, column)[lo:hi]).tobytes())
     return h.digest()

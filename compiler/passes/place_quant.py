@@ -8,7 +8,7 @@ import numpy as np
 
 from ...runtime.plan_format import SPAN_COLUMNS, STAGE_COLUMNS
 from ...runtime.quant import BLOCK, block_grid
-from ..ir import Program, QuantPlacement, TensorSpec
+from ..ir import Program, QuantPlacement, Runs, TensorSpec
 
 
 def place_quant(program: Program) -> Program:
@@ -22,6 +22,10 @@ def place_quant(program: Program) -> Program:
     """
     quantized = program.meta.get("quant_tensors", {})
     runs = program.runs
+    names = np.array([spec.name in quantized for spec in program.dests] or [False], dtype=bool)
+    into_quantized = names[runs.dest] & (runs.count > 1)
+    if into_quantized.any():  # stage runs are plain: take strided runs into quantized tensors row by row
+        runs = Runs.concat([runs.take(np.flatnonzero(~into_quantized)), runs.expand(into_quantized)])
     dests: list[TensorSpec] = []
     remap = np.full(len(program.dests), -1, dtype=np.int64)
     staging, stage_of = [], {}

@@ -43,7 +43,7 @@ def split_shards(program: Program) -> Program:
         pieces.append(_cut(mine, *segments[cls]))
     cut = Runs.concat(pieces)
     group = cut.src_rank  # _cut leaves the holder group in src_rank
-    weight = cut.length * sizes[cut.wire] * holders[cut.dest]
+    weight = cut.count * cut.length * sizes[cut.wire] * holders[cut.dest]
     count = np.array([len(g) for g in groups], dtype=np.int64)
     first = np.array([g[0] for g in groups], dtype=np.int64)
     chosen = first[group]
@@ -77,6 +77,64 @@ def _segments(boxes, shape, groups: list[np.ndarray]):
 
 
 def _cut(runs: Runs, seg_start, seg_len, seg_local, seg_rank) -> Runs:
+    """Split runs (global source offsets) at segment ends; map each piece to (holder group, local offset).
+
+    A strided run inside one segment keeps its rows together; one spanning several segments keeps,
+    per segment, the rows lying wholly inside it as one strided piece, and its other rows are cut
+    one by one like plain runs.
+    """
+    strided = runs.count > 1
+    if not strided.any():
+        return _cut_rows(runs, seg_start, seg_len, seg_local, seg_rank)
+    many = runs.take(np.flatnonzero(strided))
+    first = np.searchsorted(seg_start, many.src_off, side="right") - 1
+    whole = (first >= 0) & (many.src_end() <= seg_start[first] + seg_len[first])
+    inside = many.take(np.flatnonzero(whole))
+    at = first[whole]
+    inside = dataclasses.replace(inside, src_off=seg_local[at] + (inside.src_off - seg_start[at]), src_rank=seg_rank[at])
+    pieces, loose = _cut_strided(many.take(np.flatnonzero(~whole)), seg_start, seg_len, seg_local, seg_rank)
+    rows = _cut_rows(Runs.concat([runs.take(np.flatnonzero(~strided)), loose]), seg_start, seg_len, seg_local, seg_rank)
+    return Runs.concat([rows, inside, pieces])
+
+
+def _cut_strided(runs: Runs, seg_start, seg_len, seg_local, seg_rank) -> tuple[Runs, Runs]:
+    """Strided runs spanning several segments: (one strided piece per segment for the rows wholly
+    inside it, the other rows as plain runs)."""
+    first = np.maximum(np.searchsorted(seg_start, runs.src_off, side="right") - 1, 0)
+    last = np.searchsorted(seg_start, runs.src_end() - 1, side="right") - 1
+    n_pairs = np.maximum(last - first + 1, 0)
+    run = np.repeat(np.arange(len(runs)), n_pairs)
+    seg = first[run] + np.arange(len(run)) - np.repeat(np.cumsum(n_pairs) - n_pairs, n_pairs)
+    off, stride, length, count = runs.src_off[run], runs.src_stride[run], runs.length[run], runs.count[run]
+    moving = stride > 0  # a zero stride reads one source row `count` times: it is in one segment or cut row by row
+    step = np.where(moving, stride, 1)
+    lo = np.maximum(-((off - seg_start[seg]) // step), 0)  # first row starting at or after the segment start
+    hi = np.minimum((seg_start[seg] + seg_len[seg] - length - off) // step, count - 1)  # last row ending inside it
+    keep = moving & (lo <= hi)
+    run, seg, lo, hi = run[keep], seg[keep], lo[keep], hi[keep]
+    picked = runs.take(run)
+    n = hi - lo + 1
+    several = n > 1
+    pieces = dataclasses.replace(
+        picked,
+        src_off=seg_local[seg] + (picked.src_off + lo * picked.src_stride - seg_start[seg]),
+        dst_off=picked.dst_off + lo * picked.dst_stride,
+        count=n,
+        src_stride=np.where(several, picked.src_stride, 0),
+        dst_stride=np.where(several, picked.dst_stride, 0),
+        src_rank=seg_rank[seg],
+    )
+    # Rows no piece took (those straddling a segment end, or in no segment) go row by row.
+    begin = np.cumsum(runs.count) - runs.count
+    marks = np.zeros(int(runs.count.sum()) + 1, dtype=np.int64)
+    np.add.at(marks, begin[run] + lo, 1)
+    np.add.at(marks, begin[run] + hi + 1, -1)
+    row = np.flatnonzero(np.cumsum(marks[:-1]) == 0)
+    owner = np.searchsorted(begin, row, side="right") - 1
+    return pieces, runs.row(owner, row - begin[owner])
+
+
+def _cut_rows(runs: Runs, seg_start, seg_len, seg_local, seg_rank) -> Runs:
     """Split runs (global source offsets) at segment ends; map each piece to (rank, local offset).
 
     Pieces come out ordered by (piece index within its run, run), as successive cuts would give.

@@ -8,6 +8,7 @@ import numpy as np
 
 from ...runtime.errors import WeightplanError
 from ..ir import Program, Runs, itemsize
+from .run_extents import interleaved
 
 
 class PlanInvariantError(WeightplanError):
@@ -30,6 +31,7 @@ def verify(program: Program, *, require_full_coverage: bool = True) -> Coverage:
     runs = program.runs
     if runs is None:
         raise PlanInvariantError("verify needs lowered runs; run lower_runs first")
+    _check_strides(program, runs)
     _check_bounds(program, runs)
     _check_dtypes(program, runs)
     coverage = _coverage(program, runs)
@@ -39,6 +41,26 @@ def verify(program: Program, *, require_full_coverage: bool = True) -> Coverage:
             f"{', '.join(coverage.uncovered[:5])}; vLLM's loaders never wrote those bytes from the trainer's tensors"
         )
     return coverage
+
+
+def _check_strides(program: Program, runs: Runs) -> None:
+    """Plain runs have count 1 and zero strides; a strided run's destination rows are disjoint and
+    its rows are not one contiguous stretch on both sides (that is a plain run)."""
+    if len(runs) == 0:
+        return
+    plain = runs.count == 1
+    bad = np.flatnonzero(
+        (runs.count < 1)
+        | (plain & ((runs.src_stride != 0) | (runs.dst_stride != 0)))
+        | (~plain & ((runs.dst_stride < runs.length) | (runs.src_stride < 0)))
+        | (~plain & (runs.src_stride == runs.length) & (runs.dst_stride == runs.length))
+    )
+    if len(bad):
+        i = bad[0]
+        raise PlanInvariantError(
+            f"malformed strided run into {program.dests[runs.dest[i]].name}: count {runs.count[i]}, length "
+            f"{runs.length[i]}, strides {runs.src_stride[i]}/{runs.dst_stride[i]}"
+        )
 
 
 def _check_bounds(program: Program, runs: Runs) -> None:
@@ -52,17 +74,15 @@ def _check_bounds(program: Program, runs: Runs) -> None:
     else:
         src_limit = np.array([s.numel for s in program.sources], dtype=np.int64)[runs.src]
     dst_limit = np.array([d.numel for d in program.dests], dtype=np.int64)[runs.dest]
-    for side, tensor, off, limit, table in (
-        ("source", runs.src, runs.src_off, src_limit, program.sources),
-        ("destination", runs.dest, runs.dst_off, dst_limit, program.dests),
+    for side, tensor, off, end, limit, table in (
+        ("source", runs.src, runs.src_off, runs.src_end(), src_limit, program.sources),
+        ("destination", runs.dest, runs.dst_off, runs.dst_end(), dst_limit, program.dests),
     ):
-        bad = np.flatnonzero((off < 0) | (off + runs.length > limit))
+        bad = np.flatnonzero((off < 0) | (end > limit))
         if len(bad):
             i = bad[0]
             spec = table[tensor[i]]
-            raise PlanInvariantError(
-                f"{side} run out of bounds: {spec.name} {spec.shape} elements [{off[i]}, {off[i] + runs.length[i]})"
-            )
+            raise PlanInvariantError(f"{side} run out of bounds: {spec.name} {spec.shape} elements [{off[i]}, {end[i]})")
 
 
 def _check_dtypes(program: Program, runs: Runs) -> None:
@@ -77,10 +97,13 @@ def _check_dtypes(program: Program, runs: Runs) -> None:
 
 
 def _coverage(program: Program, runs: Runs) -> Coverage:
+    # Strided runs with other rows in their gaps are checked row by row; the rest by their extents.
+    mixed = interleaved(runs, ("dest",)) & (runs.count > 1)
+    runs = Runs.concat([runs.take(np.flatnonzero(~mixed)), runs.expand(mixed)])
     order = np.lexsort((runs.dst_off, runs.dest))
     r = runs.take(order)
     same = r.dest[1:] == r.dest[:-1]
-    overlap = np.flatnonzero(same & (r.dst_off[:-1] + r.length[:-1] > r.dst_off[1:]))
+    overlap = np.flatnonzero(same & (r.dst_end()[:-1] > r.dst_off[1:]))
     if len(overlap):
         i = overlap[0] + 1
         spec = program.dests[r.dest[i]]
@@ -90,31 +113,36 @@ def _coverage(program: Program, runs: Runs) -> Coverage:
     sizes = np.array([itemsize(d.dtype) for d in program.dests], dtype=np.int64)
     holders = np.array([len(d.ranks) for d in program.dests], dtype=np.int64)
     written = np.zeros(len(program.dests), dtype=np.int64)
-    np.add.at(written, r.dest, r.length)
+    np.add.at(written, r.dest, r.length * r.count)
     numel = np.array([d.numel for d in program.dests], dtype=np.int64)
     uncovered = tuple(program.dests[i].name for i in np.flatnonzero(written < numel))
     return Coverage(int((numel * sizes * holders).sum()), int((written * sizes * holders).sum()), uncovered)
 
 
 def descriptors_lower_bound(runs: Runs, dests=None) -> int:
-    """Fewest descriptors possible: runs that no other run continues on both sides (a hash join).
+    """Fewest descriptors possible: rows that no other row continues on both sides (a hash join).
 
-    With `dests`, each run counts once per inference rank holding its destination (every
-    holder posts its own read).
+    A strided run's rows never continue each other, and unless other runs lie in its gaps
+    (those are joined row by row) only its first row can continue another run. With `dests`,
+    each row counts once per inference rank holding its destination (every holder posts its own read).
     """
     if len(runs) == 0:
         return 0
+    mixed = interleaved(runs, ("src_rank", "dest", "src", "wire")) & (runs.count > 1)
+    runs = Runs.concat([runs.take(np.flatnonzero(~mixed)), runs.expand(mixed)])
     key = (runs.src_rank, runs.src, runs.dest, runs.wire)
-    ends = set(zip(*(k.tolist() for k in key), (runs.src_off + runs.length).tolist(), (runs.dst_off + runs.length).tolist()))
+    last_src, last_dst = runs.src_end(), runs.dst_end()
+    ends = set(zip(*(k.tolist() for k in key), last_src.tolist(), last_dst.tolist()))
     starts = zip(*(k.tolist() for k in key), runs.src_off.tolist(), runs.dst_off.tolist())
-    heads = np.array([s not in ends for s in starts])
+    continued = np.array([s in ends for s in starts], dtype=np.int64)
+    heads = runs.count - continued
     if dests is None:
         return int(heads.sum())
     holders = np.array([len(d.ranks) for d in dests], dtype=np.int64)
-    return int(holders[runs.dest[heads]].sum())
+    return int((holders[runs.dest] * heads).sum())
 
 
 def descriptors_posted(runs: Runs, dests) -> int:
-    """Descriptors the inference ranks post in all: each run once per rank holding its destination."""
+    """Descriptors the inference ranks post in all, unpacked: each row once per rank holding its destination."""
     holders = np.array([len(d.ranks) for d in dests] or [0], dtype=np.int64)
-    return int(holders[runs.dest].sum()) if len(runs) else 0
+    return int((holders[runs.dest] * runs.count).sum()) if len(runs) else 0
