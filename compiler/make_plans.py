@@ -10,6 +10,8 @@ from .compile import CompileOptions, compile_plan
 CHECKED_IN = (
     # The seed topology: FSDP=64, EP=8 trainer (stacked experts) -> vLLM DP-attention + EP=32.
     CompileOptions("glm-5.2", trainer_format="stacked", trainer_dtype="bf16", trainer="fsdp=64,ep=8", inference="dp=32,ep"),
+    # The same trainer -> plain vLLM TP=8: every expert's down_proj column slice is one strided run.
+    CompileOptions("glm-5.2", trainer_format="stacked", trainer_dtype="bf16", trainer="fsdp=64,ep=8", inference="tp=8"),
     # One trainer rank to one inference rank, both trainer formats.
     CompileOptions("glm-5.2", trainer_format="stacked", trainer_dtype="bf16"),
     CompileOptions("glm-5.2", trainer_format="hf", trainer_dtype="bf16"),

@@ -53,32 +53,40 @@ def check_fingerprint(plan: Plan, config_dir: Path) -> None:
 
 
 def random_sources(plan: Plan, mask: np.ndarray, seed: int, stage_mask: np.ndarray | None = None) -> dict[str, torch.Tensor]:
-    """Full-size trainer tensors holding random values exactly where the selected runs read.
+    """Full-size trainer tensors holding random values where the selected runs (`mask` over plan.table) read.
 
     Tensors are allocated with torch.empty (pages the process never touches stay unallocated),
     so sampling one expert of a 13 GB stack costs only that expert's bytes. Bytes no selected run
     reads are left unset; both the plan and vLLM read the same tensors, so they agree or differ together.
     """
     generator = torch.Generator().manual_seed(seed)
-    ranges: dict[int, list[tuple[int, int]]] = {}
-    runs = plan.runs
-    reads = [runs[c][mask].tolist() for c in ("src_rank", "src", "src_off", "length")]
+    reads: dict[int, list[tuple[int, int, int, int]]] = {}  # source -> (global offset, length, count, stride)
+    runs = plan.table
+    columns = [runs[c][mask].tolist() for c in ("src_rank", "src", "src_off", "length", "count", "src_stride")]
     if stage_mask is not None:  # fp8: stage runs read trainer shards too
-        reads = [a + plan.stage[c][stage_mask].tolist() for a, c in zip(reads, ("src_rank", "src", "src_off", "length"))]
-    for rank, src, off, length in zip(*reads):
+        stage = [plan.stage[c][stage_mask].tolist() for c in ("src_rank", "src", "src_off", "length")]
+        columns = [a + b for a, b in zip(columns, stage + [[1] * len(stage[0]), [0] * len(stage[0])])]
+    for rank, src, off, length, count, stride in zip(*columns):
         starts, lengths, local = box_segments(plan.sources[src].shape, plan.shard_box(src, rank))
-        while length > 0:
-            k = int(np.searchsorted(local, off, side="right")) - 1
-            take = min(length, int(local[k] + lengths[k] - off))
-            ranges.setdefault(src, []).append((int(starts[k] + off - local[k]), take))
-            off, length = off + take, length - take
+        k = int(np.searchsorted(local, off, side="right")) - 1
+        if count > 1 and off + (count - 1) * stride + length <= local[k] + lengths[k]:
+            reads.setdefault(src, []).append((int(starts[k] + off - local[k]), length, count, stride))
+            continue
+        for row in range(count):  # rows crossing a segment end: piece by piece
+            at, left = off + row * stride, length
+            while left > 0:
+                k = int(np.searchsorted(local, at, side="right")) - 1
+                take = min(left, int(local[k] + lengths[k] - at))
+                reads.setdefault(src, []).append((int(starts[k] + at - local[k]), take, 1, 0))
+                at, left = at + take, left - take
     out = {}
-    for src in sorted(ranges):
+    for src in sorted(reads):
         entry = plan.sources[src]
         tensor = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
         flat = tensor.view(-1)
-        for start, length in sorted(set(ranges[src])):
-            flat[start : start + length] = torch.randn(length, generator=generator).to(tensor.dtype)
+        for start, length, count, stride in sorted(set(reads[src])):
+            values = torch.randn(count, length, generator=generator).to(tensor.dtype)
+            flat.as_strided((count, length), (stride, 1), start).copy_(values)
         out[entry.name] = tensor
     return out
 
@@ -112,14 +120,14 @@ def verify_plan(
         entries = sorted(random.Random(seed).sample(small, min(sample, len(small))))
     chosen = np.zeros(len(plan.dests), dtype=bool)
     chosen[entries] = True
-    mask = chosen[plan.runs["dest"]]
+    mask = chosen[plan.table["dest"]]
     staged = np.array([chosen[e.weight] or chosen[e.scale] for e in plan.staging] + [False], dtype=bool)
     stage_mask = staged[plan.stage["stage"]]
-    needed = {plan.sources[i].name for i in set(plan.runs["src"][mask].tolist()) | set(plan.stage["src"][stage_mask].tolist())}
+    needed = {plan.sources[i].name for i in set(plan.table["src"][mask].tolist()) | set(plan.stage["src"][stage_mask].tolist())}
     log(f"verifying {len(entries)} of {len(plan.dests)} destination entries from {len(needed)} trainer tensors")
 
     full = random_sources(plan, mask, seed, stage_mask)
-    shards = shard_sources(plan, full, set(plan.runs["src_rank"][mask].tolist()) | set(plan.stage["src_rank"][stage_mask].tolist()))
+    shards = shard_sources(plan, full, set(plan.table["src_rank"][mask].tolist()) | set(plan.stage["src_rank"][stage_mask].tolist()))
     info = plan.header["inference"]
     quant = plan.header["quant"]
     quantization = None if quant == "none" else quant

@@ -11,7 +11,7 @@ from .casts import cast_along
 from .checks import check_tensors, named_tensors
 from .errors import PlanMismatchError
 from .host_quant import execute_quant
-from .plan_format import Plan
+from .plan_format import RUN_COLUMNS, Plan
 
 
 def execute_local(
@@ -28,7 +28,7 @@ def execute_local(
     ranks not given are skipped; every trainer rank their runs read must be given. With `only`,
     just the runs into those destination names execute. Returns the destination bytes written.
     """
-    runs = plan.runs
+    runs = plan.table
     dst_tensors = {rank: named_tensors(d) for rank, d in destinations.items()}
     # Runs each given inference rank executes: those into entries that rank holds.
     entries_of = {rank: [i for i, e in enumerate(plan.dests) if rank in e.ranks and (only is None or e.name in only)]
@@ -44,7 +44,7 @@ def execute_local(
         expected = {plan.dests[i].name: (plan.dests[i].shape, plan.dests[i].dtype) for i in entries}
         known = {e.name for e in plan.dests if rank in e.ranks}
         check_tensors(dst_tensors[rank], expected, known, f"inference rank {rank}")
-    any_mask = np.zeros(plan.n_runs, dtype=bool)
+    any_mask = np.zeros(plan.n_stored_runs, dtype=bool)
     for mask in masks.values():
         any_mask |= mask
     stage_mask = _stage_mask(plan, set(dst_tensors), only)
@@ -57,16 +57,14 @@ def execute_local(
         expected = {plan.sources[i].name: (plan.local_shape(i, src_rank), plan.sources[i].dtype) for i in needed}
         check_tensors(given, expected, {e.name for e in plan.sources}, f"trainer rank {src_rank}")
 
-    itemsizes = plan.wire_itemsize()
+    itemsizes = plan.stored_itemsize()
     written = 0
     with torch.no_grad():
         for rank, mask in masks.items():
-            cols = {k: v[mask].tolist() for k, v in runs.items()}
+            cols = [runs[c][mask].tolist() for c in RUN_COLUMNS]
             flat_src: dict[tuple[int, int], torch.Tensor] = {}
             flat_dst: dict[int, torch.Tensor] = {}
-            for sr, s, so, d, do, n, w in zip(
-                cols["src_rank"], cols["src"], cols["src_off"], cols["dest"], cols["dst_off"], cols["length"], cols["wire"]
-            ):
+            for sr, s, so, d, do, n, w, count, s_stride, d_stride in zip(*cols):
                 src = flat_src.get((sr, s))
                 if src is None:
                     entry = plan.sources[s]
@@ -74,11 +72,19 @@ def execute_local(
                 dst = flat_dst.get(d)
                 if dst is None:
                     dst = flat_dst[d] = dst_tensors[rank][plan.dests[d].name].detach().view(-1)
-                dst[do : do + n].copy_(cast_along(src[so : so + n], plan.cast_chains[w]))
-            written += int((runs["length"][mask] * itemsizes[mask]).sum())
+                value = cast_along(rows_view(src, so, n, count, s_stride), plan.cast_chains[w])
+                rows_view(dst, do, n, count, d_stride).copy_(value)
+            written += int((runs["count"][mask] * runs["length"][mask] * itemsizes[mask]).sum())
     if plan.staging:
         written += execute_quant(plan, sources, dst_tensors, only)
     return written
+
+
+def rows_view(flat: torch.Tensor, offset: int, length: int, count: int, stride: int) -> torch.Tensor:
+    """Rows [offset + i*stride, +length) of a flat tensor, i < count, as one (count, length) view."""
+    if count == 1:
+        return flat[offset : offset + length]
+    return flat.as_strided((count, length), (stride, 1), flat.storage_offset() + offset)
 
 
 def _stage_mask(plan: Plan, ranks: set[int], only: set[str] | None) -> np.ndarray:

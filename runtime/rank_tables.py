@@ -47,7 +47,7 @@ PACK_BELOW_BYTES = 64 << 10
 class Reads:
     """One inference rank's reads from one trainer rank, one row per plan run, in plan order."""
 
-    run: np.ndarray  # index into plan.runs
+    run: np.ndarray  # index into plan.runs (rows)
     region: np.ndarray  # index into that trainer rank's served regions
     src_byte: np.ndarray  # byte offset inside the region
     dest: np.ndarray  # index into plan.dests
@@ -78,8 +78,9 @@ def refuse_quantized(plan: Plan) -> None:
 def served_regions(plan: Plan, rank: int) -> tuple[ServedRegion, ...]:
     """Every (source, wire chain) whose bytes some run reads from trainer `rank`, in a canonical order."""
     check_src_rank(plan, rank)
-    mine = plan.runs["src_rank"] == rank
-    pairs = sorted(set(zip(plan.runs["src"][mine].tolist(), plan.runs["wire"][mine].tolist())))
+    table = plan.table
+    mine = table["src_rank"] == rank
+    pairs = sorted(set(zip(table["src"][mine].tolist(), table["wire"][mine].tolist())))
     regions = []
     for source, chain in pairs:
         entry = plan.sources[source]
@@ -98,7 +99,7 @@ def held_entries(plan: Plan, rank: int) -> np.ndarray:
 def readers(plan: Plan, rank: int) -> tuple[int, ...]:
     """The inference ranks that read from trainer `rank`."""
     check_src_rank(plan, rank)
-    dests = set(plan.runs["dest"][plan.runs["src_rank"] == rank].tolist())
+    dests = set(plan.table["dest"][plan.table["src_rank"] == rank].tolist())
     return tuple(sorted({r for d in dests for r in plan.dests[d].ranks}))
 
 

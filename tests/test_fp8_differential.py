@@ -90,7 +90,7 @@ def test_sender_blocks_read_only_their_rank(fp8_plan):
     from weightplan.runtime.host_quant import sender_quantize
 
     plan = load_plan(fp8_plan("mixed"))
-    everything = np.ones(plan.n_runs, dtype=bool)
+    everything = np.ones(plan.n_stored_runs, dtype=bool)
     full = random_sources(plan, everything, 0, np.ones(len(plan.stage["side"]), dtype=bool))
     shards = shard_sources(plan, full, set(range(plan.header["src_ranks"])))
     sender = plan.spans["side"] == SENDER

@@ -47,9 +47,12 @@ def test_full_glm_plan_is_complete_and_minimal(fresh_plans, index):
         assert summary["dst_bytes"] > 1.4e12  # ~744B parameters in bf16
 
 
-@pytest.mark.parametrize("index", [0, 1])
-def test_full_glm_sampled_verify_matches_vllm(fresh_plans, index):
+# Seed 1 samples, in the tp=8 plan, a row-parallel o_proj and shared-expert down_proj: column
+# slices stored as strided runs, cut at the 64 FSDP row boundaries (512 strided runs each).
+# (Seed 5 adds a routed w2_weight, 256 experts' strided runs; it passes too, but needs 11.7 GB.)
+@pytest.mark.parametrize("index,seed", [(0, 3), (1, 1), (2, 3)])
+def test_full_glm_sampled_verify_matches_vllm(fresh_plans, index, seed):
     path, _ = fresh_plans[CHECKED_IN[index]]
-    result = verify_plan(path, sample=4, seed=3)
+    result = verify_plan(path, sample=4, seed=seed)
     assert result.mismatches == ()
     assert result.tensors >= 4
