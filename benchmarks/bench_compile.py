@@ -30,6 +30,8 @@ PLANS = [
     {"model": "glm-5.2", "trainer_format": "hf", "trainer_dtype": "bf16"},
     # The seed topology (issue: parallel layouts): targets 60 s wall, 4 GB RSS, 16 MB plan, src_balance <= 1.10.
     {"model": "glm-5.2", "trainer_format": "stacked", "trainer_dtype": "bf16", "trainer": "fsdp=64,ep=8", "inference": "dp=32,ep"},
+    # The same trainer to plain vLLM TP=8: each expert's down_proj column slice is one strided run.
+    {"model": "glm-5.2", "trainer_format": "stacked", "trainer_dtype": "bf16", "trainer": "fsdp=64,ep=8", "inference": "tp=8"},
     # The seed topology with vLLM's online fp8_per_block (issue 5): targets wire_bytes <= 1.05 x dst_bytes, 60 s.
     {"model": "glm-5.2", "trainer_format": "stacked", "trainer_dtype": "bf16", "trainer": "fsdp=64,ep=8", "inference": "dp=32,ep",
      "quant": "fp8_per_block"},
