@@ -94,3 +94,32 @@ def test_newer_format_is_refused_with_upgrade_hint(plan_cache, tmp_path):
 def test_missing_file_is_a_clear_error(tmp_path):
     with pytest.raises(PlanFormatError, match="cannot read plan"):
         load_plan(tmp_path / "absent.plan")
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda t, i: t["count"].__setitem__(i, t["count"][i] * 1000), "reaches outside its"),
+    (lambda t, i: t["dst_stride"].__setitem__(i, t["length"][i] - 1), "destination rows that overlap"),
+    (lambda t, i: t["count"].__setitem__(i, 0), "count below 1"),
+    (lambda t, i: t["src_stride"].__setitem__(i, -1), "negative source stride"),
+])
+def test_malformed_strided_runs_are_refused(plan_cache, damage, message):
+    """A TP=2 plan stores row-parallel column slices as strided runs; damaging one is refused on read."""
+    plan = decode_plan(plan_cache("tiny-glm", "hf", "bf16", "fsdp=3", "tp=2").read_bytes())
+    table = {c: plan.table[c].copy() for c in RUN_COLUMNS}
+    strided = np.flatnonzero(table["count"] > 1)
+    assert len(strided), "the TP=2 plan should hold strided runs"
+    damage(table, int(strided[0]))
+    with pytest.raises(PlanFormatError, match=message):
+        decode_plan(encode_plan(_header(plan), table))
+
+
+def test_strided_runs_expand_to_the_rows_they_stand_for(plan_cache):
+    plan = decode_plan(plan_cache("tiny-glm", "hf", "bf16", "fsdp=3", "tp=2").read_bytes())
+    t, rows = plan.table, plan.runs
+    i = int(np.flatnonzero(t["count"] > 1)[0])
+    first = int((t["count"][:i]).sum())
+    n = int(t["count"][i])
+    assert rows["src_off"][first : first + n].tolist() == [t["src_off"][i] + k * t["src_stride"][i] for k in range(n)]
+    assert rows["dst_off"][first : first + n].tolist() == [t["dst_off"][i] + k * t["dst_stride"][i] for k in range(n)]
+    assert set(rows["length"][first : first + n].tolist()) == {t["length"][i]}
+    assert plan.n_runs == len(rows["length"]) == int(t["count"].sum()) > plan.n_stored_runs
