@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -9,6 +10,7 @@ import torch
 
 from .errors import ModelConfigError
 from .lazy_weight import dtype_name
+from .module_state import restored
 from ...runtime.quant import BLOCK, block_grid
 
 QUANT_METHODS = ("Fp8PerBlockOnlineLinearMethod", "Fp8PerBlockOnlineMoEMethod")
@@ -36,6 +38,14 @@ class Derived:
     what: str
     reads: tuple[str, ...]
     where: str
+
+
+@dataclass(frozen=True)
+class PostLoad:
+    """What tracing one rank's post-load step found: the tensors vLLM quantizes and the state it derives."""
+
+    tensors: tuple[QuantTensor, ...]
+    derived: tuple[Derived, ...]
 
 
 def quantized_modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
@@ -67,7 +77,9 @@ def trace_post_load(model: torch.nn.Module) -> tuple[list[QuantTensor], dict[str
     """
     found: list[QuantTensor] = []
     loaded = {name: (tuple(p.shape), p.dtype) for name, p in model.named_parameters()}
-    with torch.no_grad():
+    # per_block_cast_to_fp8 is torch.compile'd; on meta only shapes and dtypes come out, which eager
+    # gives alike, while compiling it costs ~12 s once per process and a guard check per call.
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         for prefix, module in quantized_modules(model):
             module.quant_method.process_weights_after_loading(module)
             final = dict(module.named_parameters(recurse=False))
@@ -88,6 +100,15 @@ def trace_post_load(model: torch.nn.Module) -> tuple[list[QuantTensor], dict[str
                     )
                 found.append(QuantTensor(key, f"{prefix}.{wname}", f"{prefix}.{sname}", shape, expected_scale))
     return found, dict(model.named_parameters())
+
+
+def trace_rank_post_load(model: torch.nn.Module, *, keep_model: bool = False) -> PostLoad:
+    """trace_post_load and derived_state on one rank's model; with `keep_model` the model is restored afterwards
+    to the state load_weights traced (bf16 parameters, unprocessed layers), so it can serve another rank."""
+    modules = [module for _, module in quantized_modules(model)]
+    with restored(model, modules) if keep_model else contextlib.nullcontext():
+        tensors, _ = trace_post_load(model)
+        return PostLoad(tuple(tensors), tuple(derived_state(model)))
 
 
 def _scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
