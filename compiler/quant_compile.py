@@ -49,11 +49,12 @@ class QuantHooks:
     def prepare(self, model) -> None:
         prepare_trace(self.quant, model)
 
-    def post_load(self, model, *, keep_model: bool):
-        """Trace process_weights_after_loading on one rank's model; `keep_model` restores the model after (shared)."""
-        from .frontend.fp8_trace import trace_rank_post_load
+    def post_load(self, model, classes, *, keep_model: bool):
+        """Trace process_weights_after_loading on one rank's model (identical layers once, per `classes`);
+        `keep_model` restores the model after, for a model shared by several ranks."""
+        from .frontend.post_load import trace_rank_post_load
 
-        return trace_rank_post_load(model, keep_model=keep_model)
+        return trace_rank_post_load(model, classes, keep_model=keep_model)
 
     def collect(self, post) -> None:
         """Add one rank's post-load result (ranks in order): quantized tensors by bf16 name; derived state once."""

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from .errors import ModelConfigError
 from .lazy_weight import dtype_name
-from .module_state import restored
 from ...runtime.quant import BLOCK, block_grid
 
 QUANT_METHODS = ("Fp8PerBlockOnlineLinearMethod", "Fp8PerBlockOnlineMoEMethod")
@@ -40,14 +38,6 @@ class Derived:
     where: str
 
 
-@dataclass(frozen=True)
-class PostLoad:
-    """What tracing one rank's post-load step found: the tensors vLLM quantizes and the state it derives."""
-
-    tensors: tuple[QuantTensor, ...]
-    derived: tuple[Derived, ...]
-
-
 def quantized_modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
     for name, module in model.named_modules():
         if type(getattr(module, "quant_method", None)).__name__ in QUANT_METHODS:
@@ -68,8 +58,9 @@ def unwrap_online_loaders(model: torch.nn.Module) -> None:
                 param.weight_loader = _get_original_loader(param)
 
 
-def trace_post_load(model: torch.nn.Module) -> tuple[list[QuantTensor], dict[str, torch.Tensor]]:
-    """Run each quantized layer's process_weights_after_loading on meta; return the quantized tensors and final params.
+def trace_post_load(model: torch.nn.Module, wanted: Callable[[str], bool] | None = None) -> list[QuantTensor]:
+    """Run each quantized layer's process_weights_after_loading on meta (those whose name `wanted` accepts, if given);
+    return the quantized tensors, in model order.
 
     The final parameters (names, shapes, dtypes) are read back from vLLM, and each must be the
     plain 128x128 block layout (fp8 weight shaped like the bf16 tensor, float32 scale per block);
@@ -81,6 +72,8 @@ def trace_post_load(model: torch.nn.Module) -> tuple[list[QuantTensor], dict[str
     # gives alike, while compiling it costs ~12 s once per process and a guard check per call.
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         for prefix, module in quantized_modules(model):
+            if wanted is not None and not wanted(prefix):
+                continue
             module.quant_method.process_weights_after_loading(module)
             final = dict(module.named_parameters(recurse=False))
             for local, (wname, sname) in _FINAL_NAMES.items():
@@ -99,16 +92,7 @@ def trace_post_load(model: torch.nn.Module) -> tuple[list[QuantTensor], dict[str
                         f"{BLOCK}x{BLOCK} fp8 e4m3 weights with float32 scales and no kernel shuffle"
                     )
                 found.append(QuantTensor(key, f"{prefix}.{wname}", f"{prefix}.{sname}", shape, expected_scale))
-    return found, dict(model.named_parameters())
-
-
-def trace_rank_post_load(model: torch.nn.Module, *, keep_model: bool = False) -> PostLoad:
-    """trace_post_load and derived_state on one rank's model; with `keep_model` the model is restored afterwards
-    to the state load_weights traced (bf16 parameters, unprocessed layers), so it can serve another rank."""
-    modules = [module for _, module in quantized_modules(model)]
-    with restored(model, modules) if keep_model else contextlib.nullcontext():
-        tensors, _ = trace_post_load(model)
-        return PostLoad(tuple(tensors), tuple(derived_state(model)))
+    return found
 
 
 def _scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -116,14 +100,17 @@ def _scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return (*shape[:-2], rows, cols)
 
 
-def derived_state(model: torch.nn.Module) -> list[Derived]:
-    """Post-load state outside the parameters: MLA layers absorb kv_b_proj into W_UK/W_UV when processed."""
+def derived_state(model: torch.nn.Module, wanted: Callable[[str], bool] | None = None) -> list[Derived]:
+    """Post-load state outside the parameters: MLA layers absorb kv_b_proj into W_UK/W_UV when processed.
+
+    Read after trace_post_load (kv_b_proj's parameters are then the processed ones); `wanted` as there.
+    """
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
     names = {id(module): name for name, module in model.named_modules()}
     out = []
     for name, module in model.named_modules():
-        if is_deferred_attention_layer(module):
+        if is_deferred_attention_layer(module) and (wanted is None or wanted(name)):
             kv_b = getattr(module, "kv_b_proj", None)
             reads = ()
             if kv_b is not None and id(kv_b) in names:

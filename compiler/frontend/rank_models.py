@@ -24,6 +24,7 @@ import gc
 from collections.abc import Callable
 
 from ..timing import phase
+from .layer_classes import layer_classes
 from .trace import trace_load
 from .vllm_model import build_model, parallel_rank, place_experts
 
@@ -46,11 +47,11 @@ class RankTracer:
             self.stats["post_load_traces"] = 0
 
     def trace(self, rank: int, progress: Callable[[int, int], None] | None = None) -> tuple[list, list]:
-        if rank in self.guarded:
-            return self._collect(self.guarded.pop(rank))
         tp_rank, dp_rank = self.layout.rank_coords(rank)
         if self.share and dp_rank > 0 and self.stats["guard"] == "not run":
             self._guard()
+        if rank in self.guarded:  # the guard rank (which may be this first re-pointed one): its real trace
+            return self._collect(self.guarded.pop(rank))
         if self.share:
             model = self._placed(tp_rank, dp_rank)
             if model is not None:
@@ -139,14 +140,14 @@ class RankTracer:
             post = None
             if self.hooks:
                 if not shared:
-                    post = self._post_load(model, keep_model=False)
+                    post = self._post_load(model, dests, keep_model=False)
                 else:
                     if tp_rank not in self.post:
-                        self.post[tp_rank] = self._post_load(model, keep_model=True)
+                        self.post[tp_rank] = self._post_load(model, dests, keep_model=True)
                     post = self.post[tp_rank]
             return assignments, dests, post
 
-    def _post_load(self, model, *, keep_model: bool):
+    def _post_load(self, model, dests: list, *, keep_model: bool):
         self.stats["post_load_traces"] += 1
         with self.hooks.build_context():
-            return self.hooks.post_load(model, keep_model=keep_model)
+            return self.hooks.post_load(model, layer_classes(self.sources, dests), keep_model=keep_model)

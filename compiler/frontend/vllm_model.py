@@ -195,7 +195,10 @@ def place_experts(model: torch.nn.Module, vllm_config, tp_rank: int = 0, dp_rank
                 continue
             local = module.local_num_experts
             module.moe_config.moe_parallel_config = new
-            module.update_expert_map()
+            if old.use_ep or new.use_ep:
+                module.update_expert_map()
+            # else every expert is local and only the TP slice moves: the loaders read moe_config's tp_rank,
+            # and vLLM keeps no expert map to rebuild (update_expert_map would refuse)
             moved += 1
             if module.local_num_experts != local:
                 return None
