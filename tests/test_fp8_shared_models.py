@@ -1,5 +1,5 @@
-"""fp8 with one model per TP rank: plans byte-identical to one fresh model per rank, and the post-load trace's
-shortcuts (snapshot/restore, reuse across DP ranks and across identical layers) each checked against the real thing."""
+"""fp8 with one model per TP rank: plans byte-identical to one fresh model per rank, and each shortcut of the shared
+path (snapshot/restore, post-load reuse across DP ranks and identical layers, other ranks' experts not fed) checked."""
 
 from __future__ import annotations
 
@@ -73,6 +73,8 @@ def test_shared_models_give_the_plan_of_real_builds(shared, configs, tmp_path, m
     tp = 2 if "tp=2" in CASES[case][3] else 1
     # one model per TP rank plus the guard's real build; post-load traced once per shared model plus the guard's
     assert stats["models_built"] == stats["post_load_traces"] == tp + 1
+    # with EP, shared models are fed only their own experts' checkpoint names; real builds get all of them
+    assert (stats["names_skipped"] > 0) == CASES[case][3].endswith(",ep") and real_stats["names_skipped"] == 0
     assert path.read_bytes() == real.read_bytes()
 
 

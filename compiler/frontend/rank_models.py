@@ -20,13 +20,14 @@ re-pointing would change a parameter shape).
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 from collections.abc import Callable
 
 from ..timing import phase
 from .layer_classes import layer_classes
 from .trace import trace_load
-from .vllm_model import build_model, parallel_rank, place_experts
+from .vllm_model import build_model, nonlocal_experts, parallel_rank, place_experts
 
 
 class RankTracer:
@@ -42,7 +43,7 @@ class RankTracer:
         self.placed_at: dict[int, int] = {}  # TP rank -> DP rank its shared model is placed for
         self.post: dict[int, object] = {}  # TP rank -> post-load result of its shared model (traced at DP rank 0)
         self.guarded: dict[int, tuple] = {}  # the guard rank's real trace, until asked for
-        self.stats = {"models_built": 0, "ranks_repointed": 0, "guard": "not run" if self.share else "off"}
+        self.stats = {"models_built": 0, "ranks_repointed": 0, "guard": "not run" if self.share else "off", "names_skipped": 0}
         if quant_hooks is not None:
             self.stats["post_load_traces"] = 0
 
@@ -136,7 +137,10 @@ class RankTracer:
     def _trace(self, model, tp_rank: int, dp_rank: int, progress, *, shared: bool) -> tuple[list, list, object]:
         """(assignments, dests, post-load result or None) of this rank on `model`."""
         with phase(self.timings, "trace"), parallel_rank(self.vllm_config, tp_rank, dp_rank):
-            assignments, dests = trace_load(model, self.sources, self.fmt, progress)
+            # on a shared model, experts other ranks hold are not fed (checked by the guard's real build)
+            absent = nonlocal_experts(model) if shared else None
+            assignments, dests = trace_load(model, self.sources, self.fmt, progress,
+                                            skip=None if absent is None else functools.partial(self._skip, absent))
             post = None
             if self.hooks:
                 if not shared:
@@ -146,6 +150,11 @@ class RankTracer:
                         self.post[tp_rank] = self._post_load(model, dests, keep_model=True)
                     post = self.post[tp_rank]
             return assignments, dests, post
+
+    def _skip(self, absent, name: str) -> bool:
+        hit = absent(name)
+        self.stats["names_skipped"] += hit
+        return hit
 
     def _post_load(self, model, dests: list, *, keep_model: bool):
         self.stats["post_load_traces"] += 1
