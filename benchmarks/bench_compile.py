@@ -7,7 +7,8 @@ worker_wall_s/worker_cpu_s cover the whole worker, summary included.
 Per plan: the per-phase breakdown (setup = importing vLLM + engine configs + trainer table,
 build = vLLM models on meta, trace, passes, write; wall and CPU seconds), in-process compile
 time, process wall time (includes importing torch), CPU time, peak RSS, how many models were
-built and how the shared-model guard ended, assignments, runs before/after coalescing,
+built and how the shared-model guard ended, checkpoint names not fed and post-load traces run,
+assignments, runs before/after coalescing,
 descriptor lower bound, plan file size and whether it is byte-identical to the checked-in plan.
 The last line is a JSON array, one object per plan; its "plan" names the plan file.
 """
@@ -93,6 +94,8 @@ def run(spec: dict, out_dir: Path) -> dict:
         **{f"{phase}_cpu_s": round(t[f"{phase}_cpu"], 2) for phase in ("setup", "build", "trace", "passes", "write")},
         "models_built": s["models_built"],
         "guard": s["guard"],
+        "names_skipped": s.get("names_skipped", 0),
+        "post_load_traces": s.get("post_load_traces", 0),
         "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
         "assignments": s["assignments"],
         "runs_before_coalesce": s["runs_before_coalesce"],
@@ -105,6 +108,13 @@ def run(spec: dict, out_dir: Path) -> dict:
         "wire_over_dst": round(r["wire_bytes"] / r["dst_bytes"], 4),
         "sender_quantized_fraction": round(r["sender_quantized_fraction"], 4),
     }
+
+
+def _quant(row: dict) -> str:
+    if not row["post_load_traces"]:
+        return ""
+    return (f"wire/dst {row['wire_over_dst']}, sender_quantized_fraction {row['sender_quantized_fraction']}, "
+            f"{row['post_load_traces']} post-load traces; ")
 
 
 def _identity(row: dict) -> str:
@@ -135,10 +145,10 @@ def main() -> None:
             f"write {row['write_s']}/{row['write_cpu_s']}), "
             f"{row['wall_s']} s wall / {row['cpu_s']} s CPU from process start to plan written (incl. imports), "
             f"peak RSS {row['peak_rss_mb']} MB; "
-            f"{row['models_built']} vLLM models built, guard: {row['guard']}; "
+            f"{row['models_built']} vLLM models built, guard: {row['guard']}, {row['names_skipped']} checkpoint names skipped; "
             f"{row['assignments']} assignments, {row['runs_before_coalesce']} runs -> {row['descriptors']} descriptors "
             f"(lower bound {row['descriptors_lower_bound']}); plan {row['plan_bytes']} bytes; "
-            f"src_balance {row['src_balance']}, dst_balance {row['dst_balance']}; {_identity(row)}",
+            f"src_balance {row['src_balance']}, dst_balance {row['dst_balance']}; {_quant(row)}{_identity(row)}",
             flush=True,
         )
     print(json.dumps(rows))

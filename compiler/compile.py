@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .frontend.errors import ModelConfigError
@@ -122,8 +123,10 @@ def _compile(opts: CompileOptions, log) -> CompileResult:
     })
     split = run_passes(program, start_at="split_shards", stop_before="coalesce")
     runs_before = len(split.runs)
-    lower_bound = descriptors_lower_bound(split.runs, split.dests)
     found, derived = (quant_hooks.found, quant_hooks.derived) if quant_hooks else ({}, [])
+    # Runs into quantized tensors become stage runs (their own table), not descriptors: bound the rest.
+    posted = np.array([spec.name not in found for spec in split.dests] or [True])[split.runs.dest]
+    lower_bound = descriptors_lower_bound(split.runs.take(np.flatnonzero(posted)), split.dests)
     compiled, coverage = quant_compile.finish(opts.quant, run_passes(split, start_at="coalesce"), found, derived)
     add(timings, "passes", started)
 

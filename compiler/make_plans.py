@@ -15,6 +15,9 @@ CHECKED_IN = (
     # One trainer rank to one inference rank, both trainer formats.
     CompileOptions("glm-5.2", trainer_format="stacked", trainer_dtype="bf16"),
     CompileOptions("glm-5.2", trainer_format="hf", trainer_dtype="bf16"),
+    # The seed topology with vLLM's online fp8_per_block quantization (issue 5).
+    CompileOptions("glm-5.2", trainer_format="stacked", trainer_dtype="bf16", trainer="fsdp=64,ep=8", inference="dp=32,ep",
+                   quant="fp8_per_block"),
 )
 
 

@@ -35,19 +35,6 @@ def prepare_trace(quant: str, model) -> None:
         unwrap_online_loaders(model)
 
 
-def trace_post_load(quant: str, model, found: dict, derived: list) -> None:
-    """After tracing one rank: trace process_weights_after_loading; collect quantized tensors and derived state."""
-    if quant == "none":
-        return
-    from .frontend import fp8_trace
-
-    tensors, _ = fp8_trace.trace_post_load(model)
-    for t in tensors:
-        found[t.staging] = (t.weight, t.scale)
-    if not derived:
-        derived.extend([d.module, d.what, list(d.reads), d.where] for d in fp8_trace.derived_state(model))
-
-
 @dataclasses.dataclass
 class QuantHooks:
     """What RankTracer calls around each rank's build and trace for `quant`; collects what post-load found."""
@@ -62,8 +49,19 @@ class QuantHooks:
     def prepare(self, model) -> None:
         prepare_trace(self.quant, model)
 
-    def post_load(self, model) -> None:
-        trace_post_load(self.quant, model, self.found, self.derived)
+    def post_load(self, model, classes, *, keep_model: bool):
+        """Trace process_weights_after_loading on one rank's model (identical layers once, per `classes`);
+        `keep_model` restores the model after, for a model shared by several ranks."""
+        from .frontend.post_load import trace_rank_post_load
+
+        return trace_rank_post_load(model, classes, keep_model=keep_model)
+
+    def collect(self, post) -> None:
+        """Add one rank's post-load result (ranks in order): quantized tensors by bf16 name; derived state once."""
+        for t in post.tensors:
+            self.found[t.staging] = (t.weight, t.scale)
+        if not self.derived:
+            self.derived.extend([d.module, d.what, list(d.reads), d.where] for d in post.derived)
 
 
 def hooks(quant: str) -> QuantHooks | None:

@@ -129,3 +129,42 @@ def test_verify_quant_rejects_a_sender_block_fed_by_another_rank():
     stage["src_rank"][1] = 1
     with pytest.raises(PlanInvariantError, match="also written from trainer rank 1"):
         verify_quant([shape], [1], stage, q.spans)
+
+
+def _reference_tables(shapes, pieces_of):
+    """The per-run loop place_quant replaced (one tensor at a time, block by block): its stage and span rows."""
+    stage_rows, span_rows = [], []
+    for stage, (shape, pieces) in enumerate(zip(shapes, pieces_of)):
+        pieces = sorted(pieces)
+        owner = block_owners(shape, [p[0] for p in pieces], [p[1] for p in pieces], [p[2] for p in pieces])
+        change = np.flatnonzero(np.diff(owner)) + 1
+        for lo, hi in zip([0, *change.tolist()], [*change.tolist(), len(owner)]):
+            span_rows.append((stage, lo, hi - lo, 0 if owner[lo] >= 0 else 1, int(owner[lo])))
+        for off, length, rank in pieces:
+            touched = np.concatenate([owner[lo:hi] for lo, hi in block_ranges(shape, off, length)])
+            for side, needed in ((0, (touched >= 0).any()), (1, (touched < 0).any())):
+                if needed:
+                    stage_rows.append((side, rank, stage, off, stage, off, length, 0))
+    return stage_rows, span_rows
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(sharded(), min_size=1, max_size=3))
+def test_vectorised_placement_equals_the_per_block_loop(cases):
+    """Several quantized tensors at once (one shared block id space) give the rows of the loop, in its order."""
+    shapes = [shape for shape, _ in cases]
+    n = sum(len(p) for _, p in cases)
+    cols = {f: [] for f in Runs.FIELDS[:7]}
+    for stage, (shape, pieces) in enumerate(cases):
+        for off, length, rank in reversed(pieces):  # place_quant must order runs itself
+            for f, v in zip(Runs.FIELDS, (stage, off, stage, off, length, 0, rank)):
+                cols[f].append(v)
+    runs = Runs.plain(**{f: np.array(v, dtype=np.int64).reshape(n) for f, v in cols.items()})
+    sources = tuple(TensorSpec(f"w{i}", shape, "bfloat16") for i, shape in enumerate(shapes))
+    dests = tuple(TensorSpec(f"l{i}.weight", shape, "bfloat16") for i, shape in enumerate(shapes))
+    quant = {f"l{i}.weight": (f"l{i}.weight", f"l{i}.weight_scale_inv") for i in range(len(shapes))}
+    q = place_quant(Program(sources, dests, runs=runs, cast_chains=(("bfloat16",),), meta={"quant_tensors": quant})).meta["quant_placement"]
+    stage_rows, span_rows = _reference_tables(shapes, [p for _, p in cases])
+    assert list(zip(*(q.stage[c].tolist() for c in ("side", "src_rank", "src", "src_off", "stage", "stage_off", "length", "wire")))) == stage_rows
+    assert list(zip(*(q.spans[c].tolist() for c in ("stage", "first_block", "n_blocks", "side", "src_rank")))) == span_rows
+    verify_quant(shapes, [1] * len(shapes), q.stage, q.spans)

@@ -20,7 +20,7 @@ def fresh_plans(tmp_path_factory):
     root = tmp_path_factory.mktemp("glm")
     out = {}
     for options in CHECKED_IN:
-        path = root / f"{options.trainer_format}-{options.trainer_dtype}-{options.trainer}-{options.inference}.plan"
+        path = root / f"{options.trainer_format}-{options.trainer_dtype}-{options.trainer}-{options.inference}-{options.quant}.plan"
         result = compile_plan(options.__class__(**{**options.__dict__, "output": path}))
         out[options] = (path, result)
     return out

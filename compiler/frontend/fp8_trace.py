@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -58,8 +58,9 @@ def unwrap_online_loaders(model: torch.nn.Module) -> None:
                 param.weight_loader = _get_original_loader(param)
 
 
-def trace_post_load(model: torch.nn.Module) -> tuple[list[QuantTensor], dict[str, torch.Tensor]]:
-    """Run each quantized layer's process_weights_after_loading on meta; return the quantized tensors and final params.
+def trace_post_load(model: torch.nn.Module, wanted: Callable[[str], bool] | None = None) -> list[QuantTensor]:
+    """Run each quantized layer's process_weights_after_loading on meta (those whose name `wanted` accepts, if given);
+    return the quantized tensors, in model order.
 
     The final parameters (names, shapes, dtypes) are read back from vLLM, and each must be the
     plain 128x128 block layout (fp8 weight shaped like the bf16 tensor, float32 scale per block);
@@ -67,8 +68,12 @@ def trace_post_load(model: torch.nn.Module) -> tuple[list[QuantTensor], dict[str
     """
     found: list[QuantTensor] = []
     loaded = {name: (tuple(p.shape), p.dtype) for name, p in model.named_parameters()}
-    with torch.no_grad():
+    # per_block_cast_to_fp8 is torch.compile'd; on meta only shapes and dtypes come out, which eager
+    # gives alike, while compiling it costs ~12 s once per process and a guard check per call.
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         for prefix, module in quantized_modules(model):
+            if wanted is not None and not wanted(prefix):
+                continue
             module.quant_method.process_weights_after_loading(module)
             final = dict(module.named_parameters(recurse=False))
             for local, (wname, sname) in _FINAL_NAMES.items():
@@ -87,7 +92,7 @@ def trace_post_load(model: torch.nn.Module) -> tuple[list[QuantTensor], dict[str
                         f"{BLOCK}x{BLOCK} fp8 e4m3 weights with float32 scales and no kernel shuffle"
                     )
                 found.append(QuantTensor(key, f"{prefix}.{wname}", f"{prefix}.{sname}", shape, expected_scale))
-    return found, dict(model.named_parameters())
+    return found
 
 
 def _scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -95,14 +100,17 @@ def _scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return (*shape[:-2], rows, cols)
 
 
-def derived_state(model: torch.nn.Module) -> list[Derived]:
-    """Post-load state outside the parameters: MLA layers absorb kv_b_proj into W_UK/W_UV when processed."""
+def derived_state(model: torch.nn.Module, wanted: Callable[[str], bool] | None = None) -> list[Derived]:
+    """Post-load state outside the parameters: MLA layers absorb kv_b_proj into W_UK/W_UV when processed.
+
+    Read after trace_post_load (kv_b_proj's parameters are then the processed ones); `wanted` as there.
+    """
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
     names = {id(module): name for name, module in model.named_modules()}
     out = []
     for name, module in model.named_modules():
-        if is_deferred_attention_layer(module):
+        if is_deferred_attention_layer(module) and (wanted is None or wanted(name)):
             kv_b = getattr(module, "kv_b_proj", None)
             reads = ()
             if kv_b is not None and id(kv_b) in names:

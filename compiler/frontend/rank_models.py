@@ -6,20 +6,28 @@ of every expert without it). So the model of DP rank 0 is built once per TP rank
 rank re-points its MoE layers with vLLM's own `update_expert_map` (`place_experts`) and is traced
 on it.
 
+With quantization hooks, each rank's post-load step (process_weights_after_loading) is traced after
+its load. On a shared model it is traced once per TP rank, at DP rank 0, and the model is restored
+afterwards (frontend/module_state.py) so the next rank loads into the same bf16 parameters; the
+other DP ranks reuse that result (the post-load step reads no expert placement, only shapes).
+
 Guard: before a re-pointed trace is used, the last rank is traced on the re-pointed model and also
-built and traced for real; destinations and assignments must be identical, or every rank is built
-for real (as is any rank whose re-pointing would change a parameter shape).
+built and traced for real (post-load included); destinations, assignments and the post-load result
+sharing would give it must be identical, or every rank is built for real (as is any rank whose
+re-pointing would change a parameter shape).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 from collections.abc import Callable
 
 from ..timing import phase
+from .layer_classes import layer_classes
 from .trace import trace_load
-from .vllm_model import build_model, parallel_rank, place_experts
+from .vllm_model import build_model, nonlocal_experts, parallel_rank, place_experts
 
 
 class RankTracer:
@@ -29,42 +37,50 @@ class RankTracer:
                  quant_hooks=None):
         self.vllm_config, self.base_config, self.layout = vllm_config, base_config, layout
         self.sources, self.fmt, self.timings = sources, fmt, timings
-        # With quantization, tracing the post-load step replaces the model's parameters: no sharing.
         self.hooks = quant_hooks
-        self.share = share and layout.dp > 1 and quant_hooks is None
+        self.share = share and layout.dp > 1
         self.models: dict[int, object] = {}  # TP rank -> model built for DP rank 0
         self.placed_at: dict[int, int] = {}  # TP rank -> DP rank its shared model is placed for
+        self.post: dict[int, object] = {}  # TP rank -> post-load result of its shared model (traced at DP rank 0)
         self.guarded: dict[int, tuple] = {}  # the guard rank's real trace, until asked for
-        self.stats = {"models_built": 0, "ranks_repointed": 0, "guard": "not run" if self.share else "off"}
+        self.stats = {"models_built": 0, "ranks_repointed": 0, "guard": "not run" if self.share else "off", "names_skipped": 0}
+        if quant_hooks is not None:
+            self.stats["post_load_traces"] = 0
 
     def trace(self, rank: int, progress: Callable[[int, int], None] | None = None) -> tuple[list, list]:
-        if rank in self.guarded:
-            return self.guarded.pop(rank)
         tp_rank, dp_rank = self.layout.rank_coords(rank)
         if self.share and dp_rank > 0 and self.stats["guard"] == "not run":
             self._guard()
+        if rank in self.guarded:  # the guard rank (which may be this first re-pointed one): its real trace
+            return self._collect(self.guarded.pop(rank))
         if self.share:
             model = self._placed(tp_rank, dp_rank)
             if model is not None:
                 self.stats["ranks_repointed"] += dp_rank > 0
-                return self._trace(model, tp_rank, dp_rank, progress)
+                return self._collect(self._trace(model, tp_rank, dp_rank, progress, shared=True))
         model = self._build(tp_rank, dp_rank)
         try:
-            return self._trace(model, tp_rank, dp_rank, progress)
+            return self._collect(self._trace(model, tp_rank, dp_rank, progress, shared=False))
         finally:
             del model
             gc.collect()  # vLLM modules form cycles; with the GC paused, dropped models would pile up
+
+    def _collect(self, traced: tuple) -> tuple[list, list]:
+        assignments, dests, post = traced
+        if self.hooks:
+            self.hooks.collect(post)
+        return assignments, dests
 
     def _guard(self) -> None:
         """Trace the last rank on a re-pointed model and on a real build; share models only if identical."""
         rank = self.layout.ranks - 1
         tp_rank, dp_rank = self.layout.rank_coords(rank)
         model = self._placed(tp_rank, dp_rank)
-        shared = self._trace(model, tp_rank, dp_rank, None) if model is not None else None
+        shared = self._trace(model, tp_rank, dp_rank, None, shared=True) if model is not None else None
         context = self.vllm_config.compilation_config.static_forward_context
         kept = dict(context)  # the shared model's layers; the real build registers its own
         fresh = self._build(tp_rank, dp_rank)
-        real = self._trace(fresh, tp_rank, dp_rank, None)
+        real = self._trace(fresh, tp_rank, dp_rank, None, shared=False)
         del fresh
         context.clear()
         context.update(kept)
@@ -105,6 +121,7 @@ class RankTracer:
         self.share = False
         self.models.clear()
         self.placed_at.clear()
+        self.post.clear()
         gc.collect()
 
     def _build(self, tp_rank: int, dp_rank: int):
@@ -117,10 +134,29 @@ class RankTracer:
         self.stats["models_built"] += 1
         return model
 
-    def _trace(self, model, tp_rank: int, dp_rank: int, progress) -> tuple[list, list]:
+    def _trace(self, model, tp_rank: int, dp_rank: int, progress, *, shared: bool) -> tuple[list, list, object]:
+        """(assignments, dests, post-load result or None) of this rank on `model`."""
         with phase(self.timings, "trace"), parallel_rank(self.vllm_config, tp_rank, dp_rank):
-            traced = trace_load(model, self.sources, self.fmt, progress)
+            # on a shared model, experts other ranks hold are not fed (checked by the guard's real build)
+            absent = nonlocal_experts(model) if shared else None
+            assignments, dests = trace_load(model, self.sources, self.fmt, progress,
+                                            skip=None if absent is None else functools.partial(self._skip, absent))
+            post = None
             if self.hooks:
-                with self.hooks.build_context():
-                    self.hooks.post_load(model)
-            return traced
+                if not shared:
+                    post = self._post_load(model, dests, keep_model=False)
+                else:
+                    if tp_rank not in self.post:
+                        self.post[tp_rank] = self._post_load(model, dests, keep_model=True)
+                    post = self.post[tp_rank]
+            return assignments, dests, post
+
+    def _skip(self, absent, name: str) -> bool:
+        hit = absent(name)
+        self.stats["names_skipped"] += hit
+        return hit
+
+    def _post_load(self, model, dests: list, *, keep_model: bool):
+        self.stats["post_load_traces"] += 1
+        with self.hooks.build_context():
+            return self.hooks.post_load(model, layer_classes(self.sources, dests), keep_model=keep_model)

@@ -20,16 +20,18 @@ def trace_load(
     progress: Callable[[int, int], None] | None = None,
     *,
     reuse_layers: bool = True,
+    skip: Callable[[str], bool] | None = None,
 ) -> tuple[list[Assignment], list[TensorSpec]]:
     """Feed LazyWeights for `sources` through `model.load_weights`; return assignments and destinations.
 
     With `reuse_layers`, layers identical up to their index are traced once (see layer_classes).
+    Checkpoint names `skip` accepts are not fed (e.g. experts another rank holds: vllm_model.nonlocal_experts).
     """
     params = dict(model.named_parameters())
     dests = [TensorSpec(name, tuple(p.shape), dtype_name(p.dtype)) for name, p in params.items()]
     classes = layer_classes(sources, dests) if reuse_layers else None
     fed = [spec for spec in sources if classes is None or classes.traced(spec.name)]
-    traced = _trace(model, params, fed, fmt, progress)
+    traced = _trace(model, params, fed, fmt, progress, skip)
     if classes is None or not classes.template_of:
         return traced, dests
 
@@ -42,7 +44,7 @@ def trace_load(
             untrusted.add(template)
     if untrusted:  # a layer class loads differently per index: trace all of its layers for real
         retrace = [s for s in sources if classes.template_of.get(layer_of(s.name)) in untrusted]
-        traced += _trace(model, params, retrace, fmt, None)
+        traced += _trace(model, params, retrace, fmt, None, skip)
     out = list(traced)
     for index, template in sorted(classes.template_of.items()):
         if template not in untrusted:
@@ -50,7 +52,7 @@ def trace_load(
     return out, dests
 
 
-def _trace(model, params, sources: list[TensorSpec], fmt: str, progress) -> list[Assignment]:
+def _trace(model, params, sources: list[TensorSpec], fmt: str, progress, skip=None) -> list[Assignment]:
     tracer = Tracer(params)
     lazy = {spec.name: LazyWeight.source(spec.name, spec.shape, getattr(torch, spec.dtype)) for spec in sources}
 
@@ -59,6 +61,8 @@ def _trace(model, params, sources: list[TensorSpec], fmt: str, progress) -> list
             if progress is not None:
                 progress(index + 1, len(lazy))
             for name, tensor in checkpoint_tensors(fmt, trainer_name, trainer_tensor):
+                if skip is not None and skip(name):
+                    continue
                 tracer.loading = name
                 yield name, tensor
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -195,8 +197,43 @@ def place_experts(model: torch.nn.Module, vllm_config, tp_rank: int = 0, dp_rank
                 continue
             local = module.local_num_experts
             module.moe_config.moe_parallel_config = new
-            module.update_expert_map()
+            if old.use_ep or new.use_ep:
+                module.update_expert_map()
+            # else every expert is local and only the TP slice moves: the loaders read moe_config's tp_rank,
+            # and vLLM keeps no expert map to rebuild (update_expert_map would refuse)
             moved += 1
             if module.local_num_experts != local:
                 return None
     return moved
+
+
+_EXPERT_NAME = re.compile(r"^(?P<layer>.+)\.experts\.(?P<expert>\d+)\.")
+_EXPERT_MODULE = re.compile(r"^(?P<layer>.+)\.experts(\..+)?$")
+
+
+def nonlocal_experts(model: torch.nn.Module) -> Callable[[str], bool] | None:
+    """A test for checkpoint names `<layer>.experts.<e>.*` of routed experts this rank does not hold (EP), or None.
+
+    vLLM's MoE weight_loader returns without writing for such a name (the expert map sends it to
+    -1), so leaving them out of a trace changes no assignment. Names whose layer has no
+    `RoutedExperts` module under `<layer>.experts`, or no expert map, are never matched.
+    """
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    local: dict[str, list[bool]] = {}
+    for name, module in model.named_modules():
+        match = _EXPERT_MODULE.match(name)
+        expert_map = getattr(module, "_expert_map", None)
+        if match and isinstance(module, RoutedExperts) and expert_map is not None:
+            local[match["layer"]] = (expert_map >= 0).tolist()
+    if not local:
+        return None
+
+    def absent(name: str) -> bool:
+        match = _EXPERT_NAME.match(name)
+        if match is None or match["layer"] not in local:
+            return False
+        held, expert = local[match["layer"]], int(match["expert"])
+        return expert < len(held) and not held[expert]
+
+    return absent

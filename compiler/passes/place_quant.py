@@ -7,8 +7,9 @@ import dataclasses
 import numpy as np
 
 from ...runtime.plan_format import SPAN_COLUMNS, STAGE_COLUMNS
-from ...runtime.quant import BLOCK, block_grid
+from ...runtime.quant import block_grid
 from ..ir import Program, QuantPlacement, Runs, TensorSpec
+from .quant_blocks import BlockGrids, block_intervals, block_ranges
 
 
 def place_quant(program: Program) -> Program:
@@ -42,41 +43,64 @@ def place_quant(program: Program) -> Program:
         dests.append(TensorSpec(scale, (*spec.shape[:-2], nbr, nbc), "float32", ranks=spec.ranks))
     keep = remap[runs.dest] >= 0
     kept = runs.take(np.flatnonzero(keep))
-    stage_cols = {c: [] for c in STAGE_COLUMNS}
-    span_cols = {c: [] for c in SPAN_COLUMNS}
     order = np.lexsort((runs.dst_off, runs.dest))
-    by_dest = runs.take(order[~keep[order]])
-    bounds = np.searchsorted(by_dest.dest, sorted(stage_of) + [len(program.dests)]) if stage_of else []
-    for i, d in enumerate(sorted(stage_of)):
-        lo, hi = bounds[i], bounds[i + 1]
-        part = by_dest.take(np.arange(lo, hi))
-        _place_one(stage_of[d], program.dests[d].shape, part, stage_cols, span_cols)
-    placement = QuantPlacement(
-        tuple(staging),
-        {c: np.array(v, dtype=np.int64) for c, v in stage_cols.items()},
-        {c: np.array(v, dtype=np.int64) for c, v in span_cols.items()},
-    )
+    staged = runs.take(order[~keep[order]])  # runs into quantized tensors, by (destination, dst_off)
+    stage_index = np.full(len(program.dests), -1, dtype=np.int64)
+    for d, stage in stage_of.items():
+        stage_index[d] = stage
+    stage_cols, span_cols = _place(BlockGrids.of([shape for _, shape, _, _, _ in staging]), stage_index[staged.dest], staged)
+    placement = QuantPlacement(tuple(staging), stage_cols, span_cols)
     new_runs = dataclasses.replace(kept, dest=remap[kept.dest])
     return dataclasses.replace(program, dests=tuple(dests), runs=new_runs, meta=dict(program.meta, quant_placement=placement))
 
 
-def block_ranges(shape: tuple[int, ...], off: int, length: int) -> list[tuple[int, int]]:
-    """Flat block-id ranges [lo, hi) touched by elements [off, off + length) of a 2-D/3-D tensor (may overlap)."""
-    rows, cols = shape[-2:]
-    _, nbr, nbc = block_grid(shape)
+def _place(grids: BlockGrids, stage: np.ndarray, runs) -> tuple[dict, dict]:
+    """Stage runs and block spans for `runs` (into staging tensors `stage`, ordered by (stage, dst_off))."""
+    item, lo, hi = block_intervals(grids, stage, runs.dst_off, runs.length)
+    rank = runs.src_rank[item]
+    # Elementary segments: between consecutive interval ends and tensor starts; each lies in one tensor.
+    bounds = np.unique(np.concatenate([lo, hi, grids.base]))
+    first, last = np.searchsorted(bounds, lo), np.searchsorted(bounds, hi)
+    n = len(bounds)
 
-    def band(g: int) -> int:
-        return (g // rows) * nbr + (g % rows) // BLOCK
+    def covering_sum(weights):
+        """Per segment: the sum of `weights` over the intervals covering it (difference array, then cumsum)."""
+        starts = np.bincount(first, weights=weights, minlength=n) - np.bincount(last, weights=weights, minlength=n)
+        return np.rint(np.cumsum(starts)[:-1]).astype(np.int64)
 
-    g0, c0 = divmod(off, cols)
-    g1, c1 = divmod(off + length - 1, cols)
-    if g0 == g1:
-        return [(band(g0) * nbc + c0 // BLOCK, band(g0) * nbc + c1 // BLOCK + 1)]
-    out = [(band(g0) * nbc + c0 // BLOCK, band(g0) * nbc + nbc)]
-    if g1 - g0 > 1:
-        out.append((band(g0 + 1) * nbc, (band(g1 - 1) + 1) * nbc))
-    out.append((band(g1) * nbc, band(g1) * nbc + c1 // BLOCK + 1))
-    return out
+    count, total, squares = covering_sum(None), covering_sum(rank), covering_sum(rank * rank)
+    # All covering ranks are equal iff count * sum(r^2) == sum(r)^2; untouched blocks (count 0) go to the receiver.
+    single = (count > 0) & (count * squares == total * total)
+    owner = np.where(single, total // np.maximum(count, 1), -1)
+    seg_stage = np.searchsorted(grids.base, bounds[:-1], side="right") - 1
+    # Spans: runs of segments with one owner within one tensor.
+    new = np.ones(len(owner), dtype=bool)
+    new[1:] = (owner[1:] != owner[:-1]) | (seg_stage[1:] != seg_stage[:-1])
+    starts = np.flatnonzero(new)
+    ends = np.append(starts[1:], len(owner)).astype(np.int64) if len(starts) else starts
+    span_stage = seg_stage[starts]
+    span_owner = owner[starts]
+    span_cols = dict(zip(SPAN_COLUMNS, (
+        span_stage,
+        bounds[starts] - grids.base[span_stage],
+        bounds[ends] - bounds[starts],
+        np.where(span_owner >= 0, QuantPlacement.SENDER, QuantPlacement.RECEIVER),
+        span_owner,
+    )))
+    # A run goes to the sender side if it touches a sender block, to the receiver side if it touches a receiver block.
+    sender_before = np.concatenate([[0], np.cumsum(owner >= 0)])
+    receiver_before = np.concatenate([[0], np.cumsum(owner < 0)])
+    sends = np.bincount(item, weights=sender_before[last] - sender_before[first], minlength=len(runs)) > 0
+    receives = np.bincount(item, weights=receiver_before[last] - receiver_before[first], minlength=len(runs)) > 0
+    which = np.stack([sends, receives], axis=1).reshape(-1)  # per run: its sender row, then its receiver row
+    row_run = np.repeat(np.arange(len(runs)), 2)[which]
+    side = np.tile(np.array([QuantPlacement.SENDER, QuantPlacement.RECEIVER], dtype=np.int64), len(runs))[which]
+    stage_cols = dict(zip(STAGE_COLUMNS, (
+        side, runs.src_rank[row_run], runs.src[row_run], runs.src_off[row_run], stage[row_run],
+        runs.dst_off[row_run], runs.length[row_run], runs.wire[row_run],
+    )))
+    return ({c: np.ascontiguousarray(v, dtype=np.int64) for c, v in stage_cols.items()},
+            {c: np.ascontiguousarray(v, dtype=np.int64) for c, v in span_cols.items()})
 
 
 def block_owners(shape: tuple[int, ...], offs, lengths, ranks) -> np.ndarray:
@@ -91,22 +115,3 @@ def block_owners(shape: tuple[int, ...], offs, lengths, ranks) -> np.ndarray:
             owner[lo:hi] = rank
     owner[shared] = -1
     return owner
-
-
-def _place_one(stage: int, shape, runs, stage_cols: dict, span_cols: dict) -> None:
-    offs, lengths, ranks = runs.dst_off.tolist(), runs.length.tolist(), runs.src_rank.tolist()
-    owner = block_owners(shape, offs, lengths, ranks)
-    change = np.flatnonzero(np.diff(owner)) + 1
-    starts = np.concatenate([[0], change])
-    ends = np.concatenate([change, [len(owner)]])
-    for lo, hi in zip(starts.tolist(), ends.tolist()):
-        rank = int(owner[lo])
-        for column, value in zip(SPAN_COLUMNS, (stage, lo, hi - lo, QuantPlacement.SENDER if rank >= 0 else QuantPlacement.RECEIVER, rank)):
-            span_cols[column].append(value)
-    for i, (off, length, rank) in enumerate(zip(offs, lengths, ranks)):
-        touched = np.concatenate([owner[lo:hi] for lo, hi in block_ranges(shape, off, length)])
-        for side, needed in ((QuantPlacement.SENDER, (touched >= 0).any()), (QuantPlacement.RECEIVER, (touched < 0).any())):
-            if needed:
-                row = (side, rank, int(runs.src[i]), int(runs.src_off[i]), stage, off, length, int(runs.wire[i]))
-                for column, value in zip(STAGE_COLUMNS, row):
-                    stage_cols[column].append(value)

@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...runtime.quant import block_grid
-from .place_quant import block_ranges
+from .quant_blocks import BlockGrids, block_intervals
 from .verify import PlanInvariantError
 
 SENDER, RECEIVER = 0, 1
@@ -25,37 +24,79 @@ class QuantCoverage:
 
 def verify_quant(shapes: list[tuple[int, ...]], holders: list[int], stage: dict, spans: dict) -> QuantCoverage:
     """Check the fp8 tables of a plan (staging shapes, inference ranks per staging tensor, stage runs, spans)."""
-    blocks = sender_blocks = 0
-    for index, shape in enumerate(shapes):
-        matrices, nbr, nbc = block_grid(shape)
-        count = np.zeros(matrices * nbr * nbc, dtype=np.int64)
-        side = np.full(len(count), -1, dtype=np.int64)
-        owner = np.full(len(count), -1, dtype=np.int64)
-        mine = np.flatnonzero(spans["stage"] == index)
-        for i in mine.tolist():
-            lo, hi = int(spans["first_block"][i]), int(spans["first_block"][i] + spans["n_blocks"][i])
-            count[lo:hi] += 1
-            side[lo:hi] = spans["side"][i]
-            owner[lo:hi] = spans["src_rank"][i]
-        if (count != 1).any():
-            b = int(np.flatnonzero(count != 1)[0])
-            raise PlanInvariantError(f"staging tensor {index} {shape}: block {b} is quantized {count[b]} times, not once")
-        runs = np.flatnonzero(stage["stage"] == index)
-        copies = {(int(stage["side"][i]), int(stage["stage_off"][i]), int(stage["length"][i]), int(stage["src_rank"][i]))
-                  for i in runs.tolist()}
-        for run_side, off, length, rank in copies:
-            for lo, hi in block_ranges(shape, off, length):
-                sides, owners = side[lo:hi], owner[lo:hi]
-                stray = np.flatnonzero((sides == SENDER) & (owners != rank))
-                if len(stray):
-                    b = lo + int(stray[0])
-                    raise PlanInvariantError(f"staging tensor {index}: sender-side block {b} of trainer rank {owner[b]} "
-                                             f"is also written from trainer rank {rank}")
-                for wanted, where in ((SENDER, "sender"), (RECEIVER, "receiver")):
-                    if (sides == wanted).any() and (wanted, off, length, rank) not in copies:
-                        b = lo + int(np.flatnonzero(sides == wanted)[0])
-                        raise PlanInvariantError(f"staging tensor {index}: block {b} is quantized on the {where} side but "
-                                                 f"its stage run [{off}:+{length}] from trainer rank {rank} does not go there")
-        blocks += len(count) * holders[index]
-        sender_blocks += int((side == SENDER).sum()) * holders[index]
-    return QuantCoverage(blocks, sender_blocks)
+    grids = BlockGrids.of(shapes)
+    span_stage = np.asarray(spans["stage"], dtype=np.int64)
+    for table, name in ((span_stage, "block span"), (np.asarray(stage["stage"]), "stage run")):
+        if len(table) and (table.min() < 0 or table.max() >= len(shapes)):
+            raise PlanInvariantError(f"a {name} names staging tensor {int(table.max())}, but there are {len(shapes)}")
+    numel = np.array([int(np.prod(shape)) for shape in shapes], dtype=np.int64)
+    outside = (stage["stage_off"] < 0) | (stage["length"] <= 0) | (stage["stage_off"] + stage["length"] > numel[stage["stage"]])
+    if outside.any():
+        i = int(np.flatnonzero(outside)[0])
+        raise PlanInvariantError(f"stage run {i} [{stage['stage_off'][i]}:+{stage['length'][i]}] is empty or outside "
+                                 f"staging tensor {stage['stage'][i]} ({numel[stage['stage'][i]]} elements)")
+    lo = grids.base[span_stage] + spans["first_block"]
+    hi = lo + spans["n_blocks"]
+    order = np.lexsort((hi, lo))
+    lo, hi, side, owner, span_stage = lo[order], hi[order], spans["side"][order], spans["src_rank"][order], span_stage[order]
+    _check_tiling(shapes, grids, lo, hi, span_stage)
+    _check_stage_runs(grids, stage, lo, side, owner)
+    per_holder = spans["n_blocks"] * np.asarray(holders, dtype=np.int64)[spans["stage"]] if len(shapes) else np.zeros(0, np.int64)
+    blocks = int((grids.base[1:] - grids.base[:-1]) @ np.asarray(holders, dtype=np.int64)) if len(shapes) else 0
+    return QuantCoverage(blocks, int(per_holder[spans["side"] == SENDER].sum()))
+
+
+def _check_tiling(shapes, grids: BlockGrids, lo, hi, span_stage) -> None:
+    """The spans, sorted, must tile every tensor's blocks: no gap, no overlap, none empty or across tensors."""
+    total = int(grids.base[-1])
+    expected_lo = np.concatenate([[0], hi[:-1]])
+    bad = (lo != expected_lo) | (hi <= lo) | (hi > grids.base[span_stage + 1])
+    if len(lo) == 0 and total == 0:
+        return
+    if not bad.any() and len(hi) and hi[-1] == total:
+        return
+    # The first block not covered exactly once, for the message.
+    first = int(np.flatnonzero(bad)[0]) if bad.any() else len(lo)
+    block = int(min(lo[first], expected_lo[first])) if first < len(lo) else int(hi[-1]) if len(hi) else 0
+    count = int(((lo <= block) & (hi > block)).sum())
+    index = int(np.searchsorted(grids.base, block, side="right") - 1)
+    if count == 1:  # an empty span or one reaching past its tensor
+        start = int(lo[first] - grids.base[span_stage[first]])
+        raise PlanInvariantError(f"staging tensor {int(span_stage[first])}: the block span [{start}:+{int(hi[first] - lo[first])}] "
+                                 f"is empty or reaches past its {int(grids.base[span_stage[first] + 1] - grids.base[span_stage[first]])} blocks")
+    raise PlanInvariantError(f"staging tensor {index} {tuple(shapes[index])}: block {block - int(grids.base[index])} is "
+                             f"quantized {count} times, not once")
+
+
+def _check_stage_runs(grids: BlockGrids, stage: dict, span_lo, side, owner) -> None:
+    """Each stage run's blocks: sender ones belong to its rank, and it is listed on every side its blocks use."""
+    keys = np.stack([stage["stage"], stage["stage_off"], stage["length"], stage["src_rank"]], axis=1)
+    if len(keys) == 0:
+        return
+    copies, copy_of = np.unique(keys, axis=0, return_inverse=True)
+    copy_of = copy_of.reshape(-1)
+    listed = np.zeros((len(copies), 2), dtype=bool)  # per distinct copy: listed on the sender / receiver side
+    for wanted in (SENDER, RECEIVER):
+        listed[copy_of[stage["side"] == wanted], wanted] = True
+    item, lo, hi = block_intervals(grids, copies[:, 0], copies[:, 1], copies[:, 2])
+    # Spans each interval touches (spans tile the blocks, sorted): [first, last).
+    first = np.searchsorted(span_lo, lo, side="right") - 1
+    last = np.searchsorted(span_lo, hi, side="left")
+    pair = np.repeat(np.arange(len(item)), last - first)
+    span = np.arange(len(pair)) - np.repeat(np.cumsum(last - first) - (last - first), last - first) + first[pair]
+    rank = copies[item[pair], 3]
+    stray = np.flatnonzero((side[span] == SENDER) & (owner[span] != rank))
+    if len(stray):
+        p = stray[0]
+        c = copies[item[pair[p]]]
+        block = max(int(span_lo[span[p]]), int(lo[pair[p]])) - int(grids.base[c[0]])
+        raise PlanInvariantError(f"staging tensor {c[0]}: sender-side block {block} of trainer rank {owner[span[p]]} "
+                                 f"is also written from trainer rank {c[3]}")
+    for wanted, where in ((SENDER, "sender"), (RECEIVER, "receiver")):
+        missing = np.flatnonzero((side[span] == wanted) & ~listed[item[pair], wanted])
+        if len(missing):
+            p = missing[0]
+            c = copies[item[pair[p]]]
+            block = max(int(span_lo[span[p]]), int(lo[pair[p]])) - int(grids.base[c[0]])
+            raise PlanInvariantError(f"staging tensor {c[0]}: block {block} is quantized on the {where} side but "
+                                     f"its stage run [{c[1]}:+{c[2]}] from trainer rank {c[3]} does not go there")
