@@ -4,7 +4,8 @@ Under DP (attention), the ranks that share a TP rank build identical modules; on
 layers' expert placement depends on the DP rank (which experts are local with EP, which TP slice
 of every expert without it). So the model of DP rank 0 is built once per TP rank, and each other
 rank re-points its MoE layers with vLLM's own `update_expert_map` (`place_experts`) and is traced
-on it.
+on it, fed only the checkpoint names of its own experts (`nonlocal_experts`: vLLM's loader writes
+nothing for the others).
 
 With quantization hooks, each rank's post-load step (process_weights_after_loading) is traced after
 its load. On a shared model it is traced once per TP rank, at DP rank 0, and the model is restored
@@ -12,9 +13,9 @@ afterwards (frontend/module_state.py) so the next rank loads into the same bf16 
 other DP ranks reuse that result (the post-load step reads no expert placement, only shapes).
 
 Guard: before a re-pointed trace is used, the last rank is traced on the re-pointed model and also
-built and traced for real (post-load included); destinations, assignments and the post-load result
-sharing would give it must be identical, or every rank is built for real (as is any rank whose
-re-pointing would change a parameter shape).
+built and traced for real (all names fed, its own post-load step); destinations, assignments and
+the post-load result sharing would give it must be identical, or every rank is built for real (as
+is any rank whose re-pointing would change a parameter shape).
 """
 
 from __future__ import annotations
