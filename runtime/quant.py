@@ -91,3 +91,49 @@ def span_elements(shape: tuple[int, ...], first: int, count: int, block: int = B
     for _, brow, bcol, n in span_bands(shape, first, count, block):
         total += (min(brow * block + block, rows) - brow * block) * (min((bcol + n) * block, cols) - bcol * block)
     return total
+
+
+class BlockQuantizer:
+    """per_block_fp8 for large 2-D views, writing into given outputs through reused scratch buffers.
+
+    Same ops and bytes as per_block_fp8, but whole tiles are processed a few block rows at a time
+    in preallocated buffers: fresh multi-megabyte temporaries cost page faults, and chunks that
+    stay in cache made it 3-5x faster here. Only edge tiles (rows or columns not a multiple of the
+    block) go through per_block_fp8's zero padding.
+    """
+
+    def __init__(self, chunk_elements: int = 1 << 19, block: int = BLOCK):
+        self.block, self.chunk_elements = block, chunk_elements
+        self._abs = torch.empty(0, dtype=torch.bfloat16)
+        self._wide = torch.empty(0, dtype=torch.float32)
+
+    def __call__(self, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
+        """Quantize bf16 `x` (h, w) into fp8 `values` (h, w) and float32 `scales` (ceil(h/B), ceil(w/B)).
+
+        All three may be strided views (unit stride along columns).
+        """
+        b = self.block
+        h, w = x.shape
+        hf, wf = h // b * b, w // b * b
+        if hf and wf:
+            rows = max(b, self.chunk_elements // wf // b * b)
+            if self._abs.numel() < rows * wf:
+                self._abs = torch.empty(rows * wf, dtype=torch.bfloat16)
+                self._wide = torch.empty(rows * wf, dtype=torch.float32)
+            for r in range(0, hf, rows):
+                n = min(rows, hf - r)
+                shape = (n // b, b, wf // b, b)
+                tiles = x[r : r + n, :wf].view(shape)
+                amax = torch.abs(tiles, out=self._abs[: n * wf].view(shape)).amax(dim=(1, 3), keepdim=True)
+                scale = amax.float().clamp_(1e-4) / FP8_MAX  # |x| max is exact in bf16, so amax before float()
+                wide = torch.mul(tiles, 1.0 / scale, out=self._wide[: n * wf].view(shape))
+                values[r : r + n, :wf].copy_(wide.view(n, wf))
+                scales[r // b : (r + n) // b, : wf // b] = scale.view(n // b, wf // b)
+        if wf < w:
+            v, s = per_block_fp8(x[:, wf:], b)
+            values[:, wf:] = v
+            scales[:, wf // b :] = s
+        if hf < h and wf:
+            v, s = per_block_fp8(x[hf:, :wf], b)
+            values[hf:, :wf] = v
+            scales[hf // b :, : wf // b] = s

@@ -14,6 +14,7 @@ import torch
 from .casts import cast_along
 from .checks import check_tensors, flat_view, named_tensors
 from .errors import PlanMismatchError
+from .gather import Gather
 from .nixl_agent import NixlAgent
 from .plan_format import Plan
 from .rank_tables import check_src_rank, packing, readers, refuse_quantized, served_regions, served_runs
@@ -22,20 +23,6 @@ from .rendezvous import Rendezvous
 
 log = logging.getLogger("weightplan.runtime")
 _MESSAGE = re.compile(r"^(begin|ack|fail):(\d+)$")
-
-
-def _spans(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenated aranges [start, start + length) as one int64 index array."""
-    total = int(lengths.sum())
-    shift = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
-    return (np.arange(total, dtype=np.int64) + shift).astype(np.int64)
-
-
-def _units(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A flat tensor's bytes seen as `dtype` elements (a trailing partial element is left out)."""
-    raw = tensor.reshape(-1).view(torch.uint8)
-    size = torch.tensor([], dtype=dtype).element_size()
-    return raw[: raw.numel() // size * size].view(dtype)
 
 
 def trainer_agent(job: str, rank: int) -> str:
@@ -87,7 +74,10 @@ class Sender:
         self._served_runs = served_runs(plan, rank)
         self.packing = packing(plan, rank)
         self._packed = torch.empty(self.packing.nbytes, dtype=torch.uint8)
-        self._gathers = self._gather_indices()
+        served = self._served_runs
+        at = np.searchsorted(served.run, self.packing.run)
+        self._pack = Gather(self._exposed, self._packed, served.region[at], served.src_byte[at], served.nbytes[at],
+                            self.packing.packed_byte, self.packing.unit)
         self._seq = torch.ones(1, dtype=torch.int64)  # odd: nothing published yet
         self.readers = readers(plan, rank)
         self.incarnation = uuid.uuid4().hex
@@ -115,27 +105,6 @@ class Sender:
     def staging_bytes(self) -> int:
         """Bytes this rank copies at every publish: cast regions and the packed small runs."""
         return sum(r.nbytes for r in self.regions if r.staged) + self.packing.nbytes
-
-    def _gather_indices(self) -> list[tuple[int, torch.dtype, torch.Tensor, torch.Tensor]]:
-        """Per region: (region, unit dtype, element indices in the region, element indices in the packed region)."""
-        unit = self.packing.unit
-        while unit > 1 and any(t.data_ptr() % unit for t in self._exposed + [self._packed]):
-            unit //= 2
-        dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[unit]
-        served = self._served_runs
-        at = np.searchsorted(served.run, self.packing.run)
-        region, src_byte, nbytes = served.region[at], served.src_byte[at], served.nbytes[at]
-        out = []
-        for i in np.unique(region).tolist():
-            rows = region == i
-            out.append((i, dtype, torch.from_numpy(_spans(src_byte[rows] // unit, nbytes[rows] // unit)),
-                        torch.from_numpy(_spans(self.packing.packed_byte[rows] // unit, nbytes[rows] // unit))))
-        return out
-
-    def _pack(self) -> None:
-        for i, dtype, src, dst in self._gathers:
-            region = _units(self._exposed[i], dtype)
-            _units(self._packed, dtype).index_copy_(0, dst, region.index_select(0, src))
 
     def publish(self, version: int) -> None:
         """Stage this rank's bytes for `version` and announce it. Releases the previous version first."""
