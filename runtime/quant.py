@@ -96,15 +96,15 @@ def span_elements(shape: tuple[int, ...], first: int, count: int, block: int = B
 class BlockQuantizer:
     """per_block_fp8 for large 2-D views, writing into given outputs through reused scratch buffers.
 
-    Same ops and bytes as per_block_fp8, but whole tiles are processed a few block rows at a time
-    in preallocated buffers: fresh multi-megabyte temporaries cost page faults, and chunks that
-    stay in cache made it 3-5x faster here. Only edge tiles (rows or columns not a multiple of the
-    block) go through per_block_fp8's zero padding.
+    Same bytes as per_block_fp8 (the product x * (1 / scale) in float32, then the cast), but whole
+    tiles are processed a few block rows at a time in preallocated buffers: fresh multi-megabyte
+    temporaries cost page faults, and chunks that stay in cache made it several times faster here.
+    Only edge tiles (rows or columns not a multiple of the block) go through per_block_fp8's padding.
     """
 
-    def __init__(self, chunk_elements: int = 1 << 19, block: int = BLOCK):
+    def __init__(self, chunk_elements: int = 1 << 18, block: int = BLOCK):
         self.block, self.chunk_elements = block, chunk_elements
-        self._abs = torch.empty(0, dtype=torch.bfloat16)
+        self._bits = torch.empty(0, dtype=torch.int16)
         self._wide = torch.empty(0, dtype=torch.float32)
 
     def __call__(self, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
@@ -117,18 +117,22 @@ class BlockQuantizer:
         hf, wf = h // b * b, w // b * b
         if hf and wf:
             rows = max(b, self.chunk_elements // wf // b * b)
-            if self._abs.numel() < rows * wf:
-                self._abs = torch.empty(rows * wf, dtype=torch.bfloat16)
+            if self._bits.numel() < rows * wf:
+                self._bits = torch.empty(rows * wf, dtype=torch.int16)
                 self._wide = torch.empty(rows * wf, dtype=torch.float32)
             for r in range(0, hf, rows):
                 n = min(rows, hf - r)
-                shape = (n // b, b, wf // b, b)
-                tiles = x[r : r + n, :wf].view(shape)
-                amax = torch.abs(tiles, out=self._abs[: n * wf].view(shape)).amax(dim=(1, 3), keepdim=True)
-                scale = amax.float().clamp_(1e-4) / FP8_MAX  # |x| max is exact in bf16, so amax before float()
-                wide = torch.mul(tiles, 1.0 / scale, out=self._wide[: n * wf].view(shape))
+                part = x[r : r + n, :wf]
+                # |x| as bits: clearing the sign bit orders finite bf16 magnitudes like int16, and amax over
+                # integers is exact and 2-3x faster here than abs() then amax() on bf16.
+                bits = torch.bitwise_and(part.view(torch.int16), 0x7FFF, out=self._bits[: n * wf].view(n, wf))
+                amax = bits.view(n // b, b, wf // b, b).amax(dim=(1, 3)).view(torch.bfloat16)
+                scale = amax.float().clamp_(1e-4) / FP8_MAX
+                # 1 / scale repeated along each block's columns, so the multiply runs over whole rows.
+                inv = (1.0 / scale).repeat_interleave(b, dim=1).view(n // b, 1, wf)
+                wide = torch.mul(part.view(n // b, b, wf), inv, out=self._wide[: n * wf].view(n // b, b, wf))
                 values[r : r + n, :wf].copy_(wide.view(n, wf))
-                scales[r // b : (r + n) // b, : wf // b] = scale.view(n // b, wf // b)
+                scales[r // b : (r + n) // b, : wf // b] = scale
         if wf < w:
             v, s = per_block_fp8(x[:, wf:], b)
             values[:, wf:] = v
