@@ -151,9 +151,10 @@ class ReceiverQuant:
         """(region, remote offset, local address, bytes, group) of the READs from `src`, merged where both sides are contiguous."""
         r = self.rows[src]
         group = self.stage_group[r.stage]
-        bases = {b: t.data_ptr() for b, t in self._dst.items()}
-        bases.update({-1 - k: s.data_ptr() for k, s in enumerate(self.slots)})
-        local = np.array([bases[b] for b in r.buffer.tolist()], dtype=np.int64) + r.local_off
+        bases = np.zeros(len(self.plan.dests) + 2, dtype=np.int64)  # the last two: slots 1 and 0 (buffers -2, -1)
+        for b, t in [*self._dst.items(), *((-1 - k, s) for k, s in enumerate(self.slots))]:
+            bases[b] = t.data_ptr()
+        local = bases[r.buffer] + r.local_off
         order = np.lexsort((r.remote_off, r.region, group))
         region, remote, local, n, g, buf = (a[order] for a in (r.region, r.remote_off, local, r.nbytes, group, r.buffer))
         starts = np.ones(len(order), dtype=bool)

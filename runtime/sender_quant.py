@@ -64,9 +64,13 @@ class SenderQuant:
         self.arena = torch.empty(int(w.numel[mine].max(initial=0)), dtype=torch.bfloat16)
         fp8 = self.fp8.view(torch.float8_e4m3fn)
         p = self.pieces
+        copies = copies[np.argsort(c.window[copies], kind="stable")]
+        copy_at = np.searchsorted(c.window[copies], [mine, mine + 1])
+        by_window = np.argsort(p.window, kind="stable")
+        piece_at = np.searchsorted(p.window[by_window], [mine, mine + 1])
         steps = []
-        for window in mine.tolist():
-            rows = copies[c.window[copies] == window]
+        for j, window in enumerate(mine.tolist()):
+            rows = copies[copy_at[0][j] : copy_at[1][j]]
             chains = [self.plan.cast_chains[i] for i in c.wire[rows].tolist()]
             in_place = (len(rows) == 1 and len(chains[0]) == 1 and c.win_off[rows[0]] == 0
                         and c.length[rows[0]] == w.numel[window])
@@ -76,7 +80,7 @@ class SenderQuant:
                 base, shift = self.arena, 0
                 slices, gathers = self._fills(sources, rows)
             views = []
-            for i in np.flatnonzero(p.window == window).tolist():
+            for i in by_window[piece_at[0][j] : piece_at[1][j]].tolist():
                 h, wd, pitch = int(p.height[i]), int(p.width[i]), int(p.pitch[i])
                 start = shift + int(p.row[i] * pitch + p.col[i] - w.lo[window])
                 x = base[start:].as_strided((h, wd), (pitch, 1))
