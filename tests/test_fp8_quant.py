@@ -73,7 +73,8 @@ def test_runtime_quant_imports_no_compiler_or_vllm():
     import subprocess
     import sys
 
-    code = ("import sys, weightplan.runtime.quant, weightplan.runtime.host_quant; "
+    code = ("import sys, weightplan.runtime.quant, weightplan.runtime.host_quant, weightplan.runtime.quant_tables, "
+            "weightplan.runtime.sender_quant, weightplan.runtime.receiver_quant; "
             "bad = [m for m in sys.modules if m.startswith(('weightplan.compiler', 'vllm'))]; print(bad); assert not bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 
