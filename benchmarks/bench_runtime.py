@@ -1,6 +1,6 @@
 """Benchmark: one weight sync between processes, against this machine's copy ceilings and the NCCL-style baseline.
 
-Usage: python benchmarks/bench_runtime.py [--repeats N]   (make bench-runtime)
+Usage: python benchmarks/bench_runtime.py [--repeats N] [--quant fp8_per_block]   (make bench-runtime)
 
 A GLM-5.2-shaped model scaled to about 2 GB (benchmarks/configs/glm-5.2-2gb), bf16 masters,
 2 trainer processes (FSDP=2) and 2 inference processes (vLLM models, DP attention + EP=2):
@@ -11,7 +11,12 @@ A GLM-5.2-shaped model scaled to about 2 GB (benchmarks/configs/glm-5.2-2gb), bf
        vLLM load_weights on each inference rank.
 Bytes are destination bytes. Medians over repetitions after the first (which sets up connections).
 Host overhead: publish + sync of synthetic plans with 10k and 100k small runs (128 B each),
-minus their bytes at the ceiling rate. The last line is one JSON object.
+minus their bytes at the ceiling rate.
+With --quant fp8_per_block, the same run then compiles the same model with --quant fp8_per_block
+and times its sync (publish with sender-side quantization, READs, receiver-side quantization) in
+the same processes layout, and prints seconds per GB of destination parameters next to the bf16
+sync's, their ratio, and the sender- and receiver-side quantization times.
+The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -47,10 +52,10 @@ def memcpy_gbps(total: int, chunk: int = 256 << 20, repeats: int = 5) -> float:
     return total / statistics.median(times) / 1e9
 
 
-def compile_bench_plan(out: Path) -> Path:
+def compile_bench_plan(out: Path, quant: str = "none") -> Path:
     from weightplan.compiler.compile import CompileOptions, compile_plan
 
-    compile_plan(CompileOptions(str(CONFIG), "hf", "bf16", "none", out, trainer="fsdp=2", inference="dp=2,ep"))
+    compile_plan(CompileOptions(str(CONFIG), "hf", "bf16", quant, out, trainer="fsdp=2", inference="dp=2,ep"))
     return out
 
 
@@ -82,7 +87,7 @@ def synthetic_plan(n: int, out: Path) -> Path:
 
 
 def run_job(plan: Path, n_src: int, n_dst: int, repeats: int, job: str, *, model: bool, gloo: bool, tmp: Path,
-            verify: bool = False) -> list[dict]:
+            verify: bool = False, threads: int = 0) -> list[dict]:
     from weightplan.runtime import Rendezvous
 
     rendezvous = Rendezvous.connect(job, "127.0.0.1:0", serve=True, timeout=900)
@@ -91,6 +96,8 @@ def run_job(plan: Path, n_src: int, n_dst: int, repeats: int, job: str, *, model
         common += ["--gloo"]
     if verify:
         common += ["--verify"]
+    if threads:
+        common += ["--threads", str(threads)]
     procs = []
     for role, n in (("trainer", n_src), ("inference", n_dst)):
         for rank in range(n):
@@ -138,11 +145,40 @@ def host_overhead(repeats: int, bytes_per_s: float, tmp: Path) -> dict[int, dict
     return out
 
 
+def fp8_job(args, tmp: Path) -> dict:
+    """Time fp8_per_block syncs of the same model: medians of reps 2..N, wall from the trainers' publish to the last receiver."""
+    plan = compile_bench_plan(tmp / "bench-fp8.plan", "fp8_per_block")
+    events = run_job(plan, 2, 2, args.repeats, "bench-runtime-fp8", model=True, gloo=True, tmp=tmp, verify=args.verify,
+                     threads=args.fp8_threads)
+    reps = range(2, args.repeats + 1)
+    syncs = [e for e in events if e.get("round") == "sync"]
+
+    def slowest(role: str, rep: int) -> float:
+        return max(e["quantize_seconds"] for e in syncs if e["role"] == role and e["rep"] == rep)
+
+    joined = [e for e in events if e.get("event") == "joined"]
+    return {
+        "bytes": sum(e["destination_bytes"] for e in syncs if e["role"] == "inference" and e["rep"] == 1),
+        "wire_bytes": sum(e["bytes"] for e in syncs if e["role"] == "inference" and e["rep"] == 1),
+        "descriptors": sum(e["descriptors"] for e in syncs if e["role"] == "inference" and e["rep"] == 1),
+        "staging_bytes": max(e["staging_bytes"] for e in joined),
+        "sync": statistics.median(wall(events, "sync", r, "trainer", "inference") for r in reps),
+        "first": wall(events, "sync", 1, "trainer", "inference"),
+        "sender_quantize": statistics.median(slowest("trainer", r) for r in reps),
+        "receiver_quantize": statistics.median(slowest("inference", r) for r in reps),
+        "identical": [e["value"] for e in events if e.get("event") == "identical"],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--overhead-only", action="store_true", help="only the host-overhead rows (quick)")
     parser.add_argument("--verify", action="store_true", help="syncs also hash and compare every region (measures its cost)")
+    parser.add_argument("--quant", choices=("none", "fp8_per_block"), default="none",
+                        help="also time an fp8_per_block sync of the same model in this run and compare per GB")
+    parser.add_argument("--fp8-threads", type=int, default=1,
+                        help="torch threads per process in the fp8 job (1: the 2 trainers quantize on one core each)")
     args = parser.parse_args()
     reps = range(2, args.repeats + 1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -168,6 +204,7 @@ def main() -> None:
         identical = [e["value"] for e in events if e.get("event") == "identical"]
         memcpy = memcpy_gbps(nbytes)
         overhead = host_overhead(args.repeats, nbytes / ceiling, tmp)
+        fp8 = fp8_job(args, tmp) if args.quant == "fp8_per_block" else None
 
     gb = nbytes / 1e9
     figures = {
@@ -183,6 +220,18 @@ def main() -> None:
         "host_overhead_ms_100k": round(overhead[100_000]["overhead_ms"], 2),
         "verify": args.verify,
     }
+    if fp8 is not None:
+        bf16_per_gb = sync / gb
+        figures.update({
+            "fp8_bytes": fp8["bytes"], "fp8_wire_bytes": fp8["wire_bytes"], "fp8_sync_s": round(fp8["sync"], 3),
+            "bf16_s_per_gb": round(bf16_per_gb, 4), "fp8_s_per_gb": round(fp8["sync"] / (fp8["bytes"] / 1e9), 4),
+            "fp8_vs_bf16_per_gb": round(fp8["sync"] / (fp8["bytes"] / 1e9) / bf16_per_gb, 3),
+            # Derived, not measured alone: the sync minus the slowest trainer's quantization, per GB.
+            "fp8_s_per_gb_without_sender_quantize": round((fp8["sync"] - fp8["sender_quantize"]) / (fp8["bytes"] / 1e9), 4),
+            "fp8_sender_quantize_s": round(fp8["sender_quantize"], 3),
+            "fp8_receiver_quantize_s": round(fp8["receiver_quantize"], 3),
+            "fp8_identical": fp8["identical"],
+        })
     print(f"GLM-5.2-shaped model ({CONFIG.name}), 2 trainer -> 2 inference processes (dp=2,ep), bf16, "
           f"{gb:.3f} GB destination bytes in {descriptors} descriptors; medians of reps 2..{args.repeats}"
           + ("; per-sync verification on (trainers hash at publish, receivers after each group)" if args.verify else ""))
@@ -196,6 +245,18 @@ def main() -> None:
     for n, o in overhead.items():
         print(f"  host overhead, {n:>7,} descriptors of {RUN_ELEMS * 2} B: sync {o['sync_s'] * 1e3:.1f} ms, "
               f"readv {o['readv_s'] * 1e3:.1f} ms, overhead {o['overhead_ms']:.1f} ms")
+    if fp8 is not None:
+        print(f"  fp8_per_block sync (same model, same processes layout, torch threads {args.fp8_threads or 'default'}): "
+              f"{fp8['bytes'] / 1e9:.3f} GB destination ({fp8['wire_bytes'] / 1e9:.3f} GB read), {fp8['descriptors']} descriptors; "
+              f"sync {fp8['sync']:.3f} s (first {fp8['first']:.3f} s)")
+        print(f"    per GB of destination parameters: bf16 {figures['bf16_s_per_gb']:.4f} s/GB, fp8 {figures['fp8_s_per_gb']:.4f} s/GB, "
+              f"fp8 / bf16 = {figures['fp8_vs_bf16_per_gb']:.3f} (target <= 1)")
+        print(f"    without the sender-side quantization (sync - slowest trainer's quantize): "
+              f"{figures['fp8_s_per_gb_without_sender_quantize']:.4f} s/GB")
+        print(f"    sender-side quantize (publish, slowest trainer) {fp8['sender_quantize']:.3f} s; "
+              f"receiver-side quantize (slowest inference rank) {fp8['receiver_quantize']:.3f} s; "
+              f"receiver staging {fp8['staging_bytes'] / 1e6:.1f} MB")
+        print(f"    digests after the fp8 sync == vLLM's own quantized load of the same weights: {fp8['identical']}")
     print(json.dumps(figures))
 
 

@@ -5,7 +5,10 @@ Rounds per repetition (separated by gloo barriers over all processes):
   sync     - trainers publish, inference ranks sync (weightplan over NIXL/UCX), trainers release
   baseline - trainers all-gather shards, trainer 0 broadcasts full tensors (gloo), inference ranks load_weights
 Each process prints one JSON line per round with wall-clock start/end, so the driver can take
-max(end) - min(start) across processes.
+max(end) - min(start) across processes. With an fp8_per_block plan only the sync round runs, into
+plain tensors shaped like vLLM's quantized parameters, and at the end each inference rank compares
+its digests with vLLM's own quantized load (load_weights + process_weights_after_loading) of the
+same trainer weights.
 """
 
 from __future__ import annotations
@@ -37,11 +40,53 @@ def emit(**fields) -> None:
 
 def trainer_shards(plan, rank: int, seed: int) -> dict[str, torch.Tensor]:
     """This rank's shard of deterministic random full tensors (generated per shard, never whole)."""
-    out = {}
-    for i, entry in enumerate(plan.sources):
-        g = torch.Generator().manual_seed(seed * 1_000_003 + i * 7919 + rank)
-        out[entry.name] = torch.randn(plan.local_shape(i, rank), generator=g).to(getattr(torch, entry.dtype))
-    return out
+    return {entry.name: _shard(plan, i, rank, seed) for i, entry in enumerate(plan.sources)}
+
+
+def _shard(plan, source: int, rank: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + source * 7919 + rank)
+    return torch.randn(plan.local_shape(source, rank), generator=g).to(getattr(torch, plan.sources[source].dtype))
+
+
+class _FullTensors:
+    """The trainers' full tensors, assembled from their shards one source at a time when asked for."""
+
+    def __init__(self, plan, seed: int):
+        self.plan, self.seed = plan, seed
+        self.index = {e.name: i for i, e in enumerate(plan.sources)}
+
+    def get(self, name: str):
+        i = self.index[name]
+        entry = self.plan.sources[i]
+        full = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
+        for rank in range(self.plan.header["src_ranks"]):
+            box = self.plan.shard_box(i, rank)
+            if box is not None and all(b > a for a, b in box):
+                full[tuple(slice(a, b) for a, b in box)] = _shard(self.plan, i, rank, self.seed)
+        return full
+
+
+def quantized_reference_digests(plan, model: str, rank: int, seed: int) -> dict[str, str]:
+    """Digests of vLLM's own online fp8 quantization of the trainers' weights on inference `rank`."""
+    from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
+
+    from weightplan.compiler.frontend.vllm_model import make_vllm_config
+    from weightplan.compiler.verify_plan import vllm_load_quantized
+
+    torch._dynamo.config.disable = True  # vLLM torch.compiles its quantizer per shape (tens of s); eager is the same math
+    info, quant = plan.header["inference"], plan.header["quant"]
+    base = make_vllm_config(model, quantization=quant)
+    config = make_vllm_config(model, tp=info["tp"], dp=info["dp"], ep=info["ep"], quantization=quant)
+    params = vllm_load_quantized(config, base, plan, _FullTensors(plan, seed), None, rank % info["tp"], rank // info["tp"])
+    return compute_tensor_digests(_Params(params))
+
+
+class _Params:
+    def __init__(self, params):
+        self.params = params
+
+    def named_parameters(self):
+        return iter(self.params.items())
 
 
 def read_ceiling(plan, rank: int, rendezvous: Rendezvous, destination: dict[str, torch.Tensor]) -> int:
@@ -76,8 +121,12 @@ def main() -> None:
     parser.add_argument("--job", required=True)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--verify", action="store_true", help="receivers check digests (trainers publish them)")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     plan = load_plan(args.plan)
+    quantized = plan.header["quant"] != "none"
     n_src = plan.header["src_ranks"]
     rendezvous = Rendezvous.connect(args.job, args.address, timeout=600)
     world_rank = args.rank if args.role == "trainer" else n_src + args.rank
@@ -98,7 +147,7 @@ def main() -> None:
         sender = Sender(plan, args.rank, tensors, rendezvous=rendezvous, timeout=120, digests=args.verify)
         model = None
     else:
-        if args.model:
+        if args.model and not quantized:
             from weightplan.compiler.frontend.vllm_model import build_model, make_vllm_config
 
             info = plan.header["inference"]
@@ -112,19 +161,20 @@ def main() -> None:
             destination = {e.name: torch.zeros(e.shape, dtype=getattr(torch, e.dtype)) for e in plan.dests if args.rank in e.ranks}
         receiver = Receiver(plan, args.rank, model if model is not None else destination, rendezvous=rendezvous,
                             timeout=120, verify=args.verify)
-        emit(event="joined", rank=args.rank, bytes=receiver.bytes, descriptors=receiver.descriptors)
+        emit(event="joined", rank=args.rank, bytes=receiver.bytes, descriptors=receiver.descriptors,
+             destination_bytes=receiver.destination_bytes, staging_bytes=receiver.staging_bytes)
     rendezvous.put(f"bench/ready/{args.role}/{args.rank}", b"1")
     if not args.gloo:
         rendezvous.wait(["bench/start"], 600, "driver start")
 
     for rep in range(1, args.repeats + 1):
-        # ceiling
-        barrier()
-        start = time.time()
-        moved = read_ceiling(plan, args.rank, rendezvous, destination) if args.role == "inference" else 0
-        end = time.time()
-        barrier()
-        emit(round="ceiling", rep=rep, role=args.role, rank=args.rank, start=start, end=end, bytes=moved)
+        if not quantized:  # the copy ceiling reads the runs' bytes; fp8 plans also read fp8, scales and staging
+            barrier()
+            start = time.time()
+            moved = read_ceiling(plan, args.rank, rendezvous, destination) if args.role == "inference" else 0
+            end = time.time()
+            barrier()
+            emit(round="ceiling", rep=rep, role=args.role, rank=args.rank, start=start, end=end, bytes=moved)
         # sync (gated by the driver when there are no barriers)
         barrier()
         start = time.time()
@@ -134,7 +184,8 @@ def main() -> None:
             report = sender.release(rep)
             end = time.time()
             emit(round="sync", rep=rep, role="trainer", rank=args.rank, start=start, end=end, published=published,
-                 acked=list(report.acked), digest_seconds=sender.digest_seconds, staging_bytes=sender.staging_bytes)
+                 acked=list(report.acked), digest_seconds=sender.digest_seconds, staging_bytes=sender.staging_bytes,
+                 quantize_seconds=sender.quantize_seconds)
         else:
             if not args.gloo:  # measure the sync alone, not the wait for the trainer to publish
                 rendezvous.wait([f"trainer/{src}/version/{rep}" for src in receiver.reads], 600, "publication")
@@ -142,13 +193,14 @@ def main() -> None:
             end = time.time()
             emit(round="sync", rep=rep, role="inference", rank=args.rank, start=end - report.seconds, end=end,
                  bytes=report.bytes, descriptors=report.descriptors, seconds=report.seconds,
-                 verify_seconds=report.verify_seconds)
+                 verify_seconds=report.verify_seconds, quantize_seconds=report.quantize_seconds,
+                 destination_bytes=receiver.destination_bytes)
             if model is not None and rep == args.repeats:
                 from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
 
                 synced_digests = compute_tensor_digests(model)
         barrier()
-        if not args.gloo:
+        if not args.gloo or quantized:
             continue
         # baseline: all-gather shards, broadcast full tensors from trainer 0, vLLM load_weights
         barrier()
@@ -157,6 +209,11 @@ def main() -> None:
         end = time.time()
         barrier()
         emit(round="baseline", rep=rep, role=args.role, rank=args.rank, start=start, end=end, comm_s=comm)
+    if args.role == "inference" and quantized and args.model:
+        synced = {name: d for name, d in _digests(destination).items()}
+        expected = quantized_reference_digests(plan, args.model, args.rank, seed=1)
+        emit(event="identical", rank=args.rank, value=synced == expected, tensors=len(expected),
+             differ=sorted(n for n in expected if expected[n] != synced.get(n))[:5])
     if args.role == "inference" and model is not None and args.gloo:
         from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
 
@@ -205,6 +262,12 @@ def _baseline(plan, args, shards, groups, model, n_src: int) -> float:
                     full[tuple(slice(a, b) for a, b in box)] = part.view([b - a for a, b in box])
             timed_broadcast(bcast, full, 0)
     return comm[0]
+
+
+def _digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
+
+    return compute_tensor_digests(_Params(tensors))
 
 
 def _gloo(rendezvous: Rendezvous, name: str, rank: int, size: int):

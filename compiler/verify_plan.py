@@ -184,9 +184,11 @@ def _poisoned(entry) -> torch.Tensor:
     return tensor
 
 
-def vllm_load_quantized(vllm_config, base, plan: Plan, full: dict[str, torch.Tensor], chosen: set[str], tp_rank: int,
-                        dp_rank: int) -> dict[str, torch.Tensor]:
+def vllm_load_quantized(vllm_config, base, plan: Plan, full: dict[str, torch.Tensor], chosen: set[str] | None,
+                        tp_rank: int, dp_rank: int) -> dict[str, torch.Tensor]:
     """vLLM's own online quantization on CPU: load_weights, then process_weights_after_loading of every quantized layer.
+
+    Returns the parameters named in `chosen` (every parameter when it is None).
 
     The model is built on the CPU with the kernel-choice stub (frontend/fp8_kernels.py), so every
     parameter of the rank is materialized: fine for small configs, too large for full GLM-5.2.
@@ -216,7 +218,7 @@ def vllm_load_quantized(vllm_config, base, plan: Plan, full: dict[str, torch.Ten
                 method = getattr(module, "quant_method", None)
                 if isinstance(method, QuantizeMethodBase):
                     method.process_weights_after_loading(module)
-    return {name: p for name, p in model.named_parameters() if name in chosen}
+    return {name: p for name, p in model.named_parameters() if chosen is None or name in chosen}
 
 
 def _materialize(model: torch.nn.Module, names: set[str], fill: float) -> dict[str, torch.Tensor]:

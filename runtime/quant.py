@@ -91,3 +91,53 @@ def span_elements(shape: tuple[int, ...], first: int, count: int, block: int = B
     for _, brow, bcol, n in span_bands(shape, first, count, block):
         total += (min(brow * block + block, rows) - brow * block) * (min((bcol + n) * block, cols) - bcol * block)
     return total
+
+
+class BlockQuantizer:
+    """per_block_fp8 for large 2-D views, writing into given outputs through reused scratch buffers.
+
+    Same bytes as per_block_fp8 (the product x * (1 / scale) in float32, then the cast), but whole
+    tiles are processed a few block rows at a time in preallocated buffers: fresh multi-megabyte
+    temporaries cost page faults, and chunks that stay in cache made it several times faster here.
+    Only edge tiles (rows or columns not a multiple of the block) go through per_block_fp8's padding.
+    """
+
+    def __init__(self, chunk_elements: int = 1 << 18, block: int = BLOCK):
+        self.block, self.chunk_elements = block, chunk_elements
+        self._bits = torch.empty(0, dtype=torch.int16)
+        self._wide = torch.empty(0, dtype=torch.float32)
+
+    def __call__(self, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
+        """Quantize bf16 `x` (h, w) into fp8 `values` (h, w) and float32 `scales` (ceil(h/B), ceil(w/B)).
+
+        All three may be strided views (unit stride along columns).
+        """
+        b = self.block
+        h, w = x.shape
+        hf, wf = h // b * b, w // b * b
+        if hf and wf:
+            rows = max(b, self.chunk_elements // wf // b * b)
+            if self._bits.numel() < rows * wf:
+                self._bits = torch.empty(rows * wf, dtype=torch.int16)
+                self._wide = torch.empty(rows * wf, dtype=torch.float32)
+            for r in range(0, hf, rows):
+                n = min(rows, hf - r)
+                part = x[r : r + n, :wf]
+                # |x| as bits: clearing the sign bit orders finite bf16 magnitudes like int16, and amax over
+                # integers is exact and 2-3x faster here than abs() then amax() on bf16.
+                bits = torch.bitwise_and(part.view(torch.int16), 0x7FFF, out=self._bits[: n * wf].view(n, wf))
+                amax = bits.view(n // b, b, wf // b, b).amax(dim=(1, 3)).view(torch.bfloat16)
+                scale = amax.float().clamp_(1e-4) / FP8_MAX
+                # 1 / scale repeated along each block's columns, so the multiply runs over whole rows.
+                inv = (1.0 / scale).repeat_interleave(b, dim=1).view(n // b, 1, wf)
+                wide = torch.mul(part.view(n // b, b, wf), inv, out=self._wide[: n * wf].view(n // b, b, wf))
+                values[r : r + n, :wf].copy_(wide.view(n, wf))
+                scales[r // b : (r + n) // b, : wf // b] = scale
+        if wf < w:
+            v, s = per_block_fp8(x[:, wf:], b)
+            values[:, wf:] = v
+            scales[:, wf // b :] = s
+        if hf < h and wf:
+            v, s = per_block_fp8(x[hf:, :wf], b)
+            values[hf:, :wf] = v
+            scales[hf // b :, : wf // b] = s

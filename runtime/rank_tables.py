@@ -68,13 +68,6 @@ def check_dst_rank(plan: Plan, rank: int) -> None:
         raise PlanMismatchError(f"inference rank {rank} is not in the plan's {plan.header['dst_ranks']} inference ranks")
 
 
-def refuse_quantized(plan: Plan) -> None:
-    """The NIXL runtime moves runs only; plans with block quantization tables run in the host executor."""
-    if plan.staging:
-        raise PlanMismatchError(f"this plan quantizes on the fly (--quant {plan.header.get('quant')}): the NIXL runtime "
-                                "does not execute quantization tables yet; use execute_local, or a --quant none plan")
-
-
 def served_regions(plan: Plan, rank: int) -> tuple[ServedRegion, ...]:
     """Every (source, wire chain) whose bytes some run reads from trainer `rank`, in a canonical order."""
     check_src_rank(plan, rank)

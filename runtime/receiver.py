@@ -14,7 +14,9 @@ from .checks import check_tensors, flat_view, named_tensors
 from .errors import PlanMismatchError, SyncError
 from .nixl_agent import NixlAgent
 from .plan_format import Plan
-from .rank_tables import Reads, held_entries, packing, pipeline_groups, reads_of, refuse_quantized, served_regions
+from .quant_tables import check_supported, exposed_regions, quant_tables, stage_packing
+from .rank_tables import Reads, held_entries, packing, pipeline_groups, reads_of
+from .receiver_quant import ReceiverQuant
 from .region_digests import byte_view, run_digests
 from .rendezvous import Rendezvous
 from .sender import inference_agent, trainer_agent
@@ -24,6 +26,7 @@ PROGRESS_EVERY = 5.0  # seconds between progress lines of a long sync
 # UCX handles one huge request list much more slowly than several smaller ones (measured by
 # benchmarks/bench_runtime.py's host-overhead rows), so a group's descriptors go out in chunks.
 DESCRIPTORS_PER_READ = 4096
+_NO_READS = Reads(*(np.zeros(0, dtype=np.int64) for _ in range(6)))
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class SyncReport:
     groups: int
     seconds: float
     verify_seconds: float | None
+    quantize_seconds: float = 0.0  # receiver-side fp8 quantization, inside `seconds`
 
     @property
     def gbps(self) -> float:
@@ -96,13 +100,16 @@ class Receiver:
     `version` is the last version fully received, or None while the weights are incomplete (before
     the first sync, during a sync and after a failed one). `group_bytes` bounds the bytes of a
     pipeline group: group k+1 moves while the post-ops of group k run. Post-ops are the digest
-    check (`verify`) and `post_op(names)`, called with the destination names each group completed.
+    check (`verify`), quantizing this rank's own fp8 blocks (plans with fp8 tables; see
+    runtime/receiver_quant.py) and `post_op(names)`, called with the destination names each group
+    completed, in that order.
     """
 
     def __init__(self, plan: Plan, rank: int, destination, *, rendezvous: Rendezvous, timeout: float = 60.0,
                  verify: bool = False, group_bytes: int = 256 << 20, post_op=None, progress_thread: bool = False):
-        refuse_quantized(plan)
         held = held_entries(plan, rank)
+        if plan.staging:
+            check_supported(plan)
         self.plan, self.rank, self.rendezvous, self.timeout, self.verify = plan, rank, rendezvous, timeout, verify
         self.post_op = post_op
         given = named_tensors(destination)
@@ -110,18 +117,30 @@ class Receiver:
         check_tensors(given, expected, set(expected), f"inference rank {rank}")
         self._dst = {int(i): flat_view(plan.dests[i].name, given[plan.dests[i].name], plan.dests[i].shape,
                                        plan.dests[i].dtype, f"inference rank {rank}") for i in np.flatnonzero(held)}
-        self.reads: dict[int, Reads] = reads_of(plan, rank)
-        self._groups = pipeline_groups(self.reads, group_bytes)
-        self.n_groups = 1 + max((int(g.max()) for g in self._groups.values() if len(g)), default=0)
-        self._group_names = [sorted({plan.dests[int(d)].name for src, r in self.reads.items()
-                                     for d in r.dest[self._groups[src] == g].tolist()}) for g in range(self.n_groups)]
+        self._qt = quant_tables(plan) if plan.staging else None
+        self._quant = ReceiverQuant(plan, rank, self._qt, self._dst) if self._qt else None
+        reads = reads_of(plan, rank)
+        trainers = sorted(set(reads) | set(self._quant.sources if self._quant else ()))
+        self.reads: dict[int, Reads] = {src: reads.get(src, _NO_READS) for src in trainers}
+        groups = pipeline_groups({**self.reads, **(self._quant.grouping() if self._quant else {})}, group_bytes)
+        self._groups = {src: groups[src] for src in trainers}
+        self.n_groups = 1 + max((int(g.max()) for g in groups.values() if len(g)), default=0)
+        names = [{plan.dests[int(d)].name for src, r in self.reads.items() for d in r.dest[self._groups[src] == g].tolist()}
+                 for g in range(self.n_groups)]
+        if self._quant:
+            stage_group = np.full(len(plan.staging), -1, dtype=np.int64)
+            stage_group[np.flatnonzero(self._quant.held)] = groups[("stages",)]
+            self._quant.place(stage_group, self.n_groups)
+            for stage in np.flatnonzero(self._quant.held).tolist():
+                entry = plan.staging[stage]
+                names[stage_group[stage]] |= {plan.dests[entry.weight].name, plan.dests[entry.scale].name}
+        self._group_names = [sorted(n) for n in names]
         self._seq = torch.zeros(plan.header["src_ranks"], dtype=torch.int64)
         self.agent = NixlAgent(inference_agent(rendezvous.job, rank), progress_thread)
-        self.agent.register(list(self._dst.values()) + [self._seq])
+        self.agent.register(list(self._dst.values()) + [self._seq] + (self._quant.slots if self._quant else []))
         packings = {src: packing(plan, src) for src in self.reads}
         self._packed_bytes = {src: p.nbytes for src, p in packings.items()}
-        self._tables = {src: descriptor_table(reads, self._groups[src], packings[src].offsets_by_run(plan.n_runs),
-                                              self._local_addresses(reads)) for src, reads in self.reads.items()}
+        self._tables = {src: self._descriptors(src, packings[src]) for src in self.reads}
         self._local = {src: self.agent.prepare(None, np.stack([t.local, t.nbytes], axis=1)) for src, t in self._tables.items()}
         self._seq_local = {src: self.agent.prepare(None, np.array([[self._seq.data_ptr() + 8 * src, 8]])) for src in self.reads}
         self._peers: dict[int, _Peer] = {}
@@ -135,7 +154,18 @@ class Receiver:
 
     @property
     def bytes(self) -> int:
-        return int(sum(int(r.nbytes.sum()) for r in self.reads.values()))
+        """Bytes READ per sync: runs, plus with fp8 tables the fp8 values, scales and bf16 staging."""
+        return int(sum(int(r.nbytes.sum()) for r in self.reads.values())) + (self._quant.bytes if self._quant else 0)
+
+    @property
+    def destination_bytes(self) -> int:
+        """Bytes of the parameters this rank holds (what a sync produces)."""
+        return sum(t.numel() * t.element_size() for t in self._dst.values())
+
+    @property
+    def staging_bytes(self) -> int:
+        """bf16 staging for the blocks this rank quantizes itself: the two slots of runtime/receiver_quant.py."""
+        return self._quant.staging_bytes if self._quant else 0
 
     @property
     def descriptors(self) -> int:
@@ -145,6 +175,15 @@ class Receiver:
     def _local_addresses(self, reads: Reads) -> np.ndarray:
         base = np.array([self._dst[int(d)].data_ptr() for d in reads.dest.tolist()], dtype=np.int64)
         return base + reads.dst_byte
+
+    def _descriptors(self, src: int, packed) -> _Descriptors:
+        reads = self.reads[src]
+        table = descriptor_table(reads, self._groups[src], packed.offsets_by_run(self.plan.n_runs), self._local_addresses(reads))
+        if self._quant is None or src not in self._quant.rows:
+            return table
+        quant = self._quant.descriptors(src)
+        return _Descriptors(*(np.concatenate([getattr(table, f), q]) for f, q in
+                              zip(("region", "remote_off", "local", "nbytes", "group"), quant)))
 
     def sync(self, version: int) -> SyncReport:
         """Receive `version` from every trainer rank this rank reads; raise SyncError (weights incomplete) on failure."""
@@ -170,16 +209,22 @@ class Receiver:
             self.agent.notify(peer.agent, f"begin:{version}")
         check, spent = self._verifier(version, deadline) if self.verify else (None, [0.0])
         self._check_sequence(version, deadline, "before reading")
+        if self._quant:
+            self._quant.begin()
         self._transfer(version, start, deadline, self._post_ops(check))
+        if self._quant:
+            self._quant.end()
         self._check_sequence(version, deadline, "after reading")
         for peer in self._peers.values():
             self.agent.notify(peer.agent, f"ack:{version}")
         self._version = version
         report = SyncReport(version, self.rank, self.bytes, self.descriptors, len(sources), self.n_groups,
-                            time.monotonic() - start, spent[0] if self.verify else None)
-        log.info("weightplan sync v%d inference rank %d: %.3f GB, %d descriptors from %d trainer ranks, %.3f s, %.2f GB/s%s",
+                            time.monotonic() - start, spent[0] if self.verify else None,
+                            self._quant.seconds if self._quant else 0.0)
+        log.info("weightplan sync v%d inference rank %d: %.3f GB, %d descriptors from %d trainer ranks, %.3f s, %.2f GB/s%s%s",
                  version, self.rank, report.bytes / 1e9, report.descriptors, report.trainer_ranks, report.seconds,
-                 report.gbps, f", verified in {report.verify_seconds:.3f} s" if self.verify else "")
+                 report.gbps, f", verified in {report.verify_seconds:.3f} s" if self.verify else "",
+                 f", quantized in {report.quantize_seconds:.3f} s" if self._quant and self._quant.quantizes else "")
         return report
 
     def _connect(self, rank: int, incarnation: str) -> None:
@@ -195,7 +240,7 @@ class Receiver:
         if info.get("fingerprint") != self.plan.fingerprint:
             raise PlanMismatchError(f"trainer rank {rank} runs plan {str(info.get('fingerprint'))[:12]}, this rank "
                                     f"runs {self.plan.fingerprint[:12]}: both sides must load the same plan file")
-        expected = [[r.source, r.chain, r.nbytes] for r in served_regions(self.plan, rank)]
+        expected = [[r.source, r.chain, r.nbytes] for r in exposed_regions(self.plan, self._qt, rank)]
         regions = info.get("regions")
         if not isinstance(regions, list) or [[s, c, n] for s, c, _, n in regions] != expected:
             raise PlanMismatchError(f"trainer rank {rank} exposes regions that differ from what the plan says it serves")
@@ -203,10 +248,12 @@ class Receiver:
         if packed_bytes != self._packed_bytes[rank]:
             raise PlanMismatchError(f"trainer rank {rank} packs {packed_bytes} bytes of small runs, this rank expects "
                                     f"{self._packed_bytes[rank]}: run the same weightplan version on both sides")
+        quant = self._quant_regions(rank, info)
         name = trainer_agent(self.rendezvous.job, rank)
         self.agent.add_peer(self.rendezvous.get_bytes(f"trainer/{rank}/metadata/{incarnation}"), name)
         table = self._tables[rank]
-        bases = np.array([a for _, _, a, _ in regions] + [packed_addr], dtype=np.int64)  # index -1: the packed region
+        # Negative region indices: -1 the packed small runs, -2 fp8 values, -3 scales, -4 packed stage copies.
+        bases = np.array([a for _, _, a, _ in regions] + quant + [packed_addr], dtype=np.int64)
         remote = self.agent.prepare(name, np.stack([bases[table.region] + table.remote_off, table.nbytes], axis=1))
         seq_remote = self.agent.prepare(name, np.array([[int(info["seq"]), 8]]))
         peer = _Peer(rank, incarnation, name, self.agent.make_read(self._seq_local[rank], seq_remote, np.zeros(1)))
@@ -216,6 +263,18 @@ class Receiver:
             peer.group_reads[g] = [self.agent.make_read(self._local[rank], remote, rows[i : i + DESCRIPTORS_PER_READ])
                                    for i in range(0, len(rows), DESCRIPTORS_PER_READ)]
         self._peers[rank] = peer
+
+    def _quant_regions(self, rank: int, info: dict) -> list[int]:
+        """Addresses of trainer `rank`'s packed stage copies, scales and fp8 values, after checking their sizes."""
+        if self._qt is None:
+            return [0, 0, 0]
+        fp8, scales = self._qt.region_bytes(rank)
+        expected = {"stage_packed": stage_packing(self.plan, self._qt, rank).nbytes, "scales": 4 * scales, "fp8": fp8}
+        quant = info.get("quant")
+        if not isinstance(quant, dict) or {k: (quant.get(k) or [0, -1])[1] for k in expected} != expected:
+            raise PlanMismatchError(f"trainer rank {rank} exposes fp8 regions {quant}, this rank expects sizes {expected}: "
+                                    "run the same weightplan version on both sides")
+        return [int(quant[k][0]) for k in ("stage_packed", "scales", "fp8")]
 
     def _check_sequence(self, version: int, deadline: float, when: str) -> None:
         handles = [(peer.seq_read, f"trainer rank {peer.rank}") for peer in self._peers.values()]
@@ -249,12 +308,15 @@ class Receiver:
                          version, self.rank, g + 1, self.n_groups, shown - start)
 
     def _post_ops(self, check):
-        if check is None and self.post_op is None:
+        quantize = self._quant.quantize if self._quant and self._quant.quantizes else None
+        if check is None and self.post_op is None and quantize is None:
             return None
 
         def run(group: int) -> None:
             if check is not None:
                 check(group)
+            if quantize is not None:
+                quantize(group)
             if self.post_op is not None:
                 self.post_op(self._group_names[group])
 
@@ -274,14 +336,18 @@ class Receiver:
             for rank, reads in self.reads.items():
                 rows = self._groups[rank] == group
                 part = Reads(*(getattr(reads, f)[rows] for f in ("run", "region", "src_byte", "dest", "dst_byte", "nbytes")))
-                ours = run_digests(buffers, part.dest, part.dst_byte, part)
-                bad += [f"{self.plan.dests[d].name} (from trainer rank {rank})" for d, h in ours.items()
-                        if theirs[rank].get(str(d)) != h]
+                ours = {str(d): h for d, h in run_digests(buffers, part.dest, part.dst_byte, part).items()}
+                if self._quant and rank in self._quant.rows:
+                    ours.update(self._quant.digests(rank, group))
+                bad += [f"{self._key_name(k)} (from trainer rank {rank})" for k, h in ours.items() if theirs[rank].get(k) != h]
             spent[0] += time.perf_counter() - began
             if bad:
                 raise SyncError(f"verification failed for {len(bad)} regions, e.g. {', '.join(bad[:3])}")
 
         return check, spent
+
+    def _key_name(self, key: str) -> str:
+        return self.plan.dests[int(key)].name if key.isdigit() else self._quant.key_name(key)
 
     def _drop_peer(self, peer: _Peer) -> None:
         for handle in [peer.seq_read, *(h for chunk in peer.group_reads.values() for h in chunk)]:

@@ -13,29 +13,17 @@ import torch
 
 from .casts import cast_along
 from .checks import check_tensors, flat_view, named_tensors
-from .errors import PlanMismatchError
+from .gather import Gather
 from .nixl_agent import NixlAgent
-from .plan_format import Plan
-from .rank_tables import check_src_rank, packing, readers, refuse_quantized, served_regions, served_runs
+from .plan_format import SENDER, Plan
+from .quant_tables import check_supported, exposed_regions, quant_readers, quant_tables
+from .rank_tables import check_src_rank, packing, readers, served_runs
 from .region_digests import byte_view, run_digests
 from .rendezvous import Rendezvous
+from .sender_quant import SenderQuant
 
 log = logging.getLogger("weightplan.runtime")
 _MESSAGE = re.compile(r"^(begin|ack|fail):(\d+)$")
-
-
-def _spans(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenated aranges [start, start + length) as one int64 index array."""
-    total = int(lengths.sum())
-    shift = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
-    return (np.arange(total, dtype=np.int64) + shift).astype(np.int64)
-
-
-def _units(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A flat tensor's bytes seen as `dtype` elements (a trailing partial element is left out)."""
-    raw = tensor.reshape(-1).view(torch.uint8)
-    size = torch.tensor([], dtype=dtype).element_size()
-    return raw[: raw.numel() // size * size].view(dtype)
 
 
 def trainer_agent(job: str, rank: int) -> str:
@@ -62,23 +50,30 @@ class Sender:
 
     Sources whose wire dtype is their own are exposed in place (zero copy): after `publish(v)` the
     trainer must call `release(v)` before changing them. Cast sources (e.g. fp32 masters sent as
-    bf16) are staged at `publish`. A sequence word in registered memory lets receivers detect
-    bytes that changed while they read (seqlock: 2v while v is stable, odd otherwise).
+    bf16) are staged at `publish`. With fp8 tables, `publish` also quantizes the blocks this rank
+    alone holds into registered fp8 and scale regions (runtime/sender_quant.py). A sequence word in
+    registered memory lets receivers detect bytes that changed while they read (seqlock: 2v while
+    v is stable, odd otherwise).
     """
 
     def __init__(self, plan: Plan, rank: int, tensors, *, rendezvous: Rendezvous, timeout: float = 60.0,
                  digests: bool = False, progress_thread: bool = False):
-        refuse_quantized(plan)
         check_src_rank(plan, rank)
+        if plan.staging:
+            check_supported(plan)
         self.plan, self.rank, self.rendezvous, self.timeout, self.digests = plan, rank, rendezvous, timeout, digests
-        self.regions = served_regions(plan, rank)
+        tables = quant_tables(plan) if plan.staging else None
+        self.regions = exposed_regions(plan, tables, rank)
+        # Sources this rank quantizes from (sender-side stage runs) are read locally, never exposed.
+        local = sorted(set(tables.copies.src[(tables.copies.side == SENDER) & (tables.copies.src_rank == rank)].tolist())
+                       if tables else set())
         given = named_tensors(tensors)
-        expected = {plan.sources[r.source].name: (plan.local_shape(r.source, rank), plan.sources[r.source].dtype)
-                    for r in self.regions}
+        expected = {plan.sources[s].name: (plan.local_shape(s, rank), plan.sources[s].dtype)
+                    for s in [r.source for r in self.regions] + local}
         check_tensors(given, expected, {e.name for e in plan.sources}, f"trainer rank {rank}")
-        self._sources = [flat_view(plan.sources[r.source].name, given[plan.sources[r.source].name],
-                                   expected[plan.sources[r.source].name][0], plan.sources[r.source].dtype,
-                                   f"trainer rank {rank}") for r in self.regions]
+        flat = {s: flat_view(plan.sources[s].name, given[plan.sources[s].name], *expected[plan.sources[s].name],
+                             f"trainer rank {rank}") for s in [r.source for r in self.regions] + local}
+        self._sources = [flat[r.source] for r in self.regions]
         # Memory is allocated and registered only after every check passed.
         self._exposed = [
             torch.empty(r.numel, dtype=getattr(torch, r.wire_dtype)) if r.staged else src
@@ -87,18 +82,23 @@ class Sender:
         self._served_runs = served_runs(plan, rank)
         self.packing = packing(plan, rank)
         self._packed = torch.empty(self.packing.nbytes, dtype=torch.uint8)
-        self._gathers = self._gather_indices()
+        served = self._served_runs
+        at = np.searchsorted(served.run, self.packing.run)
+        self._pack = Gather(self._exposed, self._packed, served.region[at], served.src_byte[at], served.nbytes[at],
+                            self.packing.packed_byte, self.packing.unit)
+        self._quant = SenderQuant(plan, rank, tables, self.regions, self._exposed, flat) if tables else None
         self._seq = torch.ones(1, dtype=torch.int64)  # odd: nothing published yet
-        self.readers = readers(plan, rank)
+        self.readers = tuple(sorted(set(readers(plan, rank)) | set(quant_readers(plan, tables, rank) if tables else ())))
         self.incarnation = uuid.uuid4().hex
         self.agent = NixlAgent(trainer_agent(rendezvous.job, rank), progress_thread)
-        self.agent.register(self._exposed + [self._packed, self._seq])
+        self.agent.register(self._exposed + [self._packed, self._seq] + (self._quant.registered if self._quant else []))
         self._live: set[int] = set()  # inference ranks whose acknowledgement release() waits for
         self._joined: dict[int, str] = {}
         self._given_up: dict[int, str | None] = {}
         self._inbox: list[tuple[int, str, int]] = []
         self._pending: int | None = None
         self.digest_seconds = 0.0
+        self.quantize_seconds = 0.0
         rendezvous.put(f"trainer/{rank}/metadata/{self.incarnation}", self.agent.metadata())
         rendezvous.put(f"trainer/{rank}/info", {
             "fingerprint": plan.fingerprint,
@@ -107,35 +107,17 @@ class Sender:
             "seq": self._seq.data_ptr(),
             "packed": [self._packed.data_ptr(), self.packing.nbytes],
             "regions": [[r.source, r.chain, t.data_ptr(), r.nbytes] for r, t in zip(self.regions, self._exposed)],
+            **({"quant": self._quant.info()} if self._quant else {}),
         })
         log.info("trainer rank %d serves %d regions (%d staged) to inference ranks %s",
                  rank, len(self.regions), sum(r.staged for r in self.regions), list(self.readers))
 
     @property
     def staging_bytes(self) -> int:
-        """Bytes this rank copies at every publish: cast regions and the packed small runs."""
-        return sum(r.nbytes for r in self.regions if r.staged) + self.packing.nbytes
-
-    def _gather_indices(self) -> list[tuple[int, torch.dtype, torch.Tensor, torch.Tensor]]:
-        """Per region: (region, unit dtype, element indices in the region, element indices in the packed region)."""
-        unit = self.packing.unit
-        while unit > 1 and any(t.data_ptr() % unit for t in self._exposed + [self._packed]):
-            unit //= 2
-        dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[unit]
-        served = self._served_runs
-        at = np.searchsorted(served.run, self.packing.run)
-        region, src_byte, nbytes = served.region[at], served.src_byte[at], served.nbytes[at]
-        out = []
-        for i in np.unique(region).tolist():
-            rows = region == i
-            out.append((i, dtype, torch.from_numpy(_spans(src_byte[rows] // unit, nbytes[rows] // unit)),
-                        torch.from_numpy(_spans(self.packing.packed_byte[rows] // unit, nbytes[rows] // unit))))
-        return out
-
-    def _pack(self) -> None:
-        for i, dtype, src, dst in self._gathers:
-            region = _units(self._exposed[i], dtype)
-            _units(self._packed, dtype).index_copy_(0, dst, region.index_select(0, src))
+        """Bytes this rank writes at every publish: cast regions, packed small runs, and with fp8 tables the
+        packed stage copies and the fp8 values and scales."""
+        quant = sum(t.numel() * t.element_size() for t in self._quant.registered) if self._quant else 0
+        return sum(r.nbytes for r in self.regions if r.staged) + self.packing.nbytes + quant
 
     def publish(self, version: int) -> None:
         """Stage this rank's bytes for `version` and announce it. Releases the previous version first."""
@@ -149,11 +131,16 @@ class Sender:
                 if region.staged:
                     out.copy_(cast_along(src, self.plan.cast_chains[region.chain]))
             self._pack()
+        if self._quant is not None:
+            self.quantize_seconds = self._quant.publish()
         if self.digests:
             began = time.perf_counter()
             served = self._served_runs
             found = run_digests([byte_view(x) for x in self._exposed], served.region, served.src_byte, served)
-            self.rendezvous.put(f"trainer/{self.rank}/digests/{version}", {str(k): v for k, v in found.items()})
+            found = {str(k): v for k, v in found.items()}
+            if self._quant is not None:
+                found.update(self._quant.digests(self._exposed))
+            self.rendezvous.put(f"trainer/{self.rank}/digests/{version}", found)
             self.digest_seconds = time.perf_counter() - began
         self._seq.fill_(2 * version)
         self._pending = version

@@ -19,18 +19,40 @@ def config_dir(name: str) -> Path:
 
 @pytest.fixture(scope="session")
 def plan_cache(tmp_path_factory):
-    """compile(model, fmt, dtype) -> path of a plan compiled once per session."""
+    """compile(model, fmt, dtype, trainer, inference, quant) -> path of a plan compiled once per session."""
     from weightplan.compiler.compile import CompileOptions, compile_plan
 
     root = tmp_path_factory.mktemp("plans")
     cache: dict[tuple, Path] = {}
 
-    def compile(model: str, fmt: str = "hf", dtype: str = "bf16", trainer: str = "fsdp=1", inference: str = "tp=1") -> Path:
-        key = (model, fmt, dtype, trainer, inference)
+    def compile(model: str, fmt: str = "hf", dtype: str = "bf16", trainer: str = "fsdp=1", inference: str = "tp=1",
+                quant: str = "none") -> Path:
+        key = (model, fmt, dtype, trainer, inference, quant)
         if key not in cache:
-            out = root / f"{model}-{fmt}-{dtype}-{trainer}-{inference}.plan".replace(",", "_").replace("=", "")
-            compile_plan(CompileOptions(str(config_dir(model)), fmt, dtype, "none", out, trainer=trainer, inference=inference))
+            out = root / f"{model}-{fmt}-{dtype}-{trainer}-{inference}-{quant}.plan".replace(",", "_").replace("=", "")
+            compile_plan(CompileOptions(str(config_dir(model)), fmt, dtype, quant, out, trainer=trainer, inference=inference))
             cache[key] = out
         return cache[key]
 
     return compile
+
+
+@pytest.fixture
+def rendezvous(request):
+    """A store on a free loopback port, namespaced by the test's name."""
+    from weightplan.runtime import Rendezvous
+
+    return Rendezvous.connect(f"inproc-{request.node.name[:40].replace('[', '-').replace(']', '')}", "127.0.0.1:0", serve=True)
+
+
+@pytest.fixture
+def no_agents(monkeypatch):
+    """Fail the test if a NIXL agent (and so any registration) is created."""
+    from weightplan.runtime import receiver as receiver_module
+    from weightplan.runtime import sender as sender_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a NIXL agent was created before the inputs were checked")
+
+    monkeypatch.setattr(sender_module, "NixlAgent", refuse)
+    monkeypatch.setattr(receiver_module, "NixlAgent", refuse)

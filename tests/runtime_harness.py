@@ -16,9 +16,10 @@ ROOT = Path(__file__).resolve().parent.parent
 class Job:
     """One sync job: a store on a free loopback port and the worker processes of `tests.runtime_worker`."""
 
-    def __init__(self, tmp_path: Path, plan: Path, name: str):
+    def __init__(self, tmp_path: Path, plan: Path | str, name: str):
+        """`plan` and `name` may list several comma-separated cases (see tests/runtime_worker.py)."""
         self.tmp, self.plan, self.name = tmp_path, plan, name
-        self.rendezvous = Rendezvous.connect(name, "127.0.0.1:0", serve=True)
+        self.rendezvous = Rendezvous.connect(name.split(",")[0], "127.0.0.1:0", serve=True)
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, key: str, role: str, rank: int, *args: str) -> None:
@@ -43,16 +44,20 @@ class Job:
         lines = (self.tmp / f"{key}.out").read_text().splitlines()
         return [json.loads(line) for line in lines if line.startswith("{")]
 
-    def event(self, key: str, kind: str, version: int | None = None, timeout: float = 240.0) -> dict:
-        """Wait for the worker's event of `kind` (for `version`); fail with its stderr if it exits first."""
+    def event(self, key: str, kind: str, version: int | None = None, timeout: float = 240.0, job: str | None = None) -> dict:
+        """Wait for the worker's event of `kind` (for `version`, of case `job`); fail with its stderr if it exits first."""
         deadline = time.monotonic() + timeout
+
+        def wanted(e: dict) -> bool:
+            return e["event"] == kind and version in (None, e.get("version")) and job in (None, e.get("job"))
+
         while time.monotonic() < deadline:
             for e in self.events(key):
-                if e["event"] == kind and (version is None or e.get("version") == version):
+                if wanted(e):
                     return e
             if self.procs[key].poll() is not None:
                 for e in self.events(key):  # it may have printed the event just before exiting
-                    if e["event"] == kind and (version is None or e.get("version") == version):
+                    if wanted(e):
                         return e
                 raise AssertionError(f"{key} exited ({self.procs[key].returncode}) before {kind} v{version}:\n{self.stderr(key)}")
             time.sleep(0.1)

@@ -2,7 +2,10 @@
 
 Run as `python -m tests.runtime_worker trainer|inference ...`; prints one JSON line per version.
 Weights of version v are a deterministic function of (seed, v), so every process can rebuild the
-trainer's full tensors and vLLM's own load of them is the ground truth on the inference side.
+trainer's full tensors and vLLM's own load of them is the ground truth on the inference side (for
+fp8_per_block plans: load_weights + process_weights_after_loading, vLLM's online quantization).
+`--plan`, `--job` and `--model` may list several comma-separated cases, run one after the other by
+every process whose rank the case has, so several plans share the cost of starting processes.
 """
 
 from __future__ import annotations
@@ -36,8 +39,11 @@ def shard(plan, full: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Ten
     return shard_sources(plan, full, {rank})[rank]
 
 
+_CASE = {}  # the job of the case being run, added to every event
+
+
 def emit(**fields) -> None:
-    print(json.dumps(fields), flush=True)
+    print(json.dumps({**_CASE, **fields}), flush=True)
 
 
 def plain_destination(plan, rank: int) -> dict[str, torch.Tensor]:
@@ -117,6 +123,8 @@ def run_plain_inference(args, plan) -> None:
 def run_inference(args, plan) -> None:
     if args.plain:
         return run_plain_inference(args, plan)
+    if plan.header["quant"] != "none":
+        return run_quantized_inference(args, plan)
     from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
 
     from weightplan.compiler.frontend.trainer_formats import checkpoint_tensors
@@ -155,17 +163,70 @@ def run_inference(args, plan) -> None:
              groups=report.groups, seconds=report.seconds, verify_seconds=report.verify_seconds)
 
 
+class _Params:
+    """What compute_tensor_digests reads of a model: named_parameters()."""
+
+    def __init__(self, params: dict[str, torch.Tensor]):
+        self.params = params
+
+    def named_parameters(self):
+        return iter(self.params.items())
+
+
+def run_quantized_inference(args, plan) -> None:
+    """An inference rank holding a vLLM model after online fp8 quantization; checked against vLLM's own quantized load."""
+    from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
+
+    from weightplan.compiler.frontend.vllm_model import make_vllm_config
+    from weightplan.compiler.verify_plan import vllm_load_quantized
+
+    # vLLM torch.compiles per_block_cast_to_fp8; compiling it for every new shape costs ~35 s per process here.
+    # The reference runs it eagerly (same function, same bytes); test_fp8_differential covers the compiled path.
+    torch._dynamo.config.disable = True
+    info, quant = plan.header["inference"], plan.header["quant"]
+    tp_rank, dp_rank = args.rank % info["tp"], args.rank // info["tp"]
+    base = make_vllm_config(args.model, quantization=quant)
+    config = make_vllm_config(args.model, tp=info["tp"], dp=info["dp"], ep=info["ep"], quantization=quant) \
+        if plan.header["dst_ranks"] > 1 else base
+
+    def vllm_quantized(full):
+        return vllm_load_quantized(config, base, plan, full, None, tp_rank, dp_rank)
+
+    # Every parameter of the processed model, poisoned (0x7f bytes) so anything the sync misses shows.
+    params = vllm_quantized({e.name: torch.zeros(e.shape, dtype=getattr(torch, e.dtype)) for e in plan.sources})
+    for param in params.values():
+        param.data.view(-1).view(torch.uint8).fill_(0x7F)
+    rendezvous = Rendezvous.connect(args.job, args.address, timeout=args.timeout)
+    receiver = Receiver(plan, args.rank, params, rendezvous=rendezvous, timeout=args.timeout, verify=args.verify,
+                        group_bytes=args.group_bytes)
+    emit(event="joined", rank=args.rank)
+    for version in args.versions:
+        try:
+            report = receiver.sync(version)
+        except SyncError as exc:
+            emit(event="failed", rank=args.rank, version=version, error=str(exc), reported=receiver.version)
+            continue
+        expected = compute_tensor_digests(_Params(vllm_quantized(full_weights(plan, args.seed, version))))
+        actual = compute_tensor_digests(_Params(params))
+        differ = sorted(n for n in expected if expected[n] != actual.get(n))
+        emit(event="synced", rank=args.rank, version=version, reported=receiver.version, digests=len(expected),
+             differ=differ[:5], n_differ=len(differ), bytes=report.bytes, descriptors=report.descriptors,
+             groups=report.groups, seconds=report.seconds, verify_seconds=report.verify_seconds,
+             quantize_seconds=report.quantize_seconds, staging_bytes=receiver.staging_bytes,
+             fp8=sum(t.dtype == torch.float8_e4m3fn for t in params.values()))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("role", choices=("trainer", "inference"))
-    parser.add_argument("--plan", required=True)
+    parser.add_argument("--plan", required=True, help="plan file; several comma-separated run one after another")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--address", required=True)
-    parser.add_argument("--job", required=True)
+    parser.add_argument("--job", required=True, help="job id; comma-separated, one per --plan")
     parser.add_argument("--versions", type=lambda s: [int(v) for v in s.split(",")], default=[1])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=30.0)
-    parser.add_argument("--model", help="config directory (inference)")
+    parser.add_argument("--model", help="config directory (inference); comma-separated, one per --plan")
     parser.add_argument("--digests", action="store_true", help="trainer publishes per-region digests")
     parser.add_argument("--verify", action="store_true", help="receiver checks digests every sync")
     parser.add_argument("--wait-joined", action="store_true", help="trainer waits for its readers before publishing")
@@ -176,8 +237,18 @@ def main(argv=None) -> None:
     parser.add_argument("--group-bytes", type=int, default=256 << 20)
     parser.add_argument("--linger", type=float, default=0.0, help="trainer stays alive this long after the last version")
     args = parser.parse_args(argv)
-    plan = load_plan(args.plan)
-    (run_trainer if args.role == "trainer" else run_inference)(args, plan)
+    plans, jobs = args.plan.split(","), args.job.split(",")
+    models = args.model.split(",") if args.model else [None] * len(plans)
+    if not len(plans) == len(jobs) == len(models):
+        raise SystemExit("--plan, --job and --model must list the same number of cases")
+    for path, job, model in zip(plans, jobs, models):
+        _CASE["job"] = job
+        plan = load_plan(path)
+        ranks = plan.header["src_ranks" if args.role == "trainer" else "dst_ranks"]
+        if args.rank < ranks:
+            (run_trainer if args.role == "trainer" else run_inference)(argparse.Namespace(**{**vars(args), "plan": path,
+                                                                                          "job": job, "model": model}), plan)
+            emit(event="case-done", rank=args.rank)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from weightplan.compiler.compile import CompileOptions, compile_plan
 from weightplan.compiler.plan_summary import summarize
 from weightplan.compiler.verify_plan import verify_plan
 from weightplan.runtime import load_plan
@@ -26,17 +25,12 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def fp8_plan(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fp8")
-    cache = {}
+def fp8_plan(plan_cache):
+    """case -> path of its fp8 plan, compiled once per session (tests/test_runtime_fp8.py uses the same cases)."""
 
     def get(case: str):
-        if case not in cache:
-            model, fmt, trainer, inference = CASES[case]
-            out = root / f"{case}.plan"
-            compile_plan(CompileOptions(str(config_dir(model)), fmt, "bf16", "fp8_per_block", out, trainer=trainer, inference=inference))
-            cache[case] = out
-        return cache[case]
+        model, fmt, trainer, inference = CASES[case]
+        return plan_cache(model, fmt, "bf16", trainer, inference, quant="fp8_per_block")
 
     return get
 

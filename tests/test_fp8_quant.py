@@ -73,6 +73,23 @@ def test_runtime_quant_imports_no_compiler_or_vllm():
     import subprocess
     import sys
 
-    code = ("import sys, weightplan.runtime.quant, weightplan.runtime.host_quant; "
+    code = ("import sys, weightplan.runtime.quant, weightplan.runtime.host_quant, weightplan.runtime.quant_tables, "
+            "weightplan.runtime.sender_quant, weightplan.runtime.receiver_quant; "
             "bad = [m for m in sys.modules if m.startswith(('weightplan.compiler', 'vllm'))]; print(bad); assert not bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("shape", [(128, 128), (256, 384), (1, 1), (5, 300), (300, 5), (129, 257), (1000, 700)])
+def test_block_quantizer_on_strided_views_matches_vllm(shape):
+    """BlockQuantizer (the runtime's fast path) on views with a row pitch, into views with another, small chunks."""
+    from weightplan.runtime.quant import BlockQuantizer
+
+    rows, cols = shape
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(rows + cols)) * torch.logspace(-6, 4, cols)).to(torch.bfloat16)
+    wide = torch.zeros(rows, cols + 77, dtype=torch.bfloat16)
+    wide[:, 13 : 13 + cols] = x
+    values = torch.zeros(rows, cols + 50, dtype=torch.float8_e4m3fn)[:, 7 : 7 + cols]
+    scales = torch.zeros(-(-rows // 128), -(-cols // 128))
+    BlockQuantizer(chunk_elements=1 << 14)(wide[:, 13 : 13 + cols], values, scales)
+    ref_values, ref_scales = _vllm(x)
+    assert _same(values.contiguous(), ref_values) and _same(scales, ref_scales)

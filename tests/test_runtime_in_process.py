@@ -1,4 +1,6 @@
-"""Sender and Receiver in one process (two NIXL agents on loopback): refusals, seqlock, verification, pipelining."""
+"""Sender and Receiver in one process (two NIXL agents on loopback): refusals, seqlock, verification, pipelining.
+
+fp8 plans: tests/test_runtime_fp8_in_process.py."""
 
 from __future__ import annotations
 
@@ -7,15 +9,8 @@ import pytest
 import torch
 
 from weightplan.runtime import PlanMismatchError, Receiver, Rendezvous, Sender, SyncError, execute_local, load_plan
-from weightplan.runtime import receiver as receiver_module
-from weightplan.runtime import sender as sender_module
 
 from .runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
-
-
-@pytest.fixture
-def rendezvous(request):
-    return Rendezvous.connect(f"inproc-{request.node.name[:40].replace('[', '-').replace(']', '')}", "127.0.0.1:0", serve=True)
 
 
 @pytest.fixture
@@ -26,17 +21,6 @@ def bf16_plan(plan_cache):
 @pytest.fixture
 def fp32_plan(plan_cache):
     return load_plan(plan_cache("tiny-glm", "hf", "fp32", "fsdp=1", "tp=1"))
-
-
-@pytest.fixture
-def no_agents(monkeypatch):
-    """Fail the test if a NIXL agent (and so any registration) is created."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a NIXL agent was created before the inputs were checked")
-
-    monkeypatch.setattr(sender_module, "NixlAgent", refuse)
-    monkeypatch.setattr(receiver_module, "NixlAgent", refuse)
 
 
 def _pair(plan, rendezvous, version=1, **receiver_kwargs):
@@ -190,17 +174,3 @@ def test_notifications_from_unknown_agents_are_ignored(rendezvous, bf16_plan):
     report = sender.release(1, timeout=0.5)
     assert report.acked == () and report.timed_out == (0,)
 
-
-def test_fp8_plans_are_refused_by_the_nixl_runtime_before_registration(no_agents, rendezvous, tmp_path):
-    from weightplan.compiler.compile import CompileOptions, compile_plan
-
-    from .conftest import config_dir
-
-    out = tmp_path / "fp8.plan"
-    compile_plan(CompileOptions(str(config_dir("fp8-glm")), "hf", "bf16", "fp8_per_block", out))
-    plan = load_plan(out)
-    assert plan.staging, "an fp8 plan carries quantization tables"
-    with pytest.raises(PlanMismatchError, match="does not execute quantization tables yet"):
-        Sender(plan, 0, {}, rendezvous=rendezvous)
-    with pytest.raises(PlanMismatchError, match="does not execute quantization tables yet"):
-        Receiver(plan, 0, {}, rendezvous=rendezvous)

@@ -1,0 +1,43 @@
+"""Gather many byte ranges of a few source tensors into one buffer with index_select/index_copy_, planned once."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_UNIT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def index_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenated aranges [start, start + length) as one int64 index array."""
+    total = int(lengths.sum())
+    shift = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
+    return (np.arange(total, dtype=np.int64) + shift).astype(np.int64)
+
+
+def units(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A flat tensor's bytes seen as `dtype` elements (a trailing partial element is left out)."""
+    raw = tensor.reshape(-1).view(torch.uint8)
+    size = torch.tensor([], dtype=dtype).element_size()
+    return raw[: raw.numel() // size * size].view(dtype)
+
+
+class Gather:
+    """Copies byte ranges (source tensor i, src_byte, nbytes) to out_byte of one output, in the largest common unit."""
+
+    def __init__(self, tensors: list[torch.Tensor], out: torch.Tensor, source: np.ndarray, src_byte: np.ndarray,
+                 nbytes: np.ndarray, out_byte: np.ndarray, unit: int):
+        while unit > 1 and any(t.data_ptr() % unit for t in [*tensors, out]):
+            unit //= 2
+        self.dtype = _UNIT_DTYPES[unit]
+        self.tensors, self.out = tensors, out
+        self.steps = []
+        for i in np.unique(source).tolist():
+            rows = source == i
+            self.steps.append((i, torch.from_numpy(index_ranges(src_byte[rows] // unit, nbytes[rows] // unit)),
+                               torch.from_numpy(index_ranges(out_byte[rows] // unit, nbytes[rows] // unit))))
+
+    def __call__(self) -> None:
+        out = units(self.out, self.dtype)
+        for i, src, dst in self.steps:
+            out.index_copy_(0, dst, units(self.tensors[i], self.dtype).index_select(0, src))
