@@ -10,7 +10,7 @@ import torch
 from .casts import cast_along
 from .gather import Gather, index_ranges
 from .plan_format import SENDER, Plan
-from .quant import BlockQuantizer
+from .quant import BLOCK, BlockQuantizer
 from .quant_tables import QuantTables, region_index, served_copies, stage_packing
 from .rank_tables import ServedRegion
 from .region_digests import byte_view, digests
@@ -58,7 +58,7 @@ class SenderQuant:
 
     def _plan_windows(self, sources: dict[int, torch.Tensor]) -> list:
         """Per window: (zero the arena first?, slice copies, gathers, [(input, values, scales) views per piece])."""
-        t, w, c = self.tables, self.tables.windows, self.tables.copies
+        w, c = self.tables.windows, self.tables.copies
         mine = np.flatnonzero((w.side == SENDER) & (w.src_rank == self.rank))
         copies = np.flatnonzero((c.side == SENDER) & (c.src_rank == self.rank))
         self.arena = torch.empty(int(w.numel[mine].max(initial=0)), dtype=torch.bfloat16)
@@ -85,7 +85,7 @@ class SenderQuant:
                 start = shift + int(p.row[i] * pitch + p.col[i] - w.lo[window])
                 x = base[start:].as_strided((h, wd), (pitch, 1))
                 values = fp8[int(p.fp8_off[i]) : int(p.fp8_off[i]) + h * wd].view(h, wd)
-                kr, kb = -(-h // 128), -(-wd // 128)
+                kr, kb = -(-h // BLOCK), -(-wd // BLOCK)
                 scales = self.scales[int(p.scale_off[i]) : int(p.scale_off[i]) + kr * kb].view(kr, kb)
                 views.append((x, values, scales))
             zero = None if in_place or w.covered[window] else self.arena[: int(w.numel[window])]

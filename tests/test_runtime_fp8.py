@@ -1,5 +1,4 @@
-"""fp8_per_block plans over real NIXL/UCX between processes: after every sync, each inference rank's digests equal
-vLLM's own load_weights + process_weights_after_loading of the same trainer weights."""
+"""fp8_per_block plans over NIXL/UCX between processes: every sync's digests equal vLLM's own quantized load."""
 
 from __future__ import annotations
 
