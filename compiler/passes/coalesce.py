@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 
 from ..ir import Program, Runs
-from .run_extents import interleaved
+from .run_extents import unweave
 
 STREAM = ("src_rank", "dest", "src", "wire")
 
@@ -23,9 +23,7 @@ def coalesce(program: Program) -> Program:
     runs = program.runs
     if runs is None or len(runs) == 0:
         return program
-    mixed = interleaved(runs, STREAM) & (runs.count > 1)
-    runs = Runs.concat([runs.take(np.flatnonzero(~mixed)), runs.expand(mixed)])
-    runs = _peel(runs)
+    runs = _peel(unweave(runs, STREAM))
     order = np.lexsort((runs.dst_off, runs.dest, runs.src_rank))
     r = runs.take(order)
     same_stream = np.ones(len(r) - 1, dtype=bool)
@@ -61,13 +59,11 @@ def _peel(runs: Runs) -> Runs:
     stream = np.stack([getattr(runs, k) for k in STREAM], axis=1)
     sid = _stream_ids(runs)
     near = np.flatnonzero(np.isin(sid, sid[strided]))
-    last_src = runs.src_off + (runs.count - 1) * runs.src_stride
-    last_dst = runs.dst_off + (runs.count - 1) * runs.dst_stride
-    ends = {(*stream[i], last_src[i] + runs.length[i], last_dst[i] + runs.length[i]) for i in near.tolist()}
+    src_end, dst_end = runs.src_end(), runs.dst_end()
+    ends = {(*stream[i], src_end[i], dst_end[i]) for i in near.tolist()}
     starts = {(*stream[i], runs.src_off[i], runs.dst_off[i]) for i in near.tolist()}
     head = np.array([(*stream[i], runs.src_off[i], runs.dst_off[i]) in ends for i in strided.tolist()], dtype=bool)
-    tail = np.array([(*stream[i], last_src[i] + runs.length[i], last_dst[i] + runs.length[i]) in starts
-                     for i in strided.tolist()], dtype=bool)
+    tail = np.array([(*stream[i], src_end[i], dst_end[i]) in starts for i in strided.tolist()], dtype=bool)
     if not (head.any() or tail.any()):
         return runs
     cut = strided[head | tail]

@@ -35,3 +35,11 @@ def interleaved(runs: Runs, keys: tuple[str, ...]) -> np.ndarray:
     marked[order[overlap]] = True
     marked[order[holder[overlap - 1]]] = True
     return marked
+
+
+def unweave(runs: Runs, keys: tuple[str, ...]) -> Runs:
+    """`runs` with every strided run that interleaves with another (equal `keys`) taken row by row."""
+    mixed = interleaved(runs, keys) & (runs.count > 1)
+    if not mixed.any():
+        return runs
+    return Runs.concat([runs.take(np.flatnonzero(~mixed)), runs.expand(mixed)])

@@ -8,7 +8,7 @@ import numpy as np
 
 from ...runtime.errors import WeightplanError
 from ..ir import Program, Runs, itemsize
-from .run_extents import interleaved
+from .run_extents import unweave
 
 
 class PlanInvariantError(WeightplanError):
@@ -97,9 +97,7 @@ def _check_dtypes(program: Program, runs: Runs) -> None:
 
 
 def _coverage(program: Program, runs: Runs) -> Coverage:
-    # Strided runs with other rows in their gaps are checked row by row; the rest by their extents.
-    mixed = interleaved(runs, ("dest",)) & (runs.count > 1)
-    runs = Runs.concat([runs.take(np.flatnonzero(~mixed)), runs.expand(mixed)])
+    runs = unweave(runs, ("dest",))  # strided runs with other rows in their gaps: row by row; the rest by extent
     order = np.lexsort((runs.dst_off, runs.dest))
     r = runs.take(order)
     same = r.dest[1:] == r.dest[:-1]
@@ -128,8 +126,7 @@ def descriptors_lower_bound(runs: Runs, dests=None) -> int:
     """
     if len(runs) == 0:
         return 0
-    mixed = interleaved(runs, ("src_rank", "dest", "src", "wire")) & (runs.count > 1)
-    runs = Runs.concat([runs.take(np.flatnonzero(~mixed)), runs.expand(mixed)])
+    runs = unweave(runs, ("src_rank", "dest", "src", "wire"))
     key = (runs.src_rank, runs.src, runs.dest, runs.wire)
     last_src, last_dst = runs.src_end(), runs.dst_end()
     ends = set(zip(*(k.tolist() for k in key), last_src.tolist(), last_dst.tolist()))
