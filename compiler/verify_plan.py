@@ -11,6 +11,7 @@ import torch
 
 from ..runtime import execute_local, load_plan
 from ..runtime.errors import PlanMismatchError
+from ..runtime.host_executor import rows_view
 from ..runtime.plan_format import Plan
 from ..runtime.shards import box_segments
 from .frontend.trainer_formats import checkpoint_tensors
@@ -85,8 +86,8 @@ def random_sources(plan: Plan, mask: np.ndarray, seed: int, stage_mask: np.ndarr
         tensor = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
         flat = tensor.view(-1)
         for start, length, count, stride in sorted(set(reads[src])):
-            values = torch.randn(count, length, generator=generator).to(tensor.dtype)
-            flat.as_strided((count, length), (stride, 1), start).copy_(values)
+            target = rows_view(flat, start, length, count, stride)
+            target.copy_(torch.randn(target.shape, generator=generator).to(tensor.dtype))
         out[entry.name] = tensor
     return out
 

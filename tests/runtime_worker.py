@@ -147,20 +147,32 @@ def run_inference(args, plan) -> None:
     emit(event="joined", rank=args.rank)
     ref_config, reference = model_for_rank()
     fmt = plan.header["trainer"]["format"]
+
+    def digests(version):
+        full = full_weights(plan, args.seed, version)
+        with torch.no_grad(), parallel_rank(ref_config, tp_rank, dp_rank):
+            reference.load_weights(kv for name, t in full.items() for kv in checkpoint_tensors(fmt, name, t))
+        return compute_tensor_digests(reference), compute_tensor_digests(model)
+
+    sync_versions(args, receiver, digests)
+
+
+def sync_versions(args, receiver, digests, extra=lambda report: {}) -> None:
+    """Sync every requested version; emit `failed`, or `synced` with the names whose digests differ.
+
+    `digests(version)` gives (vLLM's own digests for that version's weights, the receiver's digests).
+    """
     for version in args.versions:
         try:
             report = receiver.sync(version)
         except SyncError as exc:
             emit(event="failed", rank=args.rank, version=version, error=str(exc), reported=receiver.version)
             continue
-        full = full_weights(plan, args.seed, version)
-        with torch.no_grad(), parallel_rank(ref_config, tp_rank, dp_rank):
-            reference.load_weights(kv for name, t in full.items() for kv in checkpoint_tensors(fmt, name, t))
-        expected, actual = compute_tensor_digests(reference), compute_tensor_digests(model)
+        expected, actual = digests(version)
         differ = sorted(n for n in expected if expected[n] != actual.get(n))
         emit(event="synced", rank=args.rank, version=version, reported=receiver.version, digests=len(expected),
              differ=differ[:5], n_differ=len(differ), bytes=report.bytes, descriptors=report.descriptors,
-             groups=report.groups, seconds=report.seconds, verify_seconds=report.verify_seconds)
+             groups=report.groups, seconds=report.seconds, verify_seconds=report.verify_seconds, **extra(report))
 
 
 class _Params:
@@ -200,20 +212,13 @@ def run_quantized_inference(args, plan) -> None:
     receiver = Receiver(plan, args.rank, params, rendezvous=rendezvous, timeout=args.timeout, verify=args.verify,
                         group_bytes=args.group_bytes)
     emit(event="joined", rank=args.rank)
-    for version in args.versions:
-        try:
-            report = receiver.sync(version)
-        except SyncError as exc:
-            emit(event="failed", rank=args.rank, version=version, error=str(exc), reported=receiver.version)
-            continue
-        expected = compute_tensor_digests(_Params(vllm_quantized(full_weights(plan, args.seed, version))))
-        actual = compute_tensor_digests(_Params(params))
-        differ = sorted(n for n in expected if expected[n] != actual.get(n))
-        emit(event="synced", rank=args.rank, version=version, reported=receiver.version, digests=len(expected),
-             differ=differ[:5], n_differ=len(differ), bytes=report.bytes, descriptors=report.descriptors,
-             groups=report.groups, seconds=report.seconds, verify_seconds=report.verify_seconds,
-             quantize_seconds=report.quantize_seconds, staging_bytes=receiver.staging_bytes,
-             fp8=sum(t.dtype == torch.float8_e4m3fn for t in params.values()))
+    sync_versions(
+        args, receiver,
+        lambda version: (compute_tensor_digests(_Params(vllm_quantized(full_weights(plan, args.seed, version)))),
+                         compute_tensor_digests(_Params(params))),
+        lambda report: dict(quantize_seconds=report.quantize_seconds, staging_bytes=receiver.staging_bytes,
+                            fp8=sum(t.dtype == torch.float8_e4m3fn for t in params.values())),
+    )
 
 
 def main(argv=None) -> None:
