@@ -131,6 +131,17 @@ def test_verify_quant_rejects_a_sender_block_fed_by_another_rank():
         verify_quant([shape], [1], stage, q.spans)
 
 
+def test_verify_quant_rejects_a_receiver_block_whose_stage_run_stays_on_the_trainer():
+    shape = (128, 128)
+    placed = place_quant(_program(shape, [(0, 128 * 64, 0), (128 * 64, 128 * 64, 1)]))  # two ranks: receiver side
+    q = placed.meta["quant_placement"]
+    assert (q.spans["side"] == 1).all()
+    stage = {k: v.copy() for k, v in q.stage.items()}
+    stage["side"][0] = 0  # listed as a trainer-local copy, so no receiver pulls it
+    with pytest.raises(PlanInvariantError, match="quantized on the receiver side but its stage run"):
+        verify_quant([shape], [1], stage, q.spans)
+
+
 def _reference_tables(shapes, pieces_of):
     """The per-run loop place_quant replaced (one tensor at a time, block by block): its stage and span rows."""
     stage_rows, span_rows = [], []

@@ -85,18 +85,20 @@ def _check_stage_runs(grids: BlockGrids, stage: dict, span_lo, side, owner) -> N
     pair = np.repeat(np.arange(len(item)), last - first)
     span = np.arange(len(pair)) - np.repeat(np.cumsum(last - first) - (last - first), last - first) + first[pair]
     rank = copies[item[pair], 3]
+
+    def located(p: int):
+        """The stage copy of (interval, span) pair p, and the first block they share (within its tensor)."""
+        c = copies[item[pair[p]]]
+        return c, max(int(span_lo[span[p]]), int(lo[pair[p]])) - int(grids.base[c[0]])
+
     stray = np.flatnonzero((side[span] == SENDER) & (owner[span] != rank))
     if len(stray):
-        p = stray[0]
-        c = copies[item[pair[p]]]
-        block = max(int(span_lo[span[p]]), int(lo[pair[p]])) - int(grids.base[c[0]])
-        raise PlanInvariantError(f"staging tensor {c[0]}: sender-side block {block} of trainer rank {owner[span[p]]} "
+        c, block = located(stray[0])
+        raise PlanInvariantError(f"staging tensor {c[0]}: sender-side block {block} of trainer rank {owner[span[stray[0]]]} "
                                  f"is also written from trainer rank {c[3]}")
     for wanted, where in ((SENDER, "sender"), (RECEIVER, "receiver")):
         missing = np.flatnonzero((side[span] == wanted) & ~listed[item[pair], wanted])
         if len(missing):
-            p = missing[0]
-            c = copies[item[pair[p]]]
-            block = max(int(span_lo[span[p]]), int(lo[pair[p]])) - int(grids.base[c[0]])
+            c, block = located(missing[0])
             raise PlanInvariantError(f"staging tensor {c[0]}: block {block} is quantized on the {where} side but "
                                      f"its stage run [{c[1]}:+{c[2]}] from trainer rank {c[3]} does not go there")
