@@ -5,7 +5,7 @@ from __future__ import annotations
 import jinja2
 import numpy as np
 
-from ..runtime.plan_format import DTYPE_SIZES, RECEIVER, SENDER, Plan
+from ..runtime.plan_format import DTYPE_SIZES, GATHER, RECEIVER, Plan
 from .ir import Program, Runs, TensorSpec
 from ..runtime.quant import span_elements
 from .passes.verify import descriptors_lower_bound, descriptors_posted, verify
@@ -20,8 +20,8 @@ weightplan plan (format {{ s.format_version }})
   inference      {{ s.inference.token }} ({{ s.dst_ranks }} ranks), quant {{ s.quant }}
   sources        {{ h.sources | length }} trainer tensors
   destinations   {{ s.dst_tensors }} tensors ({{ s.dst_entries }} distinct), {{ s.dst_bytes }} bytes, coverage {{ "%.6f" | format(s.dst_coverage) }}
-  wire           {{ s.wire_bytes }} bytes
-{% if s.quantized_blocks %}  fp8 blocks     {{ s.quantized_blocks }} in {{ s.quantized_tensors }} tensors, {{ "%.4f" | format(s.sender_quantized_fraction) }} quantized on the sender; {{ s.derived }} derived post-load items
+  wire           {{ s.wire_bytes }} bytes{% if s.gather_bytes %} ({{ s.gather_bytes }} between trainer ranks){% endif %}
+{% if s.quantized_blocks %}  fp8 blocks     {{ s.quantized_blocks }} in {{ s.quantized_tensors }} tensors, {{ "%.4f" | format(s.sender_quantized_fraction) }} quantized on the sender, {{ "%.4f" | format(s.gather_quantized_fraction) }} gathered on a trainer; {{ s.derived }} derived post-load items
 {% endif %}  descriptors    {{ s.descriptors }} posted, {{ s.descriptors_stored }} stored (lower bound {{ s.descriptors_lower_bound }})
   balance        trainer ranks {{ "%.3f" | format(s.src_balance) }}, inference ranks {{ "%.3f" | format(s.dst_balance) }} (max/mean bytes)
   fingerprint    {{ s.fingerprint }}
@@ -45,8 +45,8 @@ def as_program(plan: Plan) -> Program:
     )
 
 
-def per_rank_bytes(plan: Plan) -> tuple[list[int], list[int]]:
-    """Bytes each inference rank reads and each trainer rank serves (once per reading rank)."""
+def per_rank_bytes(plan: Plan) -> tuple[list[int], list[int], int]:
+    """Bytes each inference rank reads, each trainer rank serves (once per reading rank), and trainers read from each other."""
     table = plan.table
     nbytes = (table["count"] * table["length"] * plan.stored_itemsize()).astype(np.float64)
     per_dest = np.bincount(table["dest"], weights=nbytes, minlength=len(plan.dests))
@@ -57,7 +57,8 @@ def per_rank_bytes(plan: Plan) -> tuple[list[int], list[int]]:
         holders[i] = len(entry.ranks)
     weights = nbytes * holders[table["dest"]] if len(nbytes) else nbytes
     src = np.bincount(table["src_rank"], weights=weights, minlength=plan.header["src_ranks"])
-    # fp8: receiver-side stage runs carry bf16; sender-side spans carry fp8 values and float32 scales.
+    # fp8: receiver-side stage runs carry bf16; sender- and gather-side spans carry fp8 values and float32
+    # scales; gather-side stage runs from another trainer rank carry bf16 once, between trainers.
     stage, spans = plan.stage, plan.spans
     sizes = np.array([DTYPE_SIZES[chain[-1]] for chain in plan.cast_chains] or [0], dtype=np.int64)
     for i in np.flatnonzero(stage["side"] == RECEIVER).tolist():
@@ -65,12 +66,15 @@ def per_rank_bytes(plan: Plan) -> tuple[list[int], list[int]]:
         n = int(stage["length"][i] * sizes[stage["wire"][i]])
         dst[list(entry.ranks)] += n
         src[stage["src_rank"][i]] += n * len(entry.ranks)
-    for i in np.flatnonzero(spans["side"] == SENDER).tolist():
+    remote = np.flatnonzero((stage["side"] == GATHER) & (stage["src_rank"] != stage["quant_rank"]))
+    gathered = stage["length"][remote] * sizes[stage["wire"][remote]]
+    src += np.bincount(stage["src_rank"][remote], weights=gathered, minlength=len(src))
+    for i in np.flatnonzero(spans["side"] != RECEIVER).tolist():
         entry = plan.staging[spans["stage"][i]]
         n = span_elements(entry.shape, int(spans["first_block"][i]), int(spans["n_blocks"][i])) + 4 * int(spans["n_blocks"][i])
         dst[list(entry.ranks)] += n
         src[spans["src_rank"][i]] += n * len(entry.ranks)
-    return [int(x) for x in dst], [int(x) for x in src]
+    return [int(x) for x in dst], [int(x) for x in src], int(gathered.sum())
 
 
 def _balance(values: list[int]) -> float:
@@ -84,7 +88,7 @@ def summarize(plan: Plan) -> dict:
     coverage = verify(program, require_full_coverage=False)
     quant = verify_quant([e.shape for e in plan.staging], [len(e.ranks) for e in plan.staging], plan.stage, plan.spans)
     quant_bytes = sum((plan.dests[e.weight].nbytes + plan.dests[e.scale].nbytes) * len(e.ranks) for e in plan.staging)
-    bytes_dst, bytes_src = per_rank_bytes(plan)
+    bytes_dst, bytes_src, gather_bytes = per_rank_bytes(plan)
     return {
         "format_version": h["format_version"],
         "model": h["model"],
@@ -96,7 +100,8 @@ def summarize(plan: Plan) -> dict:
         "dst_tensors": sum(len(e.ranks) for e in plan.dests),
         "dst_entries": len(plan.dests),
         "dst_bytes": coverage.dst_bytes,
-        "wire_bytes": sum(bytes_dst),
+        "wire_bytes": sum(bytes_dst) + gather_bytes,
+        "gather_bytes": gather_bytes,
         "descriptors": descriptors_posted(program.runs, program.dests),
         "descriptors_stored": plan.n_stored_runs,
         "descriptors_lower_bound": descriptors_lower_bound(program.runs, program.dests),
@@ -104,6 +109,7 @@ def summarize(plan: Plan) -> dict:
         "quantized_tensors": sum(len(e.ranks) for e in plan.staging),
         "quantized_blocks": quant.blocks,
         "sender_quantized_fraction": quant.sender_fraction,
+        "gather_quantized_fraction": quant.gathered_fraction,
         "derived": len(h.get("derived", [])),
         "bytes_per_dst_rank": bytes_dst,
         "bytes_per_src_rank": bytes_src,

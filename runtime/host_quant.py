@@ -1,4 +1,4 @@
-"""Host execution of a plan's fp8 part: sender-side block quantization per trainer rank, receiver-side from bf16 staging."""
+"""Host execution of a plan's fp8 part: sender- and gather-side block quantization per trainer rank, receiver-side from bf16 staging."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ import numpy as np
 import torch
 
 from .casts import cast_along
-from .plan_format import RECEIVER, SENDER, Plan
+from .plan_format import RECEIVER, SENDER, TRAINER_SIDES, Plan
 from .quant import quantize_span, span_dest_segments
 
 
-def stage_run_rows(plan: Plan, side: int, stage: int, src_rank: int | None = None) -> np.ndarray:
-    """Indices of the stage runs of one side into one staging tensor (optionally of one trainer rank)."""
+def stage_run_rows(plan: Plan, side: int, stage: int, quant_rank: int | None = None) -> np.ndarray:
+    """Indices of the stage runs of one side into one staging tensor (optionally those trainer `quant_rank` copies)."""
     t = plan.stage
     mask = (t["side"] == side) & (t["stage"] == stage)
-    if src_rank is not None:
-        mask &= t["src_rank"] == src_rank
+    if quant_rank is not None:
+        mask &= t["quant_rank"] == quant_rank
     return np.flatnonzero(mask)
 
 
@@ -33,19 +33,21 @@ def fill_staging(plan: Plan, rows: np.ndarray, sources: Mapping[int, Mapping[str
     return copied
 
 
-def sender_quantize(plan: Plan, stage: int, src_rank: int, sources: Mapping[int, Mapping[str, torch.Tensor]]):
-    """What trainer rank `src_rank` computes for one staging tensor: its arena, then fp8 + scales of its spans.
+def trainer_quantize(plan: Plan, stage: int, side: int, rank: int, sources: Mapping[int, Mapping[str, torch.Tensor]]):
+    """What trainer `rank` computes for one staging tensor on one trainer side: its arena, then fp8 + scales of its spans.
 
-    Only this rank's shards are given to it, so a sender-side block can read no other rank's bytes.
+    On the sender side only this rank's shards are given to it, so a sender-side block can read no
+    other rank's bytes; on the gather side its stage runs name the peers it reads.
     Returns (fp8 tensor, scale tensor, span rows); only the spans' blocks are meaningful.
     """
     entry = plan.staging[stage]
     arena = torch.zeros(entry.shape, dtype=torch.bfloat16)
-    fill_staging(plan, stage_run_rows(plan, SENDER, stage, src_rank), {src_rank: sources[src_rank]}, arena)
+    given = {rank: sources[rank]} if side == SENDER else sources
+    fill_staging(plan, stage_run_rows(plan, side, stage, rank), given, arena)
     weight = torch.zeros(entry.shape, dtype=torch.float8_e4m3fn)
     scale = torch.zeros(plan.dests[entry.scale].shape, dtype=torch.float32)
     s = plan.spans
-    rows = np.flatnonzero((s["stage"] == stage) & (s["side"] == SENDER) & (s["src_rank"] == src_rank))
+    rows = np.flatnonzero((s["stage"] == stage) & (s["side"] == side) & (s["src_rank"] == rank))
     for i in rows.tolist():
         quantize_span(arena, weight, scale, int(s["first_block"][i]), int(s["n_blocks"][i]))
     return weight, scale, rows
@@ -69,12 +71,13 @@ def execute_quant(plan: Plan, sources, dst_tensors: dict[int, dict[str, torch.Te
                 fill_staging(plan, stage_run_rows(plan, RECEIVER, stage), sources, staging)
                 for i in np.flatnonzero((s["stage"] == stage) & (s["side"] == RECEIVER)).tolist():
                     quantize_span(staging, weight, scale, int(s["first_block"][i]), int(s["n_blocks"][i]))
-                # Sender side: each trainer rank quantizes its spans once; receivers copy the fp8 bytes and scales.
+                # Sender and gather sides: each trainer rank quantizes its spans once; receivers copy the fp8 bytes and scales.
                 flat_w, flat_s = weight.view(-1), scale.view(-1)
-                for src_rank in sorted(set(s["src_rank"][(s["stage"] == stage) & (s["side"] == SENDER)].tolist())):
-                    key = (stage, src_rank)
+                trainer_side = (s["stage"] == stage) & np.isin(s["side"], TRAINER_SIDES)
+                for side, src_rank in sorted(set(zip(s["side"][trainer_side].tolist(), s["src_rank"][trainer_side].tolist()))):
+                    key = (stage, side, src_rank)
                     if key not in sender_cache:
-                        sender_cache[key] = sender_quantize(plan, stage, src_rank, sources)
+                        sender_cache[key] = trainer_quantize(plan, stage, side, src_rank, sources)
                     fp8, scales, rows = sender_cache[key]
                     fp8_flat, scale_flat = fp8.view(-1), scales.view(-1)
                     for i in rows.tolist():

@@ -30,15 +30,20 @@ from .placements import Box
 from .shards import ShardLayout
 
 MAGIC = b"WPLAN\x00\r\n"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 ROW_COLUMNS = ("src_rank", "src", "src_off", "dest", "dst_off", "length", "wire")
 RUN_COLUMNS = ROW_COLUMNS + ("count", "src_stride", "dst_stride")
-# fp8_per_block (format 2): bf16 runs from a trainer shard into a staging tensor (side 0: on the
-# trainer rank, into its arena; side 1: pulled by the receivers), and spans of 128x128 blocks
-# quantized on one side (src_rank is the quantizing trainer rank for side 0, -1 for side 1).
-STAGE_COLUMNS = ("side", "src_rank", "src", "src_off", "stage", "stage_off", "length", "wire")
+# fp8_per_block: bf16 runs from trainer rank src_rank's shard into a staging tensor, and spans of
+# 128x128 blocks quantized on one side. Side 0 (sender): trainer src_rank quantizes blocks only it
+# holds, from its own shard. Side 1 (receiver): every inference rank holding the tensor pulls the
+# bf16 and quantizes. Side 2 (gather): trainer quant_rank reads the bf16 of blocks several trainer
+# ranks hold from its peers once, quantizes them and serves fp8 to every holder. A stage run's
+# quant_rank is the trainer rank that copies it (src_rank on side 0, -1 on side 1); a span's
+# src_rank is its quantizing trainer rank (-1 on side 1).
+STAGE_COLUMNS = ("side", "src_rank", "quant_rank", "src", "src_off", "stage", "stage_off", "length", "wire")
 SPAN_COLUMNS = ("stage", "first_block", "n_blocks", "side", "src_rank")
-SENDER, RECEIVER = 0, 1
+SENDER, RECEIVER, GATHER = 0, 1, 2
+TRAINER_SIDES = (SENDER, GATHER)  # blocks a trainer rank quantizes and serves as fp8
 # Header keys that the fingerprint covers: everything the plan assumes about both sides.
 FINGERPRINT_KEYS = (
     "format_version",
@@ -309,8 +314,8 @@ def _check_quant_tables(plan: Plan, origin: str) -> None:
     for table, what in ((stage, "stage run"), (spans, "block span")):
         if len(table["stage"]) and (table["stage"].min() < 0 or table["stage"].max() >= len(staging)):
             raise PlanFormatError(f"{origin}: a {what} indexes outside the staging table")
-        if len(table["side"]) and not np.isin(table["side"], (SENDER, RECEIVER)).all():
-            raise PlanFormatError(f"{origin}: a {what} has a side other than 0 (sender) or 1 (receiver)")
+        if len(table["side"]) and not np.isin(table["side"], (SENDER, RECEIVER, GATHER)).all():
+            raise PlanFormatError(f"{origin}: a {what} has a side other than 0 (sender), 1 (receiver) or 2 (gather)")
     if len(stage["length"]):
         if stage["length"].min() <= 0:
             raise PlanFormatError(f"{origin}: a stage run has non-positive length")
@@ -319,6 +324,12 @@ def _check_quant_tables(plan: Plan, origin: str) -> None:
             raise PlanFormatError(f"{origin}: a stage run indexes outside its tables")
         if stage["src_rank"].min() < 0 or stage["src_rank"].max() >= plan.header["src_ranks"]:
             raise PlanFormatError(f"{origin}: a stage run names a trainer rank outside the plan's {plan.header['src_ranks']}")
+        expected_quant = np.where(stage["side"] == SENDER, stage["src_rank"], -1)
+        gather = stage["side"] == GATHER
+        if (stage["quant_rank"][~gather] != expected_quant[~gather]).any() or (stage["quant_rank"][gather] < 0).any() \
+                or (stage["quant_rank"][gather] >= plan.header["src_ranks"]).any():
+            raise PlanFormatError(f"{origin}: a stage run's quant_rank is not its own rank (sender side), -1 (receiver "
+                                  "side) or a valid trainer rank (gather side)")
         numel = np.array([e.numel for e in staging], dtype=np.int64)[stage["stage"]]
         if stage["stage_off"].min() < 0 or (stage["stage_off"] + stage["length"] > numel).any():
             raise PlanFormatError(f"{origin}: a stage run reaches outside its staging tensor")
@@ -332,9 +343,9 @@ def _check_quant_tables(plan: Plan, origin: str) -> None:
         scale_numel = np.array([plan.dests[e.scale].numel for e in staging], dtype=np.int64)[spans["stage"]]
         if (spans["first_block"] + spans["n_blocks"] > scale_numel).any():
             raise PlanFormatError(f"{origin}: a block span reaches past its tensor's last block")
-        sender = spans["side"] == SENDER
-        if (spans["src_rank"][sender] < 0).any() or (spans["src_rank"][sender] >= plan.header["src_ranks"]).any():
-            raise PlanFormatError(f"{origin}: a sender-side block span names no valid trainer rank")
+        trainer = spans["side"] != RECEIVER
+        if (spans["src_rank"][trainer] < 0).any() or (spans["src_rank"][trainer] >= plan.header["src_ranks"]).any():
+            raise PlanFormatError(f"{origin}: a sender- or gather-side block span names no valid trainer rank")
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -8,7 +8,7 @@ import pytest
 from weightplan.compiler.plan_summary import summarize
 from weightplan.compiler.verify_plan import verify_plan
 from weightplan.runtime import load_plan
-from weightplan.runtime.plan_format import RECEIVER, SENDER
+from weightplan.runtime.plan_format import GATHER, RECEIVER, SENDER
 
 from .conftest import config_dir
 
@@ -21,6 +21,8 @@ CASES = {
     "mixed": ("fp8-glm", "stacked", "fsdp=4,ep=2", "dp=2,ep"),
     # DeepSeek-V3 shapes: 96-wide experts padded to 128, 192-wide q_b_proj input (edge blocks), TP
     "deepseek": ("fp8-deepseek-v3", "hf", "fsdp=2", "tp=2"),
+    # 86-row shards, replicated on 2 inference ranks: straddling blocks are gathered on one trainer rank
+    "gathered": ("fp8-glm", "hf", "fsdp=3", "dp=2"),
 }
 
 
@@ -79,9 +81,9 @@ def test_plan_lists_derived_post_load_work(fp8_plan):
 
 
 def test_sender_blocks_read_only_their_rank(fp8_plan):
-    """Executing the sender side with only one rank's shards must work: host_quant.sender_quantize is given no other."""
+    """Executing the sender side with only one rank's shards must work: host_quant.trainer_quantize is given no other."""
     from weightplan.compiler.verify_plan import random_sources, shard_sources
-    from weightplan.runtime.host_quant import sender_quantize
+    from weightplan.runtime.host_quant import trainer_quantize
 
     plan = load_plan(fp8_plan("mixed"))
     everything = np.ones(plan.n_stored_runs, dtype=bool)
@@ -90,4 +92,20 @@ def test_sender_blocks_read_only_their_rank(fp8_plan):
     sender = plan.spans["side"] == SENDER
     assert sender.any()
     for stage, rank in set(zip(plan.spans["stage"][sender].tolist(), plan.spans["src_rank"][sender].tolist())):
-        sender_quantize(plan, stage, rank, {rank: shards[rank]})
+        trainer_quantize(plan, stage, SENDER, rank, {rank: shards[rank]})
+
+
+def test_replicated_straddling_blocks_are_gathered_once_on_a_trainer(fp8_plan):
+    """fsdp=3 -> dp=2: blocks across shard ends go to the gather side; bf16 crosses once, not once per holder."""
+    plan = load_plan(fp8_plan("gathered"))
+    summary = summarize(plan)
+    assert summary["gather_quantized_fraction"] > 0
+    holders = np.array([len(e.ranks) for e in plan.staging])
+    assert (holders[plan.spans["stage"][plan.spans["side"] == RECEIVER]] == 1).all()  # only single-holder tensors pull bf16
+    gathered = plan.stage["side"] == GATHER
+    remote = gathered & (plan.stage["src_rank"] != plan.stage["quant_rank"])
+    assert remote.any() and summary["gather_bytes"] == int(plan.stage["length"][remote].sum()) * 2
+    # Every destination element arrives once per holder as fp8 (+ scales); bf16 only between trainers.
+    fp8 = sum((plan.dests[e.weight].nbytes + plan.dests[e.scale].nbytes) * len(e.ranks) for e in plan.staging)
+    other = summary["dst_bytes"] - fp8
+    assert summary["wire_bytes"] == other + fp8 + summary["gather_bytes"]

@@ -1,4 +1,4 @@
-"""place_quant on random shapes and shardings: each block once, on one side; sender blocks read only their rank."""
+"""place_quant on random shapes and shardings: each block once, on one side; sender blocks read only their rank; gathered blocks by one writer."""
 
 from __future__ import annotations
 
@@ -48,36 +48,55 @@ def sharded(draw):
     return shape, pieces
 
 
+def _block_ids(shape) -> np.ndarray:
+    """Flat block id of every element, straight from the geometry (matrix, block row, block col)."""
+    *lead, rows, cols = shape
+    _, nbr, nbc = block_grid(shape)
+    matrix, row, col = np.meshgrid(np.arange(int(np.prod(lead, dtype=np.int64))), np.arange(rows), np.arange(cols), indexing="ij")
+    return ((matrix * nbr + row // 128) * nbc + col // 128).reshape(-1)
+
+
 @settings(max_examples=150, deadline=None)
-@given(sharded())
-def test_every_block_once_on_one_side_and_sender_blocks_are_rank_local(case):
+@given(sharded(), st.sampled_from([(0,), (0, 1, 2)]))
+def test_every_block_once_on_one_side_and_sender_blocks_are_rank_local(case, holders):
     shape, pieces = case
-    placed = place_quant(_program(shape, pieces))
+    placed = place_quant(_program(shape, pieces, ranks_of_dest=holders))
     q = placed.meta["quant_placement"]
-    coverage = verify_quant([shape], [1], q.stage, q.spans)  # raises on any violated invariant
+    coverage = verify_quant([shape], [len(holders)], q.stage, q.spans)  # raises on any violated invariant
     matrices, nbr, nbc = block_grid(shape)
-    assert coverage.blocks == matrices * nbr * nbc
-    # Brute force: the set of ranks writing each block, from the element ranges.
-    owners = [set() for _ in range(coverage.blocks)]
-    rows, cols = shape[-2:]
+    assert coverage.blocks == (matrices * nbr * nbc) * len(holders)
+    blocks = matrices * nbr * nbc
+    # Brute force: the set of ranks writing each block, element by element.
+    ids = _block_ids(shape)
+    writers = [set() for _ in range(blocks)]
     for off, length, rank in pieces:
-        for e in range(off, off + length, max(1, min(length, 7))):  # sample elements, plus the last one
-            for x in (e, off + length - 1):
-                g, c = divmod(x, cols)
-                owners[((g // rows) * nbr + (g % rows) // 128) * nbc + c // 128].add(rank)
-    side = np.full(coverage.blocks, -1)
-    rank_of = np.full(coverage.blocks, -1)
+        for b in np.unique(ids[off : off + length]).tolist():
+            writers[b].add(rank)
+    side = np.full(blocks, -1)
+    rank_of = np.full(blocks, -1)
     for first, n, s, r in zip(q.spans["first_block"], q.spans["n_blocks"], q.spans["side"], q.spans["src_rank"]):
+        assert (side[first : first + n] == -1).all()
         side[first : first + n], rank_of[first : first + n] = s, r
-    for b, ranks in enumerate(owners):
+    for b, ranks in enumerate(writers):
+        expected = 0 if len(ranks) == 1 else 2 if len(ranks) > 1 and len(holders) > 1 else 1
+        assert side[b] == expected, (b, ranks, side[b])
         if side[b] == 0:
-            assert ranks <= {rank_of[b]}
-    assert coverage.sender_blocks == int((side == 0).sum())
-    # Sender-side stage runs: only their own rank, and only for blocks quantized on that rank.
+            assert ranks == {rank_of[b]}
+        if side[b] == 2:
+            assert rank_of[b] in ranks  # a writer gathers, so its own part never crosses the network
+    # One gathering rank per block row.
+    for band in range(matrices * nbr):
+        gathered = set(rank_of[band * nbc : (band + 1) * nbc][side[band * nbc : (band + 1) * nbc] == 2].tolist())
+        assert len(gathered) <= 1
+    assert coverage.sender_blocks == int((side == 0).sum()) * len(holders)
+    assert coverage.gathered_blocks == int((side == 2).sum()) * len(holders)
     st_ = q.stage
-    for i in np.flatnonzero(st_["side"] == 0):
-        for lo, hi in block_ranges(shape, int(st_["stage_off"][i]), int(st_["length"][i])):
-            assert ((side[lo:hi] == 1) | (rank_of[lo:hi] == st_["src_rank"][i])).all()
+    listed = set(zip(st_["side"].tolist(), st_["src_rank"].tolist(), st_["quant_rank"].tolist(), st_["stage_off"].tolist()))
+    for off, length, rank in pieces:
+        touched = np.unique(ids[off : off + length])
+        # Every (side, quantizing rank) of the blocks a piece writes lists that piece, and nothing else does.
+        needed = {(int(side[b]), rank, int(rank_of[b]) if side[b] != 1 else -1, off) for b in touched.tolist()}
+        assert needed == {row for row in listed if row[1] == rank and row[3] == off}
 
 
 def test_dests_become_fp8_weight_and_scale_and_other_runs_stay():
@@ -179,3 +198,27 @@ def test_vectorised_placement_equals_the_per_block_loop(cases):
     assert list(zip(*(q.stage[c].tolist() for c in ("side", "src_rank", "src", "src_off", "stage", "stage_off", "length", "wire")))) == stage_rows
     assert list(zip(*(q.spans[c].tolist() for c in ("stage", "first_block", "n_blocks", "side", "src_rank")))) == span_rows
     verify_quant(shapes, [1] * len(shapes), q.stage, q.spans)
+
+
+def test_unaligned_shards_of_a_replicated_tensor_are_gathered_by_one_writer():
+    shape = (256, 128)
+    placed = place_quant(_program(shape, [(0, 100 * 128, 0), (100 * 128, 156 * 128, 1)], ranks_of_dest=(0, 1)))
+    q = placed.meta["quant_placement"]
+    spans = list(zip(q.spans["side"].tolist(), q.spans["src_rank"].tolist(), q.spans["n_blocks"].tolist()))
+    assert spans[1] == (0, 1, 1) and spans[0][0] == 2 and spans[0][1] in (0, 1)
+    gatherer = spans[0][1]
+    rows = sorted(zip(q.stage["side"].tolist(), q.stage["src_rank"].tolist(), q.stage["quant_rank"].tolist()))
+    assert rows == sorted([(2, 0, gatherer), (2, 1, gatherer), (0, 1, 1)])
+    coverage = verify_quant([shape], [2], q.stage, q.spans)
+    assert (coverage.sender_blocks, coverage.gathered_blocks, coverage.blocks) == (2, 2, 4)
+
+
+def test_verify_quant_rejects_a_gathered_block_not_fed_to_its_gatherer():
+    shape = (256, 128)
+    placed = place_quant(_program(shape, [(0, 100 * 128, 0), (100 * 128, 156 * 128, 1)], ranks_of_dest=(0, 1)))
+    q = placed.meta["quant_placement"]
+    stage = {k: v.copy() for k, v in q.stage.items()}
+    wrong = np.flatnonzero(stage["side"] == 2)[0]
+    stage["quant_rank"][wrong] = 3 - int(q.spans["src_rank"][0])  # a rank that does not gather that block
+    with pytest.raises(PlanInvariantError, match="quantized on the gather side by trainer rank"):
+        verify_quant([shape], [2], stage, q.spans)

@@ -1,4 +1,4 @@
-"""place_quant: quantize each 128x128 block on its trainer rank when that rank alone holds it, else on the receiver."""
+"""place_quant: quantize each 128x128 block on the trainer rank alone holding it, on one gathering trainer rank, or on the receiver."""
 
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ def place_quant(program: Program) -> Program:
 
     `program.meta["quant_tensors"]` maps a bf16 destination name to (fp8 weight name, scale name).
     A block whose written elements all come from one trainer rank is quantized by that rank
-    (side 0) from stage runs that rank executes locally; any other block (elements from several
-    ranks, or none: all padding) is quantized by every receiver holding the tensor (side 1) from
-    bf16 it pulls. A run feeding blocks of both sides is listed once per side.
+    (side 0) from stage runs that rank executes locally. A block written by several trainer ranks
+    of a tensor that several inference ranks hold is quantized by one of its writers (side 2), which
+    reads the others' bf16 once; its block row decides which. Any other block (one holder, or no
+    written element: all padding) is quantized by every receiver holding the tensor (side 1) from
+    bf16 it pulls. A run is listed once per (side, quantizing rank) of the blocks it feeds.
     """
     quantized = program.meta.get("quant_tensors", {})
     runs = program.runs
@@ -48,18 +50,79 @@ def place_quant(program: Program) -> Program:
     stage_index = np.full(len(program.dests), -1, dtype=np.int64)
     for d, stage in stage_of.items():
         stage_index[d] = stage
-    stage_cols, span_cols = _place(BlockGrids.of([shape for _, shape, _, _, _ in staging]), stage_index[staged.dest], staged)
+    holders = np.array([len(ranks) for _, _, ranks, _, _ in staging], dtype=np.int64)
+    stage_cols, span_cols = _place(BlockGrids.of([shape for _, shape, _, _, _ in staging]), stage_index[staged.dest], staged, holders)
     placement = QuantPlacement(tuple(staging), stage_cols, span_cols)
     new_runs = dataclasses.replace(kept, dest=remap[kept.dest])
     return dataclasses.replace(program, dests=tuple(dests), runs=new_runs, meta=dict(program.meta, quant_placement=placement))
 
 
-def _place(grids: BlockGrids, stage: np.ndarray, runs) -> tuple[dict, dict]:
-    """Stage runs and block spans for `runs` (into staging tensors `stage`, ordered by (stage, dst_off))."""
+def _place(grids: BlockGrids, stage: np.ndarray, runs, holders: np.ndarray) -> tuple[dict, dict]:
+    """Stage runs and block spans for `runs` (into staging tensors `stage`, ordered by (stage, dst_off)).
+
+    `holders[s]`: inference ranks holding staging tensor s. A block several trainer ranks write goes
+    to the gather side when at least two inference ranks hold it (bf16 crosses the network once,
+    fp8 goes to each holder), else to the receiver side (bf16 to its one holder, no extra hop).
+    """
     item, lo, hi = block_intervals(grids, stage, runs.dst_off, runs.length)
     rank = runs.src_rank[item]
-    # Elementary segments: between consecutive interval ends and tensor starts; each lies in one tensor.
-    bounds = np.unique(np.concatenate([lo, hi, grids.base]))
+    seg = _segments(grids, lo, hi, rank, np.zeros(0, dtype=np.int64))
+    seg = _segments(grids, lo, hi, rank, _band_cuts(grids, seg, holders))  # gathered segments: one block row each
+    gathered = seg.multi & (holders[seg.stage] >= 2)
+    gatherer, pair_item, pair_seg = _gatherers(grids, seg, gathered, item, rank)
+    side = np.where(seg.owner >= 0, QuantPlacement.SENDER, np.where(gathered, QuantPlacement.GATHER, QuantPlacement.RECEIVER))
+    quant_rank = np.where(seg.owner >= 0, seg.owner, gatherer)
+    # Spans: runs of segments with one side and quantizing rank within one tensor.
+    new = np.ones(len(side), dtype=bool)
+    new[1:] = (side[1:] != side[:-1]) | (quant_rank[1:] != quant_rank[:-1]) | (seg.stage[1:] != seg.stage[:-1])
+    starts = np.flatnonzero(new)
+    ends = np.append(starts[1:], len(side)).astype(np.int64) if len(starts) else starts
+    span_stage = seg.stage[starts]
+    span_cols = dict(zip(SPAN_COLUMNS, (
+        span_stage, seg.bounds[starts] - grids.base[span_stage], seg.bounds[ends] - seg.bounds[starts],
+        side[starts], quant_rank[starts],
+    )))
+    # A run is listed once per (side, quantizing rank) among the segments it touches.
+    local = [(s, item[seg.touches(side == s)]) for s in (QuantPlacement.SENDER, QuantPlacement.RECEIVER)]
+    run_item = np.concatenate([runs_ for _, runs_ in local])
+    run_side = np.concatenate([np.full(len(runs_), s) for s, runs_ in local])
+    rows = np.unique(np.stack([
+        np.concatenate([run_item, pair_item]),
+        np.concatenate([run_side, np.full(len(pair_item), QuantPlacement.GATHER)]),
+        np.concatenate([np.where(run_side == QuantPlacement.SENDER, runs.src_rank[run_item], -1), gatherer[pair_seg]]),
+    ], axis=1).reshape(-1, 3), axis=0)  # sorted by (run, side, quantizing rank)
+    row_run, row_side, row_quant = rows[:, 0], rows[:, 1], rows[:, 2]
+    stage_cols = dict(zip(STAGE_COLUMNS, (
+        row_side, runs.src_rank[row_run], row_quant, runs.src[row_run], runs.src_off[row_run], stage[row_run],
+        runs.dst_off[row_run], runs.length[row_run], runs.wire[row_run],
+    )))
+    return ({c: np.ascontiguousarray(v, dtype=np.int64) for c, v in stage_cols.items()},
+            {c: np.ascontiguousarray(v, dtype=np.int64) for c, v in span_cols.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Segments:
+    """Elementary block-id segments [bounds[i], bounds[i + 1]), each inside one tensor, with the ranks writing them.
+
+    `first`/`last` give, per block interval, the segments it covers: [first, last).
+    """
+
+    bounds: np.ndarray
+    stage: np.ndarray
+    owner: np.ndarray  # the one trainer rank writing the segment, or -1
+    multi: np.ndarray  # written by several trainer ranks
+    first: np.ndarray
+    last: np.ndarray
+
+    def touches(self, mask: np.ndarray) -> np.ndarray:
+        """Per interval: does it cover a segment where `mask` holds?"""
+        before = np.concatenate([[0], np.cumsum(mask)])
+        return before[self.last] - before[self.first] > 0
+
+
+def _segments(grids: BlockGrids, lo, hi, rank, cuts) -> _Segments:
+    """Cut the block ids at every interval end, tensor start and extra cut; find each segment's writers."""
+    bounds = np.unique(np.concatenate([lo, hi, grids.base, cuts]))
     first, last = np.searchsorted(bounds, lo), np.searchsorted(bounds, hi)
     n = len(bounds)
 
@@ -69,38 +132,51 @@ def _place(grids: BlockGrids, stage: np.ndarray, runs) -> tuple[dict, dict]:
         return np.rint(np.cumsum(starts)[:-1]).astype(np.int64)
 
     count, total, squares = covering_sum(None), covering_sum(rank), covering_sum(rank * rank)
-    # All covering ranks are equal iff count * sum(r^2) == sum(r)^2; untouched blocks (count 0) go to the receiver.
+    # All covering ranks are equal iff count * sum(r^2) == sum(r)^2; untouched blocks (count 0) have no writer.
     single = (count > 0) & (count * squares == total * total)
     owner = np.where(single, total // np.maximum(count, 1), -1)
     seg_stage = np.searchsorted(grids.base, bounds[:-1], side="right") - 1
-    # Spans: runs of segments with one owner within one tensor.
-    new = np.ones(len(owner), dtype=bool)
-    new[1:] = (owner[1:] != owner[:-1]) | (seg_stage[1:] != seg_stage[:-1])
-    starts = np.flatnonzero(new)
-    ends = np.append(starts[1:], len(owner)).astype(np.int64) if len(starts) else starts
-    span_stage = seg_stage[starts]
-    span_owner = owner[starts]
-    span_cols = dict(zip(SPAN_COLUMNS, (
-        span_stage,
-        bounds[starts] - grids.base[span_stage],
-        bounds[ends] - bounds[starts],
-        np.where(span_owner >= 0, QuantPlacement.SENDER, QuantPlacement.RECEIVER),
-        span_owner,
-    )))
-    # A run goes to the sender side if it touches a sender block, to the receiver side if it touches a receiver block.
-    sender_before = np.concatenate([[0], np.cumsum(owner >= 0)])
-    receiver_before = np.concatenate([[0], np.cumsum(owner < 0)])
-    sends = np.bincount(item, weights=sender_before[last] - sender_before[first], minlength=len(runs)) > 0
-    receives = np.bincount(item, weights=receiver_before[last] - receiver_before[first], minlength=len(runs)) > 0
-    which = np.stack([sends, receives], axis=1).reshape(-1)  # per run: its sender row, then its receiver row
-    row_run = np.repeat(np.arange(len(runs)), 2)[which]
-    side = np.tile(np.array([QuantPlacement.SENDER, QuantPlacement.RECEIVER], dtype=np.int64), len(runs))[which]
-    stage_cols = dict(zip(STAGE_COLUMNS, (
-        side, runs.src_rank[row_run], runs.src[row_run], runs.src_off[row_run], stage[row_run],
-        runs.dst_off[row_run], runs.length[row_run], runs.wire[row_run],
-    )))
-    return ({c: np.ascontiguousarray(v, dtype=np.int64) for c, v in stage_cols.items()},
-            {c: np.ascontiguousarray(v, dtype=np.int64) for c, v in span_cols.items()})
+    return _Segments(bounds, seg_stage, owner, (count > 0) & ~single, first, last)
+
+
+def _band(grids: BlockGrids, block: np.ndarray, stage: np.ndarray) -> np.ndarray:
+    """Block row (band) of each block id within its tensor."""
+    return (block - grids.base[stage]) // grids.nbc[stage]
+
+
+def _band_cuts(grids: BlockGrids, seg: _Segments, holders: np.ndarray) -> np.ndarray:
+    """Block ids starting every block row inside a segment that may be gathered, so each is cut per block row."""
+    candidate = np.flatnonzero(seg.multi & (holders[seg.stage] >= 2))
+    stage = seg.stage[candidate]
+    first = _band(grids, seg.bounds[candidate], stage) + 1
+    last = _band(grids, seg.bounds[candidate + 1] - 1, stage)
+    n = np.maximum(last - first + 1, 0)
+    band = np.repeat(first, n) + np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+    stage = np.repeat(stage, n)
+    return grids.base[stage] + band * grids.nbc[stage]
+
+
+def _gatherers(grids: BlockGrids, seg: _Segments, gathered: np.ndarray, item, rank):
+    """The trainer rank gathering each gathered segment (one per block row, rotating among its writers).
+
+    Returns (gatherer per segment, -1 elsewhere; and the (interval item, segment) pairs that write gathered segments).
+    """
+    touching = np.flatnonzero(seg.touches(gathered))
+    n = seg.last[touching] - seg.first[touching]
+    interval = np.repeat(touching, n)
+    pair_seg = np.repeat(seg.first[touching], n) + np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+    keep = gathered[pair_seg]
+    interval, pair_seg = interval[keep], pair_seg[keep]
+    # One global id per block row, shared by the segments of that row.
+    band_base = np.concatenate([[0], np.cumsum((grids.base[1:] - grids.base[:-1]) // np.maximum(grids.nbc, 1))])
+    stage = seg.stage[pair_seg]
+    row = band_base[stage] + _band(grids, seg.bounds[pair_seg], stage)
+    writers = np.unique(np.stack([row, rank[interval]], axis=1).reshape(-1, 2), axis=0)
+    rows, start, k = np.unique(writers[:, 0], return_index=True, return_counts=True)
+    pick = writers[start + rows % k, 1]  # rotate by block row so gathering spreads over the writers
+    gatherer = np.full(len(gathered), -1, dtype=np.int64)
+    gatherer[pair_seg] = pick[np.searchsorted(rows, row)]
+    return gatherer, item[interval], pair_seg
 
 
 def block_owners(shape: tuple[int, ...], offs, lengths, ranks) -> np.ndarray:

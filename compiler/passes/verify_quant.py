@@ -1,4 +1,5 @@
-"""verify_quant: every block quantized exactly once on one side; sender blocks read only their own rank's shard."""
+"""verify_quant: every block quantized exactly once on one side; sender blocks read only their own rank's shard;
+gathered blocks are fed to their gathering rank."""
 
 from __future__ import annotations
 
@@ -9,17 +10,23 @@ import numpy as np
 from .quant_blocks import BlockGrids, block_intervals
 from .verify import PlanInvariantError
 
-SENDER, RECEIVER = 0, 1
+SENDER, RECEIVER, GATHER = 0, 1, 2
+SIDE_NAMES = {SENDER: "sender", RECEIVER: "receiver", GATHER: "gather"}
 
 
 @dataclass(frozen=True)
 class QuantCoverage:
     blocks: int  # blocks over all staging tensors, once per inference rank holding them
     sender_blocks: int
+    gathered_blocks: int
 
     @property
     def sender_fraction(self) -> float:
         return self.sender_blocks / self.blocks if self.blocks else 0.0
+
+    @property
+    def gathered_fraction(self) -> float:
+        return self.gathered_blocks / self.blocks if self.blocks else 0.0
 
 
 def verify_quant(shapes: list[tuple[int, ...]], holders: list[int], stage: dict, spans: dict) -> QuantCoverage:
@@ -43,7 +50,7 @@ def verify_quant(shapes: list[tuple[int, ...]], holders: list[int], stage: dict,
     _check_stage_runs(grids, stage, lo, side, owner)
     per_holder = spans["n_blocks"] * np.asarray(holders, dtype=np.int64)[spans["stage"]] if len(shapes) else np.zeros(0, np.int64)
     blocks = int((grids.base[1:] - grids.base[:-1]) @ np.asarray(holders, dtype=np.int64)) if len(shapes) else 0
-    return QuantCoverage(blocks, int(per_holder[spans["side"] == SENDER].sum()))
+    return QuantCoverage(blocks, int(per_holder[spans["side"] == SENDER].sum()), int(per_holder[spans["side"] == GATHER].sum()))
 
 
 def _check_tiling(shapes, grids: BlockGrids, lo, hi, span_stage) -> None:
@@ -69,15 +76,19 @@ def _check_tiling(shapes, grids: BlockGrids, lo, hi, span_stage) -> None:
 
 
 def _check_stage_runs(grids: BlockGrids, stage: dict, span_lo, side, owner) -> None:
-    """Each stage run's blocks: sender ones belong to its rank, and it is listed on every side its blocks use."""
+    """Each stage run's blocks: sender ones belong to its rank, and it is listed on every (side, quantizing rank) its blocks use."""
     keys = np.stack([stage["stage"], stage["stage_off"], stage["length"], stage["src_rank"]], axis=1)
     if len(keys) == 0:
         return
     copies, copy_of = np.unique(keys, axis=0, return_inverse=True)
     copy_of = copy_of.reshape(-1)
-    listed = np.zeros((len(copies), 2), dtype=bool)  # per distinct copy: listed on the sender / receiver side
-    for wanted in (SENDER, RECEIVER):
-        listed[copy_of[stage["side"] == wanted], wanted] = True
+    # Per distinct copy, the (side, quantizing rank) pairs it is listed for, as one sortable code.
+    ranks = int(max(stage["quant_rank"].max(initial=0), owner.max(initial=0))) + 2
+
+    def code(copy, sides, quant_rank):
+        return (copy * 3 + sides) * ranks + quant_rank + 1
+
+    listed = np.unique(code(copy_of, stage["side"], stage["quant_rank"]))
     item, lo, hi = block_intervals(grids, copies[:, 0], copies[:, 1], copies[:, 2])
     # Spans each interval touches (spans tile the blocks, sorted): [first, last).
     first = np.searchsorted(span_lo, lo, side="right") - 1
@@ -96,9 +107,11 @@ def _check_stage_runs(grids: BlockGrids, stage: dict, span_lo, side, owner) -> N
         c, block = located(stray[0])
         raise PlanInvariantError(f"staging tensor {c[0]}: sender-side block {block} of trainer rank {owner[span[stray[0]]]} "
                                  f"is also written from trainer rank {c[3]}")
-    for wanted, where in ((SENDER, "sender"), (RECEIVER, "receiver")):
-        missing = np.flatnonzero((side[span] == wanted) & ~listed[item[pair], wanted])
-        if len(missing):
-            c, block = located(missing[0])
-            raise PlanInvariantError(f"staging tensor {c[0]}: block {block} is quantized on the {where} side but "
-                                     f"its stage run [{c[1]}:+{c[2]}] from trainer rank {c[3]} does not go there")
+    wanted = code(item[pair], side[span], np.where(side[span] == RECEIVER, -1, owner[span]))
+    missing = np.flatnonzero(~np.isin(wanted, listed))
+    if len(missing):
+        c, block = located(missing[0])
+        where = SIDE_NAMES[int(side[span[missing[0]]])]
+        by = f" by trainer rank {owner[span[missing[0]]]}" if side[span[missing[0]]] == GATHER else ""
+        raise PlanInvariantError(f"staging tensor {c[0]}: block {block} is quantized on the {where} side{by} but "
+                                 f"its stage run [{c[1]}:+{c[2]}] from trainer rank {c[3]} does not go there")
