@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from .errors import PlanMismatchError
-from .plan_format import RECEIVER, SENDER, Plan
+from .plan_format import GATHER, RECEIVER, Plan
 from .quant import BLOCK, block_grid
 from .rank_tables import PACK_BELOW_BYTES, ServedRegion, check_dst_rank, check_src_rank, served_regions
 
@@ -32,8 +32,9 @@ class Pieces(_Columns):
 
     A staging tensor is seen as 2-D (matrices * rows, cols). A piece covers rows [row, row + height),
     columns [col, col + width) and blocks [first_block, first_block + n_blocks), whose scales are
-    row-major (ceil(height / 128), ceil(width / 128)). Sender pieces (side 0) have their fp8 bytes at
-    `fp8_off` (height * width, row-major) and scales at `scale_off` in the quantizing rank's regions.
+    row-major (ceil(height / 128), ceil(width / 128)). Pieces a trainer quantizes (sender and gather
+    sides) have their fp8 bytes at `fp8_off` (height * width, row-major) and scales at `scale_off` in
+    the quantizing rank's regions.
     """
 
     stage: np.ndarray
@@ -60,7 +61,7 @@ class Windows(_Columns):
 
     stage: np.ndarray
     side: np.ndarray
-    src_rank: np.ndarray  # the trainer rank owning the window; -1 on the receiver side
+    src_rank: np.ndarray  # the trainer rank quantizing the window; -1 on the receiver side
     lo: np.ndarray
     hi: np.ndarray
     covered: np.ndarray
@@ -75,10 +76,12 @@ class StageCopies(_Columns):
     """Stage runs cut to the windows they feed: `length` elements of the shard at `src_off` to `win_off` in `window`.
 
     Elements outside every window of their side are never needed, so they are never copied or read.
+    `quant_rank` copies it into its window (on the gather side, from peer `src_rank` when they differ).
     """
 
     side: np.ndarray
     src_rank: np.ndarray
+    quant_rank: np.ndarray
     src: np.ndarray
     wire: np.ndarray
     src_off: np.ndarray
@@ -97,8 +100,19 @@ class QuantTables:
     copies: StageCopies
 
     def sender_pieces(self, rank: int) -> Pieces:
+        """The pieces trainer `rank` quantizes and serves (sender and gather sides)."""
         p = self.pieces
-        return p.take(np.flatnonzero((p.side == SENDER) & (p.src_rank == rank)))
+        return p.take(np.flatnonzero((p.side != RECEIVER) & (p.src_rank == rank)))
+
+    def gathered(self, rank: int) -> np.ndarray:
+        """Rows of `copies` trainer `rank` reads from its peers at every publish (gather side)."""
+        c = self.copies
+        return np.flatnonzero((c.side == GATHER) & (c.quant_rank == rank) & (c.src_rank != rank))
+
+    def gatherers(self, rank: int) -> tuple[int, ...]:
+        """The trainer ranks that read bf16 from trainer `rank` at every publish."""
+        c = self.copies
+        return tuple(sorted(set(c.quant_rank[(c.side == GATHER) & (c.src_rank == rank) & (c.quant_rank != rank)].tolist())))
 
     def region_bytes(self, rank: int) -> tuple[int, int]:
         """(fp8 bytes, scale count) of trainer `rank`'s quantized regions."""
@@ -172,7 +186,7 @@ def _pieces_and_windows(plan: Plan) -> tuple[Pieces, Windows]:
     for i in order.tolist():
         stage, side, rank = int(spans["stage"][i]), int(spans["side"][i]), int(spans["src_rank"][i])
         shape = plan.staging[stage].shape
-        key = (stage, side, rank if side == SENDER else -1)
+        key = (stage, side, rank if side != RECEIVER else -1)
         for piece in _span_pieces(shape, int(spans["first_block"][i]), int(spans["n_blocks"][i])):
             band_lo, band_hi = piece[6], piece[7]
             last = owner_of.get(key)
@@ -190,7 +204,7 @@ def _pieces_and_windows(plan: Plan) -> tuple[Pieces, Windows]:
         lo[j], hi[j] = band_rows(band_lo)[0] * cols_, band_rows(band_hi - 1)[1] * cols_
     size = cols[5] * cols[6]
     fp8_off, scale_off = np.full(len(size), -1, dtype=np.int64), np.full(len(size), -1, dtype=np.int64)
-    sender = cols[1] == SENDER
+    sender = cols[1] != RECEIVER  # one fp8 and one scale region per trainer rank, for both of its sides
     for rank in np.unique(cols[2][sender]).tolist():
         mine = np.flatnonzero(sender & (cols[2] == rank))
         fp8_off[mine] = np.cumsum(size[mine]) - size[mine]
@@ -208,9 +222,9 @@ def _copies(plan: Plan, windows: Windows) -> StageCopies:
     owners = plan.header["src_ranks"] + 1
 
     def key(stage, side, owner):
-        return ((stage * 2 + side) * owners + owner + 1) * numel
+        return ((stage * 3 + side) * owners + owner + 1) * numel  # sides 0, 1, 2
 
-    run_owner = np.where(t["side"] == SENDER, t["src_rank"], -1)
+    run_owner = np.where(t["side"] == RECEIVER, -1, t["quant_rank"])
     run_key = key(t["stage"], t["side"], run_owner)
     win_key = key(windows.stage, windows.side, windows.src_rank)
     order = np.argsort(win_key + windows.lo, kind="stable")
@@ -223,7 +237,8 @@ def _copies(plan: Plan, windows: Windows) -> StageCopies:
     lo = np.maximum(a[run], w_lo[at])
     hi = np.minimum(b[run], w_hi[at])
     window = order[at]
-    return StageCopies(side=t["side"][run], src_rank=t["src_rank"][run], src=t["src"][run], wire=t["wire"][run],
+    return StageCopies(side=t["side"][run], src_rank=t["src_rank"][run], quant_rank=t["quant_rank"][run],
+                       src=t["src"][run], wire=t["wire"][run],
                        src_off=t["src_off"][run] + lo - a[run], stage=t["stage"][run], window=window,
                        win_off=lo - w_lo[at], length=hi - lo)
 
@@ -237,12 +252,12 @@ def _region(plan: Plan, rank: int, source: int, chain: int) -> ServedRegion:
 
 
 def exposed_regions(plan: Plan, tables: QuantTables | None, rank: int) -> tuple[ServedRegion, ...]:
-    """served_regions, then the (source, chain) pairs only receiver-side stage copies read, in a canonical order."""
+    """served_regions, then the (source, chain) pairs only receiver-side stage copies or gathering peers read, in a canonical order."""
     served = served_regions(plan, rank)
     if tables is None:
         return served
     c = tables.copies
-    mine = (c.side == RECEIVER) & (c.src_rank == rank)
+    mine = (c.src_rank == rank) & ((c.side == RECEIVER) | ((c.side == GATHER) & (c.quant_rank != rank)))
     have = {(r.source, r.chain) for r in served}
     extra = sorted(set(zip(c.src[mine].tolist(), c.wire[mine].tolist())) - have)
     return served + tuple(_region(plan, rank, s, w) for s, w in extra)
@@ -299,7 +314,7 @@ def quant_readers(plan: Plan, tables: QuantTables, rank: int) -> tuple[int, ...]
     """The inference ranks that read fp8 bytes, scales or bf16 stage copies from trainer `rank`."""
     c, p = tables.copies, tables.pieces
     stages = set(c.stage[(c.side == RECEIVER) & (c.src_rank == rank)].tolist())
-    stages |= set(p.stage[(p.side == SENDER) & (p.src_rank == rank)].tolist())
+    stages |= set(p.stage[(p.side != RECEIVER) & (p.src_rank == rank)].tolist())
     return tuple(sorted({k for s in stages for k in plan.staging[s].ranks}))
 
 
@@ -308,7 +323,7 @@ def quant_sources(plan: Plan, tables: QuantTables, rank: int) -> tuple[int, ...]
     held = held_stages(plan, rank)
     c, p = tables.copies, tables.pieces
     ranks = set(c.src_rank[(c.side == RECEIVER) & held[c.stage]].tolist())
-    ranks |= set(p.src_rank[(p.side == SENDER) & held[p.stage]].tolist())
+    ranks |= set(p.src_rank[(p.side != RECEIVER) & held[p.stage]].tolist())
     return tuple(sorted(ranks))
 
 

@@ -14,12 +14,12 @@ from .checks import check_tensors, flat_view, named_tensors
 from .errors import PlanMismatchError, SyncError
 from .nixl_agent import NixlAgent
 from .plan_format import Plan
-from .quant_tables import check_supported, exposed_regions, quant_tables, stage_packing
+from .peer_check import checked_regions
+from .quant_tables import check_supported, quant_tables, stage_packing
 from .rank_tables import Reads, held_entries, packing, pipeline_groups, reads_of
 from .receiver_quant import ReceiverQuant
 from .region_digests import byte_view, run_digests
-from .rendezvous import Rendezvous
-from .sender import inference_agent, trainer_agent
+from .rendezvous import Rendezvous, inference_agent, trainer_agent
 
 log = logging.getLogger("weightplan.runtime")
 PROGRESS_EVERY = 5.0  # seconds between progress lines of a long sync
@@ -235,15 +235,7 @@ class Receiver:
         if peer is not None:
             self._drop_peer(peer)
         info = self.rendezvous.get_json(f"trainer/{rank}/info")
-        if info.get("incarnation") != incarnation:
-            raise SyncError(f"trainer rank {rank} restarted after publishing this version; sync a newer one")
-        if info.get("fingerprint") != self.plan.fingerprint:
-            raise PlanMismatchError(f"trainer rank {rank} runs plan {str(info.get('fingerprint'))[:12]}, this rank "
-                                    f"runs {self.plan.fingerprint[:12]}: both sides must load the same plan file")
-        expected = [[r.source, r.chain, r.nbytes] for r in exposed_regions(self.plan, self._qt, rank)]
-        regions = info.get("regions")
-        if not isinstance(regions, list) or [[s, c, n] for s, c, _, n in regions] != expected:
-            raise PlanMismatchError(f"trainer rank {rank} exposes regions that differ from what the plan says it serves")
+        regions = checked_regions(self.plan, self._qt, rank, info, incarnation)
         packed_addr, packed_bytes = info.get("packed", (0, -1))
         if packed_bytes != self._packed_bytes[rank]:
             raise PlanMismatchError(f"trainer rank {rank} packs {packed_bytes} bytes of small runs, this rank expects "
@@ -253,7 +245,7 @@ class Receiver:
         self.agent.add_peer(self.rendezvous.get_bytes(f"trainer/{rank}/metadata/{incarnation}"), name)
         table = self._tables[rank]
         # Negative region indices: -1 the packed small runs, -2 fp8 values, -3 scales, -4 packed stage copies.
-        bases = np.array([a for _, _, a, _ in regions] + quant + [packed_addr], dtype=np.int64)
+        bases = np.array(regions + quant + [packed_addr], dtype=np.int64)
         remote = self.agent.prepare(name, np.stack([bases[table.region] + table.remote_off, table.nbytes], axis=1))
         seq_remote = self.agent.prepare(name, np.array([[int(info["seq"]), 8]]))
         peer = _Peer(rank, incarnation, name, self.agent.make_read(self._seq_local[rank], seq_remote, np.zeros(1)))

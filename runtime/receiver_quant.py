@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .plan_format import RECEIVER, SENDER, Plan
+from .plan_format import RECEIVER, Plan
 from .quant import BLOCK, BlockQuantizer
 from .quant_tables import (FP8_REGION, SCALE_REGION, STAGE_PACKED_REGION, QuantTables, exposed_regions, held_stages,
                            piece_segments, quant_sources, region_index, stage_packing)
@@ -41,7 +41,8 @@ def _empty_reads(dest: np.ndarray, nbytes: np.ndarray) -> Reads:
 class ReceiverQuant:
     """Inference `rank`'s part of a plan's quantization tables, writing into the flat destination views `dst`.
 
-    Sender-side blocks arrive as fp8 values and scales READ straight into the final parameters.
+    Blocks a trainer quantizes (sender and gather sides) arrive as fp8 values and scales READ
+    straight into the final parameters.
     Receiver-side blocks arrive as bf16 in two staging slots: the windows of pipeline group g go to
     slot g % 2, so staging is bounded by the two largest groups' windows (`staging_bytes`), and
     `quantize(g)` runs as group g's post-op while group g + 1 moves.
@@ -75,7 +76,7 @@ class ReceiverQuant:
     def _rows(self, src: int) -> QuantRows:
         t, staging = self.tables, self.plan.staging
         p = t.pieces
-        mine = t.pieces.take(np.flatnonzero((p.side == SENDER) & (p.src_rank == src) & self.held[p.stage]))
+        mine = t.pieces.take(np.flatnonzero((p.side != RECEIVER) & (p.src_rank == src) & self.held[p.stage]))
         piece, dest_off, in_piece, length = piece_segments(mine)
         weight = np.array([e.weight for e in staging], dtype=np.int64)
         scale = np.array([e.scale for e in staging], dtype=np.int64)

@@ -15,6 +15,16 @@ DEFAULT_ADDRESS = "127.0.0.1:29577"
 _JOB = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
+def trainer_agent(job: str, rank: int) -> str:
+    """The NIXL agent name of trainer `rank` in `job`."""
+    return f"{job}.trainer.{rank}"
+
+
+def inference_agent(job: str, rank: int) -> str:
+    """The NIXL agent name of inference `rank` in `job`."""
+    return f"{job}.inference.{rank}"
+
+
 def check_job(job: str) -> str:
     if not isinstance(job, str) or not _JOB.match(job):
         raise WeightplanError(f"job id {job!r} must be 1-64 characters of letters, digits, '_', '.', '-'")

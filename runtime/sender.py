@@ -13,25 +13,19 @@ import torch
 
 from .casts import cast_along
 from .checks import check_tensors, flat_view, named_tensors
+from .errors import SyncError
 from .gather import Gather
 from .nixl_agent import NixlAgent
-from .plan_format import SENDER, Plan
+from .plan_format import RECEIVER, Plan
 from .quant_tables import check_supported, exposed_regions, quant_readers, quant_tables
 from .rank_tables import check_src_rank, packing, readers, served_runs
 from .region_digests import byte_view, run_digests
-from .rendezvous import Rendezvous
+from .rendezvous import Rendezvous, inference_agent, trainer_agent
 from .sender_quant import SenderQuant
+from .trainer_gather import TrainerGather, gathered_key, staged_key
 
 log = logging.getLogger("weightplan.runtime")
 _MESSAGE = re.compile(r"^(begin|ack|fail):(\d+)$")
-
-
-def trainer_agent(job: str, rank: int) -> str:
-    return f"{job}.trainer.{rank}"
-
-
-def inference_agent(job: str, rank: int) -> str:
-    return f"{job}.inference.{rank}"
 
 
 @dataclass(frozen=True)
@@ -43,6 +37,7 @@ class ReleaseReport:
     failed: tuple[int, ...]
     timed_out: tuple[int, ...]
     seconds: float
+    gatherers_timed_out: tuple[int, ...] = ()  # peer trainer ranks that had not finished their gather-side READs
 
 
 class Sender:
@@ -51,9 +46,11 @@ class Sender:
     Sources whose wire dtype is their own are exposed in place (zero copy): after `publish(v)` the
     trainer must call `release(v)` before changing them. Cast sources (e.g. fp32 masters sent as
     bf16) are staged at `publish`. With fp8 tables, `publish` also quantizes the blocks this rank
-    alone holds into registered fp8 and scale regions (runtime/sender_quant.py). A sequence word in
-    registered memory lets receivers detect bytes that changed while they read (seqlock: 2v while
-    v is stable, odd otherwise).
+    alone holds into registered fp8 and scale regions (runtime/sender_quant.py), and the gather-side
+    blocks it quantizes for several ranks after READing their peers' bf16 (runtime/trainer_gather.py):
+    every trainer rank of such a plan must call `publish(v)` at about the same time, since each waits
+    for the peers it gathers from. A sequence word in registered memory lets receivers and gathering
+    peers detect bytes that changed while they read (seqlock: 2v while v is stable, odd otherwise).
     """
 
     def __init__(self, plan: Plan, rank: int, tensors, *, rendezvous: Rendezvous, timeout: float = 60.0,
@@ -64,8 +61,9 @@ class Sender:
         self.plan, self.rank, self.rendezvous, self.timeout, self.digests = plan, rank, rendezvous, timeout, digests
         tables = quant_tables(plan) if plan.staging else None
         self.regions = exposed_regions(plan, tables, rank)
-        # Sources this rank quantizes from (sender-side stage runs) are read locally, never exposed.
-        local = sorted(set(tables.copies.src[(tables.copies.side == SENDER) & (tables.copies.src_rank == rank)].tolist())
+        # Sources this rank quantizes from itself are read locally; they are exposed only if others read them.
+        c = tables.copies if tables else None
+        local = sorted(set(c.src[(c.side != RECEIVER) & (c.src_rank == rank) & (c.quant_rank == rank)].tolist())
                        if tables else set())
         given = named_tensors(tensors)
         expected = {plan.sources[s].name: (plan.local_shape(s, rank), plan.sources[s].dtype)
@@ -86,12 +84,17 @@ class Sender:
         at = np.searchsorted(served.run, self.packing.run)
         self._pack = Gather(self._exposed, self._packed, served.region[at], served.src_byte[at], served.nbytes[at],
                             self.packing.packed_byte, self.packing.unit)
-        self._quant = SenderQuant(plan, rank, tables, self.regions, self._exposed, flat) if tables else None
+        self._gather = TrainerGather(plan, rank, tables) if tables is not None and len(tables.gathered(rank)) else None
+        self.gatherers = tables.gatherers(rank) if tables else ()  # peer trainer ranks reading this rank's bf16
+        self._quant = (SenderQuant(plan, rank, tables, self.regions, self._exposed, flat,
+                                   *((self._gather.buffer, self._gather.offset) if self._gather else ()))
+                       if tables else None)
         self._seq = torch.ones(1, dtype=torch.int64)  # odd: nothing published yet
         self.readers = tuple(sorted(set(readers(plan, rank)) | set(quant_readers(plan, tables, rank) if tables else ())))
         self.incarnation = uuid.uuid4().hex
         self.agent = NixlAgent(trainer_agent(rendezvous.job, rank), progress_thread)
-        self.agent.register(self._exposed + [self._packed, self._seq] + (self._quant.registered if self._quant else []))
+        self.agent.register(self._exposed + [self._packed, self._seq] + (self._quant.registered if self._quant else [])
+                            + (self._gather.registered if self._gather else []))
         self._live: set[int] = set()  # inference ranks whose acknowledgement release() waits for
         self._joined: dict[int, str] = {}
         self._given_up: dict[int, str | None] = {}
@@ -99,6 +102,7 @@ class Sender:
         self._pending: int | None = None
         self.digest_seconds = 0.0
         self.quantize_seconds = 0.0
+        self.gather_seconds = 0.0
         rendezvous.put(f"trainer/{rank}/metadata/{self.incarnation}", self.agent.metadata())
         rendezvous.put(f"trainer/{rank}/info", {
             "fingerprint": plan.fingerprint,
@@ -120,7 +124,11 @@ class Sender:
         return sum(r.nbytes for r in self.regions if r.staged) + self.packing.nbytes + quant
 
     def publish(self, version: int) -> None:
-        """Stage this rank's bytes for `version` and announce it. Releases the previous version first."""
+        """Stage this rank's bytes for `version` and announce it. Releases the previous version first.
+
+        With gather-side blocks this waits for the peers it gathers from to stage `version` too; a
+        SyncError then leaves the version unannounced (its receivers time out and keep no mixed bytes).
+        """
         if version < 1:
             raise ValueError(f"versions start at 1, got {version}")
         if self._pending is not None:
@@ -131,6 +139,18 @@ class Sender:
                 if region.staged:
                     out.copy_(cast_along(src, self.plan.cast_chains[region.chain]))
             self._pack()
+        # The exposed bf16 is final for this version; receivers still wait for the version key below,
+        # and fp8 regions rewritten from here on are read only after it.
+        self._seq.fill_(2 * version)
+        if self.gatherers:
+            self.rendezvous.put(staged_key(self.rank, version), self.incarnation.encode())
+        if self._gather is not None:
+            try:
+                self.gather_seconds = self._gather.fetch(self.agent, self.rendezvous, version,
+                                                         time.monotonic() + self.timeout)
+            except SyncError:
+                self._seq.fill_(2 * version + 1)
+                raise
         if self._quant is not None:
             self.quantize_seconds = self._quant.publish()
         if self.digests:
@@ -142,16 +162,15 @@ class Sender:
                 found.update(self._quant.digests(self._exposed))
             self.rendezvous.put(f"trainer/{self.rank}/digests/{version}", found)
             self.digest_seconds = time.perf_counter() - began
-        self._seq.fill_(2 * version)
         self._pending = version
         self.rendezvous.put(f"trainer/{self.rank}/version/{version}", self.incarnation.encode())
 
     def release(self, version: int, timeout: float | None = None) -> ReleaseReport:
-        """Wait until the joined inference ranks finished reading `version` (or the timeout), then retire it.
+        """Wait until the joined inference ranks and gathering peers finished reading `version` (or the timeout), then retire it.
 
-        After this returns the trainer may change its tensors: a receiver still reading sees the
-        sequence word move and fails its sync instead of keeping mixed bytes. A rank that does not
-        answer in time is not waited for again until it talks or rejoins as a new process.
+        After this returns the trainer may change its tensors: a receiver or peer still reading sees
+        the sequence word move and fails instead of keeping mixed bytes. An inference rank that does
+        not answer in time is not waited for again until it talks or rejoins as a new process.
         """
         start = time.monotonic()
         deadline = start + (self.timeout if timeout is None else timeout)
@@ -164,7 +183,8 @@ class Sender:
                     done[rank] = kind
             self._inbox = [m for m in self._inbox if m[2] > version]
             waiting = self._live - set(done)
-            if not waiting or time.monotonic() > deadline:
+            gathering = [g for g in self.gatherers if not self.rendezvous.exists(gathered_key(g, version))]
+            if (not waiting and not gathering) or time.monotonic() > deadline:
                 break
             time.sleep(0.001)
         self._seq.fill_(2 * version + 1)
@@ -175,10 +195,13 @@ class Sender:
             self._given_up[rank] = self._joined.get(rank)
         report = ReleaseReport(version, tuple(sorted(k for k, s in done.items() if s == "ack")),
                                tuple(sorted(k for k, s in done.items() if s == "fail")), tuple(sorted(waiting)),
-                               time.monotonic() - start)
+                               time.monotonic() - start, tuple(gathering))
         if report.timed_out:
             log.warning("trainer rank %d: version %d not acknowledged by inference ranks %s within the timeout",
                         self.rank, version, list(report.timed_out))
+        if report.gatherers_timed_out:
+            log.warning("trainer rank %d: trainer ranks %s had not gathered version %d within the timeout; they will "
+                        "fail that version", self.rank, list(report.gatherers_timed_out), version)
         return report
 
     def _refresh_joined(self) -> None:

@@ -1,4 +1,4 @@
-"""The trainer's fp8 work at publish: its own bf16 into an arena, its blocks quantized into registered fp8 + scale regions."""
+"""The trainer's fp8 work at publish: its own and gathered bf16 into an arena, its blocks quantized into registered fp8 + scale regions."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from .casts import cast_along
 from .gather import Gather, index_ranges
-from .plan_format import SENDER, Plan
+from .plan_format import RECEIVER, Plan
 from .quant import BLOCK, BlockQuantizer
 from .quant_tables import QuantTables, region_index, served_copies, stage_packing
 from .rank_tables import ServedRegion
@@ -18,21 +18,33 @@ from .region_digests import byte_view, digests
 # Stage copies shorter than this (elements) are gathered with one index_copy_ per source: a Python
 # slice copy per run costs microseconds, which thousands of per-row runs (TP column slices) add up.
 SMALL_COPY = 4096
+GATHERED = -1  # source key of the buffer holding the bf16 read from peer trainer ranks (runtime/trainer_gather.py)
+BF16 = ("bfloat16",)
 
 
 class SenderQuant:
     """Trainer `rank`'s part of a plan's quantization tables.
 
     At every publish it packs the small receiver-side stage copies (bf16, read from the exposed
-    regions) and, window by window, copies its sender-side stage runs from its own shards into
-    one reused bf16 arena (or uses the shard in place when a window is one uncast run) and
-    quantizes its pieces into `fp8` and `scales`: each piece's values row-major, so a piece of
-    whole block rows is one contiguous READ for the receivers, and its scales contiguous.
+    regions) and, window by window, copies its sender- and gather-side stage runs from its own
+    shards or from `gathered` (copy i of tables.gathered(rank) at element gathered_at[i]) into one
+    reused bf16 arena (or uses the source in place when a window is one uncast run) and quantizes
+    its pieces into `fp8` and `scales`: each piece's values row-major, so a piece of whole block
+    rows is one contiguous READ for the receivers, and its scales contiguous.
     """
 
     def __init__(self, plan: Plan, rank: int, tables: QuantTables, regions: tuple[ServedRegion, ...],
-                 exposed: list[torch.Tensor], sources: dict[int, torch.Tensor]):
+                 exposed: list[torch.Tensor], sources: dict[int, torch.Tensor],
+                 gathered: torch.Tensor | None = None, gathered_at: np.ndarray | None = None):
         self.plan, self.rank, self.tables = plan, rank, tables
+        c = tables.copies
+        # Where each copy's bf16 is read from: its source shard, or the gather buffer (already in bf16).
+        self._src, self._src_off, self._chain = c.src.copy(), c.src_off.copy(), c.wire.copy()
+        remote = tables.gathered(rank)
+        self._src[remote], self._chain[remote] = GATHERED, -1
+        if len(remote):
+            self._src_off[remote] = gathered_at
+            sources = {**sources, GATHERED: gathered}
         self.pieces = tables.sender_pieces(rank)
         fp8_bytes, n_scales = tables.region_bytes(rank)
         self.fp8 = torch.zeros(fp8_bytes, dtype=torch.uint8)
@@ -59,8 +71,8 @@ class SenderQuant:
     def _plan_windows(self, sources: dict[int, torch.Tensor]) -> list:
         """Per window: (zero the arena first?, slice copies, gathers, [(input, values, scales) views per piece])."""
         w, c = self.tables.windows, self.tables.copies
-        mine = np.flatnonzero((w.side == SENDER) & (w.src_rank == self.rank))
-        copies = np.flatnonzero((c.side == SENDER) & (c.src_rank == self.rank))
+        mine = np.flatnonzero((w.side != RECEIVER) & (w.src_rank == self.rank))
+        copies = np.flatnonzero((c.side != RECEIVER) & (c.quant_rank == self.rank))
         self.arena = torch.empty(int(w.numel[mine].max(initial=0)), dtype=torch.bfloat16)
         fp8 = self.fp8.view(torch.float8_e4m3fn)
         p = self.pieces
@@ -71,11 +83,10 @@ class SenderQuant:
         steps = []
         for j, window in enumerate(mine.tolist()):
             rows = copies[copy_at[0][j] : copy_at[1][j]]
-            chains = [self.plan.cast_chains[i] for i in c.wire[rows].tolist()]
-            in_place = (len(rows) == 1 and len(chains[0]) == 1 and c.win_off[rows[0]] == 0
+            in_place = (len(rows) == 1 and len(self._cast_chain(rows[0])) == 1 and c.win_off[rows[0]] == 0
                         and c.length[rows[0]] == w.numel[window])
-            if in_place:  # the shard already holds the window's bf16 elements in order
-                base, shift, slices, gathers = sources[int(c.src[rows[0]])], int(c.src_off[rows[0]]), [], []
+            if in_place:  # the shard (or gather buffer) already holds the window's bf16 elements in order
+                base, shift, slices, gathers = sources[int(self._src[rows[0]])], int(self._src_off[rows[0]]), [], []
             else:
                 base, shift = self.arena, 0
                 slices, gathers = self._fills(sources, rows)
@@ -92,19 +103,22 @@ class SenderQuant:
             steps.append((zero, slices, gathers, views))
         return steps
 
+    def _cast_chain(self, copy: int) -> tuple[str, ...]:
+        return BF16 if self._chain[copy] < 0 else self.plan.cast_chains[int(self._chain[copy])]
+
     def _fills(self, sources: dict[int, torch.Tensor], rows: np.ndarray):
-        c = self.tables.copies
+        c, key, off_of, chain_of = self.tables.copies, self._src, self._src_off, self._chain
         big = rows[c.length[rows] >= SMALL_COPY]
         slices = []
         for i in big.tolist():
-            src, off, n, at = sources[int(c.src[i])], int(c.src_off[i]), int(c.length[i]), int(c.win_off[i])
-            slices.append((self.arena[at : at + n], src[off : off + n], self.plan.cast_chains[int(c.wire[i])]))
+            src, off, n, at = sources[int(key[i])], int(off_of[i]), int(c.length[i]), int(c.win_off[i])
+            slices.append((self.arena[at : at + n], src[off : off + n], self._cast_chain(i)))
         small = rows[c.length[rows] < SMALL_COPY]
         gathers = []
-        for src, wire in sorted(set(zip(c.src[small].tolist(), c.wire[small].tolist()))):
-            sel = small[(c.src[small] == src) & (c.wire[small] == wire)]
-            gathers.append((sources[src], self.plan.cast_chains[wire],
-                            torch.from_numpy(index_ranges(c.src_off[sel], c.length[sel])),
+        for src, chain in sorted(set(zip(key[small].tolist(), chain_of[small].tolist()))):
+            sel = small[(key[small] == src) & (chain_of[small] == chain)]
+            gathers.append((sources[src], self._cast_chain(sel[0]),
+                            torch.from_numpy(index_ranges(off_of[sel], c.length[sel])),
                             torch.from_numpy(index_ranges(c.win_off[sel], c.length[sel]))))
         return slices, gathers
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
 
-from weightplan.runtime import PlanMismatchError, Receiver, Sender, SyncError, execute_local, load_plan
-from weightplan.runtime.plan_format import SENDER
+from weightplan.runtime import PlanMismatchError, Receiver, Rendezvous, Sender, SyncError, execute_local, load_plan
+from weightplan.runtime.plan_format import GATHER, SENDER
 
 from .runtime_worker import byte_equal, full_weights, plain_destination, shard
 from .test_fp8_differential import CASES
@@ -29,12 +30,20 @@ def _world(plan, rendezvous, **receiver_kwargs):
     full = full_weights(plan, 0, 1)
     tensors = {r: shard(plan, full, r) for r in range(plan.header["src_ranks"])}
     # Both ends in one process: the targets need NIXL's progress thread.
-    senders = [Sender(plan, r, tensors[r], rendezvous=rendezvous, timeout=10, digests=True, progress_thread=True)
+    # One store client per trainer, as in separate processes: a client blocked in wait() serves no other thread.
+    senders = [Sender(plan, r, tensors[r], rendezvous=Rendezvous.connect(rendezvous.job, rendezvous.address), timeout=10,
+                      digests=True, progress_thread=True)
                for r in range(plan.header["src_ranks"])]
     destinations = {k: plain_destination(plan, k) for k in range(plan.header["dst_ranks"])}
     receivers = [Receiver(plan, k, destinations[k], rendezvous=rendezvous, timeout=10, **receiver_kwargs)
                  for k in destinations]
     return tensors, senders, destinations, receivers
+
+
+def _publish_all(senders, version):
+    """Every trainer publishes at once, as trainer processes do: gathering ranks wait for the peers they read."""
+    with ThreadPoolExecutor(len(senders)) as pool:
+        list(pool.map(lambda sender: sender.publish(version), senders))
 
 
 def _step(plan, tensors, version):
@@ -65,8 +74,7 @@ def test_fp8_syncs_equal_the_host_executor(fp8_plan, rendezvous, case, group_byt
     for version in (1, 2):
         if version > 1:
             _step(plan, tensors, version)
-        for sender in senders:
-            sender.publish(version)
+        _publish_all(senders, version)
         reports = [receiver.sync(version) for receiver in receivers]
         assert all(r.version == version and r.verify_seconds is not None for r in reports)
         _assert_equal_to_host(plan, destinations, version)
@@ -95,16 +103,14 @@ def test_one_changed_fp8_byte_scale_or_staged_value_fails_verification(fp8_plan,
         (lambda s: s._quant.stage_packed, r"\(bf16 staging\) \(from trainer rank 0\)"),
     ]
     for version, (region, message) in enumerate(corruptions, start=1):
-        for sender in senders:
-            sender.publish(version)
+        _publish_all(senders, version)
         region(senders[0])[0] ^= 0x01  # after publish: the sender hashed the bytes before this flip
         with pytest.raises(SyncError, match=f"verification failed for 1 regions, e.g. .*{message}"):
             receiver.sync(version)
         assert receiver.version is None
     version = len(corruptions) + 1
     _step(plan, tensors, version)
-    for sender in senders:
-        sender.publish(version)
+    _publish_all(senders, version)
     receiver.sync(version)  # a later sync restores consistent weights (staging left dirty is cleared)
     assert receiver.version == version
     _assert_equal_to_host(plan, destinations, version)
@@ -116,8 +122,7 @@ def test_a_trainer_exposing_other_fp8_regions_is_refused(fp8_plan, rendezvous):
     info = rendezvous.get_json("trainer/1/info")
     info["quant"]["fp8"][1] += 128
     rendezvous.put("trainer/1/info", info)
-    for sender in senders:
-        sender.publish(1)
+    _publish_all(senders, 1)
     with pytest.raises(PlanMismatchError, match="trainer rank 1 exposes fp8 regions"):
         receivers[0].sync(1)
     assert receivers[0].version is None
@@ -167,3 +172,29 @@ def test_receivers_read_only_what_they_quantize(fp8_plan):
         sender = c.side == SENDER
         window_owner = tables.windows.src_rank[c.window]
         assert np.array_equal(window_owner[sender], c.src_rank[sender]), "a sender window is fed only by its own rank"
+
+
+def test_gathering_checks_that_its_peers_hold_the_version_stable(fp8_plan, rendezvous):
+    """DeepSeek-V3 under TP=2: q_a/kv_a are replicated on both inference ranks, so their blocks across the
+    two trainer shards are gathered. A peer announcing `staged` while its sequence word says otherwise, or a
+    peer that never stages, fails the gathering rank's publish, which then announces nothing."""
+    plan = fp8_plan("deepseek")
+    tensors, senders, destinations, receivers = _world(plan, rendezvous)
+    gathering = [s for s in senders if s._gather is not None]
+    assert gathering and (plan.spans["side"] == GATHER).any()
+    gatherer = gathering[0]
+    for peer in gatherer._gather.peers:  # claims to have staged version 1, but its sequence word is still odd
+        rendezvous.put(f"trainer/{peer}/staged/1", senders[peer].incarnation.encode())
+    with pytest.raises(SyncError, match=r"trainer rank \d no longer holds version 1 stable"):
+        gatherer.publish(1)
+    assert not rendezvous.exists(f"trainer/{gatherer.rank}/version/1")
+    gatherer.timeout = 0.5
+    with pytest.raises(SyncError, match=r"gather-side bf16 of version 2 from trainer ranks \[\d\]: not published within"):
+        gatherer.publish(2)
+    assert not rendezvous.exists(f"trainer/{gatherer.rank}/version/2")
+    # All trainers publishing together then works, and the replicated blocks equal the host executor's.
+    _step(plan, tensors, 3)
+    _publish_all(senders, 3)
+    for receiver in receivers:
+        receiver.sync(3)
+    _assert_equal_to_host(plan, destinations, 3)

@@ -1,0 +1,21 @@
+"""What a reader checks of a trainer rank's published info before loading its agent: incarnation, plan, regions."""
+
+from __future__ import annotations
+
+from .errors import PlanMismatchError, SyncError
+from .plan_format import Plan
+from .quant_tables import QuantTables, exposed_regions
+
+
+def checked_regions(plan: Plan, tables: QuantTables | None, rank: int, info: dict, incarnation: str) -> list[int]:
+    """Addresses of trainer `rank`'s exposed regions, once its info names this incarnation, this plan and its regions."""
+    if info.get("incarnation") != incarnation:
+        raise SyncError(f"trainer rank {rank} restarted after publishing this version; sync a newer one")
+    if info.get("fingerprint") != plan.fingerprint:
+        raise PlanMismatchError(f"trainer rank {rank} runs plan {str(info.get('fingerprint'))[:12]}, this rank "
+                                f"runs {plan.fingerprint[:12]}: both sides must load the same plan file")
+    expected = [[r.source, r.chain, r.nbytes] for r in exposed_regions(plan, tables, rank)]
+    regions = info.get("regions")
+    if not isinstance(regions, list) or [[s, c, n] for s, c, _, n in regions] != expected:
+        raise PlanMismatchError(f"trainer rank {rank} exposes regions that differ from what the plan says it serves")
+    return [int(a) for _, _, a, _ in regions]
