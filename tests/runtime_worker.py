@@ -81,7 +81,8 @@ def run_trainer(args, plan) -> None:
         emit(event="published", rank=args.rank, version=version)
         report = sender.release(version)
         emit(event="released", rank=args.rank, version=version, acked=list(report.acked), failed=list(report.failed),
-             timed_out=list(report.timed_out), seconds=report.seconds)
+             timed_out=list(report.timed_out), gatherers_timed_out=list(report.gatherers_timed_out), seconds=report.seconds,
+             gather_seconds=sender.gather_seconds, quantize_seconds=sender.quantize_seconds)
     if args.linger:
         time.sleep(args.linger)
 
