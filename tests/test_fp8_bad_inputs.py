@@ -44,7 +44,7 @@ def _tiny_fp8_plan_bytes(staging_rows, stage, spans) -> bytes:
                        {c: np.array(v, dtype=np.int64) for c, v in zip(SPAN_COLUMNS, spans)})
 
 
-GOOD_STAGE = ([0], [0], [0], [0], [0], [0], [256 * 128], [0])  # side, src_rank, src, src_off, stage, stage_off, length, wire
+GOOD_STAGE = ([0], [0], [0], [0], [0], [0], [0], [256 * 128], [0])  # side, src_rank, quant_rank, src, src_off, stage, stage_off, length, wire
 GOOD_SPANS = ([0], [0], [2], [0], [0])  # stage, first_block, n_blocks, side, src_rank
 STAGING = [["l.weight", [256, 128], "bfloat16", [0], 0, 1]]
 
@@ -56,10 +56,14 @@ def test_a_well_formed_fp8_plan_decodes():
 
 @pytest.mark.parametrize("stage,spans,staging,message", [
     (GOOD_STAGE, ([0], [1], [2], [0], [0]), STAGING, "past its tensor's last block"),
-    (GOOD_STAGE, ([0], [0], [2], [2], [0]), STAGING, "side other than 0"),
-    (GOOD_STAGE, ([0], [0], [2], [0], [-1]), STAGING, "sender-side block span names no valid trainer rank"),
-    (([1], [0], [0], [0], [0], [1], [256 * 128], [0]), GOOD_SPANS, STAGING, "outside its staging tensor"),
-    (([1], [0], [0], [5], [0], [0], [256 * 128], [0]), GOOD_SPANS, STAGING, "outside its source shard"),
+    (GOOD_STAGE, ([0], [0], [2], [3], [0]), STAGING, "side other than 0"),
+    (GOOD_STAGE, ([0], [0], [2], [0], [-1]), STAGING, "sender- or gather-side block span names no valid trainer rank"),
+    (GOOD_STAGE, ([0], [0], [2], [2], [1]), STAGING, "sender- or gather-side block span names no valid trainer rank"),
+    (([1], [0], [-1], [0], [0], [0], [1], [256 * 128], [0]), GOOD_SPANS, STAGING, "outside its staging tensor"),
+    (([1], [0], [-1], [0], [5], [0], [0], [256 * 128], [0]), GOOD_SPANS, STAGING, "outside its source shard"),
+    (([0], [0], [-1], [0], [0], [0], [0], [256 * 128], [0]), GOOD_SPANS, STAGING, "quant_rank is not its own rank"),
+    (([1], [0], [0], [0], [0], [0], [0], [256 * 128], [0]), GOOD_SPANS, STAGING, "quant_rank is not its own rank"),
+    (([2], [0], [1], [0], [0], [0], [0], [256 * 128], [0]), GOOD_SPANS, STAGING, "a valid trainer rank \\(gather side\\)"),
     (GOOD_STAGE, GOOD_SPANS, [["l.weight", [256, 128], "bfloat16", [0], 0, 7]], "names a destination outside the table"),
 ])
 def test_corrupted_fp8_tables_are_refused(stage, spans, staging, message):
