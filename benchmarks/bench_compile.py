@@ -58,7 +58,9 @@ def worker(spec: dict, output: str) -> None:
                       "compiled_at": compiled_at, "compiled_cpu": compiled_cpu,
                       "plan": str(name), "identical_to_checked_in": checked_in.read_bytes() == Path(output).read_bytes() if checked_in.exists() else None,
                       "wire_bytes": summary["wire_bytes"], "dst_bytes": summary["dst_bytes"],
-                      "sender_quantized_fraction": summary["sender_quantized_fraction"]}))
+                      "sender_quantized_fraction": summary["sender_quantized_fraction"],
+                      "gather_quantized_fraction": summary["gather_quantized_fraction"],
+                      "gather_bytes": summary["gather_bytes"]}))
 
 
 def run(spec: dict, out_dir: Path) -> dict:
@@ -107,14 +109,17 @@ def run(spec: dict, out_dir: Path) -> dict:
         "identical_to_checked_in": r["identical_to_checked_in"],
         "wire_over_dst": round(r["wire_bytes"] / r["dst_bytes"], 4),
         "sender_quantized_fraction": round(r["sender_quantized_fraction"], 4),
+        "gather_quantized_fraction": round(r["gather_quantized_fraction"], 4),
+        "gather_over_dst": round(r["gather_bytes"] / r["dst_bytes"], 4),
     }
 
 
 def _quant(row: dict) -> str:
     if not row["post_load_traces"]:
         return ""
-    return (f"wire/dst {row['wire_over_dst']}, sender_quantized_fraction {row['sender_quantized_fraction']}, "
-            f"{row['post_load_traces']} post-load traces; ")
+    return (f"wire/dst {row['wire_over_dst']} (of which between trainer ranks {row['gather_over_dst']}), "
+            f"sender_quantized_fraction {row['sender_quantized_fraction']}, gather_quantized_fraction "
+            f"{row['gather_quantized_fraction']}, {row['post_load_traces']} post-load traces; ")
 
 
 def _identity(row: dict) -> str:
