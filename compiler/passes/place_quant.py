@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 
 from ...runtime.plan_format import SPAN_COLUMNS, STAGE_COLUMNS
-from ...runtime.quant import block_grid
+from ...runtime.quant import BLOCK, block_grid
 from ..ir import Program, QuantPlacement, Runs, TensorSpec
 from .quant_blocks import BlockGrids, block_intervals, block_ranges
 
@@ -19,7 +19,7 @@ def place_quant(program: Program) -> Program:
     A block whose written elements all come from one trainer rank is quantized by that rank
     (side 0) from stage runs that rank executes locally. A block written by several trainer ranks
     of a tensor that several inference ranks hold is quantized by one of its writers (side 2), which
-    reads the others' bf16 once; its block row decides which. Any other block (one holder, or no
+    reads the others' bf16 once; the least loaded writer of its block row so far. Any other block (one holder, or no
     written element: all padding) is quantized by every receiver holding the tensor (side 1) from
     bf16 it pulls. A run is listed once per (side, quantizing rank) of the blocks it feeds.
     """
@@ -69,7 +69,7 @@ def _place(grids: BlockGrids, stage: np.ndarray, runs, holders: np.ndarray) -> t
     seg = _segments(grids, lo, hi, rank, np.zeros(0, dtype=np.int64))
     seg = _segments(grids, lo, hi, rank, _band_cuts(grids, seg, holders))  # gathered segments: one block row each
     gathered = seg.multi & (holders[seg.stage] >= 2)
-    gatherer, pair_item, pair_seg = _gatherers(grids, seg, gathered, item, rank)
+    gatherer, pair_item, pair_seg = _gatherers(grids, seg, gathered, item, rank, holders)
     side = np.where(seg.owner >= 0, QuantPlacement.SENDER, np.where(gathered, QuantPlacement.GATHER, QuantPlacement.RECEIVER))
     quant_rank = np.where(seg.owner >= 0, seg.owner, gatherer)
     # Spans: runs of segments with one side and quantizing rank within one tensor.
@@ -156,8 +156,8 @@ def _band_cuts(grids: BlockGrids, seg: _Segments, holders: np.ndarray) -> np.nda
     return grids.base[stage] + band * grids.nbc[stage]
 
 
-def _gatherers(grids: BlockGrids, seg: _Segments, gathered: np.ndarray, item, rank):
-    """The trainer rank gathering each gathered segment (one per block row, rotating among its writers).
+def _gatherers(grids: BlockGrids, seg: _Segments, gathered: np.ndarray, item, rank, holders: np.ndarray):
+    """The trainer rank gathering each gathered segment: per block row, the least loaded of its writers so far.
 
     Returns (gatherer per segment, -1 elsewhere; and the (interval item, segment) pairs that write gathered segments).
     """
@@ -172,11 +172,27 @@ def _gatherers(grids: BlockGrids, seg: _Segments, gathered: np.ndarray, item, ra
     stage = seg.stage[pair_seg]
     row = band_base[stage] + _band(grids, seg.bounds[pair_seg], stage)
     writers = np.unique(np.stack([row, rank[interval]], axis=1).reshape(-1, 2), axis=0)
-    rows, start, k = np.unique(writers[:, 0], return_index=True, return_counts=True)
-    pick = writers[start + rows % k, 1]  # rotate by block row so gathering spreads over the writers
+    rows, start, count = np.unique(writers[:, 0], return_index=True, return_counts=True)
+    # What gathering a block row costs its gatherer: serving its fp8 bytes to every holder.
+    row_stage = np.searchsorted(band_base, rows, side="right") - 1
+    band = rows - band_base[row_stage]
+    height = np.minimum(BLOCK, grids.rows[row_stage] - band % grids.nbr[row_stage] * BLOCK)
+    pick = _least_loaded(writers[:, 1], start, count, height * grids.cols[row_stage] * holders[row_stage])
     gatherer = np.full(len(gathered), -1, dtype=np.int64)
     gatherer[pair_seg] = pick[np.searchsorted(rows, row)]
     return gatherer, item[interval], pair_seg
+
+
+def _least_loaded(ranks: np.ndarray, start: np.ndarray, count: np.ndarray, cost: np.ndarray) -> np.ndarray:
+    """Greedy, in order: each item goes to the least loaded of its candidates ranks[start:start + count] (ties: lowest rank)."""
+    load = np.zeros(int(ranks.max(initial=-1)) + 1, dtype=np.int64).tolist()
+    candidates = ranks.tolist()
+    pick = []
+    for s, k, c in zip(start.tolist(), count.tolist(), cost.tolist()):
+        best = min(candidates[s : s + k], key=load.__getitem__)
+        load[best] += c
+        pick.append(best)
+    return np.array(pick, dtype=np.int64)
 
 
 def block_owners(shape: tuple[int, ...], offs, lengths, ranks) -> np.ndarray:
