@@ -159,8 +159,9 @@ def main() -> None:
         else:
             model = None
             destination = {e.name: torch.zeros(e.shape, dtype=getattr(torch, e.dtype)) for e in plan.dests if args.rank in e.ranks}
+        # A vLLM model gets its derived MLA state recomputed after every sync; plain tensors have none to recompute.
         receiver = Receiver(plan, args.rank, model if model is not None else destination, rendezvous=rendezvous,
-                            timeout=120, verify=args.verify)
+                            timeout=120, verify=args.verify, derived="refresh" if model is not None else "caller")
         emit(event="joined", rank=args.rank, bytes=receiver.bytes, descriptors=receiver.descriptors,
              destination_bytes=receiver.destination_bytes, staging_bytes=receiver.staging_bytes)
     rendezvous.put(f"bench/ready/{args.role}/{args.rank}", b"1")
@@ -194,7 +195,7 @@ def main() -> None:
             emit(round="sync", rep=rep, role="inference", rank=args.rank, start=end - report.seconds, end=end,
                  bytes=report.bytes, descriptors=report.descriptors, seconds=report.seconds,
                  verify_seconds=report.verify_seconds, quantize_seconds=report.quantize_seconds,
-                 destination_bytes=receiver.destination_bytes)
+                 derived_seconds=report.derived_seconds, destination_bytes=receiver.destination_bytes)
             if model is not None and rep == args.repeats:
                 from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
 

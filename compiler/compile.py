@@ -123,7 +123,7 @@ def _compile(opts: CompileOptions, log) -> CompileResult:
     })
     split = run_passes(program, start_at="split_shards", stop_before="coalesce")
     runs_before = len(split.runs)
-    found, derived = (quant_hooks.found, quant_hooks.derived) if quant_hooks else ({}, [])
+    found, derived = (quant_hooks.found, quant_hooks.derived) if quant_hooks else ({}, ranks.derived or [])
     # Runs into quantized tensors become stage runs (their own table), not descriptors: bound the rest.
     posted = np.array([spec.name not in found for spec in split.dests] or [True])[split.runs.dest]
     lower_bound = descriptors_lower_bound(split.runs.take(np.flatnonzero(posted)), split.dests)

@@ -69,9 +69,9 @@ def hooks(quant: str) -> QuantHooks | None:
 
 
 def finish(quant: str, program: Program, found: dict, derived: list) -> tuple[Program, Coverage]:
-    """Check coverage and, with fp8, place every block's quantization; returns the program to write."""
+    """Check coverage and, with fp8, place every block's quantization; returns the program to write, listing `derived`."""
     if quant == "none":
-        return program, verify(program)
+        return dataclasses.replace(program, meta=dict(program.meta, derived=derived)), verify(program)
     coverage = verify(program, require_full_coverage=False)
     stray = [name for name in coverage.uncovered if name not in found]
     if stray:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from .checks import check_tensors, flat_view, named_tensors
+from .derived import DerivedRefresh
 from .errors import PlanMismatchError, SyncError
 from .nixl_agent import NixlAgent
 from .plan_format import Plan
@@ -42,6 +43,7 @@ class SyncReport:
     seconds: float
     verify_seconds: float | None
     quantize_seconds: float = 0.0  # receiver-side fp8 quantization, inside `seconds`
+    derived_seconds: float = 0.0  # recomputing derived post-load state (runtime/derived.py), inside `seconds`
 
     @property
     def gbps(self) -> float:
@@ -102,11 +104,15 @@ class Receiver:
     pipeline group: group k+1 moves while the post-ops of group k run. Post-ops are the digest
     check (`verify`), quantizing this rank's own fp8 blocks (plans with fp8 tables; see
     runtime/receiver_quant.py) and `post_op(names)`, called with the destination names each group
-    completed, in that order.
+    completed, in that order. After the last group, the derived post-load state the plan lists
+    (MLA's absorbed `W_UK_T`/`W_UV`) is recomputed on `destination`'s modules with
+    `process_weights_after_loading(act_dtype)` (runtime/derived.py); `derived="caller"` leaves
+    that to the caller, and is required when `destination` is a dict of tensors.
     """
 
     def __init__(self, plan: Plan, rank: int, destination, *, rendezvous: Rendezvous, timeout: float = 60.0,
-                 verify: bool = False, group_bytes: int = 256 << 20, post_op=None, progress_thread: bool = False):
+                 verify: bool = False, group_bytes: int = 256 << 20, post_op=None, progress_thread: bool = False,
+                 derived: str = "refresh", act_dtype: torch.dtype = torch.bfloat16):
         held = held_entries(plan, rank)
         if plan.staging:
             check_supported(plan)
@@ -117,6 +123,7 @@ class Receiver:
         check_tensors(given, expected, set(expected), f"inference rank {rank}")
         self._dst = {int(i): flat_view(plan.dests[i].name, given[plan.dests[i].name], plan.dests[i].shape,
                                        plan.dests[i].dtype, f"inference rank {rank}") for i in np.flatnonzero(held)}
+        self._derived = DerivedRefresh(plan, set(expected), destination, derived, act_dtype)
         self._qt = quant_tables(plan) if plan.staging else None
         self._quant = ReceiverQuant(plan, rank, self._qt, self._dst) if self._qt else None
         reads = reads_of(plan, rank)
@@ -217,10 +224,11 @@ class Receiver:
         self._check_sequence(version, deadline, "after reading")
         for peer in self._peers.values():
             self.agent.notify(peer.agent, f"ack:{version}")
+        self._derived()  # after the ack: it reads only this rank's memory, so the trainers need not wait
         self._version = version
         report = SyncReport(version, self.rank, self.bytes, self.descriptors, len(sources), self.n_groups,
                             time.monotonic() - start, spent[0] if self.verify else None,
-                            self._quant.seconds if self._quant else 0.0)
+                            self._quant.seconds if self._quant else 0.0, self._derived.seconds)
         log.info("weightplan sync v%d inference rank %d: %.3f GB, %d descriptors from %d trainer ranks, %.3f s, %.2f GB/s%s%s",
                  version, self.rank, report.bytes / 1e9, report.descriptors, report.trainer_ranks, report.seconds,
                  report.gbps, f", verified in {report.verify_seconds:.3f} s" if self.verify else "",

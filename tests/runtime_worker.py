@@ -101,6 +101,7 @@ def run_plain_inference(args, plan) -> None:
             rendezvous.wait([f"test/resume/{args.hold_at}"], args.join_timeout, "test resume")
 
     receiver = Receiver(plan, args.rank, destination, rendezvous=rendezvous, timeout=args.timeout, verify=args.verify,
+                        derived="caller",  # plain tensors: no modules whose derived state could go stale
                         group_bytes=args.group_bytes, post_op=hold)
     emit(event="joined", rank=args.rank)
     for version in args.versions:
@@ -128,6 +129,8 @@ def run_inference(args, plan) -> None:
         return run_quantized_inference(args, plan)
     from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
 
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
     from weightplan.compiler.frontend.trainer_formats import checkpoint_tensors
     from weightplan.compiler.frontend.vllm_model import build_model, make_vllm_config, parallel_rank
 
@@ -153,6 +156,11 @@ def run_inference(args, plan) -> None:
         full = full_weights(plan, args.seed, version)
         with torch.no_grad(), parallel_rank(ref_config, tp_rank, dp_rank):
             reference.load_weights(kv for name, t in full.items() for kv in checkpoint_tensors(fmt, name, t))
+            # vLLM's reload finishes attention layers this way (reload/layerwise.py:_finalize_attention_layer):
+            # MLA absorbs kv_b_proj into W_UK_T/W_UV, which the receiver must recompute after every sync.
+            for module in reference.modules():
+                if is_deferred_attention_layer(module):
+                    module.process_weights_after_loading(torch.bfloat16)
         return compute_tensor_digests(reference), compute_tensor_digests(model)
 
     sync_versions(args, receiver, digests)
@@ -171,7 +179,8 @@ def sync_versions(args, receiver, digests, extra=lambda report: {}) -> None:
             continue
         expected, actual = digests(version)
         differ = sorted(n for n in expected if expected[n] != actual.get(n))
-        emit(event="synced", rank=args.rank, version=version, reported=receiver.version, digests=len(expected),
+        absorbed = sum(n.endswith((".W_UV", ".W_UK_T")) for n in expected)  # MLA state derived after loading
+        emit(event="synced", rank=args.rank, version=version, reported=receiver.version, digests=len(expected), absorbed=absorbed,
              differ=differ[:5], n_differ=len(differ), bytes=report.bytes, descriptors=report.descriptors,
              groups=report.groups, seconds=report.seconds, verify_seconds=report.verify_seconds, **extra(report))
 
@@ -210,7 +219,9 @@ def run_quantized_inference(args, plan) -> None:
     for param in params.values():
         param.data.view(-1).view(torch.uint8).fill_(0x7F)
     rendezvous = Rendezvous.connect(args.job, args.address, timeout=args.timeout)
+    # fp8 MLA layers cannot be processed on CPU with the Triton stub: derived state is not recomputed here.
     receiver = Receiver(plan, args.rank, params, rendezvous=rendezvous, timeout=args.timeout, verify=args.verify,
+                        derived="caller",
                         group_bytes=args.group_bytes)
     emit(event="joined", rank=args.rank)
     sync_versions(

@@ -1,4 +1,5 @@
-"""End to end over real NIXL/UCX between processes: FSDP trainers (fp32 masters) to vLLM models, three syncs."""
+"""End to end over real NIXL/UCX between processes: FSDP trainers (fp32 masters) to vLLM models, three syncs,
+derived MLA state recomputed after each."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ def test_three_syncs_match_vllm_load_of_the_fp32_masters(plan_cache, tmp_path, i
                 e = job.event(f"inf{k}", "synced", version)
                 assert e["reported"] == version
                 assert e["digests"] > 0 and e["n_differ"] == 0, e["differ"]
+                # MLA's W_UK_T/W_UV, which vLLM derives from kv_b_proj, are compared too: refreshed, not stale
+                assert e["absorbed"] == 2 * 5, e
                 assert e["verify_seconds"] is not None
             for r in range(4):
                 released = job.event(f"tr{r}", "released", version)

@@ -35,7 +35,7 @@ def _world(plan, rendezvous, **receiver_kwargs):
                       digests=True, progress_thread=True)
                for r in range(plan.header["src_ranks"])]
     destinations = {k: plain_destination(plan, k) for k in range(plan.header["dst_ranks"])}
-    receivers = [Receiver(plan, k, destinations[k], rendezvous=rendezvous, timeout=10, **receiver_kwargs)
+    receivers = [Receiver(plan, k, destinations[k], rendezvous=rendezvous, timeout=10, derived="caller", **receiver_kwargs)
                  for k in destinations]
     return tensors, senders, destinations, receivers
 

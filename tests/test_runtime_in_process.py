@@ -28,7 +28,7 @@ def _pair(plan, rendezvous, version=1, **receiver_kwargs):
     # Both agents live in this process, so the target side needs NIXL's progress thread.
     sender = Sender(plan, 0, tensors, rendezvous=rendezvous, timeout=5, digests=True, progress_thread=True)
     destination = plain_destination(plan, 0)
-    receiver = Receiver(plan, 0, destination, rendezvous=rendezvous, timeout=5, **receiver_kwargs)
+    receiver = Receiver(plan, 0, destination, rendezvous=rendezvous, timeout=5, derived="caller", **receiver_kwargs)
     return tensors, sender, destination, receiver
 
 
@@ -106,7 +106,7 @@ def test_unpublished_version_times_out_with_a_clear_error(rendezvous, bf16_plan)
 def test_receiver_refuses_a_trainer_running_another_plan(rendezvous, bf16_plan, fp32_plan):
     sender = Sender(fp32_plan, 0, shard(fp32_plan, full_weights(fp32_plan, 0, 1), 0), rendezvous=rendezvous, timeout=5,
                     progress_thread=True)
-    receiver = Receiver(bf16_plan, 0, plain_destination(bf16_plan, 0), rendezvous=rendezvous, timeout=5)
+    receiver = Receiver(bf16_plan, 0, plain_destination(bf16_plan, 0), rendezvous=rendezvous, timeout=5, derived="caller")
     sender.publish(1)
     with pytest.raises(PlanMismatchError, match="both sides must load the same plan file"):
         receiver.sync(1)
@@ -132,6 +132,11 @@ def test_bad_inputs_are_refused_before_any_agent_or_registration(no_agents, rend
         Receiver(bf16_plan, 0, {**destination, dest: torch.zeros(1, dtype=torch.bfloat16)}, rendezvous=rendezvous)
     with pytest.raises(PlanMismatchError, match="not contiguous"):
         Receiver(bf16_plan, 0, {**destination, dest: _non_contiguous(destination[dest])}, rendezvous=rendezvous)
+    # tiny-glm's MLA layers derive W_UK_T/W_UV from kv_b_proj: plain tensors cannot have them recomputed.
+    with pytest.raises(PlanMismatchError, match=r"lists 5 derived post-load items .* derived='caller'"):
+        Receiver(bf16_plan, 0, destination, rendezvous=rendezvous)
+    with pytest.raises(ValueError, match="derived='later': choose one of refresh, caller"):
+        Receiver(bf16_plan, 0, destination, rendezvous=rendezvous, derived="later")
 
 
 def _non_contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -101,9 +101,10 @@ def _scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def derived_state(model: torch.nn.Module, wanted: Callable[[str], bool] | None = None) -> list[Derived]:
-    """Post-load state outside the parameters: MLA layers absorb kv_b_proj into W_UK/W_UV when processed.
+    """Post-load state vLLM derives from loaded parameters: MLA layers absorb kv_b_proj into W_UK/W_UV when processed.
 
-    Read after trace_post_load (kv_b_proj's parameters are then the processed ones); `wanted` as there.
+    With or without quantization (bf16 MLA absorbs too). With fp8, read after trace_post_load
+    (kv_b_proj's parameters are then the processed ones); `wanted` as there.
     """
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
 

@@ -26,6 +26,7 @@ import gc
 from collections.abc import Callable
 
 from ..timing import phase
+from .fp8_trace import derived_state
 from .layer_classes import layer_classes
 from .trace import trace_load
 from .vllm_model import build_model, nonlocal_experts, parallel_rank, place_experts
@@ -45,6 +46,7 @@ class RankTracer:
         self.post: dict[int, object] = {}  # TP rank -> post-load result of its shared model (traced at DP rank 0)
         self.guarded: dict[int, tuple] = {}  # the guard rank's real trace, until asked for
         self.stats = {"models_built": 0, "ranks_repointed": 0, "guard": "not run" if self.share else "off", "names_skipped": 0}
+        self.derived: list | None = None  # without quant hooks: derived post-load state, read from the first model traced
         if quant_hooks is not None:
             self.stats["post_load_traces"] = 0
 
@@ -143,6 +145,8 @@ class RankTracer:
             assignments, dests = trace_load(model, self.sources, self.fmt, progress,
                                             skip=None if absent is None else functools.partial(self._skip, absent))
             post = None
+            if self.hooks is None and self.derived is None:
+                self.derived = [[d.module, d.what, list(d.reads), d.where] for d in derived_state(model)]
             if self.hooks:
                 if not shared:
                     post = self._post_load(model, dests, keep_model=False)
