@@ -41,6 +41,24 @@ def _run(quantize: BlockQuantizer, views: list[torch.Tensor], outs) -> float:
     return time.perf_counter() - start
 
 
+def _measure(name: str, views: list[torch.Tensor], paths: dict[str, BlockQuantizer], repeats: int) -> dict:
+    """One case: the kernel's first call, a byte comparison of the two paths, then interleaved repeats."""
+    elements = sum(v.numel() for v in views)
+    outs = {p: _outputs(views) for p in paths}
+    first = _run(paths["numba"], views, outs["numba"])
+    _run(paths["torch"], views, outs["torch"])
+    same = all(torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
+               for a, b in zip(outs["numba"], outs["torch"]))
+    times = {p: [] for p in paths}
+    for _ in range(repeats):
+        for p, q in paths.items():
+            times[p].append(_run(q, views, outs[p]))
+    rate = {p: round(elements / statistics.median(t) / 1e9, 3) for p, t in times.items()}
+    return {"case": name, "elements": elements, "torch_gelem_s": rate["torch"], "numba_gelem_s": rate["numba"],
+            "numba_over_torch": round(rate["numba"] / rate["torch"], 2), "numba_first_call_s": round(first, 3),
+            "identical": same}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
@@ -48,26 +66,11 @@ def main() -> None:
     torch.set_num_threads(1)
     paths = {"torch": BlockQuantizer(use_kernel=False), "numba": BlockQuantizer(use_kernel=True)}
     print(f"load average at start {os.getloadavg()}")
-    results = []
-    for name, views in _cases().items():
-        elements = sum(v.numel() for v in views)
-        outs = {p: _outputs(views) for p in paths}
-        first = _run(paths["numba"], views, outs["numba"])
-        _run(paths["torch"], views, outs["torch"])
-        same = all(torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
-                   for a, b in zip(outs["numba"], outs["torch"]))
-        times = {p: [] for p in paths}
-        for _ in range(args.repeats):
-            for p, q in paths.items():
-                times[p].append(_run(q, views, outs[p]))
-        rate = {p: elements / statistics.median(t) / 1e9 for p, t in times.items()}
-        row = {"case": name, "elements": elements, "torch_gelem_s": round(rate["torch"], 3),
-               "numba_gelem_s": round(rate["numba"], 3), "numba_over_torch": round(rate["numba"] / rate["torch"], 2),
-               "numba_first_call_s": round(first, 3), "identical": same}
-        results.append(row)
-        print(f"{name}: {elements / 1e6:.1f} M elements, median of {args.repeats}: torch {rate['torch']:.3f} G/s, "
-              f"numba {rate['numba']:.3f} G/s, ratio {row['numba_over_torch']}; numba first call {first:.3f} s "
-              f"(JIT compile or cache load + one pass); identical bytes: {same}")
+    results = [_measure(name, views, paths, args.repeats) for name, views in _cases().items()]
+    for r in results:
+        print("{case}: {elements} elements, median of {n} interleaved repeats, G elements/s: torch {torch_gelem_s}, "
+              "numba {numba_gelem_s}, numba / torch {numba_over_torch}; numba first call {numba_first_call_s} s "
+              "(compile or cache load + one pass, not among the repeats); same bytes: {identical}".format(n=args.repeats, **r))
     print(f"load average at end {os.getloadavg()}")
     print(json.dumps(results))
 

@@ -51,10 +51,10 @@ def _e4m3fn_from_f32_bits(typingctx, bits):
         # to even, and leaves the fp8 subnormal count in the low mantissa bits.
         biased = b.fadd(b.bitcast(mag, ir.FloatType()), ir.Constant(ir.FloatType(), 2.0**14))
         subnormal = b.sub(b.bitcast(biased, _I32), _c(141 << 23))
-        # mag has no sign bit, so signed compares are exact (and a single AVX2 instruction, unlike unsigned).
+        # mag has no sign bit, so signed compares order it as unsigned ones would.
         r = b.select(b.icmp_signed("<", mag, _c(121 << 23)), subnormal, normal)
         r = b.select(b.icmp_signed(">", r, _c(0x7E)), _c(0x7E), r)
-        # NaN is 0x7e | 1: the borrow of 0x7f800000 - mag.
+        # NaN: r is already clamped to 0x7e, and the borrow of 0x7f800000 - mag adds the 1 of 0x7f.
         nan = b.lshr(b.sub(_c(0x7F800000), mag), _c(31))
         return b.trunc(b.or_(b.or_(r, nan), sign), ir.IntType(8))
     return types.uint8(types.uint32), codegen
@@ -76,7 +76,8 @@ def _accumulate_amax(row, top):
 
 @njit(cache=True, nogil=True, inline="always")
 def _band_scales(top, scales, inv):
-    """Per tile: scale = max(amax, 1e-4) / 448 and its reciprocal, in float32 as vLLM; returns non-finite tiles."""
+    """Per tile: scale = max(amax, 1e-4) / 448 and its reciprocal, in float32 as vLLM; returns how many tiles
+    hold inf or NaN (amax bits 0x7f80 and above)."""
     nonfinite = 0
     for t in range(scales.size):
         bits = top[t * BLOCK : t * BLOCK + BLOCK].max()
