@@ -69,7 +69,8 @@ def synthetic_plan(n: int, out: Path) -> Path:
     i = np.arange(n, dtype=np.int64)
     zeros = np.zeros(n, dtype=np.int64)
     runs = Runs(src=zeros, src_off=(n - 1 - i) * RUN_ELEMS, dest=zeros, dst_off=i * RUN_ELEMS,
-                length=np.full(n, RUN_ELEMS, dtype=np.int64), wire=zeros, src_rank=zeros)
+                length=np.full(n, RUN_ELEMS, dtype=np.int64), wire=zeros, src_rank=zeros,
+                count=np.ones(n, dtype=np.int64), src_stride=zeros, dst_stride=zeros)  # plain runs
     sources = (TensorSpec("synthetic.weight", (numel,), "bfloat16"),)
     layout = TrainerLayout().bind(sources)  # one trainer rank holding the whole tensor
     program = Program(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 BLOCK = 128
@@ -93,17 +94,25 @@ def span_elements(shape: tuple[int, ...], first: int, count: int, block: int = B
     return total
 
 
-class BlockQuantizer:
-    """per_block_fp8 for large 2-D views, writing into given outputs through reused scratch buffers.
+def _flat(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The elements from t[0, 0] to t[rows - 1, cols - 1] as one contiguous 1-D view (no copy)."""
+    return torch.as_strided(t, ((rows - 1) * t.stride(0) + cols,), (1,), t.storage_offset())
 
-    Same bytes as per_block_fp8 (the product x * (1 / scale) in float32, then the cast), but whole
-    tiles are processed a few block rows at a time in preallocated buffers: fresh multi-megabyte
-    temporaries cost page faults, and chunks that stay in cache made it several times faster here.
-    Only edge tiles (rows or columns not a multiple of the block) go through per_block_fp8's padding.
+
+class BlockQuantizer:
+    """per_block_fp8 for large 2-D views, writing into given outputs.
+
+    Same bytes as per_block_fp8. Whole tiles go through the numba kernel in fp8_kernel.py (`use_kernel`,
+    the default) or, as its reference, through torch ops a few block rows at a time in preallocated
+    buffers (fresh multi-megabyte temporaries cost page faults; cache-sized chunks made it several times
+    faster). Tiles holding inf or NaN are redone by the torch path: their bytes depend on how the CPU
+    propagates NaN, which the kernel does not model. Edge tiles (rows or columns not a multiple of the
+    block) go through per_block_fp8's padding.
     """
 
-    def __init__(self, chunk_elements: int = 1 << 18, block: int = BLOCK):
+    def __init__(self, chunk_elements: int = 1 << 18, block: int = BLOCK, use_kernel: bool = True):
         self.block, self.chunk_elements = block, chunk_elements
+        self.use_kernel = use_kernel and block == BLOCK
         self._bits = torch.empty(0, dtype=torch.int16)
         self._wide = torch.empty(0, dtype=torch.float32)
 
@@ -115,24 +124,8 @@ class BlockQuantizer:
         b = self.block
         h, w = x.shape
         hf, wf = h // b * b, w // b * b
-        if hf and wf:
-            rows = max(b, self.chunk_elements // wf // b * b)
-            if self._bits.numel() < rows * wf:
-                self._bits = torch.empty(rows * wf, dtype=torch.int16)
-                self._wide = torch.empty(rows * wf, dtype=torch.float32)
-            for r in range(0, hf, rows):
-                n = min(rows, hf - r)
-                part = x[r : r + n, :wf]
-                # |x| as bits: clearing the sign bit orders finite bf16 magnitudes like int16, and amax over
-                # integers is exact and 2-3x faster here than abs() then amax() on bf16.
-                bits = torch.bitwise_and(part.view(torch.int16), 0x7FFF, out=self._bits[: n * wf].view(n, wf))
-                amax = bits.view(n // b, b, wf // b, b).amax(dim=(1, 3)).view(torch.bfloat16)
-                scale = amax.float().clamp_(1e-4) / FP8_MAX
-                # 1 / scale repeated along each block's columns, so the multiply runs over whole rows.
-                inv = (1.0 / scale).repeat_interleave(b, dim=1).view(n // b, 1, wf)
-                wide = torch.mul(part.view(n // b, b, wf), inv, out=self._wide[: n * wf].view(n // b, b, wf))
-                values[r : r + n, :wf].copy_(wide.view(n, wf))
-                scales[r // b : (r + n) // b, : wf // b] = scale
+        if hf and wf and not (self.use_kernel and self._kernel_tiles(x, values, scales, hf, wf)):
+            self._torch_tiles(x, values, scales, hf, wf)
         if wf < w:
             v, s = per_block_fp8(x[:, wf:], b)
             values[:, wf:] = v
@@ -141,3 +134,38 @@ class BlockQuantizer:
             v, s = per_block_fp8(x[hf:, :wf], b)
             values[hf:, :wf] = v
             scales[hf // b :, : wf // b] = s
+
+    def _kernel_tiles(self, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, hf: int, wf: int) -> bool:
+        """Whole tiles x[:hf, :wf] through the numba kernel; False (nothing to keep) if it cannot take them."""
+        if x.dtype != torch.bfloat16 or x.stride(1) != 1 or values.stride(1) != 1:
+            return False
+        from .fp8_kernel import quantize_tiles  # numba compiles or loads its cache on first use
+
+        tile_scales = np.empty((hf // self.block, wf // self.block), dtype=np.float32)
+        bits = _flat(x, hf, wf).view(torch.int16).numpy().view(np.uint16)
+        out = _flat(values.view(torch.uint8), hf, wf).numpy()
+        if quantize_tiles(bits, x.stride(0), out, values.stride(0), tile_scales):
+            return False
+        scales[: hf // self.block, : wf // self.block] = torch.from_numpy(tile_scales)
+        return True
+
+    def _torch_tiles(self, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, hf: int, wf: int) -> None:
+        """Whole tiles x[:hf, :wf] through torch ops, a few block rows at a time in reused buffers."""
+        b = self.block
+        rows = max(b, self.chunk_elements // wf // b * b)
+        if self._bits.numel() < rows * wf:
+            self._bits = torch.empty(rows * wf, dtype=torch.int16)
+            self._wide = torch.empty(rows * wf, dtype=torch.float32)
+        for r in range(0, hf, rows):
+            n = min(rows, hf - r)
+            part = x[r : r + n, :wf]
+            # |x| as bits: clearing the sign bit orders finite bf16 magnitudes like int16, and amax over
+            # integers is exact and 2-3x faster here than abs() then amax() on bf16.
+            bits = torch.bitwise_and(part.view(torch.int16), 0x7FFF, out=self._bits[: n * wf].view(n, wf))
+            amax = bits.view(n // b, b, wf // b, b).amax(dim=(1, 3)).view(torch.bfloat16)
+            scale = amax.float().clamp_(1e-4) / FP8_MAX
+            # 1 / scale repeated along each block's columns, so the multiply runs over whole rows.
+            inv = (1.0 / scale).repeat_interleave(b, dim=1).view(n // b, 1, wf)
+            wide = torch.mul(part.view(n // b, b, wf), inv, out=self._wide[: n * wf].view(n // b, b, wf))
+            values[r : r + n, :wf].copy_(wide.view(n, wf))
+            scales[r // b : (r + n) // b, : wf // b] = scale
