@@ -154,8 +154,8 @@ def fp8_job(args, tmp: Path) -> dict:
     reps = range(2, args.repeats + 1)
     syncs = [e for e in events if e.get("round") == "sync"]
 
-    def slowest(role: str, rep: int) -> float:
-        return max(e["quantize_seconds"] for e in syncs if e["role"] == role and e["rep"] == rep)
+    def slowest(role: str, rep: int, key: str = "quantize_seconds") -> float:
+        return max(e[key] for e in syncs if e["role"] == role and e["rep"] == rep)
 
     joined = [e for e in events if e.get("event") == "joined"]
     return {
@@ -167,6 +167,9 @@ def fp8_job(args, tmp: Path) -> dict:
         "first": wall(events, "sync", 1, "trainer", "inference"),
         "sender_quantize": statistics.median(slowest("trainer", r) for r in reps),
         "receiver_quantize": statistics.median(slowest("inference", r) for r in reps),
+        "sender_gather": statistics.median(slowest("trainer", r, "gather_seconds") for r in reps),
+        "sender_publish": statistics.median(slowest("trainer", r, "published") - min(
+            e["start"] for e in syncs if e["rep"] == r) for r in reps),
         "identical": [e["value"] for e in events if e.get("event") == "identical"],
     }
 
@@ -230,6 +233,8 @@ def main() -> None:
             # Derived, not measured alone: the sync minus the slowest trainer's quantization, per GB.
             "fp8_s_per_gb_without_sender_quantize": round((fp8["sync"] - fp8["sender_quantize"]) / (fp8["bytes"] / 1e9), 4),
             "fp8_sender_quantize_s": round(fp8["sender_quantize"], 3),
+            "fp8_sender_gather_s": round(fp8["sender_gather"], 3),
+            "fp8_publish_s": round(fp8["sender_publish"], 3),
             "fp8_receiver_quantize_s": round(fp8["receiver_quantize"], 3),
             "fp8_identical": fp8["identical"],
         })
@@ -257,6 +262,8 @@ def main() -> None:
         print(f"    sender-side quantize (publish, slowest trainer) {fp8['sender_quantize']:.3f} s; "
               f"receiver-side quantize (slowest inference rank) {fp8['receiver_quantize']:.3f} s; "
               f"receiver staging {fp8['staging_bytes'] / 1e6:.1f} MB")
+        print(f"    publish (first trainer start to slowest trainer's version announced) {fp8['sender_publish']:.3f} s, "
+              f"of which gathering peers' bf16 (slowest trainer) {fp8['sender_gather']:.3f} s")
         print(f"    digests after the fp8 sync == vLLM's own quantized load of the same weights: {fp8['identical']}")
     print(json.dumps(figures))
 

@@ -186,7 +186,8 @@ def main() -> None:
             end = time.time()
             emit(round="sync", rep=rep, role="trainer", rank=args.rank, start=start, end=end, published=published,
                  acked=list(report.acked), digest_seconds=sender.digest_seconds, staging_bytes=sender.staging_bytes,
-                 quantize_seconds=sender.quantize_seconds)
+                 quantize_seconds=sender.quantize_seconds, gather_seconds=sender.gather_seconds,
+                 gather_wait_seconds=sender._gather.wait_seconds if sender._gather else 0.0)
         else:
             if not args.gloo:  # measure the sync alone, not the wait for the trainer to publish
                 rendezvous.wait([f"trainer/{src}/version/{rep}" for src in receiver.reads], 600, "publication")

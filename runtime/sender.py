@@ -152,7 +152,7 @@ class Sender:
                 self._seq.fill_(2 * version + 1)
                 raise
         if self._quant is not None:
-            self.quantize_seconds = self._quant.publish()
+            self.quantize_seconds = self._quant.publish(self._poll if self.gatherers else None)
         if self.digests:
             began = time.perf_counter()
             served = self._served_runs
@@ -203,6 +203,10 @@ class Sender:
             log.warning("trainer rank %d: trainer ranks %s had not gathered version %d within the timeout; they will "
                         "fail that version", self.rank, list(report.gatherers_timed_out), version)
         return report
+
+    def _poll(self) -> None:
+        """Progress this agent (peers' READs need it without a progress thread), keeping the notifications for release()."""
+        self._inbox += list(self._messages())
 
     def _refresh_joined(self) -> None:
         """Wait for inference ranks that joined since the last check (each process has its own incarnation)."""

@@ -122,12 +122,18 @@ class SenderQuant:
                             torch.from_numpy(index_ranges(c.win_off[sel], c.length[sel]))))
         return slices, gathers
 
-    def publish(self) -> float:
-        """Pack the receiver-side stage copies and quantize this rank's blocks; returns the seconds spent."""
+    def publish(self, progress=None) -> float:
+        """Pack the receiver-side stage copies and quantize this rank's blocks; returns the seconds spent.
+
+        `progress()`, if given, runs after every window: peers gathering from this rank READ while it
+        quantizes, and without a NIXL progress thread their READs advance only when this rank polls.
+        """
         began = time.perf_counter()
         with torch.no_grad():
             self._pack()
             for zero, slices, gathers, views in self._windows:
+                if progress is not None:
+                    progress()
                 if zero is not None:
                     zero.zero_()  # unwritten elements are vLLM's zero padding
                 for dst, src, chain in slices:

@@ -57,6 +57,7 @@ class TrainerGather:
         self._seq = torch.zeros(plan.header["src_ranks"], dtype=torch.int64)
         self._connected: dict[int, _Peer] = {}
         self.seconds = 0.0
+        self.wait_seconds = 0.0  # of `seconds`: waiting for the peers to stage the version
 
     @property
     def registered(self) -> list[torch.Tensor]:
@@ -67,6 +68,7 @@ class TrainerGather:
         began = time.perf_counter()
         rendezvous.wait([staged_key(p, version) for p in self.peers], deadline - time.monotonic(),
                         f"trainer rank {self.rank}: gather-side bf16 of version {version} from trainer ranks {list(self.peers)}")
+        self.wait_seconds = time.perf_counter() - began
         for p in self.peers:
             self._connect(agent, rendezvous, p, rendezvous.get_bytes(staged_key(p, version)).decode())
         self._check_sequence(agent, version, deadline, "before reading")

@@ -83,9 +83,9 @@ def _place(grids: BlockGrids, stage: np.ndarray, runs, holders: np.ndarray) -> t
         side[starts], quant_rank[starts],
     )))
     # A run is listed once per (side, quantizing rank) among the segments it touches.
-    local = [(s, item[seg.touches(side == s)]) for s in (QuantPlacement.SENDER, QuantPlacement.RECEIVER)]
-    run_item = np.concatenate([runs_ for _, runs_ in local])
-    run_side = np.concatenate([np.full(len(runs_), s) for s, runs_ in local])
+    on_side = {s: item[seg.touches(side == s)] for s in (QuantPlacement.SENDER, QuantPlacement.RECEIVER)}
+    run_item = np.concatenate(list(on_side.values()))
+    run_side = np.concatenate([np.full(len(items), s) for s, items in on_side.items()])
     rows = np.unique(np.stack([
         np.concatenate([run_item, pair_item]),
         np.concatenate([run_side, np.full(len(pair_item), QuantPlacement.GATHER)]),
