@@ -18,10 +18,10 @@ def place_quant(program: Program) -> Program:
     `program.meta["quant_tensors"]` maps a bf16 destination name to (fp8 weight name, scale name).
     A block whose written elements all come from one trainer rank is quantized by that rank
     (side 0) from stage runs that rank executes locally. A block written by several trainer ranks
-    of a tensor that several inference ranks hold is quantized by one of its writers (side 2), which
-    reads the others' bf16 once; the least loaded writer of its block row so far. Any other block (one holder, or no
-    written element: all padding) is quantized by every receiver holding the tensor (side 1) from
-    bf16 it pulls. A run is listed once per (side, quantizing rank) of the blocks it feeds.
+    of a tensor that several inference ranks hold is quantized (side 2) by one trainer rank writing
+    in its block row, the least loaded so far, which reads the others' bf16 once. Any other block
+    (one holder, or no written element: all padding) is quantized by every receiver holding the
+    tensor (side 1) from bf16 it pulls. A run is listed once per (side, quantizing rank) of the blocks it feeds.
     """
     quantized = program.meta.get("quant_tensors", {})
     runs = program.runs
