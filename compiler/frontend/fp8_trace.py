@@ -111,11 +111,10 @@ def derived_state(model: torch.nn.Module, wanted: Callable[[str], bool] | None =
     names = {id(module): name for name, module in model.named_modules()}
     out = []
     for name, module in model.named_modules():
-        if is_deferred_attention_layer(module) and (wanted is None or wanted(name)):
-            kv_b = getattr(module, "kv_b_proj", None)
-            reads = ()
-            if kv_b is not None and id(kv_b) in names:
-                reads = tuple(f"{names[id(kv_b)]}.{n}" for n, _ in kv_b.named_parameters(recurse=False))
+        kv_b = getattr(module, "kv_b_proj", None)
+        # Only MLA layers derive state from loaded weights; other attention layers' post-load step reads none.
+        if is_deferred_attention_layer(module) and kv_b is not None and (wanted is None or wanted(name)):
+            reads = tuple(f"{names[id(kv_b)]}.{n}" for n, _ in kv_b.named_parameters(recurse=False)) if id(kv_b) in names else ()
             out.append(Derived(name, "attention process_weights_after_loading (MLA: W_UK/W_UV absorbed from kv_b_proj)",
                                reads, "receiver"))
     return out
