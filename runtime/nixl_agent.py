@@ -11,6 +11,9 @@ import torch
 from .errors import SyncError
 
 log = logging.getLogger("weightplan.runtime")
+# UCX handles one huge request list much more slowly than several smaller ones (measured by
+# benchmarks/bench_runtime.py's host-overhead rows), so descriptors go out in chunks of this many.
+DESCRIPTORS_PER_READ = 4096
 
 
 def _nixl():
@@ -71,6 +74,17 @@ class NixlAgent:
         idx = np.ascontiguousarray(indices, dtype=np.int32)
         return self._agent.make_prepped_xfer("READ", local, idx, remote, idx, message)
 
+    def make_reads(self, local, remote, rows: np.ndarray) -> list:
+        """READs of descriptor rows `rows` of two prepared lists, DESCRIPTORS_PER_READ rows per request."""
+        return [self.make_read(local, remote, rows[i : i + DESCRIPTORS_PER_READ])
+                for i in range(0, len(rows), DESCRIPTORS_PER_READ)]
+
+    def read_now(self, handles: list[tuple[object, str]], deadline: float, what: str) -> None:
+        """Post every prepared (READ, peer) and wait for all of them."""
+        for handle, peer in handles:
+            self.post(handle, peer)
+        self.wait(handles, deadline, what)
+
     def post(self, handle, peer: str) -> None:
         try:
             state = self._agent.transfer(handle)
@@ -127,3 +141,15 @@ class NixlAgent:
             name = name.decode() if isinstance(name, bytes) else name
             out[name] = [m.decode(errors="replace") for m in messages]
         return out
+
+
+def contiguous_starts(nbytes: np.ndarray, ends: tuple[np.ndarray, ...], keys: tuple[np.ndarray, ...] = ()):
+    """Join consecutive rows that continue each other on every side (`ends`: byte offsets or addresses) and
+    share every key: returns (first row of each joined descriptor, its bytes)."""
+    joins = np.ones(max(len(nbytes) - 1, 0), dtype=bool)  # row i + 1 continues row i
+    for at in ends:
+        joins &= at[1:] == at[:-1] + nbytes[:-1]
+    for key in keys:
+        joins &= key[1:] == key[:-1]
+    first = np.flatnonzero(np.concatenate([[True], ~joins])) if len(nbytes) else np.zeros(0, dtype=np.int64)
+    return first, (np.add.reduceat(nbytes, first) if len(first) else nbytes[:0])

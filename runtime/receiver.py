@@ -13,7 +13,7 @@ import torch
 from .checks import check_tensors, flat_view, named_tensors
 from .derived import DerivedRefresh
 from .errors import PlanMismatchError, SyncError
-from .nixl_agent import NixlAgent
+from .nixl_agent import NixlAgent, contiguous_starts
 from .plan_format import Plan
 from .peer_check import checked_regions
 from .quant_tables import check_supported, quant_tables, stage_packing
@@ -24,9 +24,6 @@ from .rendezvous import Rendezvous, inference_agent, trainer_agent
 
 log = logging.getLogger("weightplan.runtime")
 PROGRESS_EVERY = 5.0  # seconds between progress lines of a long sync
-# UCX handles one huge request list much more slowly than several smaller ones (measured by
-# benchmarks/bench_runtime.py's host-overhead rows), so a group's descriptors go out in chunks.
-DESCRIPTORS_PER_READ = 4096
 _NO_READS = Reads(*(np.zeros(0, dtype=np.int64) for _ in range(6)))
 
 
@@ -71,10 +68,7 @@ def descriptor_table(reads: Reads, group: np.ndarray, packed_at: np.ndarray, loc
     rows = np.flatnonzero(packed >= 0)
     rows = rows[np.argsort(packed[rows], kind="stable")]
     lo, po, n, g = local[rows], packed[rows], reads.nbytes[rows], group[rows]
-    starts = np.ones(len(rows), dtype=bool)
-    starts[1:] = (lo[1:] != lo[:-1] + n[:-1]) | (po[1:] != po[:-1] + n[:-1]) | (g[1:] != g[:-1])
-    first = np.flatnonzero(starts)
-    merged = np.add.reduceat(n, first) if len(first) else n[:0]
+    first, merged = contiguous_starts(n, (lo, po), (g,))
     return _Descriptors(
         region=np.concatenate([reads.region[direct], np.full(len(first), -1, dtype=np.int64)]),
         remote_off=np.concatenate([reads.src_byte[direct], po[first]]),
@@ -260,8 +254,7 @@ class Receiver:
         peer.remote_lists += [remote, seq_remote]
         for g in np.unique(table.group).tolist():
             rows = np.flatnonzero(table.group == g)
-            peer.group_reads[g] = [self.agent.make_read(self._local[rank], remote, rows[i : i + DESCRIPTORS_PER_READ])
-                                   for i in range(0, len(rows), DESCRIPTORS_PER_READ)]
+            peer.group_reads[g] = self.agent.make_reads(self._local[rank], remote, rows)
         self._peers[rank] = peer
 
     def _quant_regions(self, rank: int, info: dict) -> list[int]:
@@ -278,9 +271,7 @@ class Receiver:
 
     def _check_sequence(self, version: int, deadline: float, when: str) -> None:
         handles = [(peer.seq_read, f"trainer rank {peer.rank}") for peer in self._peers.values()]
-        for handle, peer in handles:
-            self.agent.post(handle, peer)
-        self.agent.wait(handles, deadline, f"reading trainer sequence words {when}")
+        self.agent.read_now(handles, deadline, f"reading trainer sequence words {when}")
         for rank in self._peers:
             seq = int(self._seq[rank])
             if seq != 2 * version:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .nixl_agent import contiguous_starts
 from .plan_format import RECEIVER, Plan
 from .quant import BLOCK, BlockQuantizer
 from .quant_tables import (FP8_REGION, SCALE_REGION, STAGE_PACKED_REGION, QuantTables, exposed_regions, held_stages,
@@ -158,11 +159,7 @@ class ReceiverQuant:
         local = bases[r.buffer] + r.local_off
         order = np.lexsort((r.remote_off, r.region, group))
         region, remote, local, n, g, buf = (a[order] for a in (r.region, r.remote_off, local, r.nbytes, group, r.buffer))
-        starts = np.ones(len(order), dtype=bool)
-        starts[1:] = ((region[1:] != region[:-1]) | (buf[1:] != buf[:-1]) | (g[1:] != g[:-1])
-                      | (remote[1:] != remote[:-1] + n[:-1]) | (local[1:] != local[:-1] + n[:-1]))
-        first = np.flatnonzero(starts)
-        merged = np.add.reduceat(n, first) if len(first) else n[:0]
+        first, merged = contiguous_starts(n, (remote, local), (region, buf, g))
         return region[first], remote[first], local[first], merged, g[first]
 
     def begin(self) -> None:

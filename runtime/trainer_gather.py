@@ -9,13 +9,11 @@ import numpy as np
 import torch
 
 from .errors import SyncError
-from .nixl_agent import NixlAgent
+from .nixl_agent import NixlAgent, contiguous_starts
 from .peer_check import checked_regions
 from .plan_format import Plan
-from .quant_tables import QuantTables, exposed_regions
+from .quant_tables import QuantTables, exposed_regions, region_index
 from .rendezvous import Rendezvous, trainer_agent
-
-DESCRIPTORS_PER_READ = 4096  # as the receiver: UCX handles several moderate request lists faster than one huge one
 
 
 def staged_key(rank: int, version: int) -> str:
@@ -72,10 +70,8 @@ class TrainerGather:
         for p in self.peers:
             self._connect(agent, rendezvous, p, rendezvous.get_bytes(staged_key(p, version)).decode())
         self._check_sequence(agent, version, deadline, "before reading")
-        handles = [(h, f"trainer rank {p}") for p, peer in self._connected.items() for h in peer.reads]
-        for handle, name in handles:
-            agent.post(handle, name)
-        agent.wait(handles, deadline, f"trainer rank {self.rank}: gathering version {version}")
+        agent.read_now([(h, f"trainer rank {p}") for p, peer in self._connected.items() for h in peer.reads], deadline,
+                       f"trainer rank {self.rank}: gathering version {version}")
         self._check_sequence(agent, version, deadline, "after reading")
         rendezvous.put(gathered_key(self.rank, version), b"")
         self.seconds = time.perf_counter() - began
@@ -90,30 +86,25 @@ class TrainerGather:
             self._drop(agent, rank)
         info = rendezvous.get_json(f"trainer/{rank}/info")
         bases = np.array(checked_regions(self.plan, self.tables, rank, info, incarnation), dtype=np.int64)
-        index = {(r.source, r.chain): i for i, r in enumerate(exposed_regions(self.plan, self.tables, rank))}
         mine = np.flatnonzero(self._copies.src_rank == rank)
         c = self._copies.take(mine)
-        region = np.array([index[k] for k in zip(c.src.tolist(), c.wire.tolist())], dtype=np.int64)
-        remote = bases[region] + c.src_off * 2
+        remote = bases[region_index(exposed_regions(self.plan, self.tables, rank), c)] + c.src_off * 2
         local = self.buffer.data_ptr() + self.offset[mine] * 2
-        remote, local, nbytes = _merged(remote, local, c.length * 2)
+        first, nbytes = contiguous_starts(c.length * 2, (remote, local))
+        remote, local = remote[first], local[first]
         name = trainer_agent(rendezvous.job, rank)
         agent.add_peer(rendezvous.get_bytes(f"trainer/{rank}/metadata/{incarnation}"), name)
         local_list = agent.prepare(None, np.stack([local, nbytes], axis=1))
         remote_list = agent.prepare(name, np.stack([remote, nbytes], axis=1))
         seq_local = agent.prepare(None, np.array([[self._seq.data_ptr() + 8 * rank, 8]]))
         seq_remote = agent.prepare(name, np.array([[int(info["seq"]), 8]]))
-        rows = np.arange(len(nbytes))
-        reads = [agent.make_read(local_list, remote_list, rows[i : i + DESCRIPTORS_PER_READ])
-                 for i in range(0, len(rows), DESCRIPTORS_PER_READ)]
+        reads = agent.make_reads(local_list, remote_list, np.arange(len(nbytes)))
         self._connected[rank] = _Peer(incarnation, name, reads, agent.make_read(seq_local, seq_remote, np.zeros(1)),
                                       [local_list, remote_list, seq_local, seq_remote])
 
     def _check_sequence(self, agent: NixlAgent, version: int, deadline: float, when: str) -> None:
-        handles = [(peer.seq_read, f"trainer rank {p}") for p, peer in self._connected.items()]
-        for handle, name in handles:
-            agent.post(handle, name)
-        agent.wait(handles, deadline, f"trainer rank {self.rank}: reading peer sequence words {when}")
+        agent.read_now([(peer.seq_read, f"trainer rank {p}") for p, peer in self._connected.items()], deadline,
+                       f"trainer rank {self.rank}: reading peer sequence words {when}")
         for p in self._connected:
             seq = int(self._seq[p])
             if seq != 2 * version:
@@ -127,17 +118,3 @@ class TrainerGather:
         for prepared in peer.lists:
             agent.release_list(prepared)
         agent.remove_peer(peer.agent)
-
-    def close(self, agent: NixlAgent) -> None:
-        for rank in list(self._connected):
-            self._drop(agent, rank)
-
-
-def _merged(remote: np.ndarray, local: np.ndarray, nbytes: np.ndarray):
-    """Join consecutive copies contiguous on both sides into one descriptor."""
-    if not len(nbytes):
-        return remote, local, nbytes
-    starts = np.ones(len(nbytes), dtype=bool)
-    starts[1:] = (remote[1:] != remote[:-1] + nbytes[:-1]) | (local[1:] != local[:-1] + nbytes[:-1])
-    first = np.flatnonzero(starts)
-    return remote[first], local[first], np.add.reduceat(nbytes, first)
