@@ -176,6 +176,7 @@ class Sender:
         deadline = start + (self.timeout if timeout is None else timeout)
         self._refresh_joined()
         done: dict[int, str] = {}
+        gathering = set(self.gatherers)
         while True:
             self._inbox += list(self._messages())
             for rank, kind, v in self._inbox:
@@ -183,7 +184,7 @@ class Sender:
                     done[rank] = kind
             self._inbox = [m for m in self._inbox if m[2] > version]
             waiting = self._live - set(done)
-            gathering = [g for g in self.gatherers if not self.rendezvous.exists(gathered_key(g, version))]
+            gathering -= {g for g in gathering if self.rendezvous.exists(gathered_key(g, version))}
             if (not waiting and not gathering) or time.monotonic() > deadline:
                 break
             time.sleep(0.001)
@@ -195,7 +196,7 @@ class Sender:
             self._given_up[rank] = self._joined.get(rank)
         report = ReleaseReport(version, tuple(sorted(k for k, s in done.items() if s == "ack")),
                                tuple(sorted(k for k, s in done.items() if s == "fail")), tuple(sorted(waiting)),
-                               time.monotonic() - start, tuple(gathering))
+                               time.monotonic() - start, tuple(sorted(gathering)))
         if report.timed_out:
             log.warning("trainer rank %d: version %d not acknowledged by inference ranks %s within the timeout",
                         self.rank, version, list(report.timed_out))
