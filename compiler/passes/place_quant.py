@@ -67,7 +67,9 @@ def _place(grids: BlockGrids, stage: np.ndarray, runs, holders: np.ndarray) -> t
     item, lo, hi = block_intervals(grids, stage, runs.dst_off, runs.length)
     rank = runs.src_rank[item]
     seg = _segments(grids, lo, hi, rank, np.zeros(0, dtype=np.int64))
-    seg = _segments(grids, lo, hi, rank, _band_cuts(grids, seg, holders))  # gathered segments: one block row each
+    cuts = _band_cuts(grids, seg, holders)
+    if len(cuts):  # cut again so that every segment that may be gathered lies in one block row
+        seg = _segments(grids, lo, hi, rank, cuts)
     gathered = seg.multi & (holders[seg.stage] >= 2)
     gatherer, pair_item, pair_seg = _gatherers(grids, seg, gathered, item, rank, holders)
     side = np.where(seg.owner >= 0, QuantPlacement.SENDER, np.where(gathered, QuantPlacement.GATHER, QuantPlacement.RECEIVER))
