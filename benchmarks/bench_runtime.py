@@ -15,7 +15,9 @@ minus their bytes at the ceiling rate.
 With --quant fp8_per_block, the same run then compiles the same model with --quant fp8_per_block
 and times its sync (publish with sender-side quantization, READs, receiver-side quantization) in
 the same processes layout, and prints seconds per GB of destination parameters next to the bf16
-sync's, their ratio, and the sender- and receiver-side quantization times.
+sync's, their ratio, and the sender- and receiver-side quantization times. It also prints the CPU
+time the trainers' publishes used (process CPU time, every thread) divided by the cores this
+process may run on: a floor for the fp8 sync on this host, since receivers wait for every publish.
 The last line is one JSON object.
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -157,8 +160,13 @@ def fp8_job(args, tmp: Path) -> dict:
     def slowest(role: str, rep: int, key: str = "quantize_seconds") -> float:
         return max(e[key] for e in syncs if e["role"] == role and e["rep"] == rep)
 
+    def summed(rep: int, key: str, role: str | None = None) -> float:
+        return sum(e[key] for e in syncs if e["rep"] == rep and role in (None, e["role"]))
+
     joined = [e for e in events if e.get("event") == "joined"]
     return {
+        "publish_cpu": statistics.median(summed(r, "publish_cpu_seconds", "trainer") for r in reps),
+        "cpu": statistics.median(summed(r, "cpu_seconds") for r in reps),
         "bytes": sum(e["destination_bytes"] for e in syncs if e["role"] == "inference" and e["rep"] == 1),
         "wire_bytes": sum(e["bytes"] for e in syncs if e["role"] == "inference" and e["rep"] == 1),
         "descriptors": sum(e["descriptors"] for e in syncs if e["role"] == "inference" and e["rep"] == 1),
@@ -199,6 +207,8 @@ def main() -> None:
         descriptors = sum(e["descriptors"] for e in syncs if e["rep"] == 1)
         ceiling = statistics.median(wall(events, "ceiling", r) for r in reps)
         sync = statistics.median(wall(events, "sync", r, "trainer", "inference") for r in reps)
+        sync_cpu = statistics.median(sum(e["cpu_seconds"] for e in events if e.get("round") == "sync" and e["rep"] == r)
+                                     for r in reps)
         first_sync = wall(events, "sync", 1, "trainer", "inference")
         baseline = statistics.median(wall(events, "baseline", r) for r in reps)
         # Time inference ranks spent outside gloo calls during the baseline: vLLM's load_weights.
@@ -224,9 +234,18 @@ def main() -> None:
         "host_overhead_ms_100k": round(overhead[100_000]["overhead_ms"], 2),
         "verify": args.verify,
     }
+    cores = len(os.sched_getaffinity(0))
+    figures["cores"] = cores
+    figures["sync_cpu_busy"] = round(sync_cpu / (cores * sync), 3)
     if fp8 is not None:
         bf16_per_gb = sync / gb
+        fp8_gb = fp8["bytes"] / 1e9
+        # A lower bound on this host: receivers wait for every trainer's publish, whose CPU work
+        # (staging, gathering, quantizing) cannot run faster than on all cores at once.
+        floor = fp8["publish_cpu"] / cores / fp8_gb
         figures.update({
+            "fp8_publish_cpu_s": round(fp8["publish_cpu"], 3), "fp8_sync_cpu_busy": round(fp8["cpu"] / (cores * fp8["sync"]), 3),
+            "fp8_floor_s_per_gb": round(floor, 4), "fp8_floor_vs_bf16_per_gb": round(floor / bf16_per_gb, 3),
             "fp8_bytes": fp8["bytes"], "fp8_wire_bytes": fp8["wire_bytes"], "fp8_sync_s": round(fp8["sync"], 3),
             "bf16_s_per_gb": round(bf16_per_gb, 4), "fp8_s_per_gb": round(fp8["sync"] / (fp8["bytes"] / 1e9), 4),
             "fp8_vs_bf16_per_gb": round(fp8["sync"] / (fp8["bytes"] / 1e9) / bf16_per_gb, 3),
@@ -257,6 +276,10 @@ def main() -> None:
               f"sync {fp8['sync']:.3f} s (first {fp8['first']:.3f} s)")
         print(f"    per GB of destination parameters: bf16 {figures['bf16_s_per_gb']:.4f} s/GB, fp8 {figures['fp8_s_per_gb']:.4f} s/GB, "
               f"fp8 / bf16 = {figures['fp8_vs_bf16_per_gb']:.3f} (target <= 1)")
+        print(f"    CPU: the trainers' publishes used {fp8['publish_cpu']:.3f} CPU-s; spread over all {cores} cores that alone is "
+              f"{figures['fp8_floor_s_per_gb']:.4f} s/GB, fp8 / bf16 >= {figures['fp8_floor_vs_bf16_per_gb']:.3f} on this host; "
+              f"all processes kept {figures['fp8_sync_cpu_busy']:.2f} of the {cores} cores busy during the fp8 sync "
+              f"({figures['sync_cpu_busy']:.2f} during the bf16 sync)")
         print(f"    without the sender-side quantization (sync - slowest trainer's quantize): "
               f"{figures['fp8_s_per_gb_without_sender_quantize']:.4f} s/GB")
         print(f"    sender-side quantize (publish, slowest trainer) {fp8['sender_quantize']:.3f} s; "

@@ -178,22 +178,25 @@ def main() -> None:
             emit(round="ceiling", rep=rep, role=args.role, rank=args.rank, start=start, end=end, bytes=moved)
         # sync (gated by the driver when there are no barriers)
         barrier()
-        start = time.time()
+        start, cpu = time.time(), time.process_time()  # process CPU time: every thread, NIXL's included
         if args.role == "trainer":
             sender.publish(rep)
-            published = time.time()
+            published, publish_cpu = time.time(), time.process_time() - cpu
             report = sender.release(rep)
             end = time.time()
             emit(round="sync", rep=rep, role="trainer", rank=args.rank, start=start, end=end, published=published,
+                 cpu_seconds=time.process_time() - cpu, publish_cpu_seconds=publish_cpu,
                  acked=list(report.acked), digest_seconds=sender.digest_seconds, staging_bytes=sender.staging_bytes,
                  quantize_seconds=sender.quantize_seconds, gather_seconds=sender.gather_seconds,
                  gather_wait_seconds=sender._gather.wait_seconds if sender._gather else 0.0)
         else:
             if not args.gloo:  # measure the sync alone, not the wait for the trainer to publish
                 rendezvous.wait([f"trainer/{src}/version/{rep}" for src in receiver.reads], 600, "publication")
+            cpu = time.process_time()
             report = receiver.sync(rep)
             end = time.time()
             emit(round="sync", rep=rep, role="inference", rank=args.rank, start=end - report.seconds, end=end,
+                 cpu_seconds=time.process_time() - cpu,
                  bytes=report.bytes, descriptors=report.descriptors, seconds=report.seconds,
                  verify_seconds=report.verify_seconds, quantize_seconds=report.quantize_seconds,
                  derived_seconds=report.derived_seconds, destination_bytes=receiver.destination_bytes)

@@ -73,6 +73,14 @@ def inspect_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _rank_list(text: str) -> list[int]:
+    """`0,5,7` -> [0, 5, 7] for --ranks."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated inference ranks such as 0,5, got {text!r}") from None
+
+
 def verify_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="verify-plan", description="Check a plan against vLLM's own loading on random weights.")
     parser.add_argument("plan", type=Path)
@@ -81,6 +89,7 @@ def verify_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-tensor-bytes", type=int, default=2 << 30,
                         help="with --sample, skip destination tensors larger than this (default 2 GiB)")
+    parser.add_argument("--ranks", type=_rank_list, help="check only these inference ranks, e.g. 0,5 (default: all)")
     args = parser.parse_args(argv)
     from .verify_plan import verify_plan
 
@@ -88,7 +97,7 @@ def verify_main(argv: list[str] | None = None) -> int:
         return _fail(ValueError(f"--sample must be at least 1, got {args.sample}"))
     try:
         result = verify_plan(args.plan, model=args.model, sample=args.sample, seed=args.seed,
-                             max_tensor_bytes=args.max_tensor_bytes, log=_log)
+                             max_tensor_bytes=args.max_tensor_bytes, ranks=args.ranks, log=_log)
     except WeightplanError as exc:
         return _fail(exc)
     if result.mismatches:

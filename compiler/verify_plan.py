@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,7 @@ class VerifyResult:
     tensors: int
     bytes: int
     mismatches: tuple[str, ...]
+    compared: tuple[str, ...] = ()  # "name (inference rank k)" of every tensor compared
 
 
 class _Params:
@@ -53,15 +55,16 @@ def check_fingerprint(plan: Plan, config_dir: Path) -> None:
         raise PlanMismatchError("plan does not match this environment: " + "; ".join(problems) + ". Recompile it with compile-plan.")
 
 
-def random_sources(plan: Plan, mask: np.ndarray, seed: int, stage_mask: np.ndarray | None = None) -> dict[str, torch.Tensor]:
-    """Full-size trainer tensors holding random values where the selected runs (`mask` over plan.table) read.
+Read = tuple[int, int, int, int, int]  # (global start, local start, length, count, stride) in elements
 
-    Tensors are allocated with torch.empty (pages the process never touches stay unallocated),
-    so sampling one expert of a 13 GB stack costs only that expert's bytes. Bytes no selected run
-    reads are left unset; both the plan and vLLM read the same tensors, so they agree or differ together.
+
+def source_reads(plan: Plan, mask: np.ndarray, stage_mask: np.ndarray | None = None) -> dict[tuple[int, int], list[Read]]:
+    """(trainer rank, source) -> the element rows the selected runs (`mask` over plan.table) and stage runs read.
+
+    A strided read stays one row set when it lies in one contiguous segment of the rank's box (the
+    same stride then holds in the full tensor and in the shard); otherwise it is cut into pieces.
     """
-    generator = torch.Generator().manual_seed(seed)
-    reads: dict[int, list[tuple[int, int, int, int]]] = {}  # source -> (global offset, length, count, stride)
+    reads: dict[tuple[int, int], set[Read]] = {}
     runs = plan.table
     columns = [runs[c][mask].tolist() for c in ("src_rank", "src", "src_off", "length", "count", "src_stride")]
     if stage_mask is not None:  # fp8: stage runs read trainer shards too
@@ -69,26 +72,60 @@ def random_sources(plan: Plan, mask: np.ndarray, seed: int, stage_mask: np.ndarr
         columns = [a + b for a, b in zip(columns, stage + [[1] * len(stage[0]), [0] * len(stage[0])])]
     for rank, src, off, length, count, stride in zip(*columns):
         starts, lengths, local = box_segments(plan.sources[src].shape, plan.shard_box(src, rank))
+        out = reads.setdefault((rank, src), set())
         k = int(np.searchsorted(local, off, side="right")) - 1
         if count > 1 and off + (count - 1) * stride + length <= local[k] + lengths[k]:
-            reads.setdefault(src, []).append((int(starts[k] + off - local[k]), length, count, stride))
+            out.add((int(starts[k] + off - local[k]), off, length, count, stride))
             continue
         for row in range(count):  # rows crossing a segment end: piece by piece
             at, left = off + row * stride, length
             while left > 0:
                 k = int(np.searchsorted(local, at, side="right")) - 1
                 take = min(left, int(local[k] + lengths[k] - at))
-                reads.setdefault(src, []).append((int(starts[k] + at - local[k]), take, 1, 0))
+                out.add((int(starts[k] + at - local[k]), at, take, 1, 0))
                 at, left = at + take, left - take
+    return {key: sorted(rows) for key, rows in reads.items()}
+
+
+def random_sources(plan: Plan, mask: np.ndarray, seed: int, stage_mask: np.ndarray | None = None,
+                   reads: dict[tuple[int, int], list[Read]] | None = None) -> dict[str, torch.Tensor]:
+    """Full-size trainer tensors holding random values where the selected runs (`mask` over plan.table) read.
+
+    Tensors are allocated with torch.empty (pages the process never touches stay unallocated),
+    so sampling one expert of a 13 GB stack costs only that expert's bytes. Bytes no selected run
+    reads are left unset; both the plan and vLLM read the same tensors, so they agree or differ together.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    reads = source_reads(plan, mask, stage_mask) if reads is None else reads
+    by_source: dict[int, set[tuple[int, int, int, int]]] = {}
+    for (_, src), rows in reads.items():
+        by_source.setdefault(src, set()).update((start, length, count, stride) for start, _, length, count, stride in rows)
     out = {}
-    for src in sorted(reads):
+    for src in sorted(by_source):
         entry = plan.sources[src]
         tensor = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
         flat = tensor.view(-1)
-        for start, length, count, stride in sorted(set(reads[src])):
+        for start, length, count, stride in sorted(by_source[src]):
             target = rows_view(flat, start, length, count, stride)
             target.copy_(torch.randn(target.shape, generator=generator).to(tensor.dtype))
         out[entry.name] = tensor
+    return out
+
+
+def sampled_shards(plan: Plan, full: dict[str, torch.Tensor], reads: dict[tuple[int, int], list[Read]]) -> dict[int, dict[str, torch.Tensor]]:
+    """The trainer ranks' local shards holding only the bytes `reads` lists (copied from `full`); the rest stays unset.
+
+    Unlike shard_sources, pages no read touches are never allocated, so sampling a few experts of a
+    full-size stacked tensor costs their bytes, not the whole box's.
+    """
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for (rank, src), rows in sorted(reads.items()):
+        entry = plan.sources[src]
+        shard = torch.empty(plan.local_shape(src, rank), dtype=getattr(torch, entry.dtype))
+        source, local = full[entry.name].view(-1), shard.view(-1)
+        for start, at, length, count, stride in rows:
+            rows_view(local, at, length, count, stride).copy_(rows_view(source, start, length, count, stride))
+        out.setdefault(rank, {})[entry.name] = shard
     return out
 
 
@@ -99,9 +136,13 @@ def verify_plan(
     sample: int | None = None,
     seed: int = 0,
     max_tensor_bytes: int = 2 << 30,
+    ranks: Collection[int] | None = None,
     log=None,
 ) -> VerifyResult:
-    """Run the plan rank by rank on random trainer shards; compare with vLLM's own load per inference rank."""
+    """Run the plan rank by rank on random trainer shards; compare with vLLM's own load per inference rank.
+
+    `ranks` limits the check to those inference ranks (and the sample to the entries they hold).
+    """
     log = log or (lambda msg: None)
     plan = load_plan(path)
     if model is None and plan.header["model"] not in known_models():
@@ -110,8 +151,14 @@ def verify_plan(
         )
     _, config_dir = resolve_model(model or plan.header["model"])
     check_fingerprint(plan, config_dir)
+    n_ranks = plan.header["dst_ranks"]
+    ranks = set(range(n_ranks)) if ranks is None else set(ranks)
+    outside = sorted(ranks - set(range(n_ranks)))
+    if not ranks or outside:
+        raise PlanMismatchError(f"inference ranks {outside} are not among the plan's {n_ranks} ranks (0..{n_ranks - 1})"
+                                if outside else f"no inference rank to verify: pick some of 0..{n_ranks - 1}")
 
-    entries = list(range(len(plan.dests)))
+    entries = [i for i, e in enumerate(plan.dests) if ranks & set(e.ranks)]
     if sample is not None:
         # Sampled checks must fit in memory: each chosen tensor exists twice (plan and vLLM).
         small = [i for i in entries if plan.dests[i].nbytes <= max_tensor_bytes]
@@ -119,6 +166,8 @@ def verify_plan(
             log(f"sampling among {len(small)} destination entries of at most {max_tensor_bytes} bytes "
                 f"({len(entries) - len(small)} larger ones skipped; raise --max-tensor-bytes to include them)")
         entries = sorted(random.Random(seed).sample(small, min(sample, len(small))))
+        if plan.header["quant"] != "none":
+            entries = whole_modules(plan, entries, ranks)
     chosen = np.zeros(len(plan.dests), dtype=bool)
     chosen[entries] = True
     mask = chosen[plan.table["dest"]]
@@ -126,9 +175,12 @@ def verify_plan(
     stage_mask = staged[plan.stage["stage"]]
     needed = {plan.sources[i].name for i in set(plan.table["src"][mask].tolist()) | set(plan.stage["src"][stage_mask].tolist())}
     log(f"verifying {len(entries)} of {len(plan.dests)} destination entries from {len(needed)} trainer tensors")
+    if sample is not None:
+        log("sampled: " + ", ".join(sorted({plan.dests[i].name for i in entries})))
 
-    full = random_sources(plan, mask, seed, stage_mask)
-    shards = shard_sources(plan, full, set(plan.table["src_rank"][mask].tolist()) | set(plan.stage["src_rank"][stage_mask].tolist()))
+    reads = source_reads(plan, mask, stage_mask)
+    full = random_sources(plan, mask, seed, stage_mask, reads)
+    shards = sampled_shards(plan, full, reads)
     info = plan.header["inference"]
     quant = plan.header["quant"]
     quantization = None if quant == "none" else quant
@@ -138,8 +190,8 @@ def verify_plan(
 
     from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
 
-    tensors, nbytes, mismatches = 0, 0, []
-    for rank in range(plan.header["dst_ranks"]):
+    tensors, nbytes, mismatches, compared = 0, 0, [], []
+    for rank in sorted(ranks):
         names = {plan.dests[i].name for i in entries if rank in plan.dests[i].ranks}
         if not names:
             continue
@@ -155,10 +207,22 @@ def verify_plan(
         expected = compute_tensor_digests(_Params(reference))
         actual = compute_tensor_digests(_Params(planned))
         mismatches += [f"{name} (inference rank {rank})" for name in sorted(expected) if expected[name] != actual.get(name)]
+        compared += [f"{name} (inference rank {rank})" for name in sorted(expected)]
         tensors += len(expected)
         nbytes += sum(t.numel() * t.element_size() for t in planned.values())
         log(f"inference rank {rank}: {len(expected)} tensors compared")
-    return VerifyResult(tensors, nbytes, tuple(mismatches))
+    return VerifyResult(tensors, nbytes, tuple(mismatches), tuple(compared))
+
+
+def whole_modules(plan: Plan, entries: list[int], ranks: Collection[int]) -> list[int]:
+    """`entries` plus the other destinations of their modules on the same inference ranks (among `ranks`).
+
+    vLLM's online quantization processes a layer once all of its weights are loaded (w2_weight
+    only with w13_weight), so a sampled quantized check loads and compares whole modules.
+    """
+    wanted = {(plan.dests[i].name.rsplit(".", 1)[0], rank) for i in entries for rank in plan.dests[i].ranks if rank in ranks}
+    return [i for i, e in enumerate(plan.dests)
+            if any((e.name.rsplit(".", 1)[0], rank) in wanted for rank in e.ranks)]
 
 
 def shard_sources(plan: Plan, full: dict[str, torch.Tensor], ranks: set[int]) -> dict[int, dict[str, torch.Tensor]]:
@@ -187,13 +251,15 @@ def _poisoned(entry) -> torch.Tensor:
 
 def vllm_load_quantized(vllm_config, base, plan: Plan, full: dict[str, torch.Tensor], chosen: set[str] | None,
                         tp_rank: int, dp_rank: int) -> dict[str, torch.Tensor]:
-    """vLLM's own online quantization on CPU: load_weights, then process_weights_after_loading of every quantized layer.
+    """vLLM's own online quantization on CPU: load_weights, then process_weights_after_loading of the quantized layers.
 
-    Returns the parameters named in `chosen` (every parameter when it is None).
-
-    The model is built on the CPU with the kernel-choice stub (frontend/fp8_kernels.py), so every
-    parameter of the rank is materialized: fine for small configs, too large for full GLM-5.2.
-    Attention layers' own post-load step (MLA absorption, not a parameter) is not run.
+    With `chosen` None, every trainer tensor is loaded (zeros where `full` has none) and every
+    layer processed: fine for small configs, too large for full GLM-5.2. With `chosen` (parameter
+    names, whole modules as whole_modules gives), only the tensors in `full` are loaded, and only
+    the modules owning chosen parameters are finalized: vLLM's online loaders keep the other
+    layers on meta, so a sample of a full-size model costs its own modules' bytes. The model is
+    built with the kernel-choice stub (frontend/fp8_kernels.py). Attention layers' own post-load
+    step (MLA absorption, not a parameter) is not run. Returns the chosen (or all) parameters.
     """
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
     from vllm.model_executor.model_loader.reload import finalize_layerwise_processing
@@ -205,17 +271,24 @@ def vllm_load_quantized(vllm_config, base, plan: Plan, full: dict[str, torch.Ten
     def stream():
         for entry in plan.sources:
             tensor = full.get(entry.name)
-            if tensor is None:  # not read by the sampled destinations: zeros stand in
+            if tensor is None:
+                if chosen is not None:  # no chosen module reads it: its layers stay unloaded, on meta
+                    continue
                 tensor = torch.zeros(entry.shape, dtype=getattr(torch, entry.dtype))
             yield from checkpoint_tensors(fmt, entry.name, tensor)
 
     vllm_config.compilation_config.static_forward_context.clear()
     with triton_fp8_kernels():
         model = build_model(vllm_config, "cpu", tp_rank=tp_rank, dp_rank=dp_rank, base_config=base)
+        layers = model
+        if chosen is not None:
+            owners = {name.rsplit(".", 1)[0] for name in chosen}
+            layers = torch.nn.ModuleList([m for name, m in model.named_modules() if name in owners])
         with torch.no_grad(), parallel_rank(vllm_config, tp_rank, dp_rank):
             model.load_weights(stream())
-            finalize_layerwise_processing(model, vllm_config.model_config)
-            for module in model.modules():
+            # Layers vLLM did not process while loading (padding left them incomplete) are processed here.
+            finalize_layerwise_processing(layers, vllm_config.model_config)
+            for module in layers.modules():
                 method = getattr(module, "quant_method", None)
                 if isinstance(method, QuantizeMethodBase):
                     method.process_weights_after_loading(module)

@@ -138,6 +138,13 @@ def test_verify_refuses_a_plan_for_another_config(plan_cache, tmp_path):
         verify_plan(plan_cache("tiny-llama"), model=str(tmp_path / "cfg"))
 
 
+@pytest.mark.parametrize("ranks,message", [([0, 7], r"inference ranks \[7\] are not among the plan's 1 ranks \(0..0\)"),
+                                           ([], r"no inference rank to verify: pick some of 0..0")])
+def test_verify_refuses_inference_ranks_the_plan_does_not_have(plan_cache, ranks, message):
+    with pytest.raises(PlanMismatchError, match=message):
+        verify_plan(plan_cache("tiny-llama"), model=str(config_dir("tiny-llama")), ranks=ranks)
+
+
 def test_verify_refuses_a_plan_for_another_vllm(plan_cache, tmp_path):
     from weightplan.runtime.plan_format import RUN_COLUMNS, write_plan
 

@@ -54,3 +54,5 @@ def test_errors_are_one_line_without_traceback(tmp_path):
     assert "truncated or corrupted" in proc.stderr and "Traceback" not in proc.stderr
     proc = run("verify-plan", garbage, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    proc = run("verify-plan", garbage, "--ranks", "0,x", check=False)
+    assert proc.returncode == 2 and "expected comma-separated inference ranks such as 0,5, got '0,x'" in proc.stderr

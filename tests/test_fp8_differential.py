@@ -113,3 +113,57 @@ def test_replicated_straddling_blocks_are_gathered_once_on_a_trainer(fp8_plan):
         spans["stage"].tolist(), spans["first_block"].tolist(), spans["n_blocks"].tolist(), spans["side"].tolist()) if side == GATHER)
     assert 0 < summary["gather_bytes"] < 2 * gathered_elements
     assert summary["wire_bytes"] == sum(summary["bytes_per_dst_rank"]) + summary["gather_bytes"]
+
+
+SAMPLE_SEEDS = range(6)
+
+
+def _w2_shifted(plan, tmp_path):
+    """The plan with every stage copy feeding an expert w2_weight missing its first element (left zero): wrong bytes."""
+    from weightplan.runtime.plan_format import RUN_COLUMNS, SPAN_COLUMNS, STAGE_COLUMNS, write_plan
+
+    stage = {c: plan.stage[c].copy() for c in STAGE_COLUMNS}
+    w2 = np.array([e.name.endswith("w2_weight") for e in plan.staging])
+    shifted = w2[stage["stage"]]
+    assert shifted.any() and (stage["length"][shifted] > 1).all()
+    for column, change in (("src_off", 1), ("stage_off", 1), ("length", -1)):
+        stage[column][shifted] += change
+    header = {k: v for k, v in plan.header.items() if k not in ("fingerprint", "n_runs", "kind", "format_version")}
+    return write_plan(tmp_path / "w2-shifted.plan", header, {c: plan.table[c] for c in RUN_COLUMNS}, stage,
+                      {c: plan.spans[c] for c in SPAN_COLUMNS})
+
+
+def test_sampled_verify_checks_whole_modules_and_catches_a_wrong_stage_copy(fp8_plan, tmp_path):
+    """--sample on a quantized plan: each sampled tensor comes with the rest of its module on the same inference
+    rank (vLLM quantizes w2 only once w13 is loaded), vLLM's reference loads only what the sample reads, and a
+    plan whose w2 stage copies are off by one element fails exactly on the sampled w2 weights."""
+    path = fp8_plan("mixed")
+    plan = load_plan(path)
+    bad = _w2_shifted(plan, tmp_path)
+    model = str(config_dir(CASES["mixed"][0]))
+    sampled_w2 = 0
+    for seed in SAMPLE_SEEDS:
+        good = verify_plan(path, model=model, sample=2, seed=seed)
+        assert good.mismatches == () and good.tensors == len(good.compared) >= 2
+        for entry in good.compared:
+            name, rank = entry.split(" (")
+            module = name.rsplit(".", 1)[0]
+            if name.endswith(".w2_weight"):  # its module's other tensors on that rank were compared with it
+                assert {f"{module}.{p} ({rank}" for p in ("w13_weight", "w13_weight_scale_inv", "w2_weight_scale_inv")} <= set(good.compared)
+        broken = verify_plan(bad, model=model, sample=2, seed=seed)
+        assert broken.compared == good.compared
+        w2 = {c for c in broken.compared if c.split(" (")[0].endswith(".w2_weight")}
+        assert w2 <= set(broken.mismatches)
+        assert all(".w2_weight" in m for m in broken.mismatches)  # the weight and maybe its scale, nothing else
+        sampled_w2 += len(w2)
+    assert sampled_w2 > 0, "no seed sampled an expert w2_weight: pick other seeds"
+
+
+def test_verify_on_chosen_inference_ranks(fp8_plan):
+    """ranks=[1]: only rank 1's tensors are checked (gather-side blocks reach every holder from one quantizing rank)."""
+    path = fp8_plan("gathered")
+    plan = load_plan(path)
+    result = verify_plan(path, model=str(config_dir(CASES["gathered"][0])), seed=2, ranks=[1])
+    assert result.mismatches == ()
+    assert len(result.compared) == sum(1 for e in plan.dests if 1 in e.ranks)
+    assert all(c.endswith("(inference rank 1)") for c in result.compared)
