@@ -31,6 +31,20 @@ def _f32_bits(typingctx, value):
     return types.uint32(types.float32), codegen
 
 
+def _round_e4m3fn(b, mag):
+    """Emit the e4m3fn magnitude byte (as i32) of float32 bits mag (sign bit clear), not clamped: above 464
+    it runs past 0x7e."""
+    # Normal fp8 range: rebias the exponent and round at mantissa bit 20, ties to even.
+    odd = b.and_(b.lshr(mag, _c(20)), _c(1))
+    normal = b.lshr(b.add(b.add(mag, _c(0x7FFFF - (120 << 23))), odd), _c(20))
+    # Below 2**-6, as c10 does: adding 2**14 makes the float32 add round |f| to a multiple of 2**-9, ties
+    # to even, and leaves the fp8 subnormal count in the low mantissa bits.
+    f = b.bitcast(mag, ir.FloatType())
+    subnormal = b.sub(b.bitcast(b.fadd(f, ir.Constant(ir.FloatType(), 2.0**14)), _I32), _c(141 << 23))
+    # A float compare: an integer one on known non-negative values becomes an unsigned one, which AVX2 lacks.
+    return b.select(b.fcmp_ordered("<", f, ir.Constant(ir.FloatType(), 2.0**-6)), subnormal, normal)
+
+
 @intrinsic
 def _e4m3fn_from_f32_bits(typingctx, bits):
     """float32 bits -> float8_e4m3fn byte, step for step c10's fp8e4m3fn_from_fp32_value (torch 2.13).
@@ -44,15 +58,7 @@ def _e4m3fn_from_f32_bits(typingctx, bits):
         (u,) = args
         mag = b.and_(u, _c(0x7FFFFFFF))
         sign = b.and_(b.lshr(u, _c(24)), _c(0x80))
-        # Normal fp8 range: rebias the exponent and round at mantissa bit 20, ties to even.
-        odd = b.and_(b.lshr(mag, _c(20)), _c(1))
-        normal = b.lshr(b.add(b.add(mag, _c(0x7FFFF - (120 << 23))), odd), _c(20))
-        # Below 2**-6, as c10 does: adding 2**14 makes the float32 add round |f| to a multiple of 2**-9, ties
-        # to even, and leaves the fp8 subnormal count in the low mantissa bits.
-        biased = b.fadd(b.bitcast(mag, ir.FloatType()), ir.Constant(ir.FloatType(), 2.0**14))
-        subnormal = b.sub(b.bitcast(biased, _I32), _c(141 << 23))
-        # mag has no sign bit, so signed compares order it as unsigned ones would.
-        r = b.select(b.icmp_signed("<", mag, _c(121 << 23)), subnormal, normal)
+        r = _round_e4m3fn(b, mag)
         r = b.select(b.icmp_signed(">", r, _c(0x7E)), _c(0x7E), r)
         # NaN: r is already clamped to 0x7e, and the borrow of 0x7f800000 - mag adds the 1 of 0x7f.
         nan = b.lshr(b.sub(_c(0x7F800000), mag), _c(31))
@@ -60,11 +66,35 @@ def _e4m3fn_from_f32_bits(typingctx, bits):
     return types.uint8(types.uint32), codegen
 
 
+@intrinsic
+def _e4m3fn_from_scaled_bf16(typingctx, half, scale_by):
+    """e4m3fn byte of float32(bf16 bits half) * scale_by (> 0) where the product is finite and below 464 in
+    magnitude, as in every finite tile (see quantize_tiles): there it is _e4m3fn_from_f32_bits of the product,
+    whose clamp and NaN steps do nothing. |half| is scaled and half's sign put on the byte, in 16-bit lanes.
+    """
+    def codegen(context, builder, sig, args):
+        b = builder
+        h, scale_by = args
+        i16 = ir.IntType(16)
+        wide = b.shl(b.zext(b.and_(h, ir.Constant(i16, 0x7FFF)), _I32), _c(16))
+        mag = b.bitcast(b.fmul(b.bitcast(wide, ir.FloatType()), scale_by), _I32)
+        sign = b.and_(b.lshr(h, ir.Constant(i16, 8)), ir.Constant(i16, 0x80))
+        return b.or_(b.trunc(_round_e4m3fn(b, mag), ir.IntType(8)), b.trunc(sign, ir.IntType(8)))
+    return types.uint8(types.uint16, types.float32), codegen
+
+
 @njit(cache=True, nogil=True)
 def f32_bits_to_e4m3fn(bits: np.ndarray, out: np.ndarray) -> None:
     """out[i] = float8_e4m3fn byte of the float32 with bits bits[i] (1-D uint32 -> 1-D uint8)."""
     for i in range(bits.size):
         out[i] = _e4m3fn_from_f32_bits(bits[i])
+
+
+@njit(cache=True, nogil=True)
+def scaled_bf16_to_e4m3fn(halves: np.ndarray, scale_by: np.float32, out: np.ndarray) -> None:
+    """out[i] = _e4m3fn_from_scaled_bf16(halves[i], scale_by) (1-D uint16 -> 1-D uint8), for tests."""
+    for i in range(halves.size):
+        out[i] = _e4m3fn_from_scaled_bf16(halves[i], scale_by)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -88,13 +118,29 @@ def _band_scales(top, scales, inv):
     return nonfinite
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _row_values(row, inv, out):
-    """out = fp8 bytes of float(row) * inv[tile]."""
+@njit(cache=True, nogil=True)
+def _row_values(row, inv, out, finite, ahead, top):
+    """out = fp8 bytes of float(row) * inv[tile] (the general cast, or the in-range one if the band is finite), and
+    top = max(top, |ahead|) as _accumulate_amax unless ahead is empty: in the same loop as the finite cast, so
+    ahead's loads from memory overlap its arithmetic (in separate passes they did not)."""
     for t in range(inv.size):
         scale_by = inv[t]
-        for c in range(t * BLOCK, t * BLOCK + BLOCK):
-            out[c] = _e4m3fn_from_f32_bits(_f32_bits(_f32_from_bits(np.uint32(row[c]) << 16) * scale_by))
+        # Per-tile slices index from 0, so numba's negative-index wraparound folds away.
+        lo, hi = t * BLOCK, t * BLOCK + BLOCK
+        src, dst = row[lo:hi], out[lo:hi]
+        if not finite:
+            for c in range(BLOCK):
+                dst[c] = _e4m3fn_from_f32_bits(_f32_bits(_f32_from_bits(np.uint32(src[c]) << 16) * scale_by))
+        elif ahead.size:
+            nxt, tp = ahead[lo:hi], top[lo:hi]
+            for c in range(BLOCK):
+                dst[c] = _e4m3fn_from_scaled_bf16(src[c], scale_by)
+                tp[c] = max(tp[c], nxt[c] & 0x7FFF)
+        else:
+            for c in range(BLOCK):
+                dst[c] = _e4m3fn_from_scaled_bf16(src[c], scale_by)
+    if not finite and ahead.size:
+        _accumulate_amax(ahead, top)
 
 
 @njit(cache=True, nogil=True)
@@ -102,8 +148,10 @@ def quantize_tiles(x, x_pitch, out, out_pitch, scales):
     """Quantize the whole tiles of bf16 bits x (flat, row pitch x_pitch) into fp8 bytes out (flat, row pitch
     out_pitch) and float32 scales (one per tile, its shape the tile grid); returns how many tiles hold inf or NaN.
 
-    Band by band (BLOCK rows): the amax of the next band is gathered while this band's values are written,
-    so its loads from memory overlap the conversion arithmetic.
+    Band by band (BLOCK rows): the amax of the next band is gathered while this band's values are written.
+    In a finite tile, |x| <= amax keeps |x * inv| within one float32 ulp of 448 (tests check every bf16 amax),
+    far below 464 where fp8 rounding saturates, so _e4m3fn_from_scaled_bf16 applies; a band holding inf or NaN
+    goes through the general cast (its tiles are redone by the caller anyway).
     """
     n_brows, n_bcols = scales.shape
     width = n_bcols * BLOCK
@@ -113,13 +161,14 @@ def quantize_tiles(x, x_pitch, out, out_pitch, scales):
         _accumulate_amax(x[r * x_pitch : r * x_pitch + width], top)
     nonfinite = 0
     for bi in range(n_brows):
-        nonfinite += _band_scales(top, scales[bi], inv)
+        band_nonfinite = _band_scales(top, scales[bi], inv)
+        nonfinite += band_nonfinite
         ahead = bi + 1 < n_brows
         next_top[:] = 0
         for r in range(bi * BLOCK, bi * BLOCK + BLOCK):
-            _row_values(x[r * x_pitch : r * x_pitch + width], inv, out[r * out_pitch : r * out_pitch + width])
-            if ahead:
-                nr = r + BLOCK
-                _accumulate_amax(x[nr * x_pitch : nr * x_pitch + width], next_top)
+            nr = r + BLOCK
+            next_row = x[nr * x_pitch : nr * x_pitch + width] if ahead else x[:0]
+            _row_values(x[r * x_pitch : r * x_pitch + width], inv, out[r * out_pitch : r * out_pitch + width],
+                        band_nonfinite == 0, next_row, next_top)
         top, next_top = next_top, top
     return nonfinite

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightplan.runtime.fp8_kernel import f32_bits_to_e4m3fn
+from weightplan.runtime.fp8_kernel import f32_bits_to_e4m3fn, scaled_bf16_to_e4m3fn
 from weightplan.runtime.quant import BlockQuantizer
 
 from .test_fp8_quant import _same, _vllm
@@ -27,6 +27,32 @@ def test_e4m3fn_rounding_equals_torch_on_every_float32():
         ref = torch.from_numpy(bits.view(np.float32)).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
         bad = np.flatnonzero(out != ref)
         assert bad.size == 0, f"float32 bits {bits[bad[0]]:#010x}: kernel {out[bad[0]]:#04x}, torch {ref[bad[0]]:#04x}"
+
+
+def test_finite_tile_products_stay_within_one_ulp_of_448():
+    """What lets finite tiles skip the saturating steps: for every finite bf16 amax (and so every |x| <= amax),
+    amax * (1 / (max(amax, 1e-4) / 448)) in float32, as the kernel computes it, is at most 448 plus one ulp."""
+    amax = (np.arange(0x7F80, dtype=np.uint32) << 16).view(np.float32)
+    inv = np.float32(1.0) / (np.maximum(amax, np.float32(1e-4)) / np.float32(448.0))
+    assert (amax * inv).max() <= np.nextafter(np.float32(448.0), np.float32(np.inf))
+
+
+@pytest.mark.parametrize("amax_bits", [0x0001, 0x0080, 0x38D1, 0x3C00, 0x3F80, 0x3FFF, 0x4480, 0x7F7F])
+def test_scaled_bf16_cast_equals_torch_on_every_bf16(amax_bits):
+    """The finite-tile cast against torch: every bf16 bit pattern (both signs, zeros, subnormals) whose product
+    with the inverse scale of a tile with this amax, or a float32 neighbour of it, stays below 464."""
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    amax = np.float32((np.uint32(amax_bits) << 16).view(np.float32))
+    inv = np.float32(1.0) / (max(amax, np.float32(1e-4)) / np.float32(448.0))
+    for scale_by in (inv, np.nextafter(inv, np.float32(0.0)), np.nextafter(inv, np.float32(np.inf))):
+        out = np.empty(halves.size, dtype=np.uint8)
+        scaled_bf16_to_e4m3fn(halves, scale_by, out)
+        product = torch.from_numpy(halves.view(np.int16)).view(torch.bfloat16).float() * float(scale_by)
+        ref = product.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        in_range = (product.abs() < 464).numpy()
+        assert in_range.sum() > 20000
+        bad = np.flatnonzero((out != ref) & in_range)
+        assert bad.size == 0, f"bf16 {halves[bad[0]]:#06x} * {scale_by}: kernel {out[bad[0]]:#04x}, torch {ref[bad[0]]:#04x}"
 
 
 def _quantize(x: torch.Tensor, use_kernel: bool = True, out_pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
