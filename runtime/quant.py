@@ -116,6 +116,13 @@ class BlockQuantizer:
         self._bits = torch.empty(0, dtype=torch.int16)
         self._wide = torch.empty(0, dtype=torch.float32)
 
+    def warm_up(self) -> None:
+        """Load the kernel now (numba's import and its compiled-code cache take about a second in a fresh process),
+        so that the first sync does not pay it."""
+        if self.use_kernel:
+            tile = torch.zeros(BLOCK, BLOCK, dtype=torch.bfloat16)
+            self(tile, torch.empty(BLOCK, BLOCK, dtype=FP8), torch.empty(1, 1))
+
     def __call__(self, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
         """Quantize bf16 `x` (h, w) into fp8 `values` (h, w) and float32 `scales` (ceil(h/B), ceil(w/B)).
 

@@ -58,6 +58,8 @@ class ReceiverQuant:
         self._pieces = np.flatnonzero((p.side == RECEIVER) & self.held[p.stage])
         self.slots: list[torch.Tensor] = []
         self._quantize = BlockQuantizer()
+        if self.quantizes:
+            self._quantize.warm_up()
         self._dirty = False
         self.seconds = 0.0
 

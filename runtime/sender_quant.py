@@ -56,6 +56,8 @@ class SenderQuant:
                             packed.length * 2, self.packing.packed_byte, self.packing.unit)
         self._quantize = BlockQuantizer()
         self._windows = self._plan_windows(sources)
+        if self._windows:
+            self._quantize.warm_up()
         self._digest_rows = self._digest_table(regions, len(exposed))
         self.seconds = 0.0
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -160,3 +163,14 @@ def test_column_strided_input_falls_back_to_torch():
     values, scales = _quantize(x.t())
     ref_values, ref_scales = _vllm(x.t().contiguous())
     assert _same(values.contiguous(), ref_values) and _same(scales, ref_scales)
+
+
+def test_warm_up_loads_the_kernel_before_the_first_quantization():
+    """Sender and receiver call warm_up at construction, so the first sync does not load numba's kernel."""
+    code = ("from weightplan.runtime import fp8_kernel\n"
+            "from weightplan.runtime.quant import BlockQuantizer\n"
+            "assert not fp8_kernel.quantize_tiles.signatures\n"
+            "BlockQuantizer().warm_up()\n"
+            "assert len(fp8_kernel.quantize_tiles.signatures) == 1\n"
+            "BlockQuantizer(use_kernel=False).warm_up()\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

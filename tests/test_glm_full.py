@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from weightplan.compiler.compile import compile_plan, default_plan_path
@@ -11,6 +12,7 @@ from weightplan.compiler.make_plans import CHECKED_IN
 from weightplan.compiler.plan_summary import summarize
 from weightplan.compiler.verify_plan import verify_plan
 from weightplan.runtime import load_plan
+from weightplan.runtime.plan_format import GATHER, SENDER
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -56,3 +58,23 @@ def test_full_glm_sampled_verify_matches_vllm(fresh_plans, index, seed):
     result = verify_plan(path, sample=4, seed=seed)
     assert result.mismatches == ()
     assert result.tensors >= 4
+
+
+# The fp8 seed plan (index 4), both kinds of quantized module at full size against vLLM's own online
+# fp8_per_block: seed 1 samples a routed-expert module (w2 with w13 and the scales, 8 experts on
+# inference rank 1, quantized on the trainer ranks that hold them); on inference rank 0, seed 5 samples
+# two fused_qkv_a_proj and an indexer wq_b, replicated tensors whose straddling blocks are gathered.
+@pytest.mark.parametrize("sample,seed,ranks", [(1, 1, None), (3, 5, [0])], ids=["expert-module", "gathered-dense"])
+def test_full_glm_fp8_sampled_verify_matches_vllm(fresh_plans, sample, seed, ranks):
+    options = CHECKED_IN[4]
+    assert options.quant == "fp8_per_block"
+    path, _ = fresh_plans[options]
+    result = verify_plan(path, sample=sample, seed=seed, ranks=ranks)
+    assert result.mismatches == ()
+    assert result.tensors == len(result.compared) >= 2 * sample
+    plan = load_plan(path)
+    compared = {c.split(" (")[0] for c in result.compared}
+    stages = [i for i, e in enumerate(plan.staging) if plan.dests[e.weight].name in compared]
+    assert stages and all(plan.dests[plan.staging[i].scale].name in compared for i in stages)
+    sides = set(plan.spans["side"][np.isin(plan.spans["stage"], stages)].tolist())
+    assert sides == ({SENDER} if ranks is None else {GATHER})
