@@ -144,8 +144,8 @@ class BlockQuantizer:
 
     def _kernel_tiles(self, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, hf: int, wf: int) -> bool:
         """Whole tiles x[:hf, :wf] through the numba kernel; False (nothing to keep) if it cannot take them."""
-        if x.dtype != torch.bfloat16 or x.stride(1) != 1 or values.stride(1) != 1:
-            return False
+        if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.stride(1) != 1 or values.stride(1) != 1:
+            return False  # device tensors (a GPU trainer's) go through torch ops where they are
         from .fp8_kernel import quantize_tiles  # numba compiles or loads its cache on first use
 
         tile_scales = np.empty((hf // self.block, wf // self.block), dtype=np.float32)
@@ -160,9 +160,9 @@ class BlockQuantizer:
         """Whole tiles x[:hf, :wf] through torch ops, a few block rows at a time in reused buffers."""
         b = self.block
         rows = max(b, self.chunk_elements // wf // b * b)
-        if self._bits.numel() < rows * wf:
-            self._bits = torch.empty(rows * wf, dtype=torch.int16)
-            self._wide = torch.empty(rows * wf, dtype=torch.float32)
+        if self._bits.numel() < rows * wf or self._bits.device != x.device:
+            self._bits = torch.empty(rows * wf, dtype=torch.int16, device=x.device)
+            self._wide = torch.empty(rows * wf, dtype=torch.float32, device=x.device)
         for r in range(0, hf, rows):
             n = min(rows, hf - r)
             part = x[r : r + n, :wf]

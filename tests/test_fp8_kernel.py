@@ -174,3 +174,12 @@ def test_warm_up_loads_the_kernel_before_the_first_quantization():
             "assert len(fp8_kernel.quantize_tiles.signatures) == 1\n"
             "BlockQuantizer(use_kernel=False).warm_up()\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_tensors_off_the_cpu_take_the_torch_path():
+    """The kernel reads host memory through numpy; other devices (here meta, as a GPU trainer's tensors) use torch ops."""
+    x = torch.empty(256, 384, dtype=torch.bfloat16, device="meta")
+    values = torch.empty(256, 384, dtype=torch.float8_e4m3fn, device="meta")
+    scales = torch.empty(2, 3, device="meta")
+    BlockQuantizer()(x, values, scales)  # the kernel path would fail converting meta tensors to numpy
+    assert not BlockQuantizer()._kernel_tiles(x, values, scales, 256, 384)
