@@ -251,10 +251,10 @@ def main() -> None:
             "fp8_floor_s_per_gb": round(floor, 4), "fp8_floor_vs_bf16_per_gb": round(floor / bf16_per_gb, 3),
             "fp8_estimate_vs_bf16_per_gb": round(estimate / bf16_per_gb, 3),
             "fp8_bytes": fp8["bytes"], "fp8_wire_bytes": fp8["wire_bytes"], "fp8_sync_s": round(fp8["sync"], 3),
-            "bf16_s_per_gb": round(bf16_per_gb, 4), "fp8_s_per_gb": round(fp8["sync"] / (fp8["bytes"] / 1e9), 4),
-            "fp8_vs_bf16_per_gb": round(fp8["sync"] / (fp8["bytes"] / 1e9) / bf16_per_gb, 3),
+            "bf16_s_per_gb": round(bf16_per_gb, 4), "fp8_s_per_gb": round(fp8["sync"] / fp8_gb, 4),
+            "fp8_vs_bf16_per_gb": round(fp8["sync"] / fp8_gb / bf16_per_gb, 3),
             # Derived, not measured alone: the sync minus the slowest trainer's quantization, per GB.
-            "fp8_s_per_gb_without_sender_quantize": round((fp8["sync"] - fp8["sender_quantize"]) / (fp8["bytes"] / 1e9), 4),
+            "fp8_s_per_gb_without_sender_quantize": round((fp8["sync"] - fp8["sender_quantize"]) / fp8_gb, 4),
             "fp8_sender_quantize_s": round(fp8["sender_quantize"], 3),
             "fp8_sender_gather_s": round(fp8["sender_gather"], 3),
             "fp8_publish_s": round(fp8["sender_publish"], 3),

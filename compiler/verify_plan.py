@@ -87,16 +87,14 @@ def source_reads(plan: Plan, mask: np.ndarray, stage_mask: np.ndarray | None = N
     return {key: sorted(rows) for key, rows in reads.items()}
 
 
-def random_sources(plan: Plan, mask: np.ndarray, seed: int, stage_mask: np.ndarray | None = None,
-                   reads: dict[tuple[int, int], list[Read]] | None = None) -> dict[str, torch.Tensor]:
-    """Full-size trainer tensors holding random values where the selected runs (`mask` over plan.table) read.
+def random_sources(plan: Plan, reads: dict[tuple[int, int], list[Read]], seed: int) -> dict[str, torch.Tensor]:
+    """Full-size trainer tensors holding random values where `reads` (from source_reads) say the selected runs read.
 
     Tensors are allocated with torch.empty (pages the process never touches stay unallocated),
     so sampling one expert of a 13 GB stack costs only that expert's bytes. Bytes no selected run
     reads are left unset; both the plan and vLLM read the same tensors, so they agree or differ together.
     """
     generator = torch.Generator().manual_seed(seed)
-    reads = source_reads(plan, mask, stage_mask) if reads is None else reads
     by_source: dict[int, set[tuple[int, int, int, int]]] = {}
     for (_, src), rows in reads.items():
         by_source.setdefault(src, set()).update((start, length, count, stride) for start, _, length, count, stride in rows)
@@ -173,13 +171,12 @@ def verify_plan(
     mask = chosen[plan.table["dest"]]
     staged = np.array([chosen[e.weight] or chosen[e.scale] for e in plan.staging] + [False], dtype=bool)
     stage_mask = staged[plan.stage["stage"]]
-    needed = {plan.sources[i].name for i in set(plan.table["src"][mask].tolist()) | set(plan.stage["src"][stage_mask].tolist())}
-    log(f"verifying {len(entries)} of {len(plan.dests)} destination entries from {len(needed)} trainer tensors")
+    reads = source_reads(plan, mask, stage_mask)
+    log(f"verifying {len(entries)} of {len(plan.dests)} destination entries from {len({src for _, src in reads})} trainer tensors")
     if sample is not None:
         log("sampled: " + ", ".join(sorted({plan.dests[i].name for i in entries})))
 
-    reads = source_reads(plan, mask, stage_mask)
-    full = random_sources(plan, mask, seed, stage_mask, reads)
+    full = random_sources(plan, reads, seed)
     shards = sampled_shards(plan, full, reads)
     info = plan.header["inference"]
     quant = plan.header["quant"]
@@ -220,9 +217,13 @@ def whole_modules(plan: Plan, entries: list[int], ranks: Collection[int]) -> lis
     vLLM's online quantization processes a layer once all of its weights are loaded (w2_weight
     only with w13_weight), so a sampled quantized check loads and compares whole modules.
     """
-    wanted = {(plan.dests[i].name.rsplit(".", 1)[0], rank) for i in entries for rank in plan.dests[i].ranks if rank in ranks}
-    return [i for i, e in enumerate(plan.dests)
-            if any((e.name.rsplit(".", 1)[0], rank) in wanted for rank in e.ranks)]
+    wanted = {(_module_of(plan.dests[i].name), rank) for i in entries for rank in plan.dests[i].ranks if rank in ranks}
+    return [i for i, e in enumerate(plan.dests) if any((_module_of(e.name), rank) in wanted for rank in e.ranks)]
+
+
+def _module_of(parameter: str) -> str:
+    """`model.layers.3.mlp.experts.w2_weight` -> `model.layers.3.mlp.experts`."""
+    return parameter.rsplit(".", 1)[0]
 
 
 def shard_sources(plan: Plan, full: dict[str, torch.Tensor], ranks: set[int]) -> dict[int, dict[str, torch.Tensor]]:
@@ -282,7 +283,7 @@ def vllm_load_quantized(vllm_config, base, plan: Plan, full: dict[str, torch.Ten
         model = build_model(vllm_config, "cpu", tp_rank=tp_rank, dp_rank=dp_rank, base_config=base)
         layers = model
         if chosen is not None:
-            owners = {name.rsplit(".", 1)[0] for name in chosen}
+            owners = {_module_of(name) for name in chosen}
             layers = torch.nn.ModuleList([m for name, m in model.named_modules() if name in owners])
         with torch.no_grad(), parallel_rank(vllm_config, tp_rank, dp_rank):
             model.load_weights(stream())

@@ -84,12 +84,12 @@ def test_plan_lists_derived_post_load_work(fp8_plan):
 
 def test_sender_blocks_read_only_their_rank(fp8_plan):
     """Executing the sender side with only one rank's shards must work: host_quant.trainer_quantize is given no other."""
-    from weightplan.compiler.verify_plan import random_sources, shard_sources
+    from weightplan.compiler.verify_plan import random_sources, shard_sources, source_reads
     from weightplan.runtime.host_quant import trainer_quantize
 
     plan = load_plan(fp8_plan("mixed"))
     everything = np.ones(plan.n_stored_runs, dtype=bool)
-    full = random_sources(plan, everything, 0, np.ones(len(plan.stage["side"]), dtype=bool))
+    full = random_sources(plan, source_reads(plan, everything, np.ones(len(plan.stage["side"]), dtype=bool)), 0)
     shards = shard_sources(plan, full, set(range(plan.header["src_ranks"])))
     sender = plan.spans["side"] == SENDER
     assert sender.any()
