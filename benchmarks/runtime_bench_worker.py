@@ -245,7 +245,8 @@ def _baseline(plan, args, shards, groups, model, n_src: int) -> float:
             yield entry.name, full
 
     if args.role == "inference":
-        from weightplan.compiler.frontend.vllm_model import make_vllm_config, parallel_rank
+        from weightplan.compiler.frontend.vllm_model import make_vllm_config
+        from weightplan.compiler.frontend.vllm_patches import parallel_rank
 
         info = plan.header["inference"]
         config = make_vllm_config(args.model, tp=info["tp"], dp=info["dp"], ep=info["ep"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,11 @@ from ..runtime.errors import WeightplanError
 def _fail(exc: Exception) -> int:
     print(f"error: {exc}", file=sys.stderr)
     return 2
+
+
+def quiet_vllm() -> None:
+    """vLLM logs to stdout; a command's stdout is its summary, so keep only vLLM's errors (unless the user set a level)."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
 def _log(msg: str) -> None:
@@ -32,6 +38,7 @@ def compile_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inference", default="tp=1", help="vLLM layout: tp=T[,dp=D][,ep]")
     parser.add_argument("-o", "--output", type=Path, help="plan file (default plans/<model>/<trainer>__<inference>__<quant>.plan)")
     args = parser.parse_args(argv)
+    quiet_vllm()
     from .compile import CompileOptions, compile_plan
 
     try:
@@ -91,6 +98,7 @@ def verify_main(argv: list[str] | None = None) -> int:
                         help="with --sample, skip destination tensors larger than this (default 2 GiB)")
     parser.add_argument("--ranks", type=_rank_list, help="check only these inference ranks, e.g. 0,5 (default: all)")
     args = parser.parse_args(argv)
+    quiet_vllm()
     from .verify_plan import verify_plan
 
     if args.sample is not None and args.sample < 1:

@@ -17,6 +17,7 @@ from .frontend.errors import ModelConfigError
 from .frontend.rank_models import RankTracer
 from .frontend.trainer_formats import TRAINER_FORMATS, trainer_specs
 from .frontend.vllm_model import current_platform_name, make_vllm_config
+from .frontend.vllm_patches import HOST_PROFILE, host_independent
 from .layouts import parse_inference, parse_trainer
 from .passes.merge_ranks import merge_ranks
 from .ir import Program
@@ -68,7 +69,7 @@ def check_options(opts: CompileOptions) -> None:
 
 def compile_plan(opts: CompileOptions, *, log=None) -> CompileResult:
     """Compile and write one plan; `log(msg)` receives progress lines."""
-    with gc_paused():
+    with gc_paused(), host_independent():
         return _compile(opts, log or (lambda msg: None))
 
 
@@ -108,7 +109,8 @@ def _compile(opts: CompileOptions, log) -> CompileResult:
     started = clock()
     merged = merge_ranks(per_rank, chains)
     trainer = {"format": opts.trainer_format, "dtype": opts.trainer_dtype, "token": trainer_layout.token, **trainer_layout.as_dict()}
-    inference_meta = {"token": inference.token, **inference.as_dict(), "platform": current_platform_name()}
+    inference_meta = {"token": inference.token, **inference.as_dict(), "platform": current_platform_name(),
+                      "vllm_host": HOST_PROFILE}
     program = dataclasses.replace(merged, meta={
         "vllm_version": vllm.__version__,
         "model": name,

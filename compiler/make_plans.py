@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from .cli import quiet_vllm
 from .compile import CompileOptions, compile_plan
 
 # The plans checked in under plans/; tests/test_glm_full.py fails when one is stale.
@@ -22,6 +23,7 @@ CHECKED_IN = (
 
 
 def main() -> int:
+    quiet_vllm()
     for options in CHECKED_IN:
         result = compile_plan(options, log=lambda msg: print(msg, file=sys.stderr, flush=True))
         s = result.stats

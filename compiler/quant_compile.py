@@ -19,10 +19,10 @@ def vllm_quantization(quant: str) -> str | None:
 
 
 def build_context(quant: str):
-    """During model builds: stub only vLLM's fp8 kernel choice (see frontend/fp8_kernels.py)."""
+    """During model builds: stub only vLLM's fp8 kernel choice (frontend/vllm_patches.py: triton_fp8_kernels)."""
     if quant == "none":
         return contextlib.nullcontext()
-    from .frontend.fp8_kernels import triton_fp8_kernels
+    from .frontend.vllm_patches import triton_fp8_kernels
 
     return triton_fp8_kernels()
 

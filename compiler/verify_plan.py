@@ -17,7 +17,8 @@ from ..runtime.plan_format import Plan
 from ..runtime.shards import box_segments
 from .frontend.trainer_formats import checkpoint_tensors
 from .frontend.errors import ModelConfigError
-from .frontend.vllm_model import build_model, current_platform_name, make_vllm_config, parallel_rank
+from .frontend.vllm_model import build_model, current_platform_name, make_vllm_config
+from .frontend.vllm_patches import HOST_PROFILE, host_independent, parallel_rank, triton_fp8_kernels
 from .models import config_hash, known_models, resolve_model
 
 
@@ -49,6 +50,9 @@ def check_fingerprint(plan: Plan, config_dir: Path) -> None:
     platform = current_platform_name()
     if plan.header["inference"].get("platform") != platform:
         problems.append(f"platform: plan traced on {plan.header['inference'].get('platform')}, this is {platform}")
+    pinned = plan.header["inference"].get("vllm_host")
+    if pinned != HOST_PROFILE:
+        problems.append(f"vLLM host choices: plan compiled with {pinned}, this compiler pins {HOST_PROFILE}")
     if plan.header["config_sha256"] != config_hash(config_dir):
         problems.append(f"model config {config_dir / 'config.json'} differs from the one the plan was compiled for")
     if problems:
@@ -127,6 +131,7 @@ def sampled_shards(plan: Plan, full: dict[str, torch.Tensor], reads: dict[tuple[
     return out
 
 
+@host_independent()
 def verify_plan(
     path: Path,
     *,
@@ -195,7 +200,6 @@ def verify_plan(
         tp_rank, dp_rank = rank % info["tp"], rank // info["tp"]
         if quantization is None:
             reference = _vllm_load(vllm_config, base, plan, full, names, tp_rank, dp_rank)
-            vllm_config.compilation_config.static_forward_context.clear()
             planned = _materialize(build_model(vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=base), names, float("nan"))
         else:
             reference = vllm_load_quantized(vllm_config, base, plan, full, names, tp_rank, dp_rank)
@@ -250,6 +254,7 @@ def _poisoned(entry) -> torch.Tensor:
     return tensor
 
 
+@host_independent()
 def vllm_load_quantized(vllm_config, base, plan: Plan, full: dict[str, torch.Tensor], chosen: set[str] | None,
                         tp_rank: int, dp_rank: int) -> dict[str, torch.Tensor]:
     """vLLM's own online quantization on CPU: load_weights, then process_weights_after_loading of the quantized layers.
@@ -259,13 +264,11 @@ def vllm_load_quantized(vllm_config, base, plan: Plan, full: dict[str, torch.Ten
     names, whole modules as whole_modules gives), only the tensors in `full` are loaded, and only
     the modules owning chosen parameters are finalized: vLLM's online loaders keep the other
     layers on meta, so a sample of a full-size model costs its own modules' bytes. The model is
-    built with the kernel-choice stub (frontend/fp8_kernels.py). Attention layers' own post-load
+    built with the kernel-choice stub (vllm_patches.triton_fp8_kernels). Attention layers' own post-load
     step (MLA absorption, not a parameter) is not run. Returns the chosen (or all) parameters.
     """
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
     from vllm.model_executor.model_loader.reload import finalize_layerwise_processing
-
-    from .frontend.fp8_kernels import triton_fp8_kernels
 
     fmt = plan.header["trainer"]["format"]
 
@@ -278,7 +281,6 @@ def vllm_load_quantized(vllm_config, base, plan: Plan, full: dict[str, torch.Ten
                 tensor = torch.zeros(entry.shape, dtype=getattr(torch, entry.dtype))
             yield from checkpoint_tensors(fmt, entry.name, tensor)
 
-    vllm_config.compilation_config.static_forward_context.clear()
     with triton_fp8_kernels():
         model = build_model(vllm_config, "cpu", tp_rank=tp_rank, dp_rank=dp_rank, base_config=base)
         layers = model
@@ -315,7 +317,6 @@ def _materialize(model: torch.nn.Module, names: set[str], fill: float) -> dict[s
 
 def _vllm_load(vllm_config, base, plan: Plan, full: dict[str, torch.Tensor], chosen: set[str], tp_rank: int, dp_rank: int):
     """vLLM's own load_weights of the trainer's full weights into this rank's model (ground truth)."""
-    vllm_config.compilation_config.static_forward_context.clear()
     model = build_model(vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=base)
     params = _materialize(model, chosen, fill=0.0)
     fmt = plan.header["trainer"]["format"]

@@ -132,7 +132,8 @@ def run_inference(args, plan) -> None:
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
     from weightplan.compiler.frontend.trainer_formats import checkpoint_tensors
-    from weightplan.compiler.frontend.vllm_model import build_model, make_vllm_config, parallel_rank
+    from weightplan.compiler.frontend.vllm_model import build_model, make_vllm_config
+    from weightplan.compiler.frontend.vllm_patches import parallel_rank
 
     info = plan.header["inference"]
     tp_rank, dp_rank = args.rank % info["tp"], args.rank // info["tp"]

@@ -131,12 +131,11 @@ def test_guard_catches_a_model_that_was_not_re_pointed(shared, configs, tmp_path
 
 
 def _model(config):
-    from weightplan.compiler.frontend.fp8_kernels import triton_fp8_kernels
+    from weightplan.compiler.frontend.vllm_patches import triton_fp8_kernels
     from weightplan.compiler.frontend.fp8_trace import unwrap_online_loaders
     from weightplan.compiler.frontend.vllm_model import build_model, make_vllm_config
 
     vllm_config = make_vllm_config(config, quantization=FP8)
-    vllm_config.compilation_config.static_forward_context.clear()
     with triton_fp8_kernels():
         model = build_model(vllm_config)
     unwrap_online_loaders(model)
@@ -157,7 +156,7 @@ def _state(model):
 
 
 def _post_load(model, classes=None, *, keep_model=False):
-    from weightplan.compiler.frontend.fp8_kernels import triton_fp8_kernels
+    from weightplan.compiler.frontend.vllm_patches import triton_fp8_kernels
     from weightplan.compiler.frontend.post_load import trace_rank_post_load
 
     with triton_fp8_kernels():

@@ -146,11 +146,9 @@ def test_place_experts_gives_the_expert_map_of_a_real_build():
     def maps(model):
         return {name: (m.local_num_experts, m._expert_map.tolist()) for name, m in model.named_modules() if hasattr(m, "_expert_map")}
 
-    config.compilation_config.static_forward_context.clear()
     model = build_model(config, dp_rank=0, base_config=base)
     assert place_experts(model, config, 0, 0) == 0  # its own rank: nothing moves
     moved = place_experts(model, config, 0, 2)
-    config.compilation_config.static_forward_context.clear()
     real = build_model(config, dp_rank=2, base_config=base)
     assert moved == len(maps(real)) > 0
     assert maps(model) == maps(real)

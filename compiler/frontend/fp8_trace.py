@@ -10,6 +10,7 @@ import torch
 from .errors import ModelConfigError
 from .lazy_weight import dtype_name
 from ...runtime.quant import BLOCK, block_grid
+from .vllm_patches import host_independent
 
 QUANT_METHODS = ("Fp8PerBlockOnlineLinearMethod", "Fp8PerBlockOnlineMoEMethod")
 # bf16 parameter vLLM's loaders write -> (fp8 weight, float32 block scale) after process_weights_after_loading
@@ -58,6 +59,7 @@ def unwrap_online_loaders(model: torch.nn.Module) -> None:
                 param.weight_loader = _get_original_loader(param)
 
 
+@host_independent()
 def trace_post_load(model: torch.nn.Module, wanted: Callable[[str], bool] | None = None) -> list[QuantTensor]:
     """Run each quantized layer's process_weights_after_loading on meta (those whose name `wanted` accepts, if given);
     return the quantized tensors, in model order.

@@ -29,7 +29,8 @@ from ..timing import phase
 from .fp8_trace import derived_state
 from .layer_classes import layer_classes
 from .trace import trace_load
-from .vllm_model import build_model, nonlocal_experts, parallel_rank, place_experts
+from .vllm_model import build_model, nonlocal_experts, place_experts
+from .vllm_patches import parallel_rank
 
 
 class RankTracer:
@@ -129,7 +130,6 @@ class RankTracer:
 
     def _build(self, tp_rank: int, dp_rank: int):
         with phase(self.timings, "build"):
-            self.vllm_config.compilation_config.static_forward_context.clear()  # layer names are per model
             with self.hooks.build_context() if self.hooks else contextlib.nullcontext():
                 model = build_model(self.vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=self.base_config)
                 if self.hooks:

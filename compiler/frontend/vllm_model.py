@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
 import tempfile
 from collections.abc import Callable
@@ -12,9 +10,7 @@ from pathlib import Path
 import torch
 
 from .errors import ModelConfigError
-
-# vLLM logs to stdout; a compile's stdout is its summary, so keep only vLLM's errors.
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+from .vllm_patches import clear_layer_registry, host_independent, model_build, parallel_rank
 
 
 def make_vllm_config(config_dir: Path, *, tp: int = 1, dp: int = 1, ep: bool = False, quantization: str | None = None):
@@ -33,7 +29,8 @@ def make_vllm_config(config_dir: Path, *, tp: int = 1, dp: int = 1, ep: bool = F
         enable_expert_parallel=ep,
     )
     try:
-        return args.create_engine_config()
+        with host_independent():  # the CPU platform adjusts the config from CPU features
+            return args.create_engine_config()
     except Exception as exc:  # vLLM raises ValueError/TypeError/pydantic errors here
         raise ModelConfigError(f"vLLM cannot build an engine config from {config_dir / 'config.json'}: {exc}") from None
 
@@ -59,76 +56,6 @@ def ensure_single_process_distributed(vllm_config) -> None:
         initialize_model_parallel(1, 1)
 
 
-@contextlib.contextmanager
-def dense_attention_selection():
-    """Choose a non-sparse MLA backend while building: parameters live in the modules, not the kernel.
-
-    The CPU platform refuses DeepSeek sparse attention at backend selection; the backend owns no
-    weights, so selecting the dense MLA backend during the build changes no parameter.
-    """
-    from vllm.platforms import current_platform
-
-    original = current_platform.get_attn_backend_cls
-
-    def select(selected_backend, attn_selector_config, num_heads=None):
-        if getattr(attn_selector_config, "use_sparse", False):
-            attn_selector_config = attn_selector_config._replace(use_sparse=False)
-        return original(selected_backend, attn_selector_config, num_heads)
-
-    current_platform.get_attn_backend_cls = select
-    try:
-        yield
-    finally:
-        current_platform.get_attn_backend_cls = original
-
-
-@contextlib.contextmanager
-def parallel_rank(vllm_config, tp_rank: int = 0, dp_rank: int = 0):
-    """Make vLLM's parallel state report this rank of the config's TP x DP (x EP) layout.
-
-    One process traces every inference rank: the TP, DP and EP group coordinators of the
-    one-process world are told the rank and size vLLM's layers would see on that rank.
-    """
-    from vllm.distributed import parallel_state as ps
-
-    pc = vllm_config.parallel_config
-    tp, dp = pc.tensor_parallel_size, pc.data_parallel_size
-    wanted = [(ps._TP, tp_rank, tp), (ps._DP, dp_rank, dp)]
-    if ps._EP is not None:
-        wanted.append((ps._EP, dp_rank * tp + tp_rank, dp * tp if pc.enable_expert_parallel else 1))
-    saved = [(group, group.rank_in_group, group.world_size) for group, _, _ in wanted]
-    for group, rank, size in wanted:
-        group.rank_in_group, group.world_size = rank, size
-    try:
-        yield
-    finally:
-        for group, rank, size in saved:
-            group.rank_in_group, group.world_size = rank, size
-
-
-@contextlib.contextmanager
-def expert_maps_on_cpu():
-    """Build vLLM's expert placement tables on the CPU while the model is built on meta.
-
-    They are routing metadata that the MoE weight_loader reads (global -> local expert id), not
-    weights; on meta they would have no values to read.
-    """
-    from vllm.model_executor.layers.fused_moe import expert_map_manager
-
-    cls = expert_map_manager.ExpertMapManager
-    original = cls.__init__
-
-    def init(self, *args, **kwargs):
-        with torch.device("cpu"):
-            original(self, *args, **kwargs)
-
-    cls.__init__ = init
-    try:
-        yield
-    finally:
-        cls.__init__ = original
-
-
 def build_model(vllm_config, device: str = "meta", *, tp_rank: int = 0, dp_rank: int = 0, base_config=None) -> torch.nn.Module:
     """Instantiate the vLLM model class with the config's parameter dtype, as vLLM's loader does.
 
@@ -139,11 +66,11 @@ def build_model(vllm_config, device: str = "meta", *, tp_rank: int = 0, dp_rank:
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     ensure_single_process_distributed(base_config or vllm_config)
+    clear_layer_registry(vllm_config)
     try:
         with (
             parallel_rank(vllm_config, tp_rank, dp_rank),
-            expert_maps_on_cpu(),
-            dense_attention_selection(),
+            model_build(),
             set_default_torch_dtype(vllm_config.model_config.dtype),
             torch.device(device),
         ):
@@ -153,11 +80,6 @@ def build_model(vllm_config, device: str = "meta", *, tp_rank: int = 0, dp_rank:
             f"vLLM cannot build {vllm_config.model_config.architecture} from {vllm_config.model_config.model}: "
             f"{type(exc).__name__}: {exc}"
         ) from None
-
-
-def destination_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The parameters a plan writes, by vLLM name (the same names compute_tensor_digests uses)."""
-    return dict(model.named_parameters())
 
 
 def current_platform_name() -> str:

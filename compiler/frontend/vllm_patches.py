@@ -1,0 +1,265 @@
+"""Every change the compiler makes inside vLLM (0.32) while it builds, traces or post-processes a model: one inventory.
+
+Each entry names its targets (`module:attribute`), why it is needed and the vLLM version it was
+written against, and is one context manager that restores what it changed on exit. `PATCHES`
+lists them all; tests/test_vllm_patches.py fails, naming the attribute, when an upgraded vLLM no
+longer has a target.
+
+Plans must be a function of (model, layouts, quant, vLLM version), never of the compiling host.
+vLLM's CPU platform makes choices from the host's CPU features (AMX, AVX-512, AMD Zen): the MLA
+attention backend (`AMX_MLA` or `CPU_MLA`), the unquantized GEMM's post-load packing (sgl-kernel,
+oneDNN, zentorch or none), MoE repacking, cache layouts. `host_independent()` pins all of them to
+one documented choice, `HOST_PROFILE`, recorded in every plan's header (`inference.vllm_host`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+VLLM_VERSION = "0.32.0"
+
+# The CPU the compiler presents to vLLM: a plain x86-64 (AVX2, no AVX-512, no AMX, not AMD Zen).
+# A host with more features runs the kernels of a host with fewer; the reverse would not run.
+CPU_FEATURES = {
+    "_is_avx2_supported": True,
+    "_is_avx512_supported": False,
+    "_is_avx512_bf16_supported": False,
+    "_is_vnni_supported": False,
+    "_is_amx_tile_supported": False,
+    "_is_amx_fp16_supported": False,
+}
+HOST_PROFILE = {
+    "cpu": "x86_64 avx2 (no avx512, no amx, not zen)",
+    "mla_backend": "CPU_MLA",
+    "cpu_unquantized_gemm": "torch.nn.functional.linear (parameters kept as loaded)",
+}
+
+
+@dataclass(frozen=True)
+class VllmPatch:
+    """One change to vLLM: what it replaces (`module:attribute`), why, and the context manager that makes it."""
+
+    name: str
+    targets: tuple[str, ...]
+    why: str
+    vllm_version: str
+    enter: Callable[..., contextlib.AbstractContextManager]
+
+
+def resolve(target: str):
+    """(owner object, attribute name) of a `module:attr.attr` target; raises AttributeError/ImportError if gone."""
+    module_name, _, path = target.partition(":")
+    owner = importlib.import_module(module_name)
+    *parents, attribute = path.split(".")
+    for parent in parents:
+        owner = getattr(owner, parent)
+    getattr(owner, attribute)
+    return owner, attribute
+
+
+@contextlib.contextmanager
+def _replaced(replacements: dict[str, object]) -> Iterator[None]:
+    """Set each `module:attr` target to its value; restore the originals on exit (also on error)."""
+    saved = []
+    try:
+        for target, value in replacements.items():
+            owner, attribute = resolve(target)
+            saved.append((owner, attribute, owner.__dict__.get(attribute, _MISSING), getattr(owner, attribute)))
+            setattr(owner, attribute, value)
+        yield
+    finally:
+        for owner, attribute, own, _ in reversed(saved):
+            if own is _MISSING:
+                delattr(owner, attribute)  # it was inherited (e.g. a classmethod seen on an instance)
+            else:
+                setattr(owner, attribute, own)
+
+
+_MISSING = object()
+
+
+def import_host_kernels() -> None:
+    """Load vLLM's CPU kernel library for the real host (see pinned_cpu_features)."""
+    importlib.import_module("vllm._custom_ops")
+    importlib.import_module("vllm.kernels")
+
+
+def _constant(value: bool) -> Callable[..., bool]:
+    return lambda *args, **kwargs: value
+
+
+# --- the patches ----------------------------------------------------------------------------------
+
+_CPU_PROBES = tuple(f"torch.cpu:{name}" for name in CPU_FEATURES) + (
+    "vllm._custom_ops:cpu_has_amx_fp8",
+    "vllm.model_executor.layers.fused_moe.experts.cpu_moe:cpu_has_amx_fp8",
+    "vllm.platforms:current_platform.is_zen_cpu",
+)
+
+
+def pinned_cpu_features():
+    """Answer vLLM's CPU feature probes with CPU_FEATURES (no AMX fp8, not Zen), whatever the host has.
+
+    vLLM's kernel library is chosen from the same probes when `vllm._custom_ops` is first imported
+    (`_C`, `_C_AVX512` or `_C_AVX2`); that choice is how the host runs code, not what a plan holds,
+    and a second library in one process aborts it. So the kernels are imported first, unpinned.
+    """
+    import_host_kernels()
+    values = {f"torch.cpu:{name}": _constant(value) for name, value in CPU_FEATURES.items()}
+    values.update({target: _constant(False) for target in _CPU_PROBES[len(CPU_FEATURES):]})
+    return _replaced(values)
+
+
+def dense_mla_backend():
+    """Select CPU_MLA for MLA layers, and dense (not sparse) attention, while building.
+
+    The CPU platform refuses DeepSeek sparse attention at backend selection and picks AMX_MLA on
+    AMX hosts (which refuses `topk_indices_buffer` and frees `kv_b_proj.weight` after loading).
+    The backend owns no weights, so the dense CPU_MLA backend changes no parameter.
+    """
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    original = current_platform.get_attn_backend_cls
+
+    def select(selected_backend, attn_selector_config, num_heads=None):
+        if getattr(attn_selector_config, "use_sparse", False):
+            attn_selector_config = attn_selector_config._replace(use_sparse=False)
+        if getattr(attn_selector_config, "use_mla", False):
+            selected_backend = AttentionBackendEnum.CPU_MLA
+        return original(selected_backend, attn_selector_config, num_heads)
+
+    return _replaced({"vllm.platforms:current_platform.get_attn_backend_cls": select})
+
+
+def plain_cpu_gemm():
+    """Keep unquantized linear and embedding weights as loaded: vLLM's own fallback of its CPU GEMM dispatch.
+
+    On CPU, `UnquantizedLinearMethod.process_weights_after_loading` packs weights for sgl-kernel
+    (AMX), oneDNN or zentorch (chosen from CPU features) and empties `layer.weight`; GPU platforms
+    leave the parameter alone. Plans describe the parameters, so the reference keeps them.
+    """
+    def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
+        layer.cpu_linear = torch.nn.functional.linear
+
+    return _replaced({"vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm": dispatch})
+
+
+def expert_maps_on_cpu():
+    """Build vLLM's expert placement tables on the CPU while the model is built on meta.
+
+    They are routing metadata that the MoE weight_loader reads (global -> local expert id), not
+    weights; on meta they would have no values to read.
+    """
+    from vllm.model_executor.layers.fused_moe import expert_map_manager
+
+    original = expert_map_manager.ExpertMapManager.__init__
+
+    def init(self, *args, **kwargs):
+        with torch.device("cpu"):
+            original(self, *args, **kwargs)
+
+    return _replaced({"vllm.model_executor.layers.fused_moe.expert_map_manager:ExpertMapManager.__init__": init})
+
+
+@contextlib.contextmanager
+def parallel_rank(vllm_config, tp_rank: int = 0, dp_rank: int = 0):
+    """Make vLLM's parallel state report this rank of the config's TP x DP (x EP) layout.
+
+    One process traces every inference rank: the TP, DP and EP group coordinators of the
+    one-process world are told the rank and size vLLM's layers would see on that rank.
+    """
+    from vllm.distributed import parallel_state as ps
+
+    pc = vllm_config.parallel_config
+    tp, dp = pc.tensor_parallel_size, pc.data_parallel_size
+    wanted = [(ps._TP, tp_rank, tp), (ps._DP, dp_rank, dp)]
+    if ps._EP is not None:
+        wanted.append((ps._EP, dp_rank * tp + tp_rank, dp * tp if pc.enable_expert_parallel else 1))
+    saved = [(group, group.rank_in_group, group.world_size) for group, _, _ in wanted]
+    for group, rank, size in wanted:
+        group.rank_in_group, group.world_size = rank, size
+    try:
+        yield
+    finally:
+        for group, rank, size in saved:
+            group.rank_in_group, group.world_size = rank, size
+
+
+class _NoExperts:
+    """Stands for the MoE experts class; the MoE kernel is never built during a trace or a reference load."""
+
+
+def triton_fp8_kernels():
+    """Make vLLM pick the Triton block-fp8 linear kernel and the TRITON MoE backend, whatever the platform.
+
+    On CPU, vLLM refuses every fp8 block kernel ("requires AMX tile support"). Those kernels only
+    compute matmuls; the parameters they keep are set by process_weights_after_loading. The
+    Triton kernels keep the plain layout, so choosing them here changes no parameter value; the
+    MoE kernel object (only needed for forward) is not built.
+    """
+    from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import FP8ScaledMMLinearLayerConfig
+    from vllm.model_executor.kernels.linear.scaled_mm.triton import TritonFp8BlockScaledMMKernel
+    from vllm.model_executor.layers.fused_moe.oracle import fp8 as moe_oracle
+
+    def init_linear(activation_quant_key, weight_quant_key, input_dtype, out_dtype, weight_shape, force_kernel=None,
+                    module_name=None):
+        config = FP8ScaledMMLinearLayerConfig(weight_quant_key=weight_quant_key, activation_quant_key=activation_quant_key,
+                                              input_dtype=input_dtype, out_dtype=out_dtype, weight_shape=weight_shape)
+        return TritonFp8BlockScaledMMKernel(config)
+
+    def select_moe(config, weight_key, activation_key, allow_vllm_cutlass=False):
+        return moe_oracle.Fp8MoeBackend.TRITON, _NoExperts
+
+    online = "vllm.model_executor.layers.quantization.online.fp8"
+    return _replaced({
+        f"{online}:init_fp8_linear_kernel": init_linear,
+        f"{online}:select_fp8_moe_backend": select_moe,
+        "vllm.model_executor.layers.fused_moe.oracle.fp8:make_fp8_moe_kernel": lambda **kwargs: None,
+    })
+
+
+def clear_layer_registry(vllm_config) -> None:
+    """Forget the attention layers the previous model registered: vLLM refuses a layer name registered twice."""
+    vllm_config.compilation_config.static_forward_context.clear()
+
+
+@contextlib.contextmanager
+def host_independent() -> Iterator[None]:
+    """Every host-dependent choice vLLM makes while configuring, building, loading or post-processing, pinned."""
+    with pinned_cpu_features(), dense_mla_backend(), plain_cpu_gemm():
+        yield
+
+
+@contextlib.contextmanager
+def model_build() -> Iterator[None]:
+    """What building a model on meta for the trace needs: host independence and expert maps with values."""
+    with host_independent(), expert_maps_on_cpu():
+        yield
+
+
+_FP8 = "vllm.model_executor.layers.quantization.online.fp8"
+PATCHES = (
+    VllmPatch("pinned_cpu_features", _CPU_PROBES, pinned_cpu_features.__doc__, VLLM_VERSION, pinned_cpu_features),
+    VllmPatch("dense_mla_backend", ("vllm.platforms:current_platform.get_attn_backend_cls",
+                                    "vllm.v1.attention.backends.registry:AttentionBackendEnum.CPU_MLA"),
+              dense_mla_backend.__doc__, VLLM_VERSION, dense_mla_backend),
+    VllmPatch("plain_cpu_gemm", ("vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm",),
+              plain_cpu_gemm.__doc__, VLLM_VERSION, plain_cpu_gemm),
+    VllmPatch("expert_maps_on_cpu", ("vllm.model_executor.layers.fused_moe.expert_map_manager:ExpertMapManager.__init__",),
+              expert_maps_on_cpu.__doc__, VLLM_VERSION, expert_maps_on_cpu),
+    VllmPatch("parallel_rank", ("vllm.distributed.parallel_state:_TP", "vllm.distributed.parallel_state:_DP",
+                                "vllm.distributed.parallel_state:_EP"),
+              parallel_rank.__doc__, VLLM_VERSION, parallel_rank),
+    VllmPatch("triton_fp8_kernels", (f"{_FP8}:init_fp8_linear_kernel", f"{_FP8}:select_fp8_moe_backend",
+                                     "vllm.model_executor.layers.fused_moe.oracle.fp8:make_fp8_moe_kernel",
+                                     "vllm.model_executor.kernels.linear.scaled_mm.triton:TritonFp8BlockScaledMMKernel"),
+              triton_fp8_kernels.__doc__, VLLM_VERSION, triton_fp8_kernels),
+    VllmPatch("clear_layer_registry", ("vllm.config:CompilationConfig",), clear_layer_registry.__doc__, VLLM_VERSION,
+              lambda vllm_config: contextlib.nullcontext(clear_layer_registry(vllm_config))),
+)
