@@ -15,12 +15,12 @@ from .derived import DerivedRefresh
 from .errors import PlanMismatchError, SyncError
 from .nixl_agent import NixlAgent, contiguous_starts
 from .plan_format import Plan
-from .peer_check import checked_regions
+from .peer_check import checked_regions, checked_word
 from .quant_tables import check_supported, quant_tables, stage_packing
 from .rank_tables import Reads, held_entries, packing, pipeline_groups, reads_of
 from .receiver_quant import ReceiverQuant
 from .region_digests import byte_view, run_digests
-from .rendezvous import Rendezvous, inference_agent, trainer_agent
+from .rendezvous import INCARNATION, Rendezvous, inference_agent, trainer_agent
 
 log = logging.getLogger("weightplan.runtime")
 PROGRESS_EVERY = 5.0  # seconds between progress lines of a long sync
@@ -205,7 +205,7 @@ class Receiver:
         self.rendezvous.wait([f"trainer/{r}/version/{version}" for r in sources], deadline - time.monotonic(),
                              f"version {version} from trainer ranks {sources}")
         for r in sources:
-            self._connect(r, self.rendezvous.get_bytes(f"trainer/{r}/version/{version}").decode())
+            self._connect(r, self.rendezvous.get_text(f"trainer/{r}/version/{version}", INCARNATION))
         for peer in self._peers.values():
             self.agent.notify(peer.agent, f"begin:{version}")
         check, spent = self._verifier(version, deadline) if self.verify else (None, [0.0])
@@ -238,7 +238,7 @@ class Receiver:
             self._drop_peer(peer)
         info = self.rendezvous.get_json(f"trainer/{rank}/info")
         regions = checked_regions(self.plan, self._qt, rank, info, incarnation)
-        packed_addr, packed_bytes = info.get("packed", (0, -1))
+        packed_addr, packed_bytes = checked_word(rank, info, "packed", 2)
         if packed_bytes != self._packed_bytes[rank]:
             raise PlanMismatchError(f"trainer rank {rank} packs {packed_bytes} bytes of small runs, this rank expects "
                                     f"{self._packed_bytes[rank]}: run the same weightplan version on both sides")
@@ -249,7 +249,7 @@ class Receiver:
         # Negative region indices: -1 the packed small runs, -2 fp8 values, -3 scales, -4 packed stage copies.
         bases = np.array(regions + quant + [packed_addr], dtype=np.int64)
         remote = self.agent.prepare(name, np.stack([bases[table.region] + table.remote_off, table.nbytes], axis=1))
-        seq_remote = self.agent.prepare(name, np.array([[int(info["seq"]), 8]]))
+        seq_remote = self.agent.prepare(name, np.array([[checked_word(rank, info, "seq")[0], 8]]))
         peer = _Peer(rank, incarnation, name, self.agent.make_read(self._seq_local[rank], seq_remote, np.zeros(1)))
         peer.remote_lists += [remote, seq_remote]
         for g in np.unique(table.group).tolist():
@@ -264,10 +264,13 @@ class Receiver:
         fp8, scales = self._qt.region_bytes(rank)
         expected = {"stage_packed": stage_packing(self.plan, self._qt, rank).nbytes, "scales": 4 * scales, "fp8": fp8}
         quant = info.get("quant")
-        if not isinstance(quant, dict) or {k: (quant.get(k) or [0, -1])[1] for k in expected} != expected:
+        if not isinstance(quant, dict):
+            raise SyncError(f"trainer rank {rank}: its info has no fp8 regions ('quant'), which this plan needs")
+        regions = {k: checked_word(rank, quant, k, 2) for k in expected}
+        if {k: size for k, (_, size) in regions.items()} != expected:
             raise PlanMismatchError(f"trainer rank {rank} exposes fp8 regions {quant}, this rank expects sizes {expected}: "
                                     "run the same weightplan version on both sides")
-        return [int(quant[k][0]) for k in ("stage_packed", "scales", "fp8")]
+        return [regions[k][0] for k in ("stage_packed", "scales", "fp8")]
 
     def _check_sequence(self, version: int, deadline: float, when: str) -> None:
         handles = [(peer.seq_read, f"trainer rank {peer.rank}") for peer in self._peers.values()]

@@ -20,7 +20,7 @@ from .plan_format import RECEIVER, Plan
 from .quant_tables import check_supported, exposed_regions, quant_readers, quant_tables
 from .rank_tables import check_src_rank, packing, readers, served_runs
 from .region_digests import byte_view, run_digests
-from .rendezvous import Rendezvous, inference_agent, trainer_agent
+from .rendezvous import INCARNATION, Rendezvous, inference_agent, trainer_agent
 from .sender_quant import SenderQuant
 from .trainer_gather import TrainerGather, gathered_key, staged_key
 
@@ -214,7 +214,14 @@ class Sender:
         for rank in self.readers:
             key = f"inference/{rank}/joined"
             if self.rendezvous.exists(key):
-                incarnation = self.rendezvous.get_json(key).get("incarnation")
+                try:
+                    incarnation = self.rendezvous.get_json(key).get("incarnation")
+                except SyncError as exc:  # one bad reader record never makes a trainer fail
+                    log.warning("trainer rank %d: ignoring inference rank %d's join: %s", self.rank, rank, exc)
+                    continue
+                if not isinstance(incarnation, str) or not INCARNATION.fullmatch(incarnation):
+                    log.warning("trainer rank %d: ignoring inference rank %d's join: malformed incarnation", self.rank, rank)
+                    continue
                 self._joined[rank] = incarnation
                 if self._given_up.get(rank) != incarnation:
                     self._live.add(rank)

@@ -10,10 +10,10 @@ import torch
 
 from .errors import SyncError
 from .nixl_agent import NixlAgent, contiguous_starts
-from .peer_check import checked_regions
+from .peer_check import checked_regions, checked_word
 from .plan_format import Plan
 from .quant_tables import QuantTables, exposed_regions, region_index
-from .rendezvous import Rendezvous, trainer_agent
+from .rendezvous import INCARNATION, Rendezvous, trainer_agent
 
 
 def staged_key(rank: int, version: int) -> str:
@@ -68,7 +68,7 @@ class TrainerGather:
                         f"trainer rank {self.rank}: gather-side bf16 of version {version} from trainer ranks {list(self.peers)}")
         self.wait_seconds = time.perf_counter() - began
         for p in self.peers:
-            self._connect(agent, rendezvous, p, rendezvous.get_bytes(staged_key(p, version)).decode())
+            self._connect(agent, rendezvous, p, rendezvous.get_text(staged_key(p, version), INCARNATION))
         self._check_sequence(agent, version, deadline, "before reading")
         agent.read_now([(h, f"trainer rank {p}") for p, peer in self._connected.items() for h in peer.reads], deadline,
                        f"trainer rank {self.rank}: gathering version {version}")
@@ -97,7 +97,7 @@ class TrainerGather:
         local_list = agent.prepare(None, np.stack([local, nbytes], axis=1))
         remote_list = agent.prepare(name, np.stack([remote, nbytes], axis=1))
         seq_local = agent.prepare(None, np.array([[self._seq.data_ptr() + 8 * rank, 8]]))
-        seq_remote = agent.prepare(name, np.array([[int(info["seq"]), 8]]))
+        seq_remote = agent.prepare(name, np.array([[checked_word(rank, info, "seq")[0], 8]]))
         reads = agent.make_reads(local_list, remote_list, np.arange(len(nbytes)))
         self._connected[rank] = _Peer(incarnation, name, reads, agent.make_read(seq_local, seq_remote, np.zeros(1)),
                                       [local_list, remote_list, seq_local, seq_remote])

@@ -1,0 +1,153 @@
+"""The rendezvous against hostile peers: loopback bind, job-secret authentication, impostors, and poisoned store values."""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+import pytest
+
+from weightplan.runtime import Receiver, Rendezvous, Sender, SyncError, load_plan
+from weightplan.runtime.errors import WeightplanError
+from weightplan.runtime.rendezvous import SECRET_ENV, SECRET_FILE_ENV, job_secret
+
+from .runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
+
+SECRET = "0123456789abcdef-test-secret"
+
+
+@pytest.fixture(autouse=True)
+def no_secret_from_the_environment(monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
+
+
+@pytest.fixture
+def plan(plan_cache):
+    return load_plan(plan_cache("tiny-glm", "hf", "bf16", "fsdp=1", "tp=1"))
+
+
+def _job(request) -> str:
+    return "sec-" + request.node.name[:40].replace("[", "-").replace("]", "")
+
+
+def _listening(port: int) -> set[str]:
+    return {c.laddr.ip for c in psutil.Process().net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+
+
+def test_a_served_store_listens_on_loopback_only(request):
+    store = Rendezvous.connect(_job(request), "127.0.0.1:0", serve=True)
+    assert _listening(store.store.port) == {"127.0.0.1"}
+
+
+def test_a_store_off_loopback_needs_a_secret_or_an_explicit_insecure(request, caplog):
+    with pytest.raises(WeightplanError, match="not on loopback and this job has no secret"):
+        Rendezvous.connect(_job(request), "0.0.0.0:0", serve=True)
+    with caplog.at_level(logging.WARNING, logger="weightplan.rendezvous"):
+        insecure = Rendezvous.connect(_job(request), "0.0.0.0:0", serve=True, insecure=True)
+    assert "insecure=True" in caplog.text and not insecure.authenticated
+    signed = Rendezvous.connect(_job(request), "0.0.0.0:0", serve=True, secret=SECRET)
+    assert signed.authenticated and _listening(signed.store.port) == {"0.0.0.0"}
+
+
+def test_secrets_come_from_a_private_file_or_the_environment(tmp_path, monkeypatch):
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")
+    path.chmod(0o644)
+    monkeypatch.setenv(SECRET_FILE_ENV, str(path))
+    with pytest.raises(WeightplanError, match="readable by others .*chmod 600"):
+        job_secret()
+    path.chmod(0o600)
+    assert job_secret() == SECRET.encode()
+    monkeypatch.setenv(SECRET_FILE_ENV, str(tmp_path))
+    with pytest.raises(WeightplanError, match="not a regular file"):
+        job_secret()
+    monkeypatch.delenv(SECRET_FILE_ENV)
+    monkeypatch.setenv(SECRET_ENV, "short")
+    with pytest.raises(WeightplanError, match="at least 16 bytes"):
+        job_secret()
+
+
+@pytest.mark.parametrize("impostor_secret", [None, "another-secret-of-enough-bytes"], ids=["no-secret", "wrong-secret"])
+@pytest.mark.parametrize("forged", ["version", "info"])
+def test_a_receiver_refuses_an_impostor_trainer(request, plan, impostor_secret, forged):
+    served = Rendezvous.connect(_job(request), "127.0.0.1:0", serve=True, secret=SECRET)
+    tensors = shard(plan, full_weights(plan, 0, 1), 0)
+    sender = Sender(plan, 0, tensors, rendezvous=served, timeout=5, progress_thread=True)
+    destination = plain_destination(plan, 0)
+    receiver = Receiver(plan, 0, destination, rendezvous=Rendezvous.connect(served.job, served.address, secret=SECRET),
+                        timeout=5, derived="caller")
+    impostor = Rendezvous.connect(served.job, served.address, secret=impostor_secret)
+    if forged == "version":  # a second "trainer rank 0" announces version 1 with its own incarnation
+        impostor.put("trainer/0/version/1", b"f" * 32)
+    else:  # it replaces rank 0's info (regions, addresses) after the real trainer published it
+        sender.publish(1)
+        impostor.put("trainer/0/info", {"incarnation": sender.incarnation, "regions": [], "seq": 0, "packed": [0, 0]})
+    with pytest.raises(SyncError, match=f"'trainer/0/{forged}.*does not authenticate with this job's secret"):
+        receiver.sync(1)
+    assert receiver.version is None
+
+
+def test_signed_records_sync_and_an_unsigned_reader_is_told_why_it_cannot_read(request, plan):
+    served = Rendezvous.connect(_job(request), "127.0.0.1:0", serve=True, secret=SECRET)
+    tensors = shard(plan, full_weights(plan, 0, 1), 0)
+    sender = Sender(plan, 0, tensors, rendezvous=served, timeout=5, progress_thread=True)
+    destination = plain_destination(plan, 0)
+    receiver = Receiver(plan, 0, destination, rendezvous=Rendezvous.connect(served.job, served.address, secret=SECRET),
+                        timeout=5, derived="caller")
+    sender.publish(1)
+    receiver.sync(1)
+    expected = host_reference(plan, full_weights(plan, 0, 1), 0)
+    assert expected and all(byte_equal(t, destination[n]) for n, t in expected.items())
+    unsigned = Rendezvous.connect(served.job, served.address)
+    with pytest.raises(SyncError, match="signed with a job secret this process does not have"):
+        unsigned.get_json("trainer/0/info")
+
+
+# --- poisoned values under the keys the runtime reads ----------------------------------------------
+
+POISON = {
+    "version not ascii": ("trainer/0/version/1", b"\xff\xfe"),
+    "version not an incarnation": ("trainer/0/version/1", b"../../x"),
+    "info not json": ("trainer/0/info", b"{"),
+    "info a list": ("trainer/0/info", b"[1, 2]"),
+    "info deep json": ("trainer/0/info", b"[" * 100000),
+    "info seq a string": ("trainer/0/info", "seq"),
+    "info packed an int": ("trainer/0/info", "packed"),
+    "info regions mistyped": ("trainer/0/info", "regions"),
+    "info seq beyond 64 bits": ("trainer/0/info", "seq-wild"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(POISON))
+def test_poisoned_trainer_records_fail_the_sync_cleanly_and_the_trainer_reports(request, plan, case):
+    served = Rendezvous.connect(_job(request), "127.0.0.1:0", serve=True)
+    tensors = shard(plan, full_weights(plan, 0, 1), 0)
+    sender = Sender(plan, 0, tensors, rendezvous=served, timeout=5, progress_thread=True)
+    receiver = Receiver(plan, 0, plain_destination(plan, 0), rendezvous=served, timeout=2, derived="caller")
+    sender.publish(1)
+    key, value = POISON[case]
+    if isinstance(value, str):  # a real info record with one field broken
+        info = served.get_json("trainer/0/info")
+        info.update({"seq": {"seq": "x", "seq-wild": 1 << 70}.get(value, info["seq"]),
+                     "packed": 5 if value == "packed" else info["packed"],
+                     "regions": [["a"]] if value == "regions" else info["regions"]})
+        served.put(key, info)
+    else:
+        served.put(key, value)
+    with pytest.raises(SyncError, match="trainer/0/|trainer rank 0"):
+        receiver.sync(1)
+    assert receiver.version is None
+    report = sender.release(1, timeout=2)  # the trainer is told (fail:1) or times out; it does not raise
+    assert report.acked == ()
+
+
+def test_a_garbage_join_record_does_not_make_the_trainer_fail(request, plan, caplog):
+    served = Rendezvous.connect(_job(request), "127.0.0.1:0", serve=True)
+    sender = Sender(plan, 0, shard(plan, full_weights(plan, 0, 1), 0), rendezvous=served, timeout=5, progress_thread=True)
+    served.put("inference/0/joined", b"\xff not json")
+    sender.publish(1)
+    with caplog.at_level(logging.WARNING):
+        report = sender.release(1, timeout=0.5)
+    assert report.acked == () and "inference rank 0's join" in caplog.text
