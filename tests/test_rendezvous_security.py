@@ -69,15 +69,20 @@ def test_secrets_come_from_a_private_file_or_the_environment(tmp_path, monkeypat
         job_secret()
 
 
-@pytest.mark.parametrize("impostor_secret", [None, "another-secret-of-enough-bytes"], ids=["no-secret", "wrong-secret"])
-@pytest.mark.parametrize("forged", ["version", "info"])
-def test_a_receiver_refuses_an_impostor_trainer(request, plan, impostor_secret, forged):
+def _signed_pair(request, plan):
+    """A store served with the job secret, a trainer on it, and a reader with its own signed connection."""
     served = Rendezvous.connect(_job(request), "127.0.0.1:0", serve=True, secret=SECRET)
-    tensors = shard(plan, full_weights(plan, 0, 1), 0)
-    sender = Sender(plan, 0, tensors, rendezvous=served, timeout=5, progress_thread=True)
+    sender = Sender(plan, 0, shard(plan, full_weights(plan, 0, 1), 0), rendezvous=served, timeout=5, progress_thread=True)
     destination = plain_destination(plan, 0)
     receiver = Receiver(plan, 0, destination, rendezvous=Rendezvous.connect(served.job, served.address, secret=SECRET),
                         timeout=5, derived="caller")
+    return served, sender, destination, receiver
+
+
+@pytest.mark.parametrize("impostor_secret", [None, "another-secret-of-enough-bytes"], ids=["no-secret", "wrong-secret"])
+@pytest.mark.parametrize("forged", ["version", "info"])
+def test_a_receiver_refuses_an_impostor_trainer(request, plan, impostor_secret, forged):
+    served, sender, destination, receiver = _signed_pair(request, plan)
     impostor = Rendezvous.connect(served.job, served.address, secret=impostor_secret)
     if forged == "version":  # a second "trainer rank 0" announces version 1 with its own incarnation
         impostor.put("trainer/0/version/1", b"f" * 32)
@@ -90,12 +95,7 @@ def test_a_receiver_refuses_an_impostor_trainer(request, plan, impostor_secret, 
 
 
 def test_signed_records_sync_and_an_unsigned_reader_is_told_why_it_cannot_read(request, plan):
-    served = Rendezvous.connect(_job(request), "127.0.0.1:0", serve=True, secret=SECRET)
-    tensors = shard(plan, full_weights(plan, 0, 1), 0)
-    sender = Sender(plan, 0, tensors, rendezvous=served, timeout=5, progress_thread=True)
-    destination = plain_destination(plan, 0)
-    receiver = Receiver(plan, 0, destination, rendezvous=Rendezvous.connect(served.job, served.address, secret=SECRET),
-                        timeout=5, derived="caller")
+    served, sender, destination, receiver = _signed_pair(request, plan)
     sender.publish(1)
     receiver.sync(1)
     expected = host_reference(plan, full_weights(plan, 0, 1), 0)
