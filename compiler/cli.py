@@ -103,6 +103,8 @@ def verify_main(argv: list[str] | None = None) -> int:
 
     if args.sample is not None and args.sample < 1:
         return _fail(ValueError(f"--sample must be at least 1, got {args.sample}"))
+    if args.max_tensor_bytes < 1:
+        return _fail(ValueError(f"--max-tensor-bytes must be at least 1, got {args.max_tensor_bytes}"))
     try:
         result = verify_plan(args.plan, model=args.model, sample=args.sample, seed=args.seed,
                              max_tensor_bytes=args.max_tensor_bytes, ranks=args.ranks, log=_log)

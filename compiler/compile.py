@@ -18,7 +18,7 @@ from .frontend.rank_models import RankTracer
 from .frontend.trainer_formats import TRAINER_FORMATS, trainer_specs
 from .frontend.vllm_model import current_platform_name, make_vllm_config
 from .frontend.vllm_patches import HOST_PROFILE, host_independent
-from .layouts import parse_inference, parse_trainer
+from .layouts import check_trainer_experts, parse_inference, parse_trainer
 from .passes.merge_ranks import merge_ranks
 from .ir import Program
 from .models import config_hash, load_config_json, resolve_model
@@ -67,18 +67,36 @@ def check_options(opts: CompileOptions) -> None:
         raise ModelConfigError(f"unknown --quant {opts.quant!r}; this version compiles: {', '.join(QUANTS)}")
 
 
-def compile_plan(opts: CompileOptions, *, log=None) -> CompileResult:
-    """Compile and write one plan; `log(msg)` receives progress lines."""
-    with gc_paused(), host_independent():
-        return _compile(opts, log or (lambda msg: None))
+@dataclass(frozen=True)
+class _Inputs:
+    """The options, parsed and checked against the model config before vLLM is imported."""
+
+    trainer_layout: object
+    inference: object
+    name: str
+    config_dir: Path
 
 
-def _compile(opts: CompileOptions, log) -> CompileResult:
+def check_inputs(opts: CompileOptions) -> _Inputs:
     check_options(opts)
     trainer_layout = parse_trainer(opts.trainer, opts.trainer_layout, opts.trainer_format)
     inference = parse_inference(opts.inference)
     name, config_dir = resolve_model(opts.model)
-    inference.check(load_config_json(config_dir))
+    config = load_config_json(config_dir)
+    inference.check(config)
+    check_trainer_experts(trainer_layout, config)
+    return _Inputs(trainer_layout, inference, name, config_dir)
+
+
+def compile_plan(opts: CompileOptions, *, log=None) -> CompileResult:
+    """Compile and write one plan; `log(msg)` receives progress lines."""
+    inputs = check_inputs(opts)
+    with gc_paused(), host_independent():
+        return _compile(opts, inputs, log or (lambda msg: None))
+
+
+def _compile(opts: CompileOptions, inputs: _Inputs, log) -> CompileResult:
+    trainer_layout, inference, name, config_dir = inputs.trainer_layout, inputs.inference, inputs.name, inputs.config_dir
     timings: dict[str, float] = {"setup": 0.0, "build": 0.0, "trace": 0.0, "passes": 0.0}
     start, start_cpu = time.perf_counter(), time.process_time()
 

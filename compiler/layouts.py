@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..runtime.errors import LayoutError
-from ..runtime.shards import ShardLayout, TrainerLayout
+from ..runtime.shards import MAX_RANKS, ShardLayout, TrainerLayout, layout_items
 from ..runtime.trainer_layout import LayoutFile, read_trainer_layout
 from .frontend.errors import ModelConfigError
 
@@ -69,6 +69,18 @@ def parse_trainer(text: str, layout_file: Path | None = None, fmt: str = "hf") -
     return layout
 
 
+def check_trainer_experts(layout, config: dict) -> None:
+    """Refuse a `--trainer ep=M` with more expert-parallel ranks than the model has routed experts."""
+    ep = getattr(layout, "ep", 1)
+    if ep == 1:
+        return
+    experts = config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts")
+    if not experts:
+        raise ModelConfigError(f"--trainer ep={ep} needs a MoE model; this config has no routed experts")
+    if ep > experts:
+        raise ModelConfigError(f"--trainer ep={ep} is more than the model's {experts} routed experts: some EP ranks would hold none")
+
+
 @dataclass(frozen=True)
 class ExplicitTrainer:
     """A `--trainer-layout` file for trainer tensors of format `fmt`."""
@@ -103,15 +115,12 @@ class ExplicitTrainer:
 
 def parse_inference(text: str) -> InferenceLayout:
     """Parse `tp=T[,dp=D][,ep]`; pipeline parallelism is refused."""
-    values: dict = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, value = part.partition("=")
-        if key == "ep" and not sep:
-            values["ep"] = True
-        elif key in ("tp", "dp") and sep and value.isdigit() and int(value) >= 1:
-            values[key] = int(value)
-        elif key == "pp":
-            raise ModelConfigError("pipeline parallel inference layouts are not supported: plans address whole-model ranks")
-        else:
-            raise ModelConfigError(f"bad inference layout item {part!r} in {text!r}: expected tp=T[,dp=D][,ep]")
-    return InferenceLayout(**values)
+    if isinstance(text, str) and any(p.strip().partition("=")[0] == "pp" for p in text.split(",")):
+        raise ModelConfigError("pipeline parallel inference layouts are not supported: plans address whole-model ranks")
+    try:
+        layout = InferenceLayout(**layout_items(text, "--inference", "tp=T[,dp=D][,ep]", ("tp", "dp"), ("ep",)))
+    except ValueError as exc:
+        raise ModelConfigError(str(exc)) from None
+    if layout.ranks > MAX_RANKS:
+        raise ModelConfigError(f"--inference {text!r} has {layout.ranks} ranks; plans support at most {MAX_RANKS} per side")
+    return layout

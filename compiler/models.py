@@ -32,11 +32,29 @@ def resolve_model(model: str) -> tuple[str, Path]:
     )
 
 
+# Fields the compiler reads itself (layout checks): each must be a positive integer when present.
+_INTEGER_FIELDS = ("num_attention_heads", "num_key_value_heads", "n_routed_experts", "num_experts", "num_local_experts",
+                   "hidden_size", "num_hidden_layers", "vocab_size")
+
+
 def load_config_json(config_dir: Path) -> dict:
+    """The config as a dict; ModelConfigError naming the file (and field) if it is not a JSON object of sane fields."""
+    path = config_dir / "config.json"
     try:
-        return json.loads((config_dir / "config.json").read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelConfigError(f"{config_dir / 'config.json'} is not valid JSON: {exc}") from None
+        config = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise ModelConfigError(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ModelConfigError(f"{path} is not UTF-8 text (byte {exc.start})") from None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise ModelConfigError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ModelConfigError(f"{path} holds a JSON {type(config).__name__}, expected an object of config fields")
+    for field in _INTEGER_FIELDS:
+        value = config.get(field)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ModelConfigError(f"{path}: field {field!r} is {value!r}, expected a non-negative integer")
+    return config
 
 
 def config_hash(config_dir: Path) -> str:

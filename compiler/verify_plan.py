@@ -131,7 +131,6 @@ def sampled_shards(plan: Plan, full: dict[str, torch.Tensor], reads: dict[tuple[
     return out
 
 
-@host_independent()
 def verify_plan(
     path: Path,
     *,
@@ -168,6 +167,8 @@ def verify_plan(
         if len(small) < len(entries):
             log(f"sampling among {len(small)} destination entries of at most {max_tensor_bytes} bytes "
                 f"({len(entries) - len(small)} larger ones skipped; raise --max-tensor-bytes to include them)")
+        if not small:
+            raise PlanMismatchError(f"no destination tensor of at most {max_tensor_bytes} bytes to sample; raise --max-tensor-bytes")
         entries = sorted(random.Random(seed).sample(small, min(sample, len(small))))
         if plan.header["quant"] != "none":
             entries = whole_modules(plan, entries, ranks)
@@ -212,6 +213,8 @@ def verify_plan(
         tensors += len(expected)
         nbytes += sum(t.numel() * t.element_size() for t in planned.values())
         log(f"inference rank {rank}: {len(expected)} tensors compared")
+    if not tensors:
+        raise PlanMismatchError(f"nothing was compared: inference ranks {sorted(ranks)} hold none of the chosen tensors")
     return VerifyResult(tensors, nbytes, tuple(mismatches), tuple(compared))
 
 
@@ -315,6 +318,7 @@ def _materialize(model: torch.nn.Module, names: set[str], fill: float) -> dict[s
     return out
 
 
+@host_independent()
 def _vllm_load(vllm_config, base, plan: Plan, full: dict[str, torch.Tensor], chosen: set[str], tp_rank: int, dp_rank: int):
     """vLLM's own load_weights of the trainer's full weights into this rank's model (ground truth)."""
     model = build_model(vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=base)

@@ -36,6 +36,30 @@ from .placements import REPLICATE, Box, Mesh, Placement, Sharding, mesh_boxes
 RankBoxes = tuple[Box | None, ...]  # the box each trainer rank holds; None: not in the tensor's mesh
 
 
+MAX_RANKS = 4096  # ranks on either side of a plan: far beyond today's clusters, small enough to trace
+
+
+def layout_items(text: str, option: str, form: str, numbers: tuple[str, ...], flags: tuple[str, ...] = ()) -> dict:
+    """`key=N` items (and bare `flag`s) of a layout string; ValueError naming the option and item for anything else.
+
+    Refused: an empty string, unknown or repeated keys, numbers that are not ASCII digits or lie outside 1..MAX_RANKS.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"{option} is empty: expected {form}")
+    values: dict = {}
+    for part in (p.strip() for p in text.split(",")):
+        key, sep, value = part.partition("=")
+        if key in values:
+            raise ValueError(f"{option} {text!r} gives {key} twice")
+        if key in flags and not sep:
+            values[key] = True
+        elif key in numbers and sep and value.isascii() and value.isdigit() and 1 <= int(value) <= MAX_RANKS:
+            values[key] = int(value)
+        else:
+            raise ValueError(f"bad {option} item {part!r} in {text!r}: expected {form} with numbers 1..{MAX_RANKS}")
+    return values
+
+
 @dataclass(frozen=True)
 class TrainerLayout:
     """The `--trainer fsdp=N[,ep=M][,replicas=R]` shorthand."""
@@ -47,15 +71,11 @@ class TrainerLayout:
     @staticmethod
     def parse(text: str) -> "TrainerLayout":
         """Parse `fsdp=N[,ep=M][,replicas=R]`."""
-        values = {}
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            key, sep, value = part.partition("=")
-            if key not in ("fsdp", "ep", "replicas") or not sep or not value.isdigit() or int(value) < 1:
-                raise ValueError(f"bad trainer layout item {part!r} in {text!r}: expected fsdp=N[,ep=M][,replicas=R] with N, M, R >= 1")
-            values[key] = int(value)
-        layout = TrainerLayout(**values)
+        layout = TrainerLayout(**layout_items(text, "--trainer", "fsdp=N[,ep=M][,replicas=R]", ("fsdp", "ep", "replicas")))
         if layout.fsdp % layout.ep:
             raise ValueError(f"trainer layout {text!r}: ep={layout.ep} must divide fsdp={layout.fsdp}")
+        if layout.ranks > MAX_RANKS:
+            raise ValueError(f"trainer layout {text!r} has {layout.ranks} ranks; plans support at most {MAX_RANKS} per side")
         return layout
 
     @property

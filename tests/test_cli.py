@@ -56,3 +56,6 @@ def test_errors_are_one_line_without_traceback(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     proc = run("verify-plan", garbage, "--ranks", "0,x", check=False)
     assert proc.returncode == 2 and "expected comma-separated inference ranks such as 0,5, got '0,x'" in proc.stderr
+    for value in ("0", "-5"):
+        proc = run("verify-plan", garbage, "--sample", "2", "--max-tensor-bytes", value, check=False)
+        assert proc.returncode == 2 and f"--max-tensor-bytes must be at least 1, got {value}" in proc.stderr

@@ -68,8 +68,8 @@ def test_every_trainer_rank_reads_only_its_shard(plan_cache):
     ("fsdp=4", "dp=3,ep", "ep over 3 ranks does not divide the 8 routed experts"),
     ("fsdp=4", "tp=2,pp=2", "pipeline parallel"),
     ("fsdp=4,ep=3", "tp=1", "ep=3 must divide fsdp=4"),
-    ("fsdp=0", "tp=1", "bad trainer layout item 'fsdp=0'"),
-    ("fsdp=4", "tp=two", "bad inference layout item 'tp=two'"),
+    ("fsdp=0", "tp=1", "bad --trainer item 'fsdp=0'"),
+    ("fsdp=4", "tp=two", "bad --inference item 'tp=two'"),
 ])
 def test_impossible_layouts_are_refused_before_tracing(tmp_path, trainer, inference, message):
     out = tmp_path / "never.plan"
