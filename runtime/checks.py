@@ -36,6 +36,31 @@ def flat_view(name: str, tensor: torch.Tensor, shape: tuple[int, ...], dtype: st
     return tensor.detach().view(-1)
 
 
+MAX_VERSION = (1 << 62) - 1  # a version's sequence words (2v, 2v + 1) must fit in int64
+
+
+def check_version(version) -> int:
+    """A sync version: an int in 1..MAX_VERSION (ValueError otherwise)."""
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= MAX_VERSION:
+        raise ValueError(f"versions are integers from 1 to 2**62 - 1, got {version!r}")
+    return version
+
+
+def check_rank(rank, ranks: int, side: str) -> int:
+    """A rank of a plan's side: an int in 0..ranks-1 (PlanMismatchError otherwise)."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ranks:
+        raise PlanMismatchError(f"{side} rank {rank!r} is not in the plan's {ranks} {side} ranks (0..{ranks - 1})")
+    return rank
+
+
+def check_no_aliases(views: dict, side: str) -> None:
+    """Refuse destination tensors that share memory: a sync would write some bytes twice, silently."""
+    spans = sorted((int(t.data_ptr()), int(t.data_ptr()) + t.numel() * t.element_size(), key) for key, t in views.items() if t.numel())
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            raise PlanMismatchError(f"{side} tensors {first!r} and {second!r} share memory; give each planned tensor its own")
+
+
 def check_tensors(given: Mapping[str, torch.Tensor], expected: dict[str, tuple], known: set[str], side: str) -> None:
     """Refuse if names, shapes or dtypes differ from the plan.
 

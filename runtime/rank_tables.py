@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import PlanMismatchError
+from .checks import check_rank
 from .plan_format import DTYPE_SIZES, Plan
 
 
@@ -59,13 +59,11 @@ class Reads:
 
 
 def check_src_rank(plan: Plan, rank: int) -> None:
-    if not 0 <= rank < plan.header["src_ranks"]:
-        raise PlanMismatchError(f"trainer rank {rank} is not in the plan's {plan.header['src_ranks']} trainer ranks")
+    check_rank(rank, plan.header["src_ranks"], "trainer")
 
 
 def check_dst_rank(plan: Plan, rank: int) -> None:
-    if not 0 <= rank < plan.header["dst_ranks"]:
-        raise PlanMismatchError(f"inference rank {rank} is not in the plan's {plan.header['dst_ranks']} inference ranks")
+    check_rank(rank, plan.header["dst_ranks"], "inference")
 
 
 def served_regions(plan: Plan, rank: int) -> tuple[ServedRegion, ...]:

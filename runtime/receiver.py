@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .checks import check_tensors, flat_view, named_tensors
+from .checks import check_no_aliases, check_tensors, check_version, flat_view, named_tensors
 from .derived import DerivedRefresh
 from .errors import PlanMismatchError, SyncError
 from .nixl_agent import NixlAgent, contiguous_starts
@@ -117,6 +117,7 @@ class Receiver:
         check_tensors(given, expected, set(expected), f"inference rank {rank}")
         self._dst = {int(i): flat_view(plan.dests[i].name, given[plan.dests[i].name], plan.dests[i].shape,
                                        plan.dests[i].dtype, f"inference rank {rank}") for i in np.flatnonzero(held)}
+        check_no_aliases({plan.dests[i].name: view for i, view in self._dst.items()}, f"inference rank {rank}")
         self._derived = DerivedRefresh(plan, set(expected), destination, derived, act_dtype)
         self._qt = quant_tables(plan) if plan.staging else None
         self._quant = ReceiverQuant(plan, rank, self._qt, self._dst) if self._qt else None
@@ -188,6 +189,7 @@ class Receiver:
 
     def sync(self, version: int) -> SyncReport:
         """Receive `version` from every trainer rank this rank reads; raise SyncError (weights incomplete) on failure."""
+        check_version(version)
         self._version = None
         start = time.monotonic()
         deadline = start + self.timeout

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from .casts import cast_along
-from .checks import check_tensors, flat_view, named_tensors
+from .checks import check_tensors, check_version, flat_view, named_tensors
 from .errors import SyncError
 from .gather import Gather
 from .nixl_agent import NixlAgent
@@ -129,8 +129,7 @@ class Sender:
         With gather-side blocks this waits for the peers it gathers from to stage `version` too; a
         SyncError then leaves the version unannounced (its receivers time out and keep no mixed bytes).
         """
-        if version < 1:
-            raise ValueError(f"versions start at 1, got {version}")
+        check_version(version)
         if self._pending is not None:
             self.release(self._pending)
         self._seq.fill_(2 * version + 1)
@@ -172,6 +171,7 @@ class Sender:
         the sequence word move and fails instead of keeping mixed bytes. An inference rank that does
         not answer in time is not waited for again until it talks or rejoins as a new process.
         """
+        check_version(version)
         start = time.monotonic()
         deadline = start + (self.timeout if timeout is None else timeout)
         self._refresh_joined()

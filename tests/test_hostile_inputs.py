@@ -58,3 +58,52 @@ def test_verify_refuses_a_sample_with_nothing_to_compare(plan_cache):
     path = plan_cache("tiny-llama")
     with pytest.raises(PlanMismatchError, match="no destination tensor of at most 1 bytes to sample"):
         verify_plan(path, model=str(config_dir("tiny-llama")), sample=3, max_tensor_bytes=1)
+
+
+# --- runtime arguments --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def llama_plan(plan_cache):
+    from weightplan.runtime import load_plan
+
+    return load_plan(plan_cache("tiny-llama", "hf", "bf16", "fsdp=1", "tp=1"))
+
+
+@pytest.mark.parametrize("rank", [0.5, True, "0", -1])
+def test_sender_and_receiver_refuse_ranks_that_are_not_plan_ranks(llama_plan, rendezvous, no_agents, rank):
+    from weightplan.runtime import Receiver, Sender
+
+    from .runtime_worker import full_weights, plain_destination, shard
+
+    with pytest.raises(PlanMismatchError, match=f"trainer rank {rank!r} is not in the plan's 1 trainer ranks"):
+        Sender(llama_plan, rank, shard(llama_plan, full_weights(llama_plan, 0, 1), 0), rendezvous=rendezvous)
+    with pytest.raises(PlanMismatchError, match=f"inference rank {rank!r} is not in the plan's 1 inference ranks"):
+        Receiver(llama_plan, rank, plain_destination(llama_plan, 0), rendezvous=rendezvous, derived="caller")
+
+
+def test_aliased_destinations_are_refused_before_registering(llama_plan, rendezvous, no_agents):
+    from weightplan.runtime import Receiver
+
+    from .runtime_worker import plain_destination
+
+    destination = plain_destination(llama_plan, 0)
+    first, second = "model.layers.0.self_attn.o_proj.weight", "model.layers.1.self_attn.o_proj.weight"
+    assert destination[first].shape == destination[second].shape
+    destination[second] = destination[first]
+    with pytest.raises(PlanMismatchError, match="share memory"):
+        Receiver(llama_plan, 0, destination, rendezvous=rendezvous, derived="caller")
+
+
+@pytest.mark.parametrize("version", [1.5, 0, -3, 2**62, True, "2"])
+def test_versions_are_checked_before_anything_moves(llama_plan, rendezvous, version):
+    from weightplan.runtime import Receiver, Sender
+
+    from .runtime_worker import full_weights, plain_destination, shard
+
+    sender = Sender(llama_plan, 0, shard(llama_plan, full_weights(llama_plan, 0, 1), 0), rendezvous=rendezvous, timeout=2)
+    receiver = Receiver(llama_plan, 0, plain_destination(llama_plan, 0), rendezvous=rendezvous, timeout=2, derived="caller")
+    for call in (sender.publish, sender.release, receiver.sync):
+        with pytest.raises(ValueError, match="versions are integers from 1 to 2\\*\\*62 - 1"):
+            call(version)
+    assert receiver.version is None and not rendezvous.exists(f"trainer/0/version/{version}")
