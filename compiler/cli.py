@@ -36,7 +36,7 @@ def compile_main(argv: list[str] | None = None) -> int:
     trainer.add_argument("--trainer-layout", type=Path, metavar="FILE",
                          help="explicit trainer layout (JSON: per tensor shape, dtype, mesh, DTensor placements)")
     parser.add_argument("--inference", default="tp=1", help="vLLM layout: tp=T[,dp=D][,ep]")
-    parser.add_argument("-o", "--output", type=Path, help="plan file (default plans/<model>/<trainer>__<inference>__<quant>.plan)")
+    parser.add_argument("-o", "--output", type=_output_path, help="plan file (default plans/<model>/<trainer>__<inference>__<quant>.plan)")
     args = parser.parse_args(argv)
     quiet_vllm()
     from .compile import CompileOptions, compile_plan
@@ -86,6 +86,12 @@ def _rank_list(text: str) -> list[int]:
         return [int(part) for part in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated inference ranks such as 0,5, got {text!r}") from None
+
+
+def _output_path(text: str) -> Path:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty; give a plan file path")
+    return Path(text)
 
 
 def verify_main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import os
 import resource
 import time
 from dataclasses import dataclass, field
@@ -77,8 +78,25 @@ class _Inputs:
     config_dir: Path
 
 
+def check_output(path: Path | None) -> None:
+    """Refuse an output path a plan cannot be written to, before the compile spends minutes on it."""
+    if path is None:
+        return
+    if not str(path).strip():
+        raise ModelConfigError("-o/--output is empty; give a plan file path")
+    path = Path(path)
+    if path.is_dir():
+        raise ModelConfigError(f"-o/--output {path} is a directory; give a plan file path inside it")
+    if path.exists() and not path.is_file():
+        raise ModelConfigError(f"-o/--output {path} exists and is not a regular file")
+    parent = next((p for p in path.absolute().parents if p.exists()), None)
+    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK) or str(path.absolute()).startswith("/proc/"):
+        raise ModelConfigError(f"-o/--output {path}: cannot create files under {parent}")
+
+
 def check_inputs(opts: CompileOptions) -> _Inputs:
     check_options(opts)
+    check_output(opts.output)
     trainer_layout = parse_trainer(opts.trainer, opts.trainer_layout, opts.trainer_format)
     inference = parse_inference(opts.inference)
     name, config_dir = resolve_model(opts.model)

@@ -15,9 +15,13 @@ Reading never unpickles or evaluates anything: JSON plus numpy.frombuffer of int
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import stat
 import struct
+import tempfile
 import zlib
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -205,12 +209,29 @@ def encode_plan(header: dict, runs: dict[str, np.ndarray], stage: dict | None = 
 
 def write_plan(path: str | Path, header: dict, runs: dict[str, np.ndarray], stage: dict | None = None,
                spans: dict | None = None) -> Path:
+    """Write atomically: a unique temporary file in the same directory, fsynced, renamed over `path`.
+
+    A reader sees the old plan or the new one, never part of one; concurrent writers of one path
+    each rename a whole file; a failure leaves no temporary file behind.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = encode_plan(header, runs, stage, spans)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)  # atomic: a reader never sees a half-written plan
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise PlanFormatError(f"cannot write plan {path}: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise PlanFormatError(f"cannot write plan {path}: {exc.strerror or exc}") from None
     return path
 
 
@@ -352,7 +373,12 @@ def load_plan(path: str | Path) -> Plan:
     """Read and validate a plan file; raises PlanFormatError with the reason on any defect."""
     path = Path(path)
     try:
-        data = path.read_bytes()
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; only regular files are read.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as file:
+            if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+                raise PlanFormatError(f"plan {path} is not a regular file")
+            data = file.read()
     except OSError as exc:
-        raise PlanFormatError(f"cannot read plan {path}: {exc.strerror}") from None
+        raise PlanFormatError(f"cannot read plan {path}: {exc.strerror or exc}") from None
     return decode_plan(data, str(path))

@@ -59,3 +59,5 @@ def test_errors_are_one_line_without_traceback(tmp_path):
     for value in ("0", "-5"):
         proc = run("verify-plan", garbage, "--sample", "2", "--max-tensor-bytes", value, check=False)
         assert proc.returncode == 2 and f"--max-tensor-bytes must be at least 1, got {value}" in proc.stderr
+    proc = run("compile-plan", "--model", "glm-5.2", "-o", "", check=False)
+    assert proc.returncode == 2 and "argument -o/--output: is empty; give a plan file path" in proc.stderr

@@ -107,3 +107,70 @@ def test_versions_are_checked_before_anything_moves(llama_plan, rendezvous, vers
         with pytest.raises(ValueError, match="versions are integers from 1 to 2\\*\\*62 - 1"):
             call(version)
     assert receiver.version is None and not rendezvous.exists(f"trainer/0/version/{version}")
+
+
+# --- plan files -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("output,message", [
+    ("", r"-o/--output \. is a directory"),  # Path("") is the working directory
+    ("{tmp}", "is a directory"),
+    ("/proc/weightplan.plan", "cannot create files under /proc"),
+    ("/dev/null", "exists and is not a regular file"),
+])
+def test_unwritable_outputs_are_refused_before_compiling(tmp_path, output, message):
+    from pathlib import Path
+
+    with pytest.raises(ModelConfigError, match=message):
+        compile_plan(CompileOptions(str(config_dir("tiny-llama")), output=Path(output.format(tmp=tmp_path))))
+
+
+def test_concurrent_writers_never_show_a_reader_half_a_plan(plan_cache, tmp_path):
+    import threading
+
+    from weightplan.runtime import load_plan
+    from weightplan.runtime.plan_format import write_plan
+
+    plan = load_plan(plan_cache("tiny-llama"))
+    path, errors, done = tmp_path / "shared.plan", [], threading.Event()
+
+    def writer():
+        try:
+            for _ in range(30):
+                write_plan(path, dict(plan.header), plan.table, plan.stage, plan.spans)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    def reader():
+        while not done.is_set():
+            try:
+                if path.exists():
+                    assert load_plan(path).fingerprint == plan.fingerprint
+            except Exception as exc:  # noqa: BLE001 - any failure is the finding
+                errors.append(exc)
+
+    threads = [threading.Thread(target=writer) for _ in range(5)]
+    watcher = threading.Thread(target=reader)
+    watcher.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    done.set()
+    watcher.join()
+    assert errors == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shared.plan"]  # no temporary file left behind
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "directory"])
+def test_plan_readers_refuse_files_that_are_not_regular(tmp_path, kind):
+    import os
+
+    from weightplan.runtime import load_plan
+    from weightplan.runtime.errors import PlanFormatError
+
+    path = {"fifo": tmp_path / "fifo", "device": "/dev/zero", "directory": tmp_path}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)
+    with pytest.raises(PlanFormatError, match="not a regular file|Is a directory"):
+        load_plan(path)
