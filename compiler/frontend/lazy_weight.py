@@ -263,7 +263,10 @@ _DATA_DEPENDENT = {
 class Tracer:
     """Collects assignments while vLLM's loaders run; maps meta storages to parameter names."""
 
-    def __init__(self, destinations: dict[str, torch.Tensor]):
+    def __init__(self, destinations: dict[str, torch.Tensor], *, only_fills: bool = False):
+        """`only_fills`: record constant writes (fill_, zero_, copy_ of a known constant) and let every other write
+        through (a post-load step, whose other writes are computed values such as the quantization, not transfers)."""
+        self.only_fills = only_fills
         self.loading = "<none>"
         self.assignments: list[Assignment] = []
         self._by_storage: dict[int, tuple[str, torch.Tensor]] = {}
@@ -331,10 +334,14 @@ class Tracer:
     def on_write(self, func, args, kwargs) -> None:
         """An in-place op on plain tensors: record it if it writes a constant into a destination, refuse any other."""
         kind = _WRITES[func]
+        if self.only_fills and kind == "other":
+            return
         if kind == "copy":
             dst, src = args[0], args[1]
             if isinstance(src, LazyWeight) or self.destination(dst) is None:
                 return  # a traced copy (LazyWeight dispatch records it) or a loader's scratch tensor
+            if self.only_fills and getattr(src, _CONSTANT_ATTR, None) is None:
+                return
             self.record_constant("copy_", dst, _constant_value(self, dst, src))
         elif kind == "fill":
             dst = args[0]
@@ -353,6 +360,9 @@ def _constant_value(tracer: Tracer, dst: torch.Tensor, value):
     """The Python scalar a fill_/copy_ writes everywhere: a number, or a real tensor holding one value."""
     if isinstance(value, (bool, int, float)):
         return value
+    known = getattr(value, _CONSTANT_ATTR, None)
+    if known is not None:
+        return known
     name = tracer.destination(dst)[0]
     if isinstance(value, torch.Tensor) and value.device.type != "meta" and value.numel() > 0:
         flat = value.reshape(-1)
@@ -366,6 +376,31 @@ def _constant_value(tracer: Tracer, dst: torch.Tensor, value):
 # In-place ops on plain tensors, by what the tracer does with them: "copy" and "fill" are constant
 # writes when their target is a destination; "other" (any other op that writes an argument) is refused there.
 _CONSTANT_OPS = {aten.copy_.default: "copy", aten.fill_.Scalar: "fill", aten.fill_.Tensor: "fill", aten.zero_.default: "fill"}
+
+
+# Tensors holding one known value everywhere, created while tracing (e.g. `param[i:j] = 0` makes a meta
+# scalar_tensor and expands it) carry that value in this attribute; the ops below create or keep it.
+_CONSTANT_ATTR = "_weightplan_constant"
+_CONSTANT_MAKERS = {aten.scalar_tensor.default: lambda args, kwargs: args[0],
+                    aten.full.default: lambda args, kwargs: args[1],
+                    aten.zeros.default: lambda args, kwargs: 0,
+                    aten.ones.default: lambda args, kwargs: 1}
+_CONSTANT_KEEPERS = {aten.view.default, aten.expand.default, aten.slice.Tensor, aten.select.int, aten.reshape.default,
+                     aten._to_copy.default, aten.clone.default, aten.lift_fresh.default, aten.lift_fresh_copy.default,
+                     aten.alias.default, aten.detach.default, aten.unsqueeze.default, aten.squeeze.dim, aten.permute.default,
+                     aten.t.default, aten.transpose.int}
+
+
+def _tag_constant(func, args, kwargs, out) -> None:
+    if func in _CONSTANT_MAKERS:
+        value = _CONSTANT_MAKERS[func](args, kwargs)
+    elif func in _CONSTANT_KEEPERS and isinstance(args[0], torch.Tensor) and not isinstance(args[0], LazyWeight):
+        value = getattr(args[0], _CONSTANT_ATTR, None)
+    else:
+        return
+    if value is not None and isinstance(out, torch.Tensor) and not isinstance(out, LazyWeight):
+        # the value as the output's dtype holds it (a cast rounds it as copy_ would)
+        setattr(out, _CONSTANT_ATTR, torch.tensor(value).to(out.dtype).item())
 
 
 class _WriteTable(dict):
@@ -400,7 +435,10 @@ class _ConstantWrites(TorchDispatchMode):
         kwargs = kwargs or {}
         if _WRITES[func] is not None:
             self.tracer.on_write(func, args, kwargs)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func in _CONSTANT_MAKERS or func in _CONSTANT_KEEPERS:
+            _tag_constant(func, args, kwargs, out)
+        return out
 
 
 _state = threading.local()

@@ -112,12 +112,12 @@ def _check_dtypes(program: Program, runs: Runs) -> None:
 
 
 def _coverage(program: Program, runs: Runs) -> Coverage:
-    runs = unweave(runs, ("dest",))  # strided runs with other rows in their gaps: row by row; the rest by extent
     c = program.constants
     n = len(c)
-    constant = np.concatenate([np.zeros(len(runs), dtype=bool), np.ones(n, dtype=bool)])
     zero = np.zeros(n, dtype=np.int64)
-    runs = Runs.concat([runs, Runs.plain(zero, zero, c.dest, c.dst_off, c.length, zero, zero)])
+    # Constants are runs from source -1; strided runs with other rows in their gaps: row by row; the rest by extent.
+    runs = unweave(Runs.concat([runs, Runs.plain(zero - 1, zero, c.dest, c.dst_off, c.length, zero, zero)]), ("dest",))
+    constant = runs.src == -1
     order = np.lexsort((runs.dst_off, runs.dest))
     r, constant = runs.take(order), constant[order]
     same = r.dest[1:] == r.dest[:-1]
