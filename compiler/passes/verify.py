@@ -125,10 +125,10 @@ def _coverage(program: Program, runs: Runs) -> Coverage:
     if len(overlap):
         i = overlap[0] + 1
         spec = program.dests[r.dest[i]]
-        kinds = " and ".join(sorted({"a constant" if k else "a run" for k in constant[i - 1 : i + 1]}))
+        kinds = " and ".join(sorted({"a constant" if k else "a run" for k in constant[i - 1 : i + 1]}, reverse=True))
         raise PlanInvariantError(
-            f"destination bytes written twice (by {kinds}): {spec.name} element {r.dst_off[i]} "
-            f"(inference ranks {list(spec.ranks)})"
+            f"destination bytes written twice: {spec.name} element {r.dst_off[i]} "
+            f"(inference ranks {list(spec.ranks)}), by {kinds}"
         )
     sizes = np.array([itemsize(d.dtype) for d in program.dests], dtype=np.int64)
     holders = np.array([len(d.ranks) for d in program.dests], dtype=np.int64)
