@@ -315,6 +315,8 @@ class Tracer:
     def record_constant(self, op: str, dst: torch.Tensor, value) -> None:
         """A constant written into a destination: `value` (a Python scalar) into every element of `dst`."""
         name, param = self.destination(dst)
+        if dst.numel() == 0:  # e.g. fill_(0) of the padding rows of a shard that has none
+            return
         if dst.dtype != param.dtype:
             raise DestinationError(f"loading {self.loading!r}: {op} into {name!r} through a dtype-reinterpreting view")
         if isinstance(value, float) and not np.isfinite(value):
