@@ -165,7 +165,8 @@ def _compile(opts: CompileOptions, inputs: _Inputs, log) -> CompileResult:
     # Runs into quantized tensors become stage runs (their own table), not descriptors: bound the rest.
     posted = np.array([spec.name not in found for spec in split.dests] or [True])[split.runs.dest]
     lower_bound = descriptors_lower_bound(split.runs.take(np.flatnonzero(posted)), split.dests)
-    compiled, coverage = quant_compile.finish(opts.quant, run_passes(split, start_at="coalesce"), found, derived)
+    compiled, coverage = quant_compile.finish(opts.quant, run_passes(split, start_at="coalesce"), found, derived,
+                                              quant_hooks.padding if quant_hooks else None)
     add(timings, "passes", started)
 
     stats = {

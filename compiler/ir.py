@@ -23,6 +23,7 @@ class Op(str, enum.Enum):
     CONTIGUOUS = "contiguous"  # args: (); clone and contiguous: identity on values
     CAST = "cast"  # args: (dtype name,)
     CAT = "cat"  # args: (dim,); one input per concatenated tensor
+    CONSTANT = "constant"  # args: (value,); no inputs: a fill_, zero_ or copy_ of a constant into a destination
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,21 @@ class Geometry:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    def intervals(self) -> tuple[np.ndarray, np.ndarray]:
+        """(starts, ends) of the contiguous element stretches this region covers, ascending if strides are positive."""
+        if self.numel == 0:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        dims = sorted((d for d, n in enumerate(self.shape) if n != 1), key=lambda d: -self.strides[d])
+        shape, strides = [self.shape[d] for d in dims], [self.strides[d] for d in dims]
+        length = 1
+        while shape and strides[-1] == length:  # trailing dims that continue each other form one stretch
+            length *= shape.pop()
+            strides.pop()
+        starts = np.array([self.offset], dtype=np.int64)
+        for n, stride in zip(shape, strides):
+            starts = (starts[:, None] + np.arange(n, dtype=np.int64)[None, :] * stride).reshape(-1)
+        return starts, starts + length
+
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -109,6 +125,45 @@ class Assignment:
     geometry: Geometry
     node: Node
     loading: str  # checkpoint tensor whose load produced it (for messages)
+
+
+@dataclass(frozen=True)
+class Fill:
+    """A folded constant assignment: every element of dest[geometry] becomes `value` (cast to dest's dtype).
+
+    `order` is its position among the rank's assignments: where fills overlap, the later one wins,
+    and copies always come after the fills they overlap (the tracer refuses the reverse).
+    """
+
+    dest: str
+    geometry: Geometry
+    value: float | int | bool
+    order: int
+    loading: str
+
+
+@dataclass(frozen=True)
+class Constants:
+    """Constant writes as parallel arrays, in elements: dests[dest[i]][dst_off[i] :+length[i]] = values[i].
+
+    They never go on the wire: each inference rank holding the destination writes them itself.
+    """
+
+    dest: np.ndarray
+    dst_off: np.ndarray
+    length: np.ndarray
+    values: tuple
+
+    @staticmethod
+    def empty() -> "Constants":
+        return Constants(*(np.zeros(0, dtype=np.int64) for _ in range(3)), ())
+
+    def __len__(self) -> int:
+        return int(self.length.shape[0])
+
+    def take(self, index: np.ndarray) -> "Constants":
+        return Constants(self.dest[index], self.dst_off[index], self.length[index],
+                         tuple(self.values[i] for i in np.asarray(index).tolist()))
 
 
 @dataclass(frozen=True)
@@ -209,6 +264,9 @@ class Program:
     runs: Runs | None = None
     cast_chains: tuple[tuple[str, ...], ...] = ()
     meta: dict = field(default_factory=dict, compare=False)
+    fills: tuple[Fill, ...] = ()
+    constants: Constants = field(default_factory=Constants.empty)
+    last_writes: dict = field(default_factory=dict, compare=False)  # dest name -> the last write traced into it (for messages)
 
     def source_index(self) -> dict[str, int]:
         return {spec.name: i for i, spec in enumerate(self.sources)}

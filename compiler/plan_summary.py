@@ -6,7 +6,7 @@ import jinja2
 import numpy as np
 
 from ..runtime.plan_format import DTYPE_SIZES, GATHER, RECEIVER, Plan
-from .ir import Program, Runs, TensorSpec
+from .ir import Constants, Program, Runs, TensorSpec
 from ..runtime.quant import span_elements
 from .passes.verify import descriptors_lower_bound, descriptors_posted, verify
 from .passes.verify_quant import verify_quant
@@ -21,7 +21,8 @@ weightplan plan (format {{ s.format_version }})
   sources        {{ h.sources | length }} trainer tensors
   destinations   {{ s.dst_tensors }} tensors ({{ s.dst_entries }} distinct), {{ s.dst_bytes }} bytes, coverage {{ "%.6f" | format(s.dst_coverage) }}
   wire           {{ s.wire_bytes }} bytes{% if s.gather_bytes %} ({{ s.gather_bytes }} between trainer ranks){% endif %}
-{% if s.quantized_blocks %}  fp8 blocks     {{ s.quantized_blocks }} in {{ s.quantized_tensors }} tensors, {{ "%.4f" | format(s.sender_quantized_fraction) }} quantized on the sender, {{ "%.4f" | format(s.gather_quantized_fraction) }} gathered on a trainer; {{ s.derived }} derived post-load items
+{% if s.constant_runs %}  constants      {{ s.constant_bytes }} bytes in {{ s.constant_runs }} runs, written by the inference ranks, never on the wire
+{% endif %}{% if s.quantized_blocks %}  fp8 blocks     {{ s.quantized_blocks }} in {{ s.quantized_tensors }} tensors, {{ "%.4f" | format(s.sender_quantized_fraction) }} quantized on the sender, {{ "%.4f" | format(s.gather_quantized_fraction) }} gathered on a trainer; {{ s.derived }} derived post-load items
 {% endif %}  descriptors    {{ s.descriptors }} posted, {{ s.descriptors_stored }} stored (lower bound {{ s.descriptors_lower_bound }})
   balance        trainer ranks {{ "%.3f" | format(s.src_balance) }}, inference ranks {{ "%.3f" | format(s.dst_balance) }} (max/mean bytes)
   fingerprint    {{ s.fingerprint }}
@@ -42,6 +43,8 @@ def as_program(plan: Plan) -> Program:
         runs=runs,
         cast_chains=plan.cast_chains,
         meta={"shard_numel": shard_numel},
+        constants=Constants(*(np.array([getattr(c, f) for c in plan.constants], dtype=np.int64) for f in ("dest", "dst_off", "length")),
+                            tuple(c.value for c in plan.constants)),
     )
 
 
@@ -101,6 +104,8 @@ def summarize(plan: Plan) -> dict:
         "dst_entries": len(plan.dests),
         "dst_bytes": coverage.dst_bytes,
         "wire_bytes": sum(bytes_dst) + gather_bytes,
+        "constant_bytes": coverage.constant_bytes,
+        "constant_runs": len(plan.constants),
         "gather_bytes": gather_bytes,
         "descriptors": descriptors_posted(program.runs, program.dests),
         "descriptors_stored": plan.n_stored_runs,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from ..runtime.plan_format import RUN_COLUMNS, write_plan
 from .ir import Program, QuantPlacement
 
@@ -29,7 +31,17 @@ def plan_header(program: Program) -> dict:
         "staging": [[n, list(shape), "bfloat16", list(ranks), w, s] for n, shape, ranks, w, s in _quant(program).staging],
         "quant_layout": meta.get("quant_layout", {}),
         "derived": meta.get("derived", []),
+        **_constants(program),
     }
+
+
+def _constants(program: Program) -> dict:
+    """The header's constants table, sorted by (dest, dst_off); no key at all when there are none."""
+    c = program.constants
+    if not len(c):
+        return {}
+    order = np.lexsort((c.dst_off, c.dest)).tolist()
+    return {"constants": [[int(c.dest[i]), int(c.dst_off[i]), int(c.length[i]), c.values[i]] for i in order]}
 
 
 def _quant(program: Program) -> QuantPlacement:

@@ -6,9 +6,11 @@ import contextlib
 import dataclasses
 
 from .frontend.errors import ModelConfigError
-from .ir import Program
+import numpy as np
+
+from .ir import Constants, Program
 from .passes.place_quant import place_quant
-from .passes.verify import Coverage, PlanInvariantError, verify
+from .passes.verify import Coverage, verify
 from .passes.verify_quant import verify_quant
 
 QUANTS = ("none", "fp8_per_block")
@@ -42,6 +44,7 @@ class QuantHooks:
     quant: str
     found: dict = dataclasses.field(default_factory=dict)
     derived: list = dataclasses.field(default_factory=list)
+    padding: dict = dataclasses.field(default_factory=dict)  # bf16 name -> element ranges post-load sets to zero
 
     def build_context(self):
         return build_context(self.quant)
@@ -60,6 +63,8 @@ class QuantHooks:
         """Add one rank's post-load result (ranks in order): quantized tensors by bf16 name; derived state once."""
         for t in post.tensors:
             self.found[t.staging] = (t.weight, t.scale)
+            if self.padding.setdefault(t.staging, t.padding) != t.padding:
+                raise ModelConfigError(f"fp8_per_block: the post-load zero padding of {t.staging} differs between ranks")
         if not self.derived:
             self.derived.extend([d.module, d.what, list(d.reads), d.where] for d in post.derived)
 
@@ -68,14 +73,20 @@ def hooks(quant: str) -> QuantHooks | None:
     return None if quant == "none" else QuantHooks(quant)
 
 
-def finish(quant: str, program: Program, found: dict, derived: list) -> tuple[Program, Coverage]:
-    """Check coverage and, with fp8, place every block's quantization; returns the program to write, listing `derived`."""
+def finish(quant: str, program: Program, found: dict, derived: list, padding: dict | None = None) -> tuple[Program, Coverage]:
+    """Check coverage and, with fp8, place every block's quantization; returns the program to write, listing `derived`.
+
+    With fp8, a quantized bf16 tensor's bytes are written by runs, by zero constants its loader
+    wrote, or by the zero padding its post-load step writes (`padding`: name -> element ranges);
+    every byte exactly once.
+    """
     if quant == "none":
         return dataclasses.replace(program, meta=dict(program.meta, derived=derived)), verify(program)
-    coverage = verify(program, require_full_coverage=False)
-    stray = [name for name in coverage.uncovered if name not in found]
-    if stray:
-        raise PlanInvariantError(f"{len(stray)} destination tensors are not fully written by the plan, e.g. {', '.join(stray[:5])}")
+    zeros = [c for i, c in enumerate(program.constants.values) if program.dests[program.constants.dest[i]].name in found and c != 0]
+    if zeros:
+        raise ModelConfigError(f"fp8_per_block: a loader writes the constant {zeros[0]} into a tensor vLLM quantizes; "
+                               "only zero padding is supported")
+    verify(_with_padding(program, padding or {}))  # refuses overlaps, and names the first unwritten byte range
     if not found:
         raise ModelConfigError(f"--quant {quant}: vLLM quantizes no layer of this model online; compile with --quant none")
     from .frontend.fp8_kernels import KERNEL_LAYOUT
@@ -83,12 +94,21 @@ def finish(quant: str, program: Program, found: dict, derived: list) -> tuple[Pr
     program = dataclasses.replace(program, meta=dict(program.meta, quant_tensors=found))
     placed = place_quant(program)
     placed.meta["quant_layout"] = KERNEL_LAYOUT
-    placed.meta["derived"] = derived + [
-        [name, "zero padding of rows/cols vLLM adds to reach 128 multiples (MoE); bytes no run writes", [name], "plan"]
-        for name in coverage.uncovered
-    ]
+    placed.meta["derived"] = derived
     q = placed.meta["quant_placement"]
     verify_quant([shape for _, shape, _, _, _ in q.staging], [len(ranks) for _, _, ranks, _, _ in q.staging], q.stage, q.spans)
     after = verify(placed, require_full_coverage=False)
     quant_bytes = sum((placed.dests[w].numel + 4 * placed.dests[s].numel) * len(ranks) for _, _, ranks, w, s in q.staging)
-    return placed, Coverage(after.dst_bytes, after.written_once_bytes + quant_bytes, ())
+    return placed, Coverage(after.dst_bytes, after.written_once_bytes + quant_bytes, (), constant_bytes=after.constant_bytes)
+
+
+def _with_padding(program: Program, padding: dict) -> Program:
+    """`program` with the post-load zero padding of its quantized tensors added as constants (for the coverage check)."""
+    rows = [(d, start, end - start) for d, spec in enumerate(program.dests) for start, end in padding.get(spec.name, ())]
+    if not rows:
+        return program
+    dest, off, length = (np.array(column, dtype=np.int64) for column in zip(*rows))
+    c = program.constants
+    extra = Constants(np.concatenate([c.dest, dest]), np.concatenate([c.dst_off, off]), np.concatenate([c.length, length]),
+                      c.values + (0.0,) * len(rows))
+    return dataclasses.replace(program, constants=extra)

@@ -9,6 +9,7 @@ import torch
 
 from .casts import cast_along
 from .checks import check_tensors, named_tensors
+from .constants import write_constants
 from .errors import PlanMismatchError
 from .host_quant import execute_quant
 from .plan_format import RUN_COLUMNS, Plan
@@ -26,7 +27,8 @@ def execute_local(
     `sources` maps trainer rank to {trainer tensor name: that rank's local shard}; `destinations`
     maps inference rank to a module (its named parameters) or a {name: tensor} dict. Inference
     ranks not given are skipped; every trainer rank their runs read must be given. With `only`,
-    just the runs into those destination names execute. Returns the destination bytes written.
+    just the runs into those destination names execute. The plan's constants are written on every
+    call. Returns the destination bytes written (runs and constants).
     """
     runs = plan.table
     dst_tensors = {rank: named_tensors(d) for rank, d in destinations.items()}
@@ -75,6 +77,7 @@ def execute_local(
                 value = cast_along(rows_view(src, so, n, count, s_stride), plan.cast_chains[w])
                 rows_view(dst, do, n, count, d_stride).copy_(value)
             written += int((runs["count"][mask] * runs["length"][mask] * itemsizes[mask]).sum())
+            written += write_constants(plan, rank, lambda d: dst_tensors[rank][plan.dests[d].name].detach().view(-1), only)
     if plan.staging:
         written += execute_quant(plan, sources, dst_tensors, only)
     return written

@@ -4,7 +4,8 @@ Layout (all integers little-endian):
 
     magic       8 bytes   b"WPLAN\\x00\\r\\n"
     header_len  u64
-    header      canonical JSON (sorted keys, no spaces), UTF-8
+    header      canonical JSON (sorted keys, no spaces), UTF-8; a plan with constant writes lists them under
+                "constants" as [dest, dst_off, length, value] rows (format 5; a plan without them is format 4)
     payload     zlib stream of int64 columns: the runs (RUN_COLUMNS, n_runs each; a run with count > 1
                 stands for `count` rows, row i at src_off + i*src_stride and dst_off + i*dst_stride), then the stage runs
                 (STAGE_COLUMNS, n_stage_runs each), then the block spans (SPAN_COLUMNS, n_spans each)
@@ -34,7 +35,9 @@ from .placements import Box
 from .shards import ShardLayout
 
 MAGIC = b"WPLAN\x00\r\n"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5  # the newest format this reads: 5 adds the constants table
+BASE_FORMAT_VERSION = 4  # plans without constants are written as format 4, which readers of format 4 read alike
+CONSTANT_COLUMNS = ("dest", "dst_off", "length", "value")
 ROW_COLUMNS = ("src_rank", "src", "src_off", "dest", "dst_off", "length", "wire")
 RUN_COLUMNS = ROW_COLUMNS + ("count", "src_stride", "dst_stride")
 # fp8_per_block: bf16 runs from trainer rank src_rank's shard into a staging tensor, and spans of
@@ -64,6 +67,7 @@ FINGERPRINT_KEYS = (
     "quant_layout",
     "derived",
 )
+OPTIONAL_FINGERPRINT_KEYS = ("constants",)  # covered when present; absent keys keep older plans' fingerprints
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int8": 1,
                "uint8": 1, "float8_e4m3fn": 1, "bool": 1}
 
@@ -105,6 +109,16 @@ class StagingEntry:
 
 
 @dataclass(frozen=True)
+class ConstantRun:
+    """Elements [dst_off, dst_off + length) of destination entry `dest` hold `value` (cast to its dtype); never on the wire."""
+
+    dest: int
+    dst_off: int
+    length: int
+    value: float | int | bool
+
+
+@dataclass(frozen=True)
 class Plan:
     """A loaded plan: header fields, tensor tables and run columns (elements, not bytes).
 
@@ -120,6 +134,7 @@ class Plan:
     staging: tuple[StagingEntry, ...] = ()
     stage: dict[str, np.ndarray] = field(default_factory=lambda: _empty(STAGE_COLUMNS), repr=False)
     spans: dict[str, np.ndarray] = field(default_factory=lambda: _empty(SPAN_COLUMNS), repr=False)
+    constants: tuple[ConstantRun, ...] = ()
 
     @property
     def fingerprint(self) -> str:
@@ -174,6 +189,7 @@ class Plan:
 
 def fingerprint(header: dict) -> str:
     subset = {key: header[key] for key in FINGERPRINT_KEYS}
+    subset.update({key: header[key] for key in OPTIONAL_FINGERPRINT_KEYS if key in header})
     return hashlib.sha256(_canonical(subset)).hexdigest()
 
 
@@ -195,7 +211,10 @@ def encode_plan(header: dict, runs: dict[str, np.ndarray], stage: dict | None = 
             raise ValueError(f"columns {names} differ in length: {n}")
         counts.append(n.pop())
     header = {"staging": [], "quant_layout": {}, "derived": [], **header}
-    header = dict(header, format_version=FORMAT_VERSION, kind="weightplan", n_runs=counts[0], n_stage_runs=counts[1],
+    if "constants" in header and not header["constants"]:
+        del header["constants"]
+    version = FORMAT_VERSION if "constants" in header else BASE_FORMAT_VERSION
+    header = dict(header, format_version=version, kind="weightplan", n_runs=counts[0], n_stage_runs=counts[1],
                   n_spans=counts[2])
     header["fingerprint"] = fingerprint(header)
     columns = b"".join(np.ascontiguousarray(table[c], dtype="<i8").tobytes()
@@ -254,8 +273,10 @@ def decode_plan(data: bytes, origin: str = "<bytes>") -> Plan:
         raise PlanFormatError(
             f"{origin} uses plan format {version}, newer than this weightplan reads ({FORMAT_VERSION}); upgrade weightplan"
         )
-    if version < FORMAT_VERSION:
+    if version < BASE_FORMAT_VERSION:
         raise PlanFormatError(f"{origin} uses old plan format {version}; recompile it with compile-plan")
+    if ("constants" in header) != (version == FORMAT_VERSION):
+        raise PlanFormatError(f"{origin}: format {version} with{'' if 'constants' in header else 'out'} a constants table")
     if fingerprint(header) != header.get("fingerprint"):
         raise PlanFormatError(f"{origin}: header fingerprint does not match its contents")
     n, n_stage, n_spans = header["n_runs"], header["n_stage_runs"], header["n_spans"]
@@ -277,9 +298,10 @@ def decode_plan(data: bytes, origin: str = "<bytes>") -> Plan:
         dests = tuple(TensorEntry(d[0], tuple(d[1]), d[2], 0, tuple(d[3])) for d in header["dests"])
         chains = tuple(tuple(c) for c in header["cast_chains"])
         staging = tuple(StagingEntry(e[0], tuple(e[1]), e[2], tuple(e[3]), int(e[4]), int(e[5])) for e in header["staging"])
+        constants = tuple(ConstantRun(*row) for row in header.get("constants", ()))
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise PlanFormatError(f"{origin}: malformed tensor tables in the header ({exc})") from None
-    plan = Plan(header, sources, dests, chains, runs, staging, stage, spans)
+    plan = Plan(header, sources, dests, chains, runs, staging, stage, spans, constants)
     try:
         layout = plan.trainer_layout
         bad = [e.name for e in sources if not 0 <= e.layout < len(layout.classes)]
@@ -290,7 +312,18 @@ def decode_plan(data: bytes, origin: str = "<bytes>") -> Plan:
         raise PlanFormatError(f"{origin}: malformed trainer layout in the header ({exc})") from None
     _check_tables(plan, origin)
     _check_quant_tables(plan, origin)
+    _check_constants(plan, origin)
     return plan
+
+
+def _check_constants(plan: Plan, origin: str) -> None:
+    for c in plan.constants:
+        if not all(type(x) is int for x in (c.dest, c.dst_off, c.length)) or not 0 <= c.dest < len(plan.dests):
+            raise PlanFormatError(f"{origin}: a constant names a destination outside the table")
+        if c.length <= 0 or c.dst_off < 0 or c.dst_off + c.length > plan.dests[c.dest].numel:
+            raise PlanFormatError(f"{origin}: a constant is empty or reaches outside its destination tensor")
+        if type(c.value) not in (int, float, bool) or (type(c.value) is float and not np.isfinite(c.value)):
+            raise PlanFormatError(f"{origin}: a constant's value {c.value!r} is not a finite number")
 
 
 def _check_tables(plan: Plan, origin: str) -> None:

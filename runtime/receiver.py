@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from .checks import check_no_aliases, check_tensors, check_version, flat_view, named_tensors
+from .constants import write_constants
 from .derived import DerivedRefresh
 from .errors import PlanMismatchError, SyncError
 from .nixl_agent import NixlAgent, contiguous_starts
@@ -102,6 +103,11 @@ class Receiver:
     (MLA's absorbed `W_UK_T`/`W_UV`) is recomputed on `destination`'s modules with
     `process_weights_after_loading(act_dtype)` (runtime/derived.py); `derived="caller"` leaves
     that to the caller, and is required when `destination` is a dict of tensors.
+
+    The plan's constants (vLLM's zero padding rows) are written once, here, before any sync: no
+    READ touches their bytes, so a sync, failed or not, leaves them intact. The destination is the
+    caller's memory, though: a caller that writes it itself (vLLM's own `load_weights`, a dummy
+    initialisation, a kernel repacking in place) calls `write_constants()` before the next sync.
     """
 
     def __init__(self, plan: Plan, rank: int, destination, *, rendezvous: Rendezvous, timeout: float = 60.0,
@@ -148,11 +154,21 @@ class Receiver:
         self._peers: dict[int, _Peer] = {}
         self._version: int | None = None
         self.incarnation = uuid.uuid4().hex
+        self.write_constants()  # with the destinations registered, before this rank says it joined
         rendezvous.put(f"inference/{rank}/joined", {"incarnation": self.incarnation, "agent": self.agent.name})
 
     @property
     def version(self) -> int | None:
         return self._version
+
+    def write_constants(self) -> int:
+        """(Re)write the plan's constant runs into this rank's destinations; returns the bytes written."""
+        return write_constants(self.plan, self.rank, self._dst.__getitem__)
+
+    @property
+    def constant_bytes(self) -> int:
+        """Bytes of this rank's destinations the plan's constants write (never READ)."""
+        return sum(c.length * self._dst[c.dest].element_size() for c in self.plan.constants if c.dest in self._dst)
 
     @property
     def bytes(self) -> int:

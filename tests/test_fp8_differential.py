@@ -77,8 +77,9 @@ def test_plan_lists_derived_post_load_work(fp8_plan):
     derived = plan.header["derived"]
     mla = [d for d in derived if "MLA" in d[1]]
     assert mla and all(d[3] == "receiver" and any(r.endswith("kv_b_proj.weight") for r in d[2]) for d in mla)
-    padding = [d for d in derived if d[1].startswith("zero padding")]
-    assert padding and all(d[3] == "plan" for d in padding)  # moe_intermediate 96 is padded to 128
+    # moe_intermediate 96 is padded to 128: vLLM's post-load `_zero_padding` is traced as zero constants that fill
+    # exactly the bytes no run writes (the zero-filled staging holds them), not listed as derived work
+    assert not [d for d in derived if d[3] == "plan"]
     assert plan.header["quant_layout"]["layout"] == "plain"
 
 

@@ -431,7 +431,7 @@ def test_pipeline_runs_the_passes_in_order_and_can_be_sliced():
     p = trace(W46, {"d": ((4, 6), "float32")}, lambda w, d: (d["d"][2:].copy_(w["w"][2:]), d["d"][:2].copy_(w["w"][:2])))
     timings = {}
     full = run_passes(p, check_each=True, timings=timings)
-    assert set(timings) == {"fold_views", "lower_runs", "split_shards", "coalesce"}
+    assert set(timings) == {"fold_views", "lower_runs", "lower_constants", "split_shards", "coalesce"}
     assert runs_table(full) == [(0, 0, 0, 0, 24, 0)]
     lowered = run_passes(p, stop_before="coalesce")
     assert len(lowered.runs) == 2

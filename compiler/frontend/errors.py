@@ -26,6 +26,16 @@ class DataDependentError(TraceError):
         )
 
 
+class ConstantWriteError(TraceError):
+    def __init__(self, op: str, parameter: str, what: str, loading: str):
+        self.op, self.parameter, self.loading = op, parameter, loading
+        super().__init__(
+            f"{op} into parameter {parameter!r} while loading checkpoint tensor {loading!r} {what}; the tracer records "
+            "fill_, zero_ and copy_ of a constant into parameters. Add a rule to compiler/frontend/lazy_weight.py "
+            "if this write is a constant."
+        )
+
+
 class DestinationError(TraceError):
     """A copy_ wrote somewhere that is not a planned destination parameter."""
 

@@ -27,6 +27,7 @@ class QuantTensor:
     scale: str
     shape: tuple[int, ...]
     scale_shape: tuple[int, ...]
+    padding: tuple[tuple[int, int], ...] = ()  # [start, end) element ranges the post-load step sets to zero
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ def trace_post_load(model: torch.nn.Module, wanted: Callable[[str], bool] | None
         for prefix, module in quantized_modules(model):
             if wanted is not None and not wanted(prefix):
                 continue
-            module.quant_method.process_weights_after_loading(module)
+            padding = _traced_padding(module, prefix)
             final = dict(module.named_parameters(recurse=False))
             for local, (wname, sname) in _FINAL_NAMES.items():
                 key = f"{prefix}.{local}"
@@ -93,8 +94,28 @@ def trace_post_load(model: torch.nn.Module, wanted: Callable[[str], bool] | None
                         f"layout for {local} {list(shape)} {dtype_name(dtype)}: got {got}; this compiler supports only "
                         f"{BLOCK}x{BLOCK} fp8 e4m3 weights with float32 scales and no kernel shuffle"
                     )
-                found.append(QuantTensor(key, f"{prefix}.{wname}", f"{prefix}.{sname}", shape, expected_scale))
+                found.append(QuantTensor(key, f"{prefix}.{wname}", f"{prefix}.{sname}", shape, expected_scale,
+                                         padding.get(key, ())))
     return found
+
+
+def _traced_padding(module: torch.nn.Module, prefix: str) -> dict[str, tuple[tuple[int, int], ...]]:
+    """Run the module's process_weights_after_loading, recording the constants it writes into its bf16 parameters
+    (vLLM's `_zero_padding` of MoE rows/cols added to reach 128 multiples); each must be zero."""
+    from .lazy_weight import Tracer, tracing
+
+    tracer = Tracer({f"{prefix}.{name}": p for name, p in module.named_parameters(recurse=False)}, only_fills=True)
+    tracer.loading = f"{prefix} (process_weights_after_loading)"
+    with tracing(tracer):
+        module.quant_method.process_weights_after_loading(module)
+    out: dict[str, list] = {}
+    for a in tracer.assignments:
+        if a.node.args[0] != 0:
+            raise ModelConfigError(f"fp8_per_block: {prefix}'s post-load step writes the constant {a.node.args[0]} into "
+                                   f"{a.dest}; only zero padding is supported")
+        starts, ends = a.geometry.intervals()
+        out.setdefault(a.dest, []).extend(zip(starts.tolist(), ends.tolist()))
+    return {name: tuple(sorted(ranges)) for name, ranges in out.items()}
 
 
 def _scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:

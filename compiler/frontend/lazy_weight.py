@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import threading
 
+import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..ir import Assignment, Geometry, Node, Op
-from .errors import DataDependentError, DestinationError, UnsupportedOpError
+from .errors import ConstantWriteError, DataDependentError, DestinationError, UnsupportedOpError
 
 aten = torch.ops.aten
 
@@ -261,10 +263,14 @@ _DATA_DEPENDENT = {
 class Tracer:
     """Collects assignments while vLLM's loaders run; maps meta storages to parameter names."""
 
-    def __init__(self, destinations: dict[str, torch.Tensor]):
+    def __init__(self, destinations: dict[str, torch.Tensor], *, only_fills: bool = False):
+        """`only_fills`: record constant writes (fill_, zero_, copy_ of a known constant) and let every other write
+        through (a post-load step, whose other writes are computed values such as the quantization, not transfers)."""
+        self.only_fills = only_fills
         self.loading = "<none>"
         self.assignments: list[Assignment] = []
         self._by_storage: dict[int, tuple[str, torch.Tensor]] = {}
+        self._copied: dict[str, list[Geometry]] = {}  # regions copies wrote, per destination: a later fill must miss them
         for name, param in destinations.items():
             key = param.untyped_storage()._cdata
             if key in self._by_storage:
@@ -297,7 +303,144 @@ class Tracer:
         if src_node.dtype != dtype_name(dst.dtype):
             src_node = Node(Op.CAST, (dtype_name(dst.dtype),), (src_node,), src_node.shape, dtype_name(dst.dtype))
         geometry = Geometry(dst.storage_offset(), tuple(dst.shape), tuple(dst.stride()))
+        self._copied.setdefault(name, []).append(geometry)
         self.assignments.append(Assignment(name, geometry, src_node, self.loading))
+
+    def destination(self, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """(name, parameter) whose storage `tensor` views, or None for a tensor that is not a planned destination."""
+        if isinstance(tensor, LazyWeight) or not isinstance(tensor, torch.Tensor):
+            return None
+        return self._by_storage.get(tensor.untyped_storage()._cdata)
+
+    def record_constant(self, op: str, dst: torch.Tensor, value) -> None:
+        """A constant written into a destination: `value` (a Python scalar) into every element of `dst`."""
+        name, param = self.destination(dst)
+        if dst.numel() == 0:  # e.g. fill_(0) of the padding rows of a shard that has none
+            return
+        if dst.dtype != param.dtype:
+            raise DestinationError(f"loading {self.loading!r}: {op} into {name!r} through a dtype-reinterpreting view")
+        if isinstance(value, float) and not np.isfinite(value):
+            raise ConstantWriteError(op, name, f"writes the non-finite constant {value}", self.loading)
+        geometry = Geometry(dst.storage_offset(), tuple(dst.shape), tuple(dst.stride()))
+        starts, ends = geometry.intervals()
+        for copied in self._copied.get(name, ()):
+            c_starts, c_ends = copied.intervals()
+            lo = np.searchsorted(c_ends, starts, side="right")  # first copied stretch ending after each fill start
+            hit = (lo < len(c_starts)) & (c_starts[np.minimum(lo, len(c_starts) - 1)] < ends)
+            if hit.any():
+                raise ConstantWriteError(op, name, "overwrites elements a copy from the trainer's tensors wrote "
+                                         "(a constant must come before the copies it overlaps)", self.loading)
+        node = Node(Op.CONSTANT, (value, op), (), tuple(dst.shape), dtype_name(dst.dtype))
+        self.assignments.append(Assignment(name, geometry, node, self.loading))
+
+    def on_write(self, func, args, kwargs) -> None:
+        """An in-place op on plain tensors: record it if it writes a constant into a destination, refuse any other."""
+        kind = _WRITES[func]
+        if self.only_fills and kind == "other":
+            return
+        if kind == "copy":
+            dst, src = args[0], args[1]
+            if isinstance(src, LazyWeight) or self.destination(dst) is None:
+                return  # a traced copy (LazyWeight dispatch records it) or a loader's scratch tensor
+            if self.only_fills and getattr(src, _CONSTANT_ATTR, None) is None:
+                return
+            self.record_constant("copy_", dst, _constant_value(self, dst, src))
+        elif kind == "fill":
+            dst = args[0]
+            if self.destination(dst) is not None:
+                value = args[1] if len(args) > 1 else 0
+                self.record_constant(str(func.overloadpacket.__name__), dst, _constant_value(self, dst, value))
+        else:
+            for tensor in _written(func, args, kwargs):
+                hit = self.destination(tensor)
+                if hit is not None:
+                    raise ConstantWriteError(str(func), hit[0], "is an in-place write the tracer has no rule for",
+                                             self.loading)
+
+
+def _constant_value(tracer: Tracer, dst: torch.Tensor, value):
+    """The Python scalar a fill_/copy_ writes everywhere: a number, or a real tensor holding one value."""
+    if isinstance(value, (bool, int, float)):
+        return value
+    known = getattr(value, _CONSTANT_ATTR, None)
+    if known is not None:
+        return known
+    name = tracer.destination(dst)[0]
+    if isinstance(value, torch.Tensor) and value.device.type != "meta" and value.numel() > 0:
+        flat = value.reshape(-1)
+        if bool((flat == flat[0]).all()):
+            return flat[0].item()
+        raise ConstantWriteError("copy_", name, "copies a real tensor whose elements differ (not a constant)", tracer.loading)
+    raise ConstantWriteError("copy_", name, f"copies a {type(value).__name__} with no readable value "
+                             f"({getattr(value, 'device', '')}), so the constant is unknown", tracer.loading)
+
+
+# In-place ops on plain tensors, by what the tracer does with them: "copy" and "fill" are constant
+# writes when their target is a destination; "other" (any other op that writes an argument) is refused there.
+_CONSTANT_OPS = {aten.copy_.default: "copy", aten.fill_.Scalar: "fill", aten.fill_.Tensor: "fill", aten.zero_.default: "fill"}
+
+
+# Tensors holding one known value everywhere, created while tracing (e.g. `param[i:j] = 0` makes a meta
+# scalar_tensor and expands it) carry that value in this attribute; the ops below create or keep it.
+_CONSTANT_ATTR = "_weightplan_constant"
+_CONSTANT_MAKERS = {aten.scalar_tensor.default: lambda args, kwargs: args[0],
+                    aten.full.default: lambda args, kwargs: args[1],
+                    aten.zeros.default: lambda args, kwargs: 0,
+                    aten.ones.default: lambda args, kwargs: 1}
+_CONSTANT_KEEPERS = {aten.view.default, aten.expand.default, aten.slice.Tensor, aten.select.int, aten.reshape.default,
+                     aten._to_copy.default, aten.clone.default, aten.lift_fresh.default, aten.lift_fresh_copy.default,
+                     aten.alias.default, aten.detach.default, aten.unsqueeze.default, aten.squeeze.dim, aten.permute.default,
+                     aten.t.default, aten.transpose.int}
+
+
+def _tag_constant(func, args, kwargs, out) -> None:
+    if func in _CONSTANT_MAKERS:
+        value = _CONSTANT_MAKERS[func](args, kwargs)
+    elif func in _CONSTANT_KEEPERS and isinstance(args[0], torch.Tensor) and not isinstance(args[0], LazyWeight):
+        value = getattr(args[0], _CONSTANT_ATTR, None)
+    else:
+        return
+    if value is not None and isinstance(out, torch.Tensor) and not isinstance(out, LazyWeight):
+        # the value as the output's dtype holds it (a cast rounds it as copy_ would)
+        setattr(out, _CONSTANT_ATTR, torch.tensor(value).to(out.dtype).item())
+
+
+class _WriteTable(dict):
+    def __missing__(self, func):
+        mutable = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+        kind = self[func] = _CONSTANT_OPS.get(func, "other" if mutable else None)
+        return kind
+
+
+_WRITES = _WriteTable()
+
+
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensor arguments `func` writes in place (its schema's mutable arguments)."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        out.extend(v for v in (value if isinstance(value, (list, tuple)) else (value,)) if isinstance(v, torch.Tensor))
+    return out
+
+
+class _ConstantWrites(TorchDispatchMode):
+    """Sees every aten op while a trace runs, so in-place writes into (plain, meta) parameters reach the tracer."""
+
+    def __init__(self, tracer: Tracer):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _WRITES[func] is not None:
+            self.tracer.on_write(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if func in _CONSTANT_MAKERS or func in _CONSTANT_KEEPERS:
+            _tag_constant(func, args, kwargs, out)
+        return out
 
 
 _state = threading.local()
@@ -312,10 +455,11 @@ def _current() -> Tracer:
 
 @contextlib.contextmanager
 def tracing(tracer: Tracer):
-    """Make `tracer` receive the ops of every LazyWeight used inside the block."""
+    """Make `tracer` receive the ops of every LazyWeight used inside the block, and every in-place write into a destination."""
     previous = getattr(_state, "tracer", None)
     _state.tracer = tracer
     try:
-        yield tracer
+        with _ConstantWrites(tracer):
+            yield tracer
     finally:
         _state.tracer = previous

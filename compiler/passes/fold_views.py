@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from ..ir import Assignment, Copy, Geometry, Node, Op, Program
+from ..ir import Assignment, Copy, Fill, Geometry, Node, Op, Program
 
 # Chains whose value is not one strided view of one source (a reshape that torch could not
 # express as a view, or a view of a cat) are folded by replaying them on index tensors; this
@@ -16,14 +16,32 @@ MAX_REPLAY_ELEMENTS = 1 << 28
 
 
 def fold_views(program: Program) -> Program:
-    """Fold every assignment's chain into Copy nodes with strided geometry on both sides."""
+    """Fold every assignment's chain into Copy nodes with strided geometry on both sides; constants become Fills."""
     dest_numel = {spec.name: spec.numel for spec in program.dests}
     source_specs = {spec.name: spec for spec in program.sources}
     copies: list[Copy] = []
+    fills: list[Fill] = []
+    last: dict[str, Assignment] = {}
     memo: dict[int, tuple] = {}
-    for assignment in program.assignments:
+    for order, assignment in enumerate(program.assignments):
+        last[assignment.dest] = assignment
+        if assignment.node.op is Op.CONSTANT:
+            fills.append(Fill(assignment.dest, assignment.geometry, assignment.node.args[0], order, assignment.loading))
+            continue
         copies.extend(fold_assignment(assignment, source_specs, dest_numel[assignment.dest], memo))
-    return dataclasses.replace(program, copies=tuple(copies))
+    last_writes = {dest: describe_write(a) for dest, a in last.items()}
+    return dataclasses.replace(program, copies=tuple(copies), fills=tuple(fills), last_writes=last_writes)
+
+
+def describe_write(a: Assignment, limit: int = 160) -> str:
+    """One assignment for messages: its op and value, the region it wrote and the checkpoint tensor being loaded."""
+    g = a.geometry
+    if a.node.op is Op.CONSTANT:
+        what = f"{a.node.args[1]}({a.node.args[0]})"
+    else:
+        rendered = a.node.render()
+        what = "copy_ of " + (rendered if len(rendered) <= limit else rendered[: limit - 3] + "...")
+    return f"{what} into elements at offset {g.offset} shape {list(g.shape)} strides {list(g.strides)}, loading {a.loading!r}"
 
 
 def fold_assignment(assignment: Assignment, source_specs, dest_numel: int, memo: dict | None = None) -> list[Copy]:

@@ -9,11 +9,12 @@ import time
 from ..ir import Program
 from .coalesce import coalesce
 from .fold_views import fold_views
+from .lower_constants import lower_constants
 from .lower_runs import lower_runs
 from .split_shards import split_shards
 from .verify import verify
 
-PASSES = (fold_views, lower_runs, split_shards, coalesce)
+PASSES = (fold_views, lower_runs, lower_constants, split_shards, coalesce)
 
 
 def run_passes(
@@ -42,6 +43,7 @@ def run_passes(
 
 
 def _dump(name: str, program: Program) -> None:
-    print(f"== after {name}: {len(program.copies)} copies, {len(program.runs or ())} runs", file=sys.stderr)
+    print(f"== after {name}: {len(program.copies)} copies, {len(program.fills)} fills, {len(program.runs or ())} runs, "
+          f"{len(program.constants)} constant runs", file=sys.stderr)
     for copy in program.copies[:20]:
         print(f"   {copy}", file=sys.stderr)

@@ -54,7 +54,11 @@ def place_quant(program: Program) -> Program:
     stage_cols, span_cols = _place(BlockGrids.of([shape for _, shape, _, _, _ in staging]), stage_index[staged.dest], staged, holders)
     placement = QuantPlacement(tuple(staging), stage_cols, span_cols)
     new_runs = dataclasses.replace(kept, dest=remap[kept.dest])
-    return dataclasses.replace(program, dests=tuple(dests), runs=new_runs, meta=dict(program.meta, quant_placement=placement))
+    # Constants into quantized tensors are their zero padding, which the zero-filled staging holds already.
+    constants = program.constants.take(np.flatnonzero(remap[program.constants.dest] >= 0))
+    constants = dataclasses.replace(constants, dest=remap[constants.dest])
+    return dataclasses.replace(program, dests=tuple(dests), runs=new_runs, constants=constants,
+                               meta=dict(program.meta, quant_placement=placement))
 
 
 def _place(grids: BlockGrids, stage: np.ndarray, runs, holders: np.ndarray) -> tuple[dict, dict]:

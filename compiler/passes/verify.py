@@ -1,4 +1,4 @@
-"""verify: check plan invariants (bounds, dtypes, every destination byte written exactly once)."""
+"""verify: check plan invariants (bounds, dtypes, every destination byte written exactly once, by a run or a constant)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ class PlanInvariantError(WeightplanError):
 @dataclass(frozen=True)
 class Coverage:
     dst_bytes: int
-    written_once_bytes: int
+    written_once_bytes: int  # by runs or constants, counted once per inference rank holding the tensor
     uncovered: tuple[str, ...]  # destination tensors with bytes nobody writes
+    first_gap: str = ""  # the first unwritten byte range of uncovered[0], for messages
+    constant_bytes: int = 0  # of written_once_bytes, those constants write (never on the wire)
 
     @property
     def fraction(self) -> float:
@@ -36,11 +38,15 @@ def verify(program: Program, *, require_full_coverage: bool = True) -> Coverage:
     _check_dtypes(program, runs)
     coverage = _coverage(program, runs)
     if require_full_coverage and coverage.uncovered:
-        raise PlanInvariantError(
-            f"{len(coverage.uncovered)} destination tensors are not fully written by the plan, e.g. "
-            f"{', '.join(coverage.uncovered[:5])}; vLLM's loaders never wrote those bytes from the trainer's tensors"
-        )
+        raise PlanInvariantError(uncovered_message(coverage, coverage.uncovered))
     return coverage
+
+
+def uncovered_message(coverage: Coverage, names) -> str:
+    """One line naming the tensors with unwritten bytes, the first gap, and the last write the tracer saw there."""
+    return (f"{len(names)} destination tensors are not fully written by the plan ({', '.join(names[:5])}); "
+            f"{coverage.first_gap}. No run and no traced constant writes those bytes: a write the tracer does not "
+            "record (compiler/frontend/lazy_weight.py) or bytes vLLM's loaders leave unset")
 
 
 def _check_strides(program: Program, runs: Runs) -> None:
@@ -74,6 +80,15 @@ def _check_bounds(program: Program, runs: Runs) -> None:
     else:
         src_limit = np.array([s.numel for s in program.sources], dtype=np.int64)[runs.src]
     dst_limit = np.array([d.numel for d in program.dests], dtype=np.int64)[runs.dest]
+    c = program.constants
+    if len(c):
+        c_limit = np.array([d.numel for d in program.dests], dtype=np.int64)[c.dest]
+        bad = np.flatnonzero((c.length <= 0) | (c.dst_off < 0) | (c.dst_off + c.length > c_limit))
+        if len(bad):
+            i = bad[0]
+            spec = program.dests[c.dest[i]]
+            raise PlanInvariantError(f"constant out of bounds or empty: {spec.name} {spec.shape} elements "
+                                     f"[{c.dst_off[i]}, {c.dst_off[i] + c.length[i]})")
     for side, tensor, off, end, limit, table in (
         ("source", runs.src, runs.src_off, runs.src_end(), src_limit, program.sources),
         ("destination", runs.dest, runs.dst_off, runs.dst_end(), dst_limit, program.dests),
@@ -97,24 +112,49 @@ def _check_dtypes(program: Program, runs: Runs) -> None:
 
 
 def _coverage(program: Program, runs: Runs) -> Coverage:
-    runs = unweave(runs, ("dest",))  # strided runs with other rows in their gaps: row by row; the rest by extent
+    c = program.constants
+    n = len(c)
+    zero = np.zeros(n, dtype=np.int64)
+    # Constants are runs from source -1; strided runs with other rows in their gaps: row by row; the rest by extent.
+    runs = unweave(Runs.concat([runs, Runs.plain(zero - 1, zero, c.dest, c.dst_off, c.length, zero, zero)]), ("dest",))
+    constant = runs.src == -1
     order = np.lexsort((runs.dst_off, runs.dest))
-    r = runs.take(order)
+    r, constant = runs.take(order), constant[order]
     same = r.dest[1:] == r.dest[:-1]
     overlap = np.flatnonzero(same & (r.dst_end()[:-1] > r.dst_off[1:]))
     if len(overlap):
         i = overlap[0] + 1
         spec = program.dests[r.dest[i]]
+        kinds = " and ".join(sorted({"a constant" if k else "a run" for k in constant[i - 1 : i + 1]}, reverse=True))
         raise PlanInvariantError(
-            f"destination bytes written twice: {spec.name} element {r.dst_off[i]} (inference ranks {list(spec.ranks)})"
+            f"destination bytes written twice: {spec.name} element {r.dst_off[i]} "
+            f"(inference ranks {list(spec.ranks)}), by {kinds}"
         )
     sizes = np.array([itemsize(d.dtype) for d in program.dests], dtype=np.int64)
     holders = np.array([len(d.ranks) for d in program.dests], dtype=np.int64)
     written = np.zeros(len(program.dests), dtype=np.int64)
     np.add.at(written, r.dest, r.length * r.count)
     numel = np.array([d.numel for d in program.dests], dtype=np.int64)
-    uncovered = tuple(program.dests[i].name for i in np.flatnonzero(written < numel))
-    return Coverage(int((numel * sizes * holders).sum()), int((written * sizes * holders).sum()), uncovered)
+    missing = np.flatnonzero(written < numel)
+    uncovered = tuple(program.dests[i].name for i in missing)
+    constant_bytes = int((c.length * sizes[c.dest] * holders[c.dest]).sum()) if n else 0
+    first_gap = _first_gap(program, r, int(missing[0])) if len(missing) else ""
+    return Coverage(int((numel * sizes * holders).sum()), int((written * sizes * holders).sum()), uncovered, first_gap,
+                    constant_bytes)
+
+
+def _first_gap(program: Program, r: Runs, d: int) -> str:
+    """The first byte range of destination `d` that the sorted, disjoint rows `r` leave unwritten, and its last traced write."""
+    spec = program.dests[d]
+    rows = r.expand(r.dest == d)  # strided runs row by row: their gaps may be the missing bytes
+    order = np.argsort(rows.dst_off, kind="stable")
+    starts = np.concatenate([rows.dst_off[order], [spec.numel]])
+    ends = np.concatenate([[0], rows.dst_end()[order]])
+    k = int(np.flatnonzero(ends < starts)[0])  # present: the rows cover fewer elements than the tensor has
+    size = itemsize(spec.dtype)
+    last = program.last_writes.get(spec.name, "none recorded")
+    return (f"first gap: {spec.name} {list(spec.shape)} {spec.dtype} (inference ranks {list(spec.ranks)}) bytes "
+            f"[{ends[k] * size}, {starts[k] * size}) of {spec.numel * size}; the last write the tracer saw into it: {last}")
 
 
 def descriptors_lower_bound(runs: Runs, dests=None) -> int:
