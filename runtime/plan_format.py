@@ -31,10 +31,12 @@ from pathlib import Path
 import numpy as np
 
 from .errors import PlanFormatError
+from .plan_header import MAX_ELEMENTS, check_header
 from .placements import Box
 from .shards import ShardLayout
 
 MAGIC = b"WPLAN\x00\r\n"
+_ZLIB_MAX_RATIO = 1032  # deflate expands at most about 1032:1
 FORMAT_VERSION = 5  # the newest format this reads: 5 adds the constants table
 BASE_FORMAT_VERSION = 4  # plans without constants are written as format 4, which readers of format 4 read alike
 CONSTANT_COLUMNS = ("dest", "dst_off", "length", "value")
@@ -262,10 +264,14 @@ def decode_plan(data: bytes, origin: str = "<bytes>") -> Plan:
         raise PlanFormatError(f"{origin} is truncated or corrupted (checksum mismatch); recompile it with compile-plan")
     (head_len,) = struct.unpack_from("<Q", data, len(MAGIC))
     start = len(MAGIC) + 8
+    if head_len > len(body) - start:
+        raise PlanFormatError(f"{origin}: header length {head_len} runs past the end of the file")
     try:
         header = json.loads(body[start : start + head_len].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PlanFormatError(f"{origin} has an unreadable header: {exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise PlanFormatError(f"{origin} has an unreadable header: {str(exc)[:200]}") from None
+    if not isinstance(header, dict):
+        raise PlanFormatError(f"{origin}: the header is a JSON {type(header).__name__}, not an object")
     version = header.get("format_version")
     if header.get("kind") != "weightplan" or not isinstance(version, int):
         raise PlanFormatError(f"{origin} has no weightplan header")
@@ -277,22 +283,39 @@ def decode_plan(data: bytes, origin: str = "<bytes>") -> Plan:
         raise PlanFormatError(f"{origin} uses old plan format {version}; recompile it with compile-plan")
     if ("constants" in header) != (version == FORMAT_VERSION):
         raise PlanFormatError(f"{origin}: format {version} with{'' if 'constants' in header else 'out'} a constants table")
+    missing = [key for key in FINGERPRINT_KEYS + ("src_ranks", "dst_ranks", "n_runs", "n_stage_runs", "n_spans")
+               if key not in header]
+    if missing:
+        raise PlanFormatError(f"{origin}: the header has no {missing[0]!r} field")
+    check_header(header, origin, DTYPE_SIZES)
     if fingerprint(header) != header.get("fingerprint"):
         raise PlanFormatError(f"{origin}: header fingerprint does not match its contents")
     n, n_stage, n_spans = header["n_runs"], header["n_stage_runs"], header["n_spans"]
+    expected = 8 * (n * len(RUN_COLUMNS) + n_stage * len(STAGE_COLUMNS) + n_spans * len(SPAN_COLUMNS))
+    payload = body[start + head_len :]
+    if expected > _ZLIB_MAX_RATIO * len(payload) + 64:
+        raise PlanFormatError(f"{origin}: the header declares {expected} bytes of columns, more than zlib can expand "
+                              f"its {len(payload)}-byte payload to")
     try:
-        columns = zlib.decompress(body[start + head_len :])
+        inflate = zlib.decompressobj()
+        columns = inflate.decompress(payload, max(expected, 1))  # never more than the declared size (0 means unbounded)
+        extra = inflate.unconsumed_tail or inflate.decompress(b"", 1) or not inflate.eof
     except zlib.error as exc:
         raise PlanFormatError(f"{origin} has a corrupted payload: {exc}") from None
-    expected = 8 * (n * len(RUN_COLUMNS) + n_stage * len(STAGE_COLUMNS) + n_spans * len(SPAN_COLUMNS))
-    if len(columns) != expected:
-        raise PlanFormatError(f"{origin}: payload holds {len(columns)} bytes, expected {expected}")
+    if len(columns) != expected or extra:
+        raise PlanFormatError(f"{origin}: payload does not hold the {expected} bytes of columns its header declares")
     flat = np.frombuffer(columns, dtype="<i8").astype(np.int64)
     tables, at = [], 0
     for count, names in ((n, RUN_COLUMNS), (n_stage, STAGE_COLUMNS), (n_spans, SPAN_COLUMNS)):
         tables.append({c: flat[at + i * count : at + (i + 1) * count] for i, c in enumerate(names)})
         at += count * len(names)
     runs, stage, spans = tables
+    for table in tables:
+        for column, values in table.items():
+            # -1 marks "no trainer rank" (receiver side); every other value is an index, offset, length or stride
+            if len(values) and (values.min() < -1 or values.max() >= MAX_ELEMENTS):
+                raise PlanFormatError(f"{origin}: column {column!r} holds {int(values.min())}..{int(values.max())}, "
+                                      "outside -1..2**48")
     try:
         sources = tuple(TensorEntry(s[0], tuple(s[1]), s[2], s[3]) for s in header["sources"])
         dests = tuple(TensorEntry(d[0], tuple(d[1]), d[2], 0, tuple(d[3])) for d in header["dests"])
@@ -305,7 +328,8 @@ def decode_plan(data: bytes, origin: str = "<bytes>") -> Plan:
     try:
         layout = plan.trainer_layout
         bad = [e.name for e in sources if not 0 <= e.layout < len(layout.classes)]
-        bad += [e.name for e in sources if any(b is not None and len(b) != len(e.shape) for b in layout.classes[e.layout])]
+        bad += [e.name for e in sources if any(b is not None and (len(b) != len(e.shape) or any(
+            hi > size for (_, hi), size in zip(b, e.shape))) for b in layout.classes[e.layout])]
         if bad or any(len(c) != header["src_ranks"] for c in layout.classes):
             raise ValueError(f"source {bad[0]!r}" if bad else "a box table does not list every trainer rank")
     except (KeyError, IndexError, TypeError, ValueError) as exc:
@@ -335,6 +359,11 @@ def _check_tables(plan: Plan, origin: str) -> None:
     length, count = runs["length"], runs["count"]
     if len(length) and length.min() <= 0:
         raise PlanFormatError(f"{origin}: a run has non-positive length")
+    strided = count > 1
+    if strided.any():  # the last row's end, offset + (count - 1) * stride + length, must not overflow int64
+        reach = (count[strided] - 1).astype(np.float64) * np.maximum(runs["src_stride"][strided], runs["dst_stride"][strided])
+        if (reach >= MAX_ELEMENTS).any():
+            raise PlanFormatError(f"{origin}: a strided run reaches 2**48 elements or more")
     plain = count == 1
     if len(count) and ((count < 1).any() or (plain & ((runs["src_stride"] != 0) | (runs["dst_stride"] != 0))).any()
                        or (~plain & ((runs["dst_stride"] < length) | (runs["src_stride"] < 0))).any()):
