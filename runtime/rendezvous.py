@@ -18,6 +18,7 @@ import os
 import re
 import socket
 import stat
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -133,7 +134,7 @@ class Rendezvous:
                                       "pass insecure=True if every host that can reach it is trusted")
             log.warning("weightplan job %s: rendezvous store %s off loopback without a job secret (insecure=True): any "
                         "process that reaches it can publish as a trainer", job, address)
-        listener = _listen(host, port) if serve else None
+        listener = _listen(host, port) if serve else _reachable(host, port, timeout, address)
         try:
             store = TCPStore(host, listener.getsockname()[1] if listener else port, is_master=serve, wait_for_workers=False,
                              timeout=timedelta(seconds=timeout), master_listen_fd=listener.fileno() if listener else None)
@@ -220,6 +221,20 @@ class Rendezvous:
         if not isinstance(value, dict):
             raise SyncError(f"rendezvous key {key!r} holds {type(value).__name__}, expected an object")
         return value
+
+
+def _reachable(host: str, port: int, timeout: float, address: str) -> None:
+    """Wait until something accepts connections at host:port, within `timeout` (TCPStore's own retries overshoot it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=max(0.05, min(1.0, deadline - time.monotonic()))).close()
+            return None
+        except OSError as exc:
+            if time.monotonic() + 0.1 >= deadline:
+                raise WeightplanError(f"cannot reach the rendezvous store at {address} within {timeout:g} s: "
+                                      f"{exc.strerror or exc}") from None
+            time.sleep(0.1)
 
 
 def _listen(host: str, port: int) -> socket.socket:

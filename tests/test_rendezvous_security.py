@@ -151,3 +151,34 @@ def test_a_garbage_join_record_does_not_make_the_trainer_fail(request, plan, cap
     with caplog.at_level(logging.WARNING):
         report = sender.release(1, timeout=0.5)
     assert report.acked == () and "inference rank 0's join" in caplog.text
+
+
+def test_connection_failures_are_one_line_and_keep_the_timeout(request):
+    import socket
+    import time
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = busy.getsockname()[1]
+    with pytest.raises(WeightplanError, match=f"cannot listen on 127.0.0.1:{port} for the rendezvous store"):
+        Rendezvous.connect(_job(request), f"127.0.0.1:{port}", serve=True)
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    closed = free.getsockname()[1]
+    free.close()  # nothing listens there now
+    start = time.monotonic()
+    with pytest.raises(WeightplanError, match=f"cannot reach the rendezvous store at 127.0.0.1:{closed} within 2 s") as info:
+        Rendezvous.connect(_job(request), f"127.0.0.1:{closed}", timeout=2)
+    assert "\n" not in str(info.value) and time.monotonic() - start < 2 + 0.5
+
+
+@pytest.mark.parametrize("job,address,timeout,message", [
+    ("ok\n", "127.0.0.1:0", 5, "job id 'ok\\\\n'"),
+    ("ok", "127.0.0.1:0", 0, "timeout must be a number of seconds"),
+    ("ok", "127.0.0.1:0", -1, "timeout must be a number of seconds"),
+    ("ok", "127.0.0.1:²", 5, "must be HOST:PORT"),
+])
+def test_connect_arguments_are_checked(job, address, timeout, message):
+    with pytest.raises(WeightplanError, match=message):
+        Rendezvous.connect(job, address, serve=True, timeout=timeout)
