@@ -10,6 +10,7 @@ from ..runtime.errors import LayoutError
 from ..runtime.shards import ShardLayout, TrainerLayout
 from ..runtime.trainer_layout import LayoutFile, read_trainer_layout
 from .frontend.errors import ModelConfigError
+from .frontend.trainer_formats import canonical_format
 
 __all__ = ["ExplicitTrainer", "InferenceLayout", "TrainerLayout", "parse_trainer", "parse_inference"]
 
@@ -64,8 +65,8 @@ def parse_trainer(text: str, layout_file: Path | None = None, fmt: str = "hf") -
         layout = TrainerLayout.parse(text)
     except ValueError as exc:
         raise ModelConfigError(str(exc)) from None
-    if layout.ep > 1 and fmt != "stacked":
-        raise ModelConfigError("trainer ep needs --trainer-format stacked (experts stacked on dim 0)")
+    if layout.ep > 1 and canonical_format(fmt) != "transformers":
+        raise ModelConfigError("trainer ep needs --trainer-format transformers (alias stacked: experts stacked on dim 0)")
     return layout
 
 
