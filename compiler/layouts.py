@@ -46,7 +46,7 @@ class InferenceLayout:
         kv_heads = config.get("num_key_value_heads")
         if kv_heads and kv_heads % self.tp and self.tp % kv_heads:
             raise ModelConfigError(f"inference tp={self.tp} and num_key_value_heads={kv_heads}: neither divides the other")
-        experts = config.get("n_routed_experts") or config.get("num_experts")
+        experts = config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts")
         if self.ep:
             if not experts:
                 raise ModelConfigError("inference ep needs a MoE model; this config has no experts")
