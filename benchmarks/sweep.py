@@ -37,8 +37,8 @@ def run_one(model_type: str, architecture: str, workdir: Path) -> None:
         trainer = load_trainer_model(config_dir, torch.bfloat16)
     except Exception as exc:
         return emit("-", compiled=False, verified=False, seconds=0.0, reason=f"no tiny config: {_line(exc)}")
-    try:
-        build_model(make_vllm_config(config_dir))
+    try:  # on the CPU device, with real storage: what vLLM's CPU platform itself would build
+        build_model(make_vllm_config(config_dir), "cpu")
     except Exception as exc:
         return emit("-", compiled=False, verified=False, seconds=0.0, unbuildable=True,
                     reason=f"vLLM's CPU platform cannot build it: {_line(exc)}")
