@@ -9,8 +9,8 @@ from pathlib import Path
 TINY = {
     "vocab_size": 256, "hidden_size": 64, "n_embd": 64, "d_model": 64, "intermediate_size": 128, "ffn_hidden_size": 128,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "expert_intermediate_size": 32,
-    "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2,
-    "num_attention_heads": 4, "n_head": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "n_layers": 2,
+    "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "kv_n_heads": 2, "ffn_hidden_size": 128, "moe_top_k": 2, "num_key_value_heads": 2, "head_dim": 16,
     "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
     "num_experts_per_tok": 2, "moe_k": 2, "n_group": 1, "topk_group": 1,
     "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
@@ -21,6 +21,9 @@ TINY = {
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
     "tie_word_embeddings": False,
 }
+
+
+_BASE_ONLY = ("output_attentions", "transformers_version")  # PretrainedConfig fields sub-config classes refuse
 
 
 def tiny_config(model_type: str, architecture: str, **overrides) -> dict:
@@ -35,7 +38,14 @@ def tiny_config(model_type: str, architecture: str, **overrides) -> dict:
     for key, value in defaults.items():  # per-layer lists follow the layer count
         if isinstance(value, list) and layers and len(value) == layers and key not in values:
             values[key] = value[:new_layers]
+    for key in getattr(cls, "sub_configs", {}) or {}:  # nested configs (e.g. Dbrx's ffn_config): shrink them too
+        if isinstance(defaults.get(key), dict):
+            nested = {k: v for k, v in defaults[key].items() if not k.startswith("_") and k not in _BASE_ONLY}
+            values[key] = {**nested, **{k: v for k, v in TINY.items() if k in nested}}
     config = cls(**{**defaults, **values}).to_dict()
+    for key in getattr(cls, "sub_configs", {}) or {}:
+        if isinstance(config.get(key), dict):
+            config[key] = {k: v for k, v in config[key].items() if not k.startswith("_") and k not in _BASE_ONLY}
     config.update(architectures=[architecture], model_type=model_type, torch_dtype="bfloat16")
     config.pop("transformers_version", None)
     return config
