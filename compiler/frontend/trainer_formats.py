@@ -93,9 +93,15 @@ class Conversion:
         return self.trainer.checkpoint_tensors(self.fmt, pairs)
 
 
-@functools.lru_cache(maxsize=4)
 def load_trainer_model(config_dir: Path, dtype: torch.dtype) -> TrainerModel:
     """transformers' model for this config on meta (master weights in `dtype`) and its checkpoint tensor table."""
+    from ..models import config_hash
+
+    return _load_trainer_model(Path(config_dir), dtype, config_hash(Path(config_dir)))
+
+
+@functools.lru_cache(maxsize=4)  # compile and verify-plan in one process ask for the same model
+def _load_trainer_model(config_dir: Path, dtype: torch.dtype, config_sha256: str) -> TrainerModel:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import PrefixChange
