@@ -19,8 +19,8 @@ TINY = {
     "state_size": 16, "mamba_d_state": 16, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 1,
     "mamba_expand": 2, "mamba_d_conv": 4, "mamba_d_ssm": 128, "n_groups": 1, "num_heads": 8, "ssm_state_size": 16,
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-    "tie_word_embeddings": False,
 }
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 
 
 _BASE_ONLY = ("output_attentions", "transformers_version")  # PretrainedConfig fields sub-config classes refuse
@@ -32,23 +32,36 @@ def tiny_config(model_type: str, architecture: str, **overrides) -> dict:
 
     cls = CONFIG_MAPPING[model_type]
     defaults = cls().to_dict()
-    layers = next((defaults[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if k in defaults), None)
-    values = {k: v for k, v in {**TINY, **overrides}.items() if k in defaults}
-    new_layers = next((values[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if k in values), layers)
-    for key, value in defaults.items():  # per-layer lists follow the layer count
-        if isinstance(value, list) and layers and len(value) == layers and key not in values:
-            values[key] = value[:new_layers]
-    for key in getattr(cls, "sub_configs", {}) or {}:  # nested configs (e.g. Dbrx's ffn_config): shrink them too
+    values = _shrink(defaults, overrides)
+    for key in getattr(cls, "sub_configs", {}) or {}:  # nested configs (text_config, Dbrx's ffn_config): shrink them too
         if isinstance(defaults.get(key), dict):
-            nested = {k: v for k, v in defaults[key].items() if not k.startswith("_") and k not in _BASE_ONLY}
-            values[key] = {**nested, **{k: v for k, v in TINY.items() if k in nested}}
+            values[key] = _shrink(_clean(defaults[key]), {}, whole=True)
     config = cls(**{**defaults, **values}).to_dict()
     for key in getattr(cls, "sub_configs", {}) or {}:
         if isinstance(config.get(key), dict):
-            config[key] = {k: v for k, v in config[key].items() if not k.startswith("_") and k not in _BASE_ONLY}
+            config[key] = _clean(config[key])
     config.update(architectures=[architecture], model_type=model_type, torch_dtype="bfloat16")
     config.pop("transformers_version", None)
     return config
+
+
+def _shrink(defaults: dict, overrides: dict, whole: bool = False) -> dict:
+    """TINY values for the fields `defaults` has, per-layer lists cut to the new layer count (every kind kept)."""
+    layers = next((defaults[k] for k in _LAYER_KEYS if isinstance(defaults.get(k), int)), None)
+    values = {k: v for k, v in {**TINY, **overrides}.items() if k in defaults}
+    new_layers = next((values[k] for k in _LAYER_KEYS if k in values), layers)
+    for key, value in defaults.items():
+        if isinstance(value, list) and layers and len(value) == layers and key not in values:
+            cut = value[:new_layers]
+            missing = [v for v in dict.fromkeys(value) if v not in cut]  # e.g. keep one attention layer in a hybrid
+            values[key] = cut[: len(cut) - len(missing)] + missing if missing and len(missing) < len(cut) else cut
+        elif key.endswith("_token_id") and isinstance(value, int) and value >= TINY["vocab_size"]:
+            values[key] = 1
+    return {**defaults, **values} if whole else values
+
+
+def _clean(config: dict) -> dict:
+    return {k: v for k, v in config.items() if not k.startswith("_") and k not in _BASE_ONLY}
 
 
 def zoo() -> list[tuple[str, str]]:
