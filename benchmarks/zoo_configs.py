@@ -12,7 +12,7 @@ TINY = {
     "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "n_layers": 2,
     "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "kv_n_heads": 2, "ffn_hidden_size": 128, "moe_top_k": 2, "num_key_value_heads": 2, "head_dim": 16,
     "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
-    "num_experts_per_tok": 2, "moe_k": 2, "n_group": 1, "topk_group": 1,
+    "num_experts_per_tok": 2, "moe_k": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
     "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
     "index_n_heads": 4, "index_head_dim": 32, "index_topk": 16,
     "max_position_embeddings": 256, "n_positions": 256, "sliding_window": 64,
@@ -41,6 +41,8 @@ def tiny_config(model_type: str, architecture: str, **overrides) -> dict:
         if isinstance(config.get(key), dict):
             config[key] = _clean(config[key])
     config.update(architectures=[architecture], model_type=model_type, torch_dtype="bfloat16")
+    if "n_routed_experts" in config:  # published DeepSeek-style checkpoints; vLLM adds the router bias only then
+        config.setdefault("topk_method", "noaux_tc")
     config.pop("transformers_version", None)
     return config
 
