@@ -28,7 +28,7 @@ def _log(msg: str) -> None:
 def compile_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="compile-plan", description="Compile a weight-transfer plan from vLLM's own loading code.")
     parser.add_argument("--model", required=True, help="shipped model name (e.g. glm-5.2) or a directory with a Hugging Face config.json")
-    parser.add_argument("--trainer-format", default="hf", help="trainer tensor layout: hf (checkpoint) or stacked (transformers-5 stacked experts)")
+    parser.add_argument("--trainer-format", default="hf", help="trainer tensor names: hf (checkpoint) or transformers (alias stacked: transformers' in-memory state dict)")
     parser.add_argument("--trainer-dtype", default="bf16", help="trainer master weight dtype: bf16 or fp32")
     parser.add_argument("--quant", default="none", help="inference quantization: none or fp8_per_block (vLLM online 128x128 block fp8; quantized on the sender where blocks are shard-local)")
     trainer = parser.add_mutually_exclusive_group()

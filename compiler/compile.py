@@ -16,7 +16,7 @@ import torch
 
 from .frontend.errors import ModelConfigError
 from .frontend.rank_models import RankTracer
-from .frontend.trainer_formats import TRAINER_FORMATS, trainer_specs
+from .frontend.trainer_formats import Conversion, canonical_format, load_trainer_model
 from .frontend.vllm_model import current_platform_name, make_vllm_config
 from .frontend.vllm_patches import HOST_PROFILE, host_independent
 from .layouts import check_trainer_experts, parse_inference, parse_trainer
@@ -60,8 +60,7 @@ def default_plan_path(model: str, trainer: dict, inference: dict, quant: str) ->
 
 
 def check_options(opts: CompileOptions) -> None:
-    if opts.trainer_format not in TRAINER_FORMATS:
-        raise ModelConfigError(f"unknown --trainer-format {opts.trainer_format!r}; choose one of {', '.join(TRAINER_FORMATS)}")
+    canonical_format(opts.trainer_format)
     if opts.trainer_dtype not in TRAINER_DTYPES:
         raise ModelConfigError(f"unknown --trainer-dtype {opts.trainer_dtype!r}; choose one of {', '.join(TRAINER_DTYPES)}")
     if opts.quant not in QUANTS:
@@ -124,7 +123,8 @@ def _compile(opts: CompileOptions, inputs: _Inputs, log) -> CompileResult:
     base = make_vllm_config(config_dir, quantization=quantization)
     vllm_config = (make_vllm_config(config_dir, tp=inference.tp, dp=inference.dp, ep=inference.ep, quantization=quantization)
                    if inference.ranks > 1 else base)
-    sources = trainer_specs(config_dir, opts.trainer_format, getattr(torch, TRAINER_DTYPES[opts.trainer_dtype]))
+    trainer_model = load_trainer_model(config_dir, getattr(torch, TRAINER_DTYPES[opts.trainer_dtype]))
+    sources = trainer_model.specs(opts.trainer_format)
     trainer_layout = trainer_layout.bind(sources)
     add(timings, "setup", (start, start_cpu))  # importing vLLM, the engine configs, the trainer table
 
@@ -132,7 +132,7 @@ def _compile(opts: CompileOptions, inputs: _Inputs, log) -> CompileResult:
     chains: tuple = ()
     assignments_total = 0
     quant_hooks = quant_compile.hooks(opts.quant)
-    ranks = RankTracer(vllm_config, base, inference, sources, opts.trainer_format, timings, quant_hooks=quant_hooks)
+    ranks = RankTracer(vllm_config, base, inference, sources, Conversion(trainer_model, opts.trainer_format), timings, quant_hooks=quant_hooks)
     for rank in range(inference.ranks):
         assignments, dests = ranks.trace(rank, _progress(log, name, rank, inference.ranks))
         with phase(timings, "passes"):

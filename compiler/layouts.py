@@ -10,6 +10,7 @@ from ..runtime.errors import LayoutError
 from ..runtime.shards import MAX_RANKS, ShardLayout, TrainerLayout, layout_items
 from ..runtime.trainer_layout import LayoutFile, read_trainer_layout
 from .frontend.errors import ModelConfigError
+from .frontend.trainer_formats import canonical_format
 
 __all__ = ["ExplicitTrainer", "InferenceLayout", "TrainerLayout", "parse_trainer", "parse_inference"]
 
@@ -45,7 +46,7 @@ class InferenceLayout:
         kv_heads = config.get("num_key_value_heads")
         if kv_heads and kv_heads % self.tp and self.tp % kv_heads:
             raise ModelConfigError(f"inference tp={self.tp} and num_key_value_heads={kv_heads}: neither divides the other")
-        experts = config.get("n_routed_experts") or config.get("num_experts")
+        experts = config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts")
         if self.ep:
             if not experts:
                 raise ModelConfigError("inference ep needs a MoE model; this config has no experts")
@@ -64,8 +65,8 @@ def parse_trainer(text: str, layout_file: Path | None = None, fmt: str = "hf") -
         layout = TrainerLayout.parse(text)
     except ValueError as exc:
         raise ModelConfigError(str(exc)) from None
-    if layout.ep > 1 and fmt != "stacked":
-        raise ModelConfigError("trainer ep needs --trainer-format stacked (experts stacked on dim 0)")
+    if layout.ep > 1 and canonical_format(fmt) != "transformers":
+        raise ModelConfigError("trainer ep needs --trainer-format transformers (alias stacked: experts stacked on dim 0)")
     return layout
 
 

@@ -15,7 +15,7 @@ from ..runtime.errors import PlanMismatchError
 from ..runtime.host_executor import rows_view
 from ..runtime.plan_format import Plan
 from ..runtime.shards import box_segments
-from .frontend.trainer_formats import checkpoint_tensors
+from .frontend.trainer_formats import Conversion, load_trainer_model
 from .frontend.errors import ModelConfigError
 from .frontend.vllm_model import build_model, current_platform_name, make_vllm_config
 from .frontend.vllm_patches import HOST_PROFILE, host_independent, parallel_rank, triton_fp8_kernels
@@ -273,8 +273,6 @@ def vllm_load_quantized(vllm_config, base, plan: Plan, full: dict[str, torch.Ten
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
     from vllm.model_executor.model_loader.reload import finalize_layerwise_processing
 
-    fmt = plan.header["trainer"]["format"]
-
     def stream():
         for entry in plan.sources:
             tensor = full.get(entry.name)
@@ -282,7 +280,7 @@ def vllm_load_quantized(vllm_config, base, plan: Plan, full: dict[str, torch.Ten
                 if chosen is not None:  # no chosen module reads it: its layers stay unloaded, on meta
                     continue
                 tensor = torch.zeros(entry.shape, dtype=getattr(torch, entry.dtype))
-            yield from checkpoint_tensors(fmt, entry.name, tensor)
+            yield entry.name, tensor
 
     with triton_fp8_kernels():
         model = build_model(vllm_config, "cpu", tp_rank=tp_rank, dp_rank=dp_rank, base_config=base)
@@ -291,7 +289,7 @@ def vllm_load_quantized(vllm_config, base, plan: Plan, full: dict[str, torch.Ten
             owners = {_module_of(name) for name in chosen}
             layers = torch.nn.ModuleList([m for name, m in model.named_modules() if name in owners])
         with torch.no_grad(), parallel_rank(vllm_config, tp_rank, dp_rank):
-            model.load_weights(stream())
+            model.load_weights(plan_conversion(vllm_config, plan)(stream()))
             # Layers vLLM did not process while loading (padding left them incomplete) are processed here.
             finalize_layerwise_processing(layers, vllm_config.model_config)
             for module in layers.modules():
@@ -301,11 +299,29 @@ def vllm_load_quantized(vllm_config, base, plan: Plan, full: dict[str, torch.Ten
     return {name: p for name, p in model.named_parameters() if chosen is None or name in chosen}
 
 
+def plan_conversion(vllm_config, plan: Plan) -> Conversion:
+    """The plan's trainer -> checkpoint conversion (its --trainer-format) for the config vLLM was built from."""
+    trainer = plan.header["trainer"]
+    from .compile import TRAINER_DTYPES
+
+    dtype = getattr(torch, TRAINER_DTYPES[trainer["dtype"]])
+    return Conversion(load_trainer_model(Path(vllm_config.model_config.model), dtype), trainer["format"])
+
+
 def _materialize(model: torch.nn.Module, names: set[str], fill: float) -> dict[str, torch.Tensor]:
     """Give the chosen parameters real CPU storage (filled with `fill`); the rest stay on meta.
 
     The Parameter objects are kept (swapped in place) so vLLM's weight_loader attributes survive.
+    Where vLLM holds another reference to a parameter (Mamba layers keep a `conv_weights` view of
+    `conv1d.weight`), torch refuses the swap; that parameter is replaced in every module holding it
+    by a new Parameter with the same attributes, which is what load_weights (through
+    named_parameters) and the digests then see.
     """
+    owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for module in model.modules():
+        for attr, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((module, attr))
     out = {}
     for name, param in model.named_parameters():
         if name in names:
@@ -313,7 +329,12 @@ def _materialize(model: torch.nn.Module, names: set[str], fill: float) -> dict[s
             real = torch.full(param.shape, value, dtype=param.dtype).as_subclass(type(param))
             real.__dict__.update(param.__dict__)
             real.requires_grad_(False)
-            torch.utils.swap_tensors(param, real)
+            try:
+                torch.utils.swap_tensors(param, real)
+            except RuntimeError:
+                for module, attr in owners[id(param)]:
+                    module._parameters[attr] = real
+                param = real
             out[name] = param
     return out
 
@@ -323,15 +344,14 @@ def _vllm_load(vllm_config, base, plan: Plan, full: dict[str, torch.Tensor], cho
     """vLLM's own load_weights of the trainer's full weights into this rank's model (ground truth)."""
     model = build_model(vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=base)
     params = _materialize(model, chosen, fill=0.0)
-    fmt = plan.header["trainer"]["format"]
 
     def stream():
         for entry in plan.sources:
             tensor = full.get(entry.name)
             if tensor is None:  # not needed by the sampled destinations: stays without data
                 tensor = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype), device="meta")
-            yield from checkpoint_tensors(fmt, entry.name, tensor)
+            yield entry.name, tensor
 
     with torch.no_grad(), parallel_rank(vllm_config, tp_rank, dp_rank):
-        model.load_weights(stream())
+        model.load_weights(plan_conversion(vllm_config, plan)(stream()))
     return params

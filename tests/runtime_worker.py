@@ -131,9 +131,9 @@ def run_inference(args, plan) -> None:
 
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
-    from weightplan.compiler.frontend.trainer_formats import checkpoint_tensors
     from weightplan.compiler.frontend.vllm_model import build_model, make_vllm_config
     from weightplan.compiler.frontend.vllm_patches import parallel_rank
+    from weightplan.compiler.verify_plan import plan_conversion
 
     info = plan.header["inference"]
     tp_rank, dp_rank = args.rank % info["tp"], args.rank // info["tp"]
@@ -151,12 +151,12 @@ def run_inference(args, plan) -> None:
                         group_bytes=args.group_bytes)
     emit(event="joined", rank=args.rank)
     ref_config, reference = model_for_rank()
-    fmt = plan.header["trainer"]["format"]
+    conversion = plan_conversion(ref_config, plan)
 
     def digests(version):
         full = full_weights(plan, args.seed, version)
         with torch.no_grad(), parallel_rank(ref_config, tp_rank, dp_rank):
-            reference.load_weights(kv for name, t in full.items() for kv in checkpoint_tensors(fmt, name, t))
+            reference.load_weights(conversion(full.items()))
             # vLLM's reload finishes attention layers this way (reload/layerwise.py:_finalize_attention_layer):
             # MLA absorbs kv_b_proj into W_UK_T/W_UV, which the receiver must recompute after every sync.
             for module in reference.modules():

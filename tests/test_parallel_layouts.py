@@ -79,7 +79,7 @@ def test_impossible_layouts_are_refused_before_tracing(tmp_path, trainer, infere
 
 
 def test_trainer_ep_needs_stacked_experts(tmp_path):
-    with pytest.raises(ModelConfigError, match="trainer ep needs --trainer-format stacked"):
+    with pytest.raises(ModelConfigError, match="trainer ep needs --trainer-format transformers"):
         compile_plan(CompileOptions(str(config_dir("tiny-glm")), "hf", output=tmp_path / "p.plan", trainer="fsdp=4,ep=2"))
 
 

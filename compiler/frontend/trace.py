@@ -9,14 +9,16 @@ import torch
 
 from ..ir import Assignment, TensorSpec
 from .layer_classes import layer_classes, layer_of, rename_assignments
+from ...runtime.errors import WeightplanError
+from .errors import TraceError
 from .lazy_weight import LazyWeight, Tracer, dtype_name, tracing
-from .trainer_formats import checkpoint_tensors
+from .trainer_formats import Conversion
 
 
 def trace_load(
     model: torch.nn.Module,
     sources: list[TensorSpec],
-    fmt: str,
+    conversion: Conversion,
     progress: Callable[[int, int], None] | None = None,
     *,
     reuse_layers: bool = True,
@@ -31,7 +33,7 @@ def trace_load(
     dests = [TensorSpec(name, tuple(p.shape), dtype_name(p.dtype)) for name, p in params.items()]
     classes = layer_classes(sources, dests) if reuse_layers else None
     fed = [spec for spec in sources if classes is None or classes.traced(spec.name)]
-    traced = _trace(model, params, fed, fmt, progress, skip)
+    traced = _trace(model, params, fed, conversion, progress, skip)
     if classes is None or not classes.template_of:
         return traced, dests
 
@@ -44,7 +46,7 @@ def trace_load(
             untrusted.add(template)
     if untrusted:  # a layer class loads differently per index: trace all of its layers for real
         retrace = [s for s in sources if classes.template_of.get(layer_of(s.name)) in untrusted]
-        traced += _trace(model, params, retrace, fmt, None, skip)
+        traced += _trace(model, params, retrace, conversion, None, skip)
     out = list(traced)
     for index, template in sorted(classes.template_of.items()):
         if template not in untrusted:
@@ -52,20 +54,27 @@ def trace_load(
     return out, dests
 
 
-def _trace(model, params, sources: list[TensorSpec], fmt: str, progress, skip=None) -> list[Assignment]:
+def _trace(model, params, sources: list[TensorSpec], conversion: Conversion, progress, skip=None) -> list[Assignment]:
     tracer = Tracer(params)
     lazy = {spec.name: LazyWeight.source(spec.name, spec.shape, getattr(torch, spec.dtype)) for spec in sources}
+    index = {name: i for i, name in enumerate(lazy)}
 
     def stream():
-        for index, (trainer_name, trainer_tensor) in enumerate(lazy.items()):
+        for name, tensor in conversion(lazy.items()):
             if progress is not None:
-                progress(index + 1, len(lazy))
-            for name, tensor in checkpoint_tensors(fmt, trainer_name, trainer_tensor):
-                if skip is not None and skip(name):
-                    continue
-                tracer.loading = name
-                yield name, tensor
+                progress(max(index[s] for s in tensor.node.sources()) + 1, len(lazy))
+            if skip is not None and skip(name):
+                continue
+            tracer.loading = name
+            yield name, tensor
 
     with tracing(tracer), torch.no_grad():
-        model.load_weights(stream())
+        try:
+            model.load_weights(stream())
+        except WeightplanError:
+            raise
+        except Exception as exc:  # vLLM's loader refused a checkpoint name or shape: one line, naming it
+            raise TraceError(f"vLLM's {type(model).__name__}.load_weights failed while loading checkpoint tensor "
+                             f"{tracer.loading!r}: {type(exc).__name__}: {exc}; check --trainer-format and that "
+                             "transformers and vLLM agree on this architecture's checkpoint names") from None
     return tracer.assignments

@@ -1,15 +1,19 @@
-"""Trainer tensors (names, shapes, dtypes) and their conversion to checkpoint tensors, traced.
+"""Trainer tensors and their conversion to checkpoint tensors: transformers' own reverse weight conversion, traced.
 
-`stacked` is transformers-5's in-memory layout: routed experts stacked as
-`experts.gate_up_proj [E, 2I, H]` (gate rows first) and `experts.down_proj [E, H, I]`.
-`hf` is the checkpoint layout: one `experts.{e}.{gate,up,down}_proj.weight` per expert.
-The table of trainer tensors comes from transformers' own model built on the meta device.
+`transformers` (alias `stacked`) is the trainer's in-memory layout: the state dict of
+transformers' model for the config (e.g. routed experts stacked in `experts.gate_up_proj`).
+`hf` is the checkpoint layout vLLM's `load_weights` reads: what `save_pretrained` writes, i.e.
+the in-memory tensors passed through transformers' `revert_weight_conversion` (its conversion
+mapping, `transformers/conversion_mapping.py`, run backwards). Nothing here names a model,
+a tensor or a layout: every rename and split is transformers' own, run on LazyWeights when
+tracing and on real tensors in verify-plan.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterator
+import functools
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,13 +22,89 @@ from ..ir import TensorSpec
 from .errors import ModelConfigError
 from .lazy_weight import dtype_name
 
-TRAINER_FORMATS = ("hf", "stacked")
-_STACKED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+TRAINER_FORMATS = ("hf", "transformers", "stacked")
+_ALIASES = {"stacked": "transformers"}  # the name plans and docs used before transformers' mapping was traced
 
 
-def stacked_state_dict(config_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """transformers' model for this config, on meta, with master weights in `dtype`."""
+def canonical_format(fmt: str) -> str:
+    """`hf` or `transformers` for any accepted --trainer-format name."""
+    if fmt not in TRAINER_FORMATS:
+        raise ModelConfigError(f"unknown --trainer-format {fmt!r}; choose one of {', '.join(TRAINER_FORMATS)}")
+    return _ALIASES.get(fmt, fmt)
+
+
+@dataclass(frozen=True, eq=False)
+class TrainerModel:
+    """transformers' model for one config on meta, and what its reverse weight conversion makes of its tensors."""
+
+    model: torch.nn.Module  # carries its conversion mapping in `_weight_conversions`, computed once
+    in_memory: Mapping[str, torch.Tensor]  # the trainer's state dict (tied tensors once), meta
+    checkpoint: Mapping[str, TensorSpec]  # checkpoint name -> spec, in feeding order
+    group_of: Mapping[str, tuple[str, ...]]  # in-memory name -> the in-memory tensors converted together with it
+
+    def specs(self, fmt: str) -> list[TensorSpec]:
+        """The trainer tensors of format `fmt`, in feeding order."""
+        if canonical_format(fmt) == "hf":
+            return list(self.checkpoint.values())
+        plan = getattr(self.model, "ep_plan", {}) or {}
+        return [TensorSpec(name, tuple(t.shape), dtype_name(t.dtype), "expert" if _expert_stacked(name, plan) else "dense")
+                for name, t in self.in_memory.items()]
+
+    def checkpoint_tensors(self, fmt: str, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint tensors (name, tensor) vLLM's load_weights consumes for a stream of trainer tensors of `fmt`.
+
+        Works on real, meta and Lazy tensors (Lazy ones inside an active trace). Tensors that
+        transformers converts together are buffered until their group is complete; a group still
+        incomplete at the end is converted as it is and refused if that changes a checkpoint shape.
+        """
+        if canonical_format(fmt) == "hf":
+            yield from pairs
+            return
+        pending: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
+        for name, tensor in pairs:
+            group = self.group_of.get(name, (name,))
+            members = pending.setdefault(group, {})
+            members[name] = tensor
+            if len(members) == len(group):
+                yield from self._convert(pending.pop(group))
+        for members in pending.values():
+            yield from self._convert(members)
+
+    def _convert(self, tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        converted = _revert(self.model, tensors)
+        for name in sorted(converted, key=_natural):
+            tensor, spec = converted[name], self.checkpoint.get(name)
+            if spec is None or tuple(tensor.shape) != spec.shape:
+                raise ModelConfigError(
+                    f"transformers' reverse weight conversion of {sorted(tensors)} gives checkpoint tensor {name!r} of "
+                    f"shape {tuple(tensor.shape)}, but {spec.shape if spec else 'no such tensor'} from the whole model; "
+                    "feed every trainer tensor of a converted group together")
+            yield name, tensor
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """One trainer format of one model: the trainer -> checkpoint conversion trace_load and verify-plan feed to vLLM."""
+
+    trainer: TrainerModel
+    fmt: str
+
+    def __call__(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.trainer.checkpoint_tensors(self.fmt, pairs)
+
+
+def load_trainer_model(config_dir: Path, dtype: torch.dtype) -> TrainerModel:
+    """transformers' model for this config on meta (master weights in `dtype`) and its checkpoint tensor table."""
+    from ..models import config_hash
+
+    return _load_trainer_model(Path(config_dir), dtype, config_hash(Path(config_dir)))
+
+
+@functools.lru_cache(maxsize=4)  # compile and verify-plan in one process ask for the same model
+def _load_trainer_model(config_dir: Path, dtype: torch.dtype, config_sha256: str) -> TrainerModel:
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange
 
     try:
         config = AutoConfig.from_pretrained(str(config_dir))
@@ -32,51 +112,62 @@ def stacked_state_dict(config_dir: Path, dtype: torch.dtype) -> dict[str, torch.
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     except Exception as exc:
         raise ModelConfigError(f"transformers cannot build the trainer model from {config_dir}: {exc}") from None
+    # What revert_weight_conversion derives for a model not loaded by from_pretrained, computed once
+    # (it walks every module): the model's mapping without legacy renames and without PrefixChange.
+    model._weight_conversions = [t for t in get_model_conversion_mapping(model, add_legacy=False)
+                                 if not isinstance(t, PrefixChange)]
     seen: set[int] = set()
-    tensors: dict[str, torch.Tensor] = {}
+    in_memory: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
-        key = id(tensor)
-        if key in seen:  # tied weights appear under several names; the trainer holds one tensor
+        if id(tensor) in seen:  # tied weights appear under several names; the trainer holds one tensor
             continue
-        seen.add(key)
-        tensors[name] = tensor
-    return tensors
+        seen.add(id(tensor))
+        in_memory[name] = tensor
+    try:
+        # Convert each tensor alone to learn which checkpoint names it feeds; tensors feeding a
+        # common name (a many-to-one conversion) form a group, converted together.
+        alone = {name: _revert(model, {name: t}) for name, t in in_memory.items()}
+        names_of = {name: tuple(outs) for name, outs in alone.items()}
+        owners: dict[str, list[str]] = {}
+        for name, outs in names_of.items():
+            for out in outs:
+                owners.setdefault(out, []).append(name)
+        group_of: dict[str, tuple[str, ...]] = {}
+        for name in in_memory:
+            group = {name} | {o for out in names_of[name] for o in owners[out]}
+            group_of[name] = tuple(n for n in in_memory if n in group)
+        checkpoint: dict[str, TensorSpec] = {}
+        for name, group in group_of.items():
+            if group[0] != name:
+                continue
+            converted = alone[name] if len(group) == 1 else _revert(model, {n: in_memory[n] for n in group})
+            for out in sorted(converted, key=_natural):
+                checkpoint[out] = TensorSpec(out, tuple(converted[out].shape), dtype_name(converted[out].dtype))
+    except Exception as exc:
+        raise ModelConfigError(f"transformers' reverse weight conversion fails for {config_dir}: {exc}") from None
+    return TrainerModel(model, in_memory, checkpoint, group_of)
 
 
-def to_checkpoint(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """Checkpoint tensors for one stacked trainer tensor; works on real, meta and Lazy tensors."""
-    match = _STACKED.match(name)
-    if match is None:
-        yield name, tensor
-        return
-    prefix, kind = match["prefix"], match["kind"]
-    for expert, stack in enumerate(tensor.unbind(0)):
-        if kind == "gate_up_proj":
-            gate, up = stack.chunk(2, dim=0)
-            yield f"{prefix}.{expert}.gate_proj.weight", gate
-            yield f"{prefix}.{expert}.up_proj.weight", up
-        else:
-            yield f"{prefix}.{expert}.down_proj.weight", stack
+def _revert(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return dict(revert_weight_conversion(model, dict(tensors)))
+
+
+def _natural(name: str):
+    from transformers.core_model_loading import dot_natural_key
+
+    return dot_natural_key(name)
+
+
+def _expert_stacked(name: str, ep_plan: Mapping[str, str]) -> bool:
+    """True if transformers' expert-parallel plan shards this tensor's dim 0 by expert."""
+    from transformers.distributed.tensor_parallel import ParallelInterface, _get_parameter_plan
+
+    style = ParallelInterface._global_mapping.get(_get_parameter_plan(name, dict(ep_plan)) or "")
+    return bool(getattr(style, "shards_expert_dim", False))
 
 
 def trainer_specs(config_dir: Path, fmt: str, dtype: torch.dtype) -> list[TensorSpec]:
-    """The trainer tensors of this format, in the trainer model's order."""
-    if fmt not in TRAINER_FORMATS:
-        raise ModelConfigError(f"unknown trainer format {fmt!r}; choose one of {', '.join(TRAINER_FORMATS)}")
-    stacked = stacked_state_dict(config_dir, dtype)
-    if fmt == "stacked":
-        items = stacked.items()
-    else:
-        items = ((n, t) for name, tensor in stacked.items() for n, t in to_checkpoint(name, tensor))
-    return [
-        TensorSpec(name, tuple(t.shape), dtype_name(t.dtype), "expert" if _STACKED.match(name) else "dense")
-        for name, t in items
-    ]
-
-
-def checkpoint_tensors(fmt: str, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint tensors (name, tensor) vLLM's load_weights consumes for one trainer tensor."""
-    if fmt == "stacked":
-        yield from to_checkpoint(name, tensor)
-    else:
-        yield name, tensor
+    """The trainer tensors of this format, in feeding order."""
+    return load_trainer_model(config_dir, dtype).specs(fmt)

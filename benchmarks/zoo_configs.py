@@ -1,0 +1,81 @@
+"""Tiny configs (transformers' config classes, shrunk) for every causal-LM architecture both vLLM and transformers know."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Values for whichever of these fields a config class has: few layers, tiny dims, vocab a multiple of 64.
+TINY = {
+    "vocab_size": 256, "hidden_size": 64, "n_embd": 64, "d_model": 64, "intermediate_size": 128, "ffn_hidden_size": 128,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "expert_intermediate_size": 32,
+    "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "n_layers": 2,
+    "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "kv_n_heads": 2, "ffn_hidden_size": 128, "moe_top_k": 2, "num_key_value_heads": 2, "head_dim": 16,
+    "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
+    "num_experts_per_tok": 2, "moe_k": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+    "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+    "index_n_heads": 4, "index_head_dim": 32, "index_topk": 16,
+    "max_position_embeddings": 256, "n_positions": 256, "sliding_window": 64,
+    "state_size": 16, "mamba_d_state": 16, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 1,
+    "mamba_expand": 2, "mamba_d_conv": 4, "mamba_d_ssm": 128, "n_groups": 1, "num_heads": 8, "ssm_state_size": 16,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+}
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+
+
+_BASE_ONLY = ("output_attentions", "transformers_version")  # PretrainedConfig fields sub-config classes refuse
+
+
+def tiny_config(model_type: str, architecture: str, **overrides) -> dict:
+    """The config dict of `model_type`'s transformers config class with TINY applied (and `overrides`)."""
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    defaults = cls().to_dict()
+    values = _shrink(defaults, overrides)
+    for key in getattr(cls, "sub_configs", {}) or {}:  # nested configs (text_config, Dbrx's ffn_config): shrink them too
+        if isinstance(defaults.get(key), dict):
+            values[key] = _shrink(_clean(defaults[key]), {}, whole=True)
+    config = cls(**{**defaults, **values}).to_dict()
+    for key in getattr(cls, "sub_configs", {}) or {}:
+        if isinstance(config.get(key), dict):
+            config[key] = _clean(config[key])
+    config.update(architectures=[architecture], model_type=model_type, torch_dtype="bfloat16")
+    if "n_routed_experts" in config:  # published DeepSeek-style checkpoints; vLLM adds the router bias only then
+        config.setdefault("topk_method", "noaux_tc")
+    config.pop("transformers_version", None)
+    return config
+
+
+def _shrink(defaults: dict, overrides: dict, whole: bool = False) -> dict:
+    """TINY values for the fields `defaults` has, per-layer lists cut to the new layer count (every kind kept)."""
+    layers = next((defaults[k] for k in _LAYER_KEYS if isinstance(defaults.get(k), int)), None)
+    values = {k: v for k, v in {**TINY, **overrides}.items() if k in defaults}
+    new_layers = next((values[k] for k in _LAYER_KEYS if k in values), layers)
+    for key, value in defaults.items():
+        if isinstance(value, list) and layers and len(value) == layers and key not in values:
+            cut = value[:new_layers]
+            missing = [v for v in dict.fromkeys(value) if v not in cut]  # e.g. keep one attention layer in a hybrid
+            values[key] = cut[: len(cut) - len(missing)] + missing if missing and len(missing) < len(cut) else cut
+        elif key.endswith("_token_id") and isinstance(value, int) and value >= TINY["vocab_size"]:
+            values[key] = 1
+    return {**defaults, **values} if whole else values
+
+
+def _clean(config: dict) -> dict:
+    return {k: v for k, v in config.items() if not k.startswith("_") and k not in _BASE_ONLY}
+
+
+def zoo() -> list[tuple[str, str]]:
+    """(model_type, architecture) for every transformers causal LM whose class name vLLM serves."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from vllm.model_executor.models.registry import _TEXT_GENERATION_MODELS
+
+    return sorted((mt, arch) for mt, arch in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if arch in _TEXT_GENERATION_MODELS)
+
+
+def write_config(directory: Path, model_type: str, architecture: str, **overrides) -> Path:
+    """Write `directory/config.json` for the tiny config; returns the directory."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(tiny_config(model_type, architecture, **overrides), indent=1, sort_keys=True))
+    return directory
