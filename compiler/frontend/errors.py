@@ -30,9 +30,9 @@ class ConstantWriteError(TraceError):
     def __init__(self, op: str, parameter: str, what: str, loading: str):
         self.op, self.parameter, self.loading = op, parameter, loading
         super().__init__(
-            f"{op} into parameter {parameter!r} while loading checkpoint tensor {loading!r} {what}; the tracer records "
-            "fill_, zero_ and copy_ of a constant into parameters. Add a rule to compiler/frontend/lazy_weight.py "
-            "if this write is a constant."
+            f"{op} into parameter {parameter!r} while loading checkpoint tensor {loading!r} {what}; a plan moves "
+            "trainer bytes and writes constants, it cannot compute on loaded values (e.g. Mamba's A = -exp(A_log)). "
+            "If this write is a constant, add a rule to compiler/frontend/lazy_weight.py."
         )
 
 

@@ -372,7 +372,7 @@ def _constant_value(tracer: Tracer, dst: torch.Tensor, value):
             return flat[0].item()
         raise ConstantWriteError("copy_", name, "copies a real tensor whose elements differ (not a constant)", tracer.loading)
     raise ConstantWriteError("copy_", name, f"copies a {type(value).__name__} with no readable value "
-                             f"({getattr(value, 'device', '')}), so the constant is unknown", tracer.loading)
+                             f"({getattr(value, 'device', '')}): a value vLLM computed, not a constant", tracer.loading)
 
 
 # In-place ops on plain tensors, by what the tracer does with them: "copy" and "fill" are constant
