@@ -77,9 +77,10 @@ def check_header(header, origin: str, dtype_sizes: dict) -> None:
         fail("quant_layout.block", f"is {str(block)[:40]}, not the [rows, cols] of a quantization block")
     for i, entry in enumerate(staging):
         where = f"staging[{i}]"
-        if not isinstance(entry, list) or len(entry) != 6 or not isinstance(entry[0], str) or entry[2] != "bfloat16" \
-                or not _count(entry[4], n_dests) or not _count(entry[5], n_dests):
+        if not isinstance(entry, list) or len(entry) != 6 or not isinstance(entry[0], str) or entry[2] != "bfloat16":
             fail(where, "is not [name, shape, bfloat16, inference ranks, weight entry, scale entry]")
+        if not _count(entry[4], n_dests) or not _count(entry[5], n_dests):
+            fail(where, f"names a destination outside the table ({str(entry[4:])[:40]} of {n_dests} entries)")
         _shape(entry[1], where, fail)
         _ranks(entry[3], dst_ranks, where, fail)
         _quantized(entry, header["dests"], block, where, fail)

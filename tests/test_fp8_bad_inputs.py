@@ -37,7 +37,7 @@ def _tiny_fp8_plan_bytes(staging_rows, stage, spans) -> bytes:
         "quant": "fp8_per_block", "src_ranks": 1, "dst_ranks": 1,
         "sources": [["w", [256, 128], "bfloat16", 0]],
         "dests": [["l.weight", [256, 128], "float8_e4m3fn", [0]], ["l.weight_scale_inv", [2, 1], "float32", [0]]],
-        "cast_chains": [["bfloat16"]], "stats": {}, "staging": staging_rows, "quant_layout": {"layout": "plain"}, "derived": [],
+        "cast_chains": [["bfloat16"]], "stats": {}, "staging": staging_rows, "quant_layout": {"layout": "plain", "block": [128, 128]}, "derived": [],
     }
     runs = {c: np.zeros(0, dtype=np.int64) for c in RUN_COLUMNS}
     return encode_plan(header, runs, {c: np.array(v, dtype=np.int64) for c, v in zip(STAGE_COLUMNS, stage)},
