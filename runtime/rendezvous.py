@@ -105,7 +105,6 @@ class Rendezvous:
         self.store = store
         self.job = check_job(job)
         self._secret = secret
-        self._listener: socket.socket | None = None
 
     @property
     def authenticated(self) -> bool:
@@ -145,7 +144,8 @@ class Rendezvous:
             raise WeightplanError(f"cannot {'serve' if serve else 'reach'} the rendezvous store at {address} "
                                   f"within {timeout:g} s: {first}") from None
         rendezvous = cls(store, job, key)
-        rendezvous._listener = listener  # the store uses its descriptor: keep the socket open as long as the store
+        if listener is not None:
+            listener.detach()  # the store's event loop owns the descriptor now; a second close could hit a reused fd
         return rendezvous
 
     @property
