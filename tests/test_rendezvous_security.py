@@ -182,3 +182,17 @@ def test_connection_failures_are_one_line_and_keep_the_timeout(request):
 def test_connect_arguments_are_checked(job, address, timeout, message):
     with pytest.raises(WeightplanError, match=message):
         Rendezvous.connect(job, address, serve=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("key,value", [("metadata", b"\x00garbage"), ("digests", b"[1, 2]"), ("digests", b"{\"x\": ")])
+def test_poisoned_metadata_and_digests_fail_the_sync_cleanly(request, plan, key, value):
+    served = Rendezvous.connect(_job(request), "127.0.0.1:0", serve=True)
+    sender = Sender(plan, 0, shard(plan, full_weights(plan, 0, 1), 0), rendezvous=served, timeout=5, digests=True,
+                    progress_thread=True)
+    receiver = Receiver(plan, 0, plain_destination(plan, 0), rendezvous=served, timeout=2, derived="caller", verify=True)
+    sender.publish(1)
+    served.put(f"trainer/0/metadata/{sender.incarnation}" if key == "metadata" else "trainer/0/digests/1", value)
+    with pytest.raises(SyncError, match="inference rank 0: sync of version 1 failed"):
+        receiver.sync(1)
+    assert receiver.version is None
+    assert sender.release(1, timeout=2).acked == ()
