@@ -16,13 +16,11 @@ Reading never unpickles or evaluates anything: JSON plus numpy.frombuffer of int
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import stat
 import struct
-import tempfile
 import zlib
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -30,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .atomic_file import write_atomically
 from .errors import PlanFormatError
 from .plan_header import MAX_ELEMENTS, check_header
 from .placements import Box
@@ -230,30 +229,8 @@ def encode_plan(header: dict, runs: dict[str, np.ndarray], stage: dict | None = 
 
 def write_plan(path: str | Path, header: dict, runs: dict[str, np.ndarray], stage: dict | None = None,
                spans: dict | None = None) -> Path:
-    """Write atomically: a unique temporary file in the same directory, fsynced, renamed over `path`.
-
-    A reader sees the old plan or the new one, never part of one; concurrent writers of one path
-    each rename a whole file; a failure leaves no temporary file behind.
-    """
-    path = Path(path)
-    data = encode_plan(header, runs, stage, spans)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as exc:
-        raise PlanFormatError(f"cannot write plan {path}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise PlanFormatError(f"cannot write plan {path}: {exc.strerror or exc}") from None
-    return path
+    """Write atomically (runtime/atomic_file.py): a reader never sees part of a plan; one PlanFormatError line on failure."""
+    return write_atomically(path, encode_plan(header, runs, stage, spans), PlanFormatError, "plan")
 
 
 def decode_plan(data: bytes, origin: str = "<bytes>") -> Plan:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from .atomic_file import write_atomically
 from .errors import LayoutError
 from .placements import Mesh, Placement, Sharding, mesh_boxes
 from .plan_format import DTYPE_SIZES
@@ -149,12 +150,7 @@ def write_trainer_layout(tensors, path: str | Path, *, world_size: int | None = 
         lines.append(f"  {json.dumps(name)}: {json.dumps(entry)}")
     text = (f'{{"format": "{FORMAT}", "version": {VERSION}, "world_size": {world_size},\n "meshes": [\n  '
             + ",\n  ".join(meshes) + '\n ],\n "tensors": {\n' + ",\n".join(lines) + "\n }\n}\n")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-    return path
+    return write_atomically(path, text.encode(), LayoutError, "trainer layout")
 
 
 def _named(tensors) -> Iterable[tuple[str, torch.Tensor]]:
