@@ -46,7 +46,7 @@ class InferenceLayout:
         kv_heads = config.get("num_key_value_heads")
         if kv_heads and kv_heads % self.tp and self.tp % kv_heads:
             raise ModelConfigError(f"inference tp={self.tp} and num_key_value_heads={kv_heads}: neither divides the other")
-        experts = config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts")
+        experts = routed_experts(config)
         if self.ep:
             if not experts:
                 raise ModelConfigError("inference ep needs a MoE model; this config has no experts")
@@ -70,12 +70,17 @@ def parse_trainer(text: str, layout_file: Path | None = None, fmt: str = "hf") -
     return layout
 
 
+def routed_experts(config: dict) -> int | None:
+    """The model's routed expert count, under the names HF configs use for it (None for a dense model)."""
+    return config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts")
+
+
 def check_trainer_experts(layout, config: dict) -> None:
     """Refuse a `--trainer ep=M` with more expert-parallel ranks than the model has routed experts."""
     ep = getattr(layout, "ep", 1)
     if ep == 1:
         return
-    experts = config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts")
+    experts = routed_experts(config)
     if not experts:
         raise ModelConfigError(f"--trainer ep={ep} needs a MoE model; this config has no routed experts")
     if ep > experts:

@@ -133,7 +133,9 @@ class Rendezvous:
                                       "pass insecure=True if every host that can reach it is trusted")
             log.warning("weightplan job %s: rendezvous store %s off loopback without a job secret (insecure=True): any "
                         "process that reaches it can publish as a trainer", job, address)
-        listener = _listen(host, port) if serve else _reachable(host, port, timeout, address)
+        listener = _listen(host, port) if serve else None
+        if not serve:
+            _wait_reachable(host, port, timeout, address)
         try:
             store = TCPStore(host, listener.getsockname()[1] if listener else port, is_master=serve, wait_for_workers=False,
                              timeout=timedelta(seconds=timeout), master_listen_fd=listener.fileno() if listener else None)
@@ -223,13 +225,13 @@ class Rendezvous:
         return value
 
 
-def _reachable(host: str, port: int, timeout: float, address: str) -> None:
+def _wait_reachable(host: str, port: int, timeout: float, address: str) -> None:
     """Wait until something accepts connections at host:port, within `timeout` (TCPStore's own retries overshoot it)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             socket.create_connection((host, port), timeout=max(0.05, min(1.0, deadline - time.monotonic()))).close()
-            return None
+            return
         except OSError as exc:
             if time.monotonic() + 0.1 >= deadline:
                 raise WeightplanError(f"cannot reach the rendezvous store at {address} within {timeout:g} s: "

@@ -9,13 +9,11 @@ import pytest
 import torch
 
 from weightplan.compiler.frontend import vllm_patches
-from weightplan.compiler.frontend.vllm_patches import CPU_FEATURES, PATCHES, resolve
+from weightplan.compiler.frontend.vllm_patches import CPU_FEATURES, OTHER_CPU_PROBES, PATCHES, resolve
 
 from .conftest import config_dir
 
 REPO = Path(__file__).resolve().parent.parent
-_OTHER_PROBES = ("vllm._custom_ops:cpu_has_amx_fp8", "vllm.model_executor.layers.fused_moe.experts.cpu_moe:cpu_has_amx_fp8",
-                 "vllm.platforms:current_platform.is_zen_cpu")
 
 
 @pytest.mark.parametrize("patch", PATCHES, ids=[p.name for p in PATCHES])
@@ -78,7 +76,7 @@ def fake_host(monkeypatch, has_features: bool):
     with monkeypatch.context() as patch:
         for name in CPU_FEATURES:
             patch.setattr(torch.cpu, name, lambda value=has_features: value)
-        for target in _OTHER_PROBES:
+        for target in OTHER_CPU_PROBES:
             owner, attribute = resolve(target)
             patch.setattr(owner, attribute, lambda *args, value=has_features, **kwargs: value)
         yield
@@ -92,7 +90,7 @@ def test_pins_answer_the_same_on_every_host(monkeypatch):
     for has_features in (True, False):
         with fake_host(monkeypatch, has_features), vllm_patches.host_independent():
             answers.append(({name: getattr(torch.cpu, name)() for name in CPU_FEATURES}, current_platform.is_zen_cpu(),
-                            resolve(_OTHER_PROBES[0])[0].cpu_has_amx_fp8()))
+                            resolve(OTHER_CPU_PROBES[0])[0].cpu_has_amx_fp8()))
     assert answers[0] == answers[1] == (CPU_FEATURES, False, False)
 
 

@@ -95,11 +95,13 @@ def _constant(value: bool) -> Callable[..., bool]:
 
 # --- the patches ----------------------------------------------------------------------------------
 
-_CPU_PROBES = tuple(f"torch.cpu:{name}" for name in CPU_FEATURES) + (
+# Feature probes vLLM reads outside torch.cpu; all answer False under the pin.
+OTHER_CPU_PROBES = (
     "vllm._custom_ops:cpu_has_amx_fp8",
     "vllm.model_executor.layers.fused_moe.experts.cpu_moe:cpu_has_amx_fp8",
     "vllm.platforms:current_platform.is_zen_cpu",
 )
+_CPU_PROBES = tuple(f"torch.cpu:{name}" for name in CPU_FEATURES) + OTHER_CPU_PROBES
 
 
 def pinned_cpu_features():
@@ -111,7 +113,7 @@ def pinned_cpu_features():
     """
     import_host_kernels()
     values = {f"torch.cpu:{name}": _constant(value) for name, value in CPU_FEATURES.items()}
-    values.update({target: _constant(False) for target in _CPU_PROBES[len(CPU_FEATURES):]})
+    values.update({target: _constant(False) for target in OTHER_CPU_PROBES})
     return _replaced(values)
 
 
