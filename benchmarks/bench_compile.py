@@ -50,8 +50,8 @@ def worker(spec: dict, output: str) -> None:
     result = compile_plan(CompileOptions(**spec, output=Path(output)))
     compiled_at, compiled_cpu = time.time(), time.process_time()  # the compile ends here; the summary is extra
     summary = summarize(load_plan(output))
-    meta = result.program.meta
-    name = default_plan_path(meta["model"], meta["trainer"], meta["inference"], meta["quant"])
+    origin = result.program.origin
+    name = default_plan_path(origin.model, origin.trainer, origin.inference, origin.quant)
     checked_in = REPO / name
     print(json.dumps({"timings": result.timings, "stats": result.stats, "plan_bytes": result.plan_bytes,
                       "src_balance": summary["src_balance"], "dst_balance": summary["dst_balance"],

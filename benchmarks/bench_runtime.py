@@ -64,7 +64,7 @@ def compile_bench_plan(out: Path, quant: str = "none") -> Path:
 
 def synthetic_plan(n: int, out: Path) -> Path:
     """One bf16 tensor moved in n runs of RUN_ELEMS elements, read in reverse order so none coalesce."""
-    from weightplan.compiler.ir import Program, Runs, TensorSpec
+    from weightplan.compiler.ir import PlanOrigin, Program, Runs, TensorSpec
     from weightplan.compiler.plan_writer import write_program
     from weightplan.runtime.shards import TrainerLayout
 
@@ -80,11 +80,11 @@ def synthetic_plan(n: int, out: Path) -> Path:
         sources=sources,
         dests=(TensorSpec("synthetic.weight", (numel,), "bfloat16", ranks=(0,)),),
         runs=runs, cast_chains=(("bfloat16",),),
-        meta={"vllm_version": "synthetic", "model": f"synthetic-{n}", "config_sha256": "", "architecture": "none",
-              "trainer": {"format": "hf", "dtype": "bf16", "token": layout.token, **layout.as_dict()},
-              "trainer_layout": layout,
-              "inference": {"token": "tp1", "tp": 1, "dp": 1, "ep": False, "platform": "cpu"},
-              "quant": "none", "src_ranks": 1, "dst_ranks": 1},
+        origin=PlanOrigin(vllm_version="synthetic", model=f"synthetic-{n}", config_sha256="", architecture="none",
+                          trainer={"format": "hf", "dtype": "bf16", "token": layout.token, **layout.as_dict()},
+                          inference={"token": "tp1", "tp": 1, "dp": 1, "ep": False, "platform": "cpu"},
+                          quant="none", src_ranks=1, dst_ranks=1),
+        trainer_layout=layout,
     )
     write_program(program, out)
     return out

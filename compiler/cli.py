@@ -37,6 +37,8 @@ def compile_main(argv: list[str] | None = None) -> int:
                          help="explicit trainer layout (JSON: per tensor shape, dtype, mesh, DTensor placements)")
     parser.add_argument("--inference", default="tp=1", help="vLLM layout: tp=T[,dp=D][,ep]")
     parser.add_argument("-o", "--output", type=_output_path, help="plan file (default plans/<model>/<trainer>__<inference>__<quant>.plan)")
+    parser.add_argument("--check-passes", action="store_true",
+                        help="verify the program after every compiler pass and name the pass that breaks an invariant (slower)")
     args = parser.parse_args(argv)
     quiet_vllm()
     from .compile import CompileOptions, compile_plan
@@ -44,7 +46,8 @@ def compile_main(argv: list[str] | None = None) -> int:
     try:
         result = compile_plan(
             CompileOptions(args.model, args.trainer_format, args.trainer_dtype, args.quant, args.output,
-                           trainer=args.trainer, inference=args.inference, trainer_layout=args.trainer_layout),
+                           trainer=args.trainer, inference=args.inference, trainer_layout=args.trainer_layout,
+                           check_passes=args.check_passes),
             log=_log,
         )
     except WeightplanError as exc:

@@ -20,11 +20,10 @@ from .frontend.trainer_formats import Conversion, canonical_format, load_trainer
 from .frontend.vllm_model import current_platform_name, make_vllm_config
 from .frontend.vllm_patches import HOST_PROFILE, host_independent
 from .layouts import check_trainer_experts, parse_inference, parse_trainer
-from .passes.merge_ranks import merge_ranks
-from .ir import Program
+from .ir import PlanOrigin, Program
 from .models import config_hash, load_config_json, resolve_model
-from .passes.pipeline import run_passes
-from .passes.verify import descriptors_lower_bound, descriptors_posted, verify
+from .passes.pipeline import Stage, join_ranks, run_stage
+from .passes.verify import descriptors_lower_bound, descriptors_posted
 from .plan_writer import write_program
 from .timing import add, clock, phase
 from . import quant_compile
@@ -43,6 +42,7 @@ class CompileOptions:
     trainer: str = "fsdp=1"
     inference: str = "tp=1"
     trainer_layout: Path | None = None
+    check_passes: bool = False  # verify the program after every pass, not only the coverage proof at the end
 
 
 @dataclass
@@ -136,48 +136,41 @@ def _compile(opts: CompileOptions, inputs: _Inputs, log) -> CompileResult:
     for rank in range(inference.ranks):
         assignments, dests = ranks.trace(rank, _progress(log, name, rank, inference.ranks))
         with phase(timings, "passes"):
-            lowered = run_passes(Program(tuple(sources), tuple(dests), tuple(assignments), cast_chains=chains), stop_before="split_shards")
+            traced = Program(tuple(sources), tuple(dests), tuple(assignments), cast_chains=chains,
+                             quant_targets=quant_hooks.targets() if quant_hooks else ())
+            lowered = run_stage(Stage.PER_RANK, traced, check_each=opts.check_passes)
             chains = lowered.cast_chains
             per_rank.append(dataclasses.replace(lowered, assignments=(), copies=()))  # keep only the runs
             assignments_total += len(assignments)
-            del assignments, lowered
+            del assignments, traced, lowered
 
     started = clock()
-    merged = merge_ranks(per_rank, chains)
     trainer = {"format": opts.trainer_format, "dtype": opts.trainer_dtype, "token": trainer_layout.token, **trainer_layout.as_dict()}
     inference_meta = {"token": inference.token, **inference.as_dict(), "platform": current_platform_name(),
                       "vllm_host": HOST_PROFILE}
-    program = dataclasses.replace(merged, meta={
-        "vllm_version": vllm.__version__,
-        "model": name,
-        "config_sha256": config_hash(config_dir),
-        "architecture": base.model_config.architectures[0],
-        "trainer": trainer,
-        "inference": inference_meta,
-        "quant": opts.quant,
-        "src_ranks": trainer_layout.ranks,
-        "dst_ranks": inference.ranks,
-        "trainer_layout": trainer_layout,
-    })
-    split = run_passes(program, start_at="split_shards", stop_before="coalesce")
-    runs_before = len(split.runs)
-    found, derived = (quant_hooks.found, quant_hooks.derived) if quant_hooks else ({}, ranks.derived or [])
-    # Runs into quantized tensors become stage runs (their own table), not descriptors: bound the rest.
-    posted = np.array([spec.name not in found for spec in split.dests] or [True])[split.runs.dest]
-    lower_bound = descriptors_lower_bound(split.runs.take(np.flatnonzero(posted)), split.dests)
-    compiled, coverage = quant_compile.finish(opts.quant, run_passes(split, start_at="coalesce"), found, derived,
-                                              quant_hooks.padding if quant_hooks else None)
+    origin = PlanOrigin(vllm_version=vllm.__version__, model=name, config_sha256=config_hash(config_dir),
+                        architecture=base.model_config.architectures[0], trainer=trainer, inference=inference_meta,
+                        quant=opts.quant, src_ranks=trainer_layout.ranks, dst_ranks=inference.ranks)
+    quant_targets = quant_compile.quant_targets(opts.quant, quant_hooks)
+    program = dataclasses.replace(
+        join_ranks(per_rank, chains, check_each=opts.check_passes), origin=origin, trainer_layout=trainer_layout, quant_targets=quant_targets,
+        derived=tuple(quant_hooks.derived if quant_hooks else ranks.derived or ()),
+        kernel_layout=quant_compile.kernel_layout(opts.quant))
+    before_coalesce = {}
+    compiled = run_stage(Stage.WHOLE_PLAN, program, check_each=opts.check_passes, observe=_before_coalesce(before_coalesce))
+    compiled = run_stage(Stage.QUANT, compiled, check_each=opts.check_passes)
+    compiled = dataclasses.replace(compiled, stats={"assignments": assignments_total,
+                                                    "runs_before_coalesce": before_coalesce["runs"]})
     add(timings, "passes", started)
 
     stats = {
         "assignments": assignments_total,
-        "runs_before_coalesce": runs_before,
+        "runs_before_coalesce": before_coalesce["runs"],
         "descriptors": descriptors_posted(compiled.runs, compiled.dests),
-        "descriptors_lower_bound": lower_bound,
-        "dst_coverage": coverage.fraction,
+        "descriptors_lower_bound": before_coalesce["lower_bound"],
+        "dst_coverage": compiled.coverage.fraction,
         **ranks.stats,
     }
-    compiled.meta["stats"] = {"assignments": assignments_total, "runs_before_coalesce": runs_before}
     path = opts.output or default_plan_path(name, trainer, inference_meta, opts.quant)
     with phase(timings, "write"):
         size = write_program(compiled, path)
@@ -185,6 +178,21 @@ def _compile(opts: CompileOptions, inputs: _Inputs, log) -> CompileResult:
     timings["total_cpu"] = time.process_time() - start_cpu
     stats["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return CompileResult(compiled, path, size, timings, stats)
+
+
+def _before_coalesce(into: dict):
+    """An observer recording, once split_shards has run, the runs and the fewest descriptors they could become."""
+
+    def observe(name: str, program: Program, seconds: float) -> None:
+        if name != "split_shards":
+            return
+        # Runs into quantized tensors become stage runs (their own table), not descriptors: bound the rest.
+        quantized = program.quantized()
+        posted = np.array([spec.name not in quantized for spec in program.dests] or [True])[program.runs.dest]
+        into["runs"] = len(program.runs)
+        into["lower_bound"] = descriptors_lower_bound(program.runs.take(np.flatnonzero(posted)), program.dests)
+
+    return observe
 
 
 def _progress(log, name: str, rank: int, ranks: int):

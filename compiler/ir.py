@@ -254,8 +254,53 @@ class Runs:
 
 
 @dataclass(frozen=True)
+class PlanOrigin:
+    """What the plan header says about where it came from: versions, model, and the two layouts."""
+
+    vllm_version: str
+    model: str
+    config_sha256: str
+    architecture: str
+    trainer: dict  # format, dtype, token and the trainer layout's own fields
+    inference: dict  # token, tp/dp/ep, platform, vllm_host
+    quant: str
+    src_ranks: int
+    dst_ranks: int
+
+
+@dataclass(frozen=True)
+class QuantTarget:
+    """A bf16 tensor vLLM's loaders write and its post-load step quantizes into an fp8 weight and a scale."""
+
+    staging: str
+    weight: str
+    scale: str
+    padding: tuple[tuple[int, int], ...] = ()  # element ranges the post-load step sets to zero
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """How much of the destination bytes the runs and constants write exactly once (what verify proves)."""
+
+    dst_bytes: int
+    written_once_bytes: int  # by runs or constants, counted once per inference rank holding the tensor
+    uncovered: tuple[str, ...]  # destination tensors with bytes nobody writes
+    first_gap: str = ""  # the first unwritten byte range of uncovered[0], for messages
+    constant_bytes: int = 0  # of written_once_bytes, those constants write (never on the wire)
+
+    @property
+    def fraction(self) -> float:
+        return self.written_once_bytes / self.dst_bytes if self.dst_bytes else 1.0
+
+
+@dataclass(frozen=True)
 class Program:
-    """What passes transform: tensor tables plus assignments, then copies, then runs."""
+    """What passes transform: tensor tables plus assignments, then copies, then runs.
+
+    Besides the tables, passes share typed facts: the trainer layout split_shards cuts by (and the
+    shard sizes it derives, which verify bounds reads by), the tensors vLLM quantizes and where
+    place_quant quantizes their blocks, and what the plan header records.
+    """
 
     sources: tuple[TensorSpec, ...]
     dests: tuple[TensorSpec, ...]
@@ -263,16 +308,28 @@ class Program:
     copies: tuple[Copy, ...] = ()
     runs: Runs | None = None
     cast_chains: tuple[tuple[str, ...], ...] = ()
-    meta: dict = field(default_factory=dict, compare=False)
     fills: tuple[Fill, ...] = ()
     constants: Constants = field(default_factory=Constants.empty)
     last_writes: dict = field(default_factory=dict, compare=False)  # dest name -> the last write traced into it (for messages)
+    origin: PlanOrigin | None = None
+    trainer_layout: object = None  # a runtime ShardLayout or TrainerLayout; None is one rank holding every tensor whole
+    shard_numel: np.ndarray | None = field(default=None, compare=False)  # [trainer rank, source], set by split_shards
+    quant_targets: tuple[QuantTarget, ...] = ()
+    quant_placement: QuantPlacement | None = field(default=None, compare=False)  # set by place_quant
+    kernel_layout: dict = field(default_factory=dict, compare=False)  # how vLLM's fp8 kernels want weights and scales
+    derived: tuple = ()  # post-load state the receiver derives (runtime/derived.py)
+    coverage: Coverage | None = field(default=None, compare=False)  # set by check_coverage
+    stats: dict = field(default_factory=dict, compare=False)  # compile statistics the header records
 
     def source_index(self) -> dict[str, int]:
         return {spec.name: i for i, spec in enumerate(self.sources)}
 
     def dest_index(self) -> dict[str, int]:
         return {spec.name: i for i, spec in enumerate(self.dests)}
+
+    def quantized(self) -> dict[str, QuantTarget]:
+        """The quant targets by the bf16 destination name vLLM's loaders write."""
+        return {t.staging: t for t in self.quant_targets}
 
 
 def itemsize(dtype: str) -> int:

@@ -42,7 +42,7 @@ def as_program(plan: Plan) -> Program:
         dests=tuple(TensorSpec(e.name, e.shape, e.dtype, ranks=e.ranks) for e in plan.dests),
         runs=runs,
         cast_chains=plan.cast_chains,
-        meta={"shard_numel": shard_numel},
+        shard_numel=shard_numel,
         constants=Constants(*(np.array([getattr(c, f) for c in plan.constants], dtype=np.int64) for f in ("dest", "dst_off", "length")),
                             tuple(c.value for c in plan.constants)),
     )

@@ -11,26 +11,25 @@ from .ir import Program, QuantPlacement
 
 
 def plan_header(program: Program) -> dict:
-    """Header fields derived from the program; `program.meta` supplies model/layout/version facts."""
-    meta = program.meta
-    layout = meta["trainer_layout"]
+    """Header fields: the program's origin (model, layouts, versions) and its tensor tables."""
+    origin, layout = program.origin, program.trainer_layout
     return {
-        "vllm_version": meta["vllm_version"],
-        "model": meta["model"],
-        "config_sha256": meta["config_sha256"],
-        "architecture": meta["architecture"],
-        "trainer": meta["trainer"],
-        "inference": meta["inference"],
-        "quant": meta["quant"],
-        "src_ranks": meta["src_ranks"],
-        "dst_ranks": meta["dst_ranks"],
+        "vllm_version": origin.vllm_version,
+        "model": origin.model,
+        "config_sha256": origin.config_sha256,
+        "architecture": origin.architecture,
+        "trainer": origin.trainer,
+        "inference": origin.inference,
+        "quant": origin.quant,
+        "src_ranks": origin.src_ranks,
+        "dst_ranks": origin.dst_ranks,
         "sources": [[s.name, list(s.shape), s.dtype, layout.of[layout.index(s.name)]] for s in program.sources],
         "dests": [[d.name, list(d.shape), d.dtype, list(d.ranks)] for d in program.dests],
         "cast_chains": [list(c) for c in program.cast_chains],
-        "stats": meta.get("stats", {}),
+        "stats": program.stats,
         "staging": [[n, list(shape), "bfloat16", list(ranks), w, s] for n, shape, ranks, w, s in _quant(program).staging],
-        "quant_layout": meta.get("quant_layout", {}),
-        "derived": meta.get("derived", []),
+        "quant_layout": program.kernel_layout,
+        "derived": list(program.derived),
         **_constants(program),
     }
 
@@ -45,7 +44,7 @@ def _constants(program: Program) -> dict:
 
 
 def _quant(program: Program) -> QuantPlacement:
-    return program.meta.get("quant_placement") or QuantPlacement((), {}, {})
+    return program.quant_placement or QuantPlacement((), {}, {})
 
 
 def write_program(program: Program, path: Path) -> int:

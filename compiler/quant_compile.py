@@ -1,4 +1,4 @@
-"""The --quant hooks of compile_plan: build context, post-load trace per rank, and block placement at the end."""
+"""The --quant hooks of compile_plan: the build context and the post-load trace per rank, collected as QuantTargets."""
 
 from __future__ import annotations
 
@@ -6,12 +6,7 @@ import contextlib
 import dataclasses
 
 from .frontend.errors import ModelConfigError
-import numpy as np
-
-from .ir import Constants, Program
-from .passes.place_quant import place_quant
-from .passes.verify import Coverage, verify
-from .passes.verify_quant import verify_quant
+from .ir import QuantTarget
 
 QUANTS = ("none", "fp8_per_block")
 
@@ -69,46 +64,28 @@ class QuantHooks:
             self.derived.extend([d.module, d.what, list(d.reads), d.where] for d in post.derived)
 
 
+    def targets(self) -> tuple[QuantTarget, ...]:
+        """What the post-load traces found, as the QuantTargets place_quant places (in the order found)."""
+        return tuple(QuantTarget(staging, weight, scale, tuple(map(tuple, self.padding.get(staging, ()))))
+                     for staging, (weight, scale) in self.found.items())
+
+
 def hooks(quant: str) -> QuantHooks | None:
     return None if quant == "none" else QuantHooks(quant)
 
 
-def finish(quant: str, program: Program, found: dict, derived: list, padding: dict | None = None) -> tuple[Program, Coverage]:
-    """Check coverage and, with fp8, place every block's quantization; returns the program to write, listing `derived`.
-
-    With fp8, a quantized bf16 tensor's bytes are written by runs, by zero constants its loader
-    wrote, or by the zero padding its post-load step writes (`padding`: name -> element ranges);
-    every byte exactly once.
-    """
-    if quant == "none":
-        return dataclasses.replace(program, meta=dict(program.meta, derived=derived)), verify(program)
-    zeros = [c for i, c in enumerate(program.constants.values) if program.dests[program.constants.dest[i]].name in found and c != 0]
-    if zeros:
-        raise ModelConfigError(f"fp8_per_block: a loader writes the constant {zeros[0]} into a tensor vLLM quantizes; "
-                               "only zero padding is supported")
-    verify(_with_padding(program, padding or {}))  # refuses overlaps, and names the first unwritten byte range
-    if not found:
+def quant_targets(quant: str, found: QuantHooks | None) -> tuple[QuantTarget, ...]:
+    """What the post-load traces found to quantize; refuses `--quant` for a model vLLM quantizes nothing of."""
+    targets = found.targets() if found else ()
+    if quant != "none" and not targets:
         raise ModelConfigError(f"--quant {quant}: vLLM quantizes no layer of this model online; compile with --quant none")
+    return targets
+
+
+def kernel_layout(quant: str) -> dict:
+    """How vLLM's kernels for `quant` want weights and scales laid out (recorded in the plan header)."""
+    if quant == "none":
+        return {}
     from .frontend.fp8_kernels import KERNEL_LAYOUT
 
-    program = dataclasses.replace(program, meta=dict(program.meta, quant_tensors=found))
-    placed = place_quant(program)
-    placed.meta["quant_layout"] = KERNEL_LAYOUT
-    placed.meta["derived"] = derived
-    q = placed.meta["quant_placement"]
-    verify_quant([shape for _, shape, _, _, _ in q.staging], [len(ranks) for _, _, ranks, _, _ in q.staging], q.stage, q.spans)
-    after = verify(placed, require_full_coverage=False)
-    quant_bytes = sum((placed.dests[w].numel + 4 * placed.dests[s].numel) * len(ranks) for _, _, ranks, w, s in q.staging)
-    return placed, Coverage(after.dst_bytes, after.written_once_bytes + quant_bytes, (), constant_bytes=after.constant_bytes)
-
-
-def _with_padding(program: Program, padding: dict) -> Program:
-    """`program` with the post-load zero padding of its quantized tensors added as constants (for the coverage check)."""
-    rows = [(d, start, end - start) for d, spec in enumerate(program.dests) for start, end in padding.get(spec.name, ())]
-    if not rows:
-        return program
-    dest, off, length = (np.array(column, dtype=np.int64) for column in zip(*rows))
-    c = program.constants
-    extra = Constants(np.concatenate([c.dest, dest]), np.concatenate([c.dst_off, off]), np.concatenate([c.length, length]),
-                      c.values + (0.0,) * len(rows))
-    return dataclasses.replace(program, constants=extra)
+    return KERNEL_LAYOUT

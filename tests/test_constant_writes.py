@@ -14,7 +14,7 @@ from weightplan.compiler.compile import CompileOptions, compile_plan
 from weightplan.compiler.frontend.errors import ConstantWriteError
 from weightplan.compiler.frontend.lazy_weight import LazyWeight, Tracer, tracing
 from weightplan.compiler.ir import Program, TensorSpec
-from weightplan.compiler.passes.pipeline import run_passes
+from weightplan.compiler.passes.pipeline import Stage, run_stage
 from weightplan.compiler.passes.verify import PlanInvariantError, verify
 from weightplan.compiler.plan_summary import summarize
 from weightplan.compiler.verify_plan import shard_sources, verify_plan
@@ -116,7 +116,7 @@ def test_fill_zero_and_constant_copies_are_recorded_and_the_later_copy_wins():
         p["c"][:, 1:] = 0  # setitem: a meta scalar tensor expanded and copied
         p["c"][:, :1].copy_(w[:, :1])
 
-    program = run_passes(_trace({"a": _meta(8, 4), "b": _meta(5, 4), "c": _meta(6, 4)}, body), stop_before="split_shards")
+    program = run_stage(Stage.PER_RANK, _trace({"a": _meta(8, 4), "b": _meta(5, 4), "c": _meta(6, 4)}, body))
     c = program.constants
     rows = sorted(zip(c.dest.tolist(), c.dst_off.tolist(), c.length.tolist(), c.values))
     assert rows[:3] == [(0, 24, 8, 3.0), (1, 0, 8, 7.0), (1, 8, 12, 0.0)]
@@ -145,7 +145,7 @@ def test_unhandled_in_place_writes_into_parameters_name_op_and_parameter():
 
 def test_uncovered_bytes_name_tensor_range_and_last_write():
     w = LazyWeight.source("w", (6, 4), torch.bfloat16)
-    program = run_passes(_trace({"a": _meta(8, 4)}, lambda p: p["a"][:6].copy_(w)), stop_before="split_shards")
+    program = run_stage(Stage.PER_RANK, _trace({"a": _meta(8, 4)}, lambda p: p["a"][:6].copy_(w)))
     with pytest.raises(PlanInvariantError) as info:
         verify(program)
     message = str(info.value)

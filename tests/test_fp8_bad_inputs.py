@@ -21,12 +21,10 @@ def test_unknown_quant_lists_the_supported_ones(tmp_path):
 
 
 def test_a_model_without_online_quantized_layers_is_refused():
-    from weightplan.compiler.ir import Program, Runs
-    from weightplan.compiler.quant_compile import finish
+    from weightplan.compiler.quant_compile import QuantHooks, quant_targets
 
-    program = Program((), (), runs=Runs.empty())
     with pytest.raises(ModelConfigError, match="vLLM quantizes no layer of this model online; compile with --quant none"):
-        finish("fp8_per_block", program, {}, [])
+        quant_targets("fp8_per_block", QuantHooks("fp8_per_block"))
 
 
 def _tiny_fp8_plan_bytes(staging_rows, stage, spans) -> bytes:

@@ -7,11 +7,26 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightplan.compiler.ir import Program, Runs, TensorSpec
-from weightplan.compiler.passes.place_quant import block_owners, block_ranges, place_quant
+from weightplan.compiler.ir import Program, QuantTarget, Runs, TensorSpec
+from weightplan.compiler.passes.place_quant import place_quant
+from weightplan.compiler.passes.quant_blocks import block_ranges
 from weightplan.compiler.passes.verify import PlanInvariantError
 from weightplan.compiler.passes.verify_quant import verify_quant
 from weightplan.runtime.quant import block_grid
+
+
+def block_owners(shape: tuple[int, ...], offs, lengths, ranks) -> np.ndarray:
+    """Reference, element by element: per flat block, the one trainer rank whose runs write it, or -1 (several or none)."""
+    matrices, nbr, nbc = block_grid(shape)
+    owner = np.full(matrices * nbr * nbc, -1, dtype=np.int64)
+    shared = np.zeros(len(owner), dtype=bool)
+    for off, length, rank in zip(offs, lengths, ranks):
+        for lo, hi in block_ranges(shape, off, length):
+            seen = owner[lo:hi]
+            shared[lo:hi] |= (seen >= 0) & (seen != rank)
+            owner[lo:hi] = rank
+    owner[shared] = -1
+    return owner
 
 
 def _program(shape, pieces, ranks_of_dest=(0,)):
@@ -29,7 +44,7 @@ def _program(shape, pieces, ranks_of_dest=(0,)):
     sources = (TensorSpec("w", shape, "bfloat16"),)
     dests = (TensorSpec("norm", (4,), "bfloat16", ranks=ranks_of_dest), TensorSpec("layer.weight", shape, "bfloat16", ranks=ranks_of_dest))
     return Program(sources, dests, runs=runs, cast_chains=(("bfloat16",),),
-                   meta={"quant_tensors": {"layer.weight": ("layer.weight", "layer.weight_scale_inv")}})
+                   quant_targets=(QuantTarget("layer.weight", "layer.weight", "layer.weight_scale_inv"),))
 
 
 @st.composite
@@ -61,7 +76,7 @@ def _block_ids(shape) -> np.ndarray:
 def test_every_block_once_on_one_side_and_sender_blocks_are_rank_local(case, holders):
     shape, pieces = case
     placed = place_quant(_program(shape, pieces, ranks_of_dest=holders))
-    q = placed.meta["quant_placement"]
+    q = placed.quant_placement
     coverage = verify_quant([shape], [len(holders)], q.stage, q.spans)  # raises on any violated invariant
     matrices, nbr, nbc = block_grid(shape)
     assert coverage.blocks == (matrices * nbr * nbc) * len(holders)
@@ -110,7 +125,7 @@ def test_dests_become_fp8_weight_and_scale_and_other_runs_stay():
         ("layer.weight", (300, 200), "float8_e4m3fn", (0, 2)),
         ("layer.weight_scale_inv", (3, 2), "float32", (0, 2)),
     ]
-    q = placed.meta["quant_placement"]
+    q = placed.quant_placement
     assert q.staging == (("layer.weight", shape, (0, 2), 1, 2),)
     # rows 0-127 from rank 0, 128-299 from rank 1: every block band lies within one rank.
     assert q.spans["side"].tolist() == [0, 0] and q.spans["src_rank"].tolist() == [0, 1]
@@ -121,7 +136,7 @@ def test_dests_become_fp8_weight_and_scale_and_other_runs_stay():
 def test_unaligned_shards_send_shared_blocks_to_the_receiver():
     shape = (256, 128)
     placed = place_quant(_program(shape, [(0, 100 * 128, 0), (100 * 128, 156 * 128, 1)]))
-    q = placed.meta["quant_placement"]
+    q = placed.quant_placement
     assert list(zip(q.spans["side"].tolist(), q.spans["src_rank"].tolist(), q.spans["n_blocks"].tolist())) == [(1, -1, 1), (0, 1, 1)]
     # rank 1's run feeds the shared block 0 (receiver) and its own block 1 (sender): listed on both sides
     sides = sorted(zip(q.stage["side"].tolist(), q.stage["src_rank"].tolist()))
@@ -136,7 +151,7 @@ def test_block_owners_marks_untouched_blocks_as_receiver():
 def test_verify_quant_rejects_a_block_quantized_twice():
     shape = (128, 128)
     placed = place_quant(_program(shape, [(0, 128 * 128, 0)]))
-    q = placed.meta["quant_placement"]
+    q = placed.quant_placement
     spans = {k: np.concatenate([v, v]) for k, v in q.spans.items()}
     with pytest.raises(PlanInvariantError, match="quantized 2 times"):
         verify_quant([shape], [1], q.stage, spans)
@@ -145,7 +160,7 @@ def test_verify_quant_rejects_a_block_quantized_twice():
 def test_verify_quant_rejects_a_sender_block_fed_by_another_rank():
     shape = (128, 128)
     placed = place_quant(_program(shape, [(0, 128 * 128, 0)]))
-    q = placed.meta["quant_placement"]
+    q = placed.quant_placement
     stage = {k: np.concatenate([v, v]) for k, v in q.stage.items()}
     stage["src_rank"][1] = 1
     with pytest.raises(PlanInvariantError, match="also written from trainer rank 1"):
@@ -155,7 +170,7 @@ def test_verify_quant_rejects_a_sender_block_fed_by_another_rank():
 def test_verify_quant_rejects_a_receiver_block_whose_stage_run_stays_on_the_trainer():
     shape = (128, 128)
     placed = place_quant(_program(shape, [(0, 128 * 64, 0), (128 * 64, 128 * 64, 1)]))  # two ranks: receiver side
-    q = placed.meta["quant_placement"]
+    q = placed.quant_placement
     assert (q.spans["side"] == 1).all()
     stage = {k: v.copy() for k, v in q.stage.items()}
     stage["side"][0] = 0  # listed as a trainer-local copy, so no receiver pulls it
@@ -194,8 +209,8 @@ def test_vectorised_placement_equals_the_per_block_loop(cases):
     runs = Runs.plain(**{f: np.array(v, dtype=np.int64).reshape(n) for f, v in cols.items()})
     sources = tuple(TensorSpec(f"w{i}", shape, "bfloat16") for i, shape in enumerate(shapes))
     dests = tuple(TensorSpec(f"l{i}.weight", shape, "bfloat16") for i, shape in enumerate(shapes))
-    quant = {f"l{i}.weight": (f"l{i}.weight", f"l{i}.weight_scale_inv") for i in range(len(shapes))}
-    q = place_quant(Program(sources, dests, runs=runs, cast_chains=(("bfloat16",),), meta={"quant_tensors": quant})).meta["quant_placement"]
+    quant = tuple(QuantTarget(f"l{i}.weight", f"l{i}.weight", f"l{i}.weight_scale_inv") for i in range(len(shapes)))
+    q = place_quant(Program(sources, dests, runs=runs, cast_chains=(("bfloat16",),), quant_targets=quant)).quant_placement
     stage_rows, span_rows = _reference_tables(shapes, [p for _, p in cases])
     assert list(zip(*(q.stage[c].tolist() for c in ("side", "src_rank", "src", "src_off", "stage", "stage_off", "length", "wire")))) == stage_rows
     assert list(zip(*(q.spans[c].tolist() for c in ("stage", "first_block", "n_blocks", "side", "src_rank")))) == span_rows
@@ -205,7 +220,7 @@ def test_vectorised_placement_equals_the_per_block_loop(cases):
 def test_unaligned_shards_of_a_replicated_tensor_are_gathered_by_one_writer():
     shape = (256, 128)
     placed = place_quant(_program(shape, [(0, 100 * 128, 0), (100 * 128, 156 * 128, 1)], ranks_of_dest=(0, 1)))
-    q = placed.meta["quant_placement"]
+    q = placed.quant_placement
     spans = list(zip(q.spans["side"].tolist(), q.spans["src_rank"].tolist(), q.spans["n_blocks"].tolist()))
     assert spans[1] == (0, 1, 1) and spans[0][0] == 2 and spans[0][1] in (0, 1)
     gatherer = spans[0][1]
@@ -218,7 +233,7 @@ def test_unaligned_shards_of_a_replicated_tensor_are_gathered_by_one_writer():
 def test_verify_quant_rejects_a_gathered_block_not_fed_to_its_gatherer():
     shape = (256, 128)
     placed = place_quant(_program(shape, [(0, 100 * 128, 0), (100 * 128, 156 * 128, 1)], ranks_of_dest=(0, 1)))
-    q = placed.meta["quant_placement"]
+    q = placed.quant_placement
     stage = {k: v.copy() for k, v in q.stage.items()}
     wrong = np.flatnonzero(stage["side"] == 2)[0]
     stage["quant_rank"][wrong] = 3 - int(q.spans["src_rank"][0])  # a rank that does not gather that block

@@ -32,7 +32,7 @@ def fresh_plans(tmp_path_factory):
 def test_checked_in_plan_is_not_stale(fresh_plans, index):
     options = CHECKED_IN[index]
     path, result = fresh_plans[options]
-    checked_in = REPO / default_plan_path("glm-5.2", result.program.meta["trainer"], result.program.meta["inference"], options.quant)
+    checked_in = REPO / default_plan_path("glm-5.2", result.program.origin.trainer, result.program.origin.inference, options.quant)
     assert checked_in.exists(), f"{checked_in} is missing: run `make plan` and commit plans/"
     assert checked_in.read_bytes() == path.read_bytes(), f"{checked_in} is stale: run `make plan` and commit plans/"
 

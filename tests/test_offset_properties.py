@@ -33,7 +33,7 @@ from weightplan.compiler.ir import Program, Runs, TensorSpec, itemsize
 from weightplan.compiler.passes.coalesce import coalesce
 from weightplan.compiler.passes.fold_views import fold_views
 from weightplan.compiler.passes.lower_runs import lower_runs
-from weightplan.compiler.passes.pipeline import run_passes
+from weightplan.compiler.passes.pipeline import run_all
 from weightplan.compiler.passes.verify import PlanInvariantError, descriptors_lower_bound, verify
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -85,7 +85,6 @@ class Case:
             sources=tuple(TensorSpec(n, s, d) for n, s, d in self.sources),
             dests=tuple(TensorSpec(n, s, d) for n, s, d in self.dests),
             assignments=tuple(assignments),
-            meta={"dst_ranks": 1},
         )
 
 
@@ -617,7 +616,7 @@ def test_verify_coverage_matches_eager_writes(case):
     assert set(coverage.uncovered) == {n for n, m in masks.items() if not bool(m.all())}
     if not coverage.uncovered:
         # Fully written programs also pass the pipeline with its strict per-pass checks.
-        full = run_passes(trace(case), check_each=True)
+        full = run_all(trace(case), check_each=True)
         assert_same_bytes(execute(full, full.runs, case), eager(case))
 
 

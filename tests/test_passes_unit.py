@@ -14,7 +14,7 @@ from weightplan.compiler.ir import Copy, Geometry, Program, Runs, TensorSpec
 from weightplan.compiler.passes.coalesce import coalesce
 from weightplan.compiler.passes.fold_views import fold_views
 from weightplan.compiler.passes.lower_runs import lower_runs, strided_runs
-from weightplan.compiler.passes.pipeline import run_passes
+from weightplan.compiler.passes.pipeline import Stage, join_ranks, run_all, run_stage, timer
 from weightplan.compiler.passes.verify import PlanInvariantError, descriptors_lower_bound, verify
 
 
@@ -29,7 +29,6 @@ def trace(sources: dict, dests: dict, body) -> Program:
         sources=tuple(TensorSpec(n, tuple(s), dt) for n, (s, dt) in sources.items()),
         dests=tuple(TensorSpec(n, tuple(s), dt) for n, (s, dt) in dests.items()),
         assignments=tuple(tracer.assignments),
-        meta={"dst_ranks": 1},
     )
 
 
@@ -259,7 +258,7 @@ def test_strided_runs_ignores_size_one_dims_and_handles_scalars():
 def test_lower_empty_contiguous_copy_gives_no_runs():
     p = trace({"w": ((4,), "float32")}, {"d": ((4,), "float32")}, lambda w, d: (
         d["d"][:2].copy_(w["w"][:2]), d["d"][2:].copy_(w["w"][2:]), d["d"][4:].copy_(w["w"][4:])))
-    assert runs_table(run_passes(p, check_each=True)) == [(0, 0, 0, 0, 4, 0)]
+    assert runs_table(run_all(p, check_each=True)) == [(0, 0, 0, 0, 4, 0)]
 
 
 # --- coalesce ------------------------------------------------------------------------------
@@ -365,7 +364,6 @@ def _program(rows, *, src_shape=(8,), dst_shape=(8,), chain=("float32",), dst_dt
         dests=(TensorSpec("model.layers.0.w", dst_shape, dst_dtype),),
         runs=make_runs(rows),
         cast_chains=(chain,),
-        meta={"dst_ranks": 1},
     )
 
 
@@ -427,12 +425,13 @@ def test_descriptors_lower_bound_counts_runs_nothing_continues():
 # --- pipeline ------------------------------------------------------------------------------
 
 
-def test_pipeline_runs_the_passes_in_order_and_can_be_sliced():
+def test_pipeline_runs_the_passes_in_order_and_stage_by_stage():
     p = trace(W46, {"d": ((4, 6), "float32")}, lambda w, d: (d["d"][2:].copy_(w["w"][2:]), d["d"][:2].copy_(w["w"][:2])))
     timings = {}
-    full = run_passes(p, check_each=True, timings=timings)
-    assert set(timings) == {"fold_views", "lower_runs", "lower_constants", "split_shards", "coalesce"}
+    full = run_all(p, check_each=True, observe=timer(timings))
+    assert list(timings) == ["fold_views", "lower_runs", "lower_constants", "merge_ranks", "split_shards", "coalesce",
+                             "check_coverage"]  # place_quant applies to fp8 programs only
     assert runs_table(full) == [(0, 0, 0, 0, 24, 0)]
-    lowered = run_passes(p, stop_before="coalesce")
+    lowered = run_stage(Stage.PER_RANK, p)
     assert len(lowered.runs) == 2
-    assert runs_table(run_passes(lowered, start_at="coalesce")) == runs_table(full)
+    assert runs_table(run_stage(Stage.WHOLE_PLAN, join_ranks([lowered], lowered.cast_chains))) == runs_table(full)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from weightplan.compiler.ir import Program, Runs, TensorSpec
 from weightplan.compiler.passes.coalesce import coalesce
 from weightplan.compiler.passes.split_shards import split_shards
-from weightplan.compiler.passes.verify import descriptors_lower_bound, verify
+from weightplan.compiler.passes.verify import PlanInvariantError, descriptors_lower_bound, verify
 from weightplan.runtime.shards import TrainerLayout, shard_box
 
 
@@ -52,7 +52,7 @@ def test_split_runs_executed_from_shards_equal_eager(case):
         dests=(TensorSpec("d", (numel,), "float32", ranks=(0, 1)),),
         runs=runs,
         cast_chains=(("float32",),),
-        meta={"trainer_layout": layout},
+        trainer_layout=layout,
     )
     split = split_shards(program)
     merged = coalesce(split)
@@ -136,7 +136,7 @@ def test_cut_refuses_bytes_no_rank_holds():
 
     runs = Runs.plain(*(np.array([v], dtype=np.int64) for v in (0, 2, 0, 0, 6, 0, 0)))
     gap = (np.array([0, 5]), np.array([4, 4]), np.array([0, 0]), np.array([0, 1]))  # element 4 is held by nobody
-    with pytest.raises(AssertionError, match="held by no trainer rank"):
+    with pytest.raises(PlanInvariantError, match="held by no trainer rank"):
         _cut(runs, *gap)
 
 

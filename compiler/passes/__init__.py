@@ -1,1 +1,1 @@
-"""Compiler passes: each a pure function over the IR, run in order by pipeline.py."""
+"""Compiler passes: each a pure function over the IR, declared by stage in pipeline.py."""

@@ -7,12 +7,17 @@ import dataclasses
 import numpy as np
 import torch
 
+from ...runtime.errors import WeightplanError
 from ..ir import Assignment, Copy, Fill, Geometry, Node, Op, Program
 
 # Chains whose value is not one strided view of one source (a reshape that torch could not
 # express as a view, or a view of a cat) are folded by replaying them on index tensors; this
 # bounds the elements such a chain may have.
 MAX_REPLAY_ELEMENTS = 1 << 28
+
+
+class FoldError(WeightplanError):
+    """A traced chain that is not a strided view is too large to fold by replaying it."""
 
 
 def fold_views(program: Program) -> Program:
@@ -163,7 +168,7 @@ def _replay(node: Node, dst: Geometry, casts, a: Assignment, specs, dest_numel: 
     """Fold a non-strided chain exactly: replay it on index tensors, emit one 1-D copy per run."""
     numel = int(np.prod(node.shape))
     if numel > MAX_REPLAY_ELEMENTS:
-        raise ValueError(
+        raise FoldError(
             f"loading {a.loading!r} into {a.dest!r}: chain {node.render()} is not a strided view and has "
             f"{numel} elements, more than the {MAX_REPLAY_ELEMENTS} the replay fold allows"
         )

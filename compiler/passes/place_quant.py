@@ -9,13 +9,13 @@ import numpy as np
 from ...runtime.plan_format import SPAN_COLUMNS, STAGE_COLUMNS
 from ...runtime.quant import BLOCK, block_grid
 from ..ir import Program, QuantPlacement, Runs, TensorSpec
-from .quant_blocks import BlockGrids, block_intervals, block_ranges
+from .quant_blocks import BlockGrids, block_intervals
 
 
 def place_quant(program: Program) -> Program:
     """Split runs into quantized tensors off into stage runs and block spans; replace those dests by fp8 weight + scale.
 
-    `program.meta["quant_tensors"]` maps a bf16 destination name to (fp8 weight name, scale name).
+    `program.quant_targets` name the bf16 destinations vLLM quantizes and their fp8 weight and scale.
     A block whose written elements all come from one trainer rank is quantized by that rank
     (side 0) from stage runs that rank executes locally. A block written by several trainer ranks
     of a tensor that several inference ranks hold is quantized (side 2) by one trainer rank writing
@@ -23,7 +23,7 @@ def place_quant(program: Program) -> Program:
     (one holder, or no written element: all padding) is quantized by every receiver holding the
     tensor (side 1) from bf16 it pulls. A run is listed once per (side, quantizing rank) of the blocks it feeds.
     """
-    quantized = program.meta.get("quant_tensors", {})
+    quantized = program.quantized()
     runs = program.runs
     names = np.array([spec.name in quantized for spec in program.dests] or [False], dtype=bool)
     into_quantized = names[runs.dest] & (runs.count > 1)
@@ -37,7 +37,7 @@ def place_quant(program: Program) -> Program:
             remap[d] = len(dests)
             dests.append(spec)
             continue
-        weight, scale = quantized[spec.name]
+        weight, scale = quantized[spec.name].weight, quantized[spec.name].scale
         _, nbr, nbc = block_grid(spec.shape)
         stage_of[d] = len(staging)
         staging.append((spec.name, spec.shape, spec.ranks, len(dests), len(dests) + 1))
@@ -58,7 +58,7 @@ def place_quant(program: Program) -> Program:
     constants = program.constants.take(np.flatnonzero(remap[program.constants.dest] >= 0))
     constants = dataclasses.replace(constants, dest=remap[constants.dest])
     return dataclasses.replace(program, dests=tuple(dests), runs=new_runs, constants=constants,
-                               meta=dict(program.meta, quant_placement=placement))
+                               quant_placement=placement)
 
 
 def _place(grids: BlockGrids, stage: np.ndarray, runs, holders: np.ndarray) -> tuple[dict, dict]:
@@ -199,17 +199,3 @@ def _least_loaded(ranks: np.ndarray, start: np.ndarray, count: np.ndarray, cost:
         load[best] += c
         pick.append(best)
     return np.array(pick, dtype=np.int64)
-
-
-def block_owners(shape: tuple[int, ...], offs, lengths, ranks) -> np.ndarray:
-    """Per flat block: the one trainer rank whose runs write it, or -1 (several ranks, or none)."""
-    matrices, nbr, nbc = block_grid(shape)
-    owner = np.full(matrices * nbr * nbc, -1, dtype=np.int64)
-    shared = np.zeros(len(owner), dtype=bool)
-    for off, length, rank in zip(offs, lengths, ranks):
-        for lo, hi in block_ranges(shape, off, length):
-            seen = owner[lo:hi]
-            shared[lo:hi] |= (seen >= 0) & (seen != rank)
-            owner[lo:hi] = rank
-    owner[shared] = -1
-    return owner

@@ -8,25 +8,26 @@ import numpy as np
 
 from ...runtime.shards import TrainerLayout, box_segments
 from ..ir import Program, Runs, itemsize
+from .verify import PlanInvariantError
 
 
 def split_shards(program: Program) -> Program:
     """Give every run one serving trainer rank and a shard-local source offset.
 
-    `meta["trainer_layout"]` (a ShardLayout, or a TrainerLayout shorthand; default one rank) says
+    `program.trainer_layout` (a ShardLayout, or a TrainerLayout shorthand; default one rank) says
     which box of each source every rank holds. Where several ranks hold the same box (HSDP
     replicas, Replicate() placements), each piece goes to the holder that has served the fewest
     bytes so far (bytes counted once per inference rank that reads them, pieces with one holder
     counted first, the others visited largest first), so the choice is deterministic and balanced.
     """
-    layout = (program.meta.get("trainer_layout") or TrainerLayout()).bind(program.sources)
+    layout = (program.trainer_layout or TrainerLayout()).bind(program.sources)
     runs = program.runs
     class_numel = np.array([[0 if b is None else int(np.prod([hi - lo for lo, hi in b])) for b in boxes]
                             for boxes in layout.classes], dtype=np.int64).reshape(len(layout.classes), layout.ranks)
     shard_numel = np.ascontiguousarray(class_numel[list(layout.of)].T).reshape(layout.ranks, len(program.sources))
     if layout.ranks == 1:  # one trainer rank holds every tensor whole: global offsets are local
         cut = dataclasses.replace(runs, src_rank=np.zeros(len(runs), dtype=np.int64))
-        return dataclasses.replace(program, runs=cut, meta=dict(program.meta, shard_numel=shard_numel))
+        return dataclasses.replace(program, runs=cut, shard_numel=shard_numel)
     holders = np.array([len(d.ranks) for d in program.dests], dtype=np.int64)
     sizes = np.array([itemsize(c[-1]) for c in program.cast_chains] or [0], dtype=np.int64)
     groups: list[np.ndarray] = []  # the ranks holding each distinct box, ascending
@@ -56,7 +57,7 @@ def split_shards(program: Program) -> Program:
         served[choice] += weight[i]
         chosen[i] = choice
     cut = dataclasses.replace(cut, src_rank=chosen)
-    return dataclasses.replace(program, runs=cut, meta=dict(program.meta, shard_numel=shard_numel))
+    return dataclasses.replace(program, runs=cut, shard_numel=shard_numel)
 
 
 def _segments(boxes, shape, groups: list[np.ndarray]):
@@ -143,7 +144,7 @@ def _cut_rows(runs: Runs, seg_start, seg_len, seg_local, seg_rank) -> Runs:
     first = np.searchsorted(seg_start, runs.src_off, side="right") - 1
     last = np.searchsorted(seg_start, end - 1, side="right") - 1
     if len(runs) and ((first < 0).any() or (last < first).any()):
-        raise AssertionError("a source byte is held by no trainer rank")
+        raise PlanInvariantError("a source byte is held by no trainer rank: the trainer layout leaves part of a source unowned")
     count = last - first + 1
     offset = np.cumsum(count) - count  # where each run's pieces start
     run = np.repeat(np.arange(len(runs)), count)
@@ -153,7 +154,7 @@ def _cut_rows(runs: Runs, seg_start, seg_len, seg_local, seg_rank) -> Runs:
     hi = np.minimum(end[run], seg_start[seg] + seg_len[seg])
     length = hi - lo
     if len(runs) and ((length <= 0).any() or (np.add.reduceat(length, offset) != runs.length).any()):
-        raise AssertionError("a source byte is held by no trainer rank")
+        raise PlanInvariantError("a source byte is held by no trainer rank: the trainer layout leaves part of a source unowned")
     order = np.lexsort((run, k))
     run, seg, lo, length = run[order], seg[order], lo[order], length[order]
     pieces = runs.take(run)

@@ -2,30 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from ...runtime.errors import WeightplanError
-from ..ir import Program, Runs, itemsize
+from ..ir import Coverage, Program, Runs, itemsize
 from .run_extents import unweave
 
 
 class PlanInvariantError(WeightplanError):
     """A pass produced runs that break an invariant; the message names the tensor and offset."""
-
-
-@dataclass(frozen=True)
-class Coverage:
-    dst_bytes: int
-    written_once_bytes: int  # by runs or constants, counted once per inference rank holding the tensor
-    uncovered: tuple[str, ...]  # destination tensors with bytes nobody writes
-    first_gap: str = ""  # the first unwritten byte range of uncovered[0], for messages
-    constant_bytes: int = 0  # of written_once_bytes, those constants write (never on the wire)
-
-    @property
-    def fraction(self) -> float:
-        return self.written_once_bytes / self.dst_bytes if self.dst_bytes else 1.0
 
 
 def verify(program: Program, *, require_full_coverage: bool = True) -> Coverage:
@@ -74,7 +59,7 @@ def _check_bounds(program: Program, runs: Runs) -> None:
         return
     if (runs.length <= 0).any():
         raise PlanInvariantError("a run has non-positive length")
-    shard_numel = program.meta.get("shard_numel")  # [trainer rank, source] once split by shards
+    shard_numel = program.shard_numel  # [trainer rank, source] once split by shards
     if shard_numel is not None:
         src_limit = shard_numel[runs.src_rank, runs.src]
     else:
