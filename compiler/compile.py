@@ -134,15 +134,15 @@ def _compile(opts: CompileOptions, inputs: _Inputs, log) -> CompileResult:
     quant_hooks = quant_compile.hooks(opts.quant)
     ranks = RankTracer(vllm_config, base, inference, sources, Conversion(trainer_model, opts.trainer_format), timings, quant_hooks=quant_hooks)
     for rank in range(inference.ranks):
-        assignments, dests = ranks.trace(rank, _progress(log, name, rank, inference.ranks))
+        load = ranks.trace(rank, _progress(log, name, rank, inference.ranks))
         with phase(timings, "passes"):
-            traced = Program(tuple(sources), tuple(dests), tuple(assignments), cast_chains=chains,
-                             quant_targets=quant_hooks.targets() if quant_hooks else ())
+            traced = Program(tuple(sources), tuple(load.dests), tuple(load.assignments), cast_chains=chains,
+                             layer_reuse=load.layer_reuse, quant_targets=quant_hooks.targets() if quant_hooks else ())
             lowered = run_stage(Stage.PER_RANK, traced, check_each=opts.check_passes)
             chains = lowered.cast_chains
             per_rank.append(dataclasses.replace(lowered, assignments=(), copies=()))  # keep only the runs
-            assignments_total += len(assignments)
-            del assignments, traced, lowered
+            assignments_total += len(load.assignments) + load.reused_assignments
+            del load, traced, lowered
 
     started = clock()
     trainer = {"format": opts.trainer_format, "dtype": opts.trainer_dtype, "token": trainer_layout.token, **trainer_layout.as_dict()}

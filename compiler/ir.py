@@ -254,6 +254,15 @@ class Runs:
 
 
 @dataclass(frozen=True)
+class LayerReuse:
+    """Decoder layer `member` loads exactly as the traced layer `template` does, its index renamed
+    (frontend/layer_classes.py; a traced guard layer of the class checks it)."""
+
+    template: int
+    member: int
+
+
+@dataclass(frozen=True)
 class PlanOrigin:
     """What the plan header says about where it came from: versions, model, and the two layouts."""
 
@@ -311,6 +320,7 @@ class Program:
     fills: tuple[Fill, ...] = ()
     constants: Constants = field(default_factory=Constants.empty)
     last_writes: dict = field(default_factory=dict, compare=False)  # dest name -> the last write traced into it (for messages)
+    layer_reuse: tuple[LayerReuse, ...] = ()  # layers whose runs expand_layers derives from their template's
     origin: PlanOrigin | None = None
     trainer_layout: object = None  # a runtime ShardLayout or TrainerLayout; None is one rank holding every tensor whole
     shard_numel: np.ndarray | None = field(default=None, compare=False)  # [trainer rank, source], set by split_shards

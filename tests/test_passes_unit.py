@@ -429,8 +429,8 @@ def test_pipeline_runs_the_passes_in_order_and_stage_by_stage():
     p = trace(W46, {"d": ((4, 6), "float32")}, lambda w, d: (d["d"][2:].copy_(w["w"][2:]), d["d"][:2].copy_(w["w"][:2])))
     timings = {}
     full = run_all(p, check_each=True, observe=timer(timings))
-    assert list(timings) == ["fold_views", "lower_runs", "lower_constants", "merge_ranks", "split_shards", "coalesce",
-                             "check_coverage"]  # place_quant applies to fp8 programs only
+    assert list(timings) == ["fold_views", "lower_runs", "lower_constants", "expand_layers", "merge_ranks", "split_shards",
+                             "coalesce", "check_coverage"]  # place_quant applies to fp8 programs only
     assert runs_table(full) == [(0, 0, 0, 0, 24, 0)]
     lowered = run_stage(Stage.PER_RANK, p)
     assert len(lowered.runs) == 2

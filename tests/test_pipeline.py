@@ -29,7 +29,7 @@ def _replaced(name: str, run) -> tuple[Pass, ...]:
 
 def test_every_stage_and_pass_is_declared_once_in_order():
     names = [p.name for p in PIPELINE]
-    assert names == ["fold_views", "lower_runs", "lower_constants", "merge_ranks", "split_shards", "coalesce",
+    assert names == ["fold_views", "lower_runs", "lower_constants", "expand_layers", "merge_ranks", "split_shards", "coalesce",
                      "check_coverage", "place_quant"]
     assert [p.stage for p in PIPELINE] == sorted((p.stage for p in PIPELINE), key=list(Stage).index)
     ensured = {Fact.TRACED}
@@ -55,7 +55,8 @@ def test_checked_pipeline_is_the_production_pipeline(case, plan_cache, tmp_path)
         compile_plan(CompileOptions(str(config_dir(model)), fmt, dtype, quant, checked, trainer=trainer,
                                     inference=inference, check_passes=True))
     ranks = 4 if inference.startswith("dp=4") else 2
-    expected = {"fold_views": ranks, "lower_runs": ranks, "lower_constants": ranks, "merge_ranks": 1, "split_shards": 1,
+    expected = {"fold_views": ranks, "lower_runs": ranks, "lower_constants": ranks, "expand_layers": ranks, "merge_ranks": 1,
+                "split_shards": 1,
                 "coalesce": 1, "check_coverage": 1}
     if quant != "none":
         expected["place_quant"] = 1
@@ -113,5 +114,5 @@ def test_debug_switch_prints_each_pass(monkeypatch, capsys):
     run_all(_program())
     err = capsys.readouterr().err
     assert [line.split(" (")[0] for line in err.splitlines() if line.startswith("== after")] == [
-        f"== after {name}" for name in ("fold_views", "lower_runs", "lower_constants", "merge_ranks", "split_shards",
-                                        "coalesce", "check_coverage")]
+        f"== after {name}" for name in ("fold_views", "lower_runs", "lower_constants", "expand_layers", "merge_ranks",
+                                        "split_shards", "coalesce", "check_coverage")]

@@ -4,31 +4,16 @@ Two layers are in one class when their trainer tensors and their vLLM parameters
 names (index removed), shapes and dtypes. Per class, the first and the last layer are traced
 through vLLM's real loaders; the last one is the guard: the first layer's assignments, renamed,
 must equal it exactly, or every layer of the class is traced for real. Other members reuse the
-first layer's assignments with the layer index renamed.
+first layer's assignments with the layer index renamed (passes/expand_layers.py does it on runs).
 """
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
 from ..ir import Assignment, Node, Op, TensorSpec
-
-_LAYER = re.compile(r"^(?P<head>.*?\.layers\.)(?P<index>\d+)\.(?P<tail>.+)$")
-
-
-def layer_of(name: str) -> int | None:
-    match = _LAYER.match(name)
-    return int(match["index"]) if match else None
-
-
-def rename(name: str, old: int, new: int) -> str:
-    match = _LAYER.match(name)
-    if match is None or int(match["index"]) != old:
-        return name
-    return f"{match['head']}{new}.{match['tail']}"
-
+from ..layer_names import LAYER, layer_of, rename
 
 @dataclass(frozen=True)
 class LayerClasses:
@@ -43,7 +28,7 @@ class LayerClasses:
 
 
 def _signature(specs: list[TensorSpec]) -> tuple:
-    return tuple(sorted((_LAYER.match(s.name)["tail"], s.shape, s.dtype) for s in specs))
+    return tuple(sorted((LAYER.match(s.name)["tail"], s.shape, s.dtype) for s in specs))
 
 
 def layer_classes(sources: list[TensorSpec], dests: list[TensorSpec]) -> LayerClasses:

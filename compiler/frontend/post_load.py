@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from .fp8_trace import Derived, QuantTensor, derived_state, quantized_modules, trace_post_load
-from .layer_classes import LayerClasses, layer_of, rename
+from ..layer_names import layer_of, rename
+from .layer_classes import LayerClasses
 from .module_state import restored
 
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from ..timing import phase
 from .fp8_trace import derived_state
 from .layer_classes import layer_classes
-from .trace import trace_load
+from .trace import TracedLoad, trace_load
 from .vllm_model import build_model, nonlocal_experts, place_experts
 from .vllm_patches import parallel_rank
 
@@ -51,7 +51,7 @@ class RankTracer:
         if quant_hooks is not None:
             self.stats["post_load_traces"] = 0
 
-    def trace(self, rank: int, progress: Callable[[int, int], None] | None = None) -> tuple[list, list]:
+    def trace(self, rank: int, progress: Callable[[int, int], None] | None = None) -> TracedLoad:
         tp_rank, dp_rank = self.layout.rank_coords(rank)
         if self.share and dp_rank > 0 and self.stats["guard"] == "not run":
             self._guard()
@@ -69,11 +69,11 @@ class RankTracer:
             del model
             gc.collect()  # vLLM modules form cycles; with the GC paused, dropped models would pile up
 
-    def _collect(self, traced: tuple) -> tuple[list, list]:
-        assignments, dests, post = traced
+    def _collect(self, traced: tuple) -> TracedLoad:
+        load, post = traced
         if self.hooks:
             self.hooks.collect(post)
-        return assignments, dests
+        return load
 
     def _guard(self) -> None:
         """Trace the last rank on a re-pointed model and on a real build; share models only if identical."""
@@ -137,13 +137,14 @@ class RankTracer:
         self.stats["models_built"] += 1
         return model
 
-    def _trace(self, model, tp_rank: int, dp_rank: int, progress, *, shared: bool) -> tuple[list, list, object]:
-        """(assignments, dests, post-load result or None) of this rank on `model`."""
+    def _trace(self, model, tp_rank: int, dp_rank: int, progress, *, shared: bool) -> tuple[TracedLoad, object]:
+        """(the traced loading, the post-load result or None) of this rank on `model`."""
         with phase(self.timings, "trace"), parallel_rank(self.vllm_config, tp_rank, dp_rank):
             # on a shared model, experts other ranks hold are not fed (checked by the guard's real build)
             absent = nonlocal_experts(model) if shared else None
-            assignments, dests = trace_load(model, self.sources, self.fmt, progress,
-                                            skip=None if absent is None else functools.partial(self._skip, absent))
+            traced = trace_load(model, self.sources, self.fmt, progress,
+                                skip=None if absent is None else functools.partial(self._skip, absent))
+            dests = traced.dests
             post = None
             if self.hooks is None and self.derived is None:
                 self.derived = [[d.module, d.what, list(d.reads), d.where] for d in derived_state(model)]
@@ -154,7 +155,7 @@ class RankTracer:
                     if tp_rank not in self.post:
                         self.post[tp_rank] = self._post_load(model, dests, keep_model=True)
                     post = self.post[tp_rank]
-            return assignments, dests, post
+            return traced, post
 
     def _skip(self, absent, name: str) -> bool:
         hit = absent(name)

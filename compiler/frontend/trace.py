@@ -4,15 +4,38 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from ..ir import Assignment, TensorSpec
-from .layer_classes import layer_classes, layer_of, rename_assignments
+from ..ir import Assignment, LayerReuse, TensorSpec
+from ..layer_names import layer_of
+from .layer_classes import layer_classes, rename_assignments
 from ...runtime.errors import WeightplanError
 from .errors import TraceError
 from .lazy_weight import LazyWeight, Tracer, dtype_name, tracing
 from .trainer_formats import Conversion
+
+
+@dataclass(frozen=True)
+class TracedLoad:
+    """One inference rank's traced loading: the assignments of the layers traced for real, the
+    destination table, and the layers that load as a traced template layer does (index renamed)."""
+
+    assignments: list[Assignment]
+    dests: list[TensorSpec]
+    layer_reuse: tuple[LayerReuse, ...] = ()
+    reused_assignments: int = 0  # assignments the reused layers stand for
+
+    def expanded(self) -> list[Assignment]:
+        """Every assignment, the reused layers' renamed from their template's (in member order)."""
+        by_layer: dict[int | None, list[Assignment]] = defaultdict(list)
+        for a in self.assignments:
+            by_layer[layer_of(a.dest)].append(a)
+        out = list(self.assignments)
+        for reuse in self.layer_reuse:
+            out.extend(rename_assignments(by_layer[reuse.template], reuse.template, reuse.member))
+        return out
 
 
 def trace_load(
@@ -23,11 +46,13 @@ def trace_load(
     *,
     reuse_layers: bool = True,
     skip: Callable[[str], bool] | None = None,
-) -> tuple[list[Assignment], list[TensorSpec]]:
-    """Feed LazyWeights for `sources` through `model.load_weights`; return assignments and destinations.
+) -> TracedLoad:
+    """Feed LazyWeights for `sources` through `model.load_weights`; return what was traced.
 
-    With `reuse_layers`, layers identical up to their index are traced once (see layer_classes).
-    Checkpoint names `skip` accepts are not fed (e.g. experts another rank holds: vllm_model.nonlocal_experts).
+    With `reuse_layers`, layers identical up to their index are traced once (see layer_classes):
+    the others are listed as reusing their template layer, which the expand_layers pass turns
+    into runs. Checkpoint names `skip` accepts are not fed (e.g. experts another rank holds:
+    vllm_model.nonlocal_experts).
     """
     params = dict(model.named_parameters())
     dests = [TensorSpec(name, tuple(p.shape), dtype_name(p.dtype)) for name, p in params.items()]
@@ -35,7 +60,7 @@ def trace_load(
     fed = [spec for spec in sources if classes is None or classes.traced(spec.name)]
     traced = _trace(model, params, fed, conversion, progress, skip)
     if classes is None or not classes.template_of:
-        return traced, dests
+        return TracedLoad(traced, dests)
 
     by_layer: dict[int | None, list[Assignment]] = defaultdict(list)
     for a in traced:
@@ -47,11 +72,9 @@ def trace_load(
     if untrusted:  # a layer class loads differently per index: trace all of its layers for real
         retrace = [s for s in sources if classes.template_of.get(layer_of(s.name)) in untrusted]
         traced += _trace(model, params, retrace, conversion, None, skip)
-    out = list(traced)
-    for index, template in sorted(classes.template_of.items()):
-        if template not in untrusted:
-            out.extend(rename_assignments(by_layer[template], template, index))
-    return out, dests
+    reuse = tuple(LayerReuse(template, index) for index, template in sorted(classes.template_of.items())
+                  if template not in untrusted)
+    return TracedLoad(traced, dests, reuse, sum(len(by_layer[r.template]) for r in reuse))
 
 
 def _trace(model, params, sources: list[TensorSpec], conversion: Conversion, progress, skip=None) -> list[Assignment]:

@@ -14,6 +14,7 @@ from ...runtime.errors import WeightplanError
 from ..ir import Program
 from .check_coverage import check_coverage, with_post_load_padding
 from .coalesce import coalesce
+from .expand_layers import expand_layers
 from .fold_views import fold_views
 from .lower_constants import lower_constants
 from .lower_runs import lower_runs
@@ -38,6 +39,7 @@ class Fact(enum.Enum):
     COPIES = "copies"  # assignments folded into strided copies
     RUNS = "runs"  # copies lowered to runs (global source offsets)
     CONSTANTS = "constants"  # fills lowered to constant runs
+    ALL_LAYERS = "all-layers"  # every reused decoder layer has its runs and constants
     MERGED = "merged"  # one program for all inference ranks; destinations list their ranks
     SHARDED = "sharded"  # each run read from one trainer rank's shard, at local offsets
     COALESCED = "coalesced"  # runs continuing each other merged
@@ -67,7 +69,8 @@ PIPELINE: tuple[Pass, ...] = (
     Pass(fold_views, Stage.PER_RANK, _facts(Fact.TRACED), _facts(Fact.COPIES)),
     Pass(lower_runs, Stage.PER_RANK, _facts(Fact.COPIES), _facts(Fact.RUNS)),
     Pass(lower_constants, Stage.PER_RANK, _facts(Fact.RUNS), _facts(Fact.CONSTANTS)),
-    Pass(merge_ranks, Stage.JOIN, _facts(Fact.RUNS, Fact.CONSTANTS), _facts(Fact.MERGED)),
+    Pass(expand_layers, Stage.PER_RANK, _facts(Fact.RUNS, Fact.CONSTANTS), _facts(Fact.ALL_LAYERS)),
+    Pass(merge_ranks, Stage.JOIN, _facts(Fact.ALL_LAYERS), _facts(Fact.MERGED)),
     Pass(split_shards, Stage.WHOLE_PLAN, _facts(Fact.MERGED), _facts(Fact.SHARDED)),
     Pass(coalesce, Stage.WHOLE_PLAN, _facts(Fact.SHARDED), _facts(Fact.COALESCED)),
     Pass(check_coverage, Stage.WHOLE_PLAN, _facts(Fact.COALESCED), _facts(Fact.COVERED)),
@@ -168,9 +171,10 @@ def _finish(step: Pass, program: Program, seconds: float, check_each: bool, obse
 
 def check(program: Program, held: frozenset[Fact] = frozenset()) -> None:
     """Verify what `program` must satisfy given the facts `held`: once runs exist their invariants, once
-    constants are lowered every destination byte written exactly once, and the fp8 block placement."""
+    every layer has its runs and constants every destination byte written exactly once, and the fp8 block
+    placement."""
     if program.runs is not None:
-        full = Fact.CONSTANTS in held and Fact.QUANT_PLACED not in held  # placed fp8 tensors are written by quantizers
+        full = {Fact.CONSTANTS, Fact.ALL_LAYERS} <= held and Fact.QUANT_PLACED not in held  # placed fp8: by quantizers
         verify(with_post_load_padding(program) if full else program, require_full_coverage=full)
     if Fact.COVERED in held and program.coverage is None:
         raise PassCheckError("coverage was not proved")
