@@ -65,8 +65,9 @@ def parse_trainer(text: str, layout_file: Path | None = None, fmt: str = "hf") -
         layout = TrainerLayout.parse(text)
     except ValueError as exc:
         raise ModelConfigError(str(exc)) from None
-    if layout.ep > 1 and canonical_format(fmt) != "transformers":
-        raise ModelConfigError("trainer ep needs --trainer-format transformers (alias stacked: experts stacked on dim 0)")
+    if layout.ep > 1 and fmt != "adapter" and canonical_format(fmt) != "transformers":
+        raise ModelConfigError("trainer ep needs --trainer-format transformers (alias stacked: experts stacked on dim 0) "
+                               "or a --trainer-adapter")
     return layout
 
 
