@@ -66,7 +66,7 @@ def synthetic_plan(n: int, out: Path) -> Path:
     """One bf16 tensor moved in n runs of RUN_ELEMS elements, read in reverse order so none coalesce."""
     from weightplan.compiler.ir import Program, Runs, TensorSpec
     from weightplan.compiler.plan_writer import write_program
-    from weightplan.runtime.shards import TrainerLayout
+    from weightplan.runtime.layout.shards import TrainerLayout
 
     numel = n * RUN_ELEMS
     i = np.arange(n, dtype=np.int64)

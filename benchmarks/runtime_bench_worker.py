@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from weightplan.runtime import Receiver, Rendezvous, Sender, load_plan
-from weightplan.runtime.rank_tables import reads_of
+from weightplan.runtime.tables.ranks import reads_of
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 IOV_MAX = 1024

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..runtime.plan_format import DTYPE_SIZES
+from ..runtime.plan.format import DTYPE_SIZES
 
 
 class Op(str, enum.Enum):
@@ -102,7 +102,7 @@ class Geometry:
 class TensorSpec:
     """A named tensor of one side: trainer tensor or vLLM destination parameter.
 
-    Trainer tensors carry their `sharding` ("dense" or "expert", see runtime/shards.py);
+    Trainer tensors carry their `sharding` ("dense" or "expert", see runtime/layout/shards.py);
     destinations carry the inference `ranks` that hold this exact tensor (replicas share one entry).
     """
 

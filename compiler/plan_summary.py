@@ -5,9 +5,9 @@ from __future__ import annotations
 import jinja2
 import numpy as np
 
-from ..runtime.plan_format import DTYPE_SIZES, GATHER, RECEIVER, Plan
+from ..runtime.plan.format import DTYPE_SIZES, GATHER, RECEIVER, Plan
 from .ir import Constants, Program, Runs, TensorSpec
-from ..runtime.quant import span_elements
+from ..runtime.fp8.numerics import span_elements
 from .passes.verify import descriptors_lower_bound, descriptors_posted, verify
 from .passes.verify_quant import verify_quant
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..runtime.plan_format import RUN_COLUMNS, write_plan
+from ..runtime.plan.format import RUN_COLUMNS, write_plan
 from .ir import Program, QuantPlacement
 
 

@@ -20,7 +20,7 @@ from weightplan.compiler.plan_summary import summarize
 from weightplan.compiler.verify_plan import shard_sources, verify_plan
 from weightplan.runtime import execute_local, load_plan
 from weightplan.runtime.errors import PlanFormatError
-from weightplan.runtime.plan_format import RUN_COLUMNS, decode_plan, encode_plan
+from weightplan.runtime.plan.format import RUN_COLUMNS, decode_plan, encode_plan
 
 from .conftest import config_dir
 from .runtime_harness import Job

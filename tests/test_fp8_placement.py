@@ -11,7 +11,7 @@ from weightplan.compiler.ir import Program, Runs, TensorSpec
 from weightplan.compiler.passes.place_quant import block_owners, block_ranges, place_quant
 from weightplan.compiler.passes.verify import PlanInvariantError
 from weightplan.compiler.passes.verify_quant import verify_quant
-from weightplan.runtime.quant import block_grid
+from weightplan.runtime.fp8.numerics import block_grid
 
 
 def _program(shape, pieces, ranks_of_dest=(0,)):

@@ -129,7 +129,7 @@ def test_concurrent_writers_never_show_a_reader_half_a_plan(plan_cache, tmp_path
     import threading
 
     from weightplan.runtime import load_plan
-    from weightplan.runtime.plan_format import write_plan
+    from weightplan.runtime.plan.format import write_plan
 
     plan = load_plan(plan_cache("tiny-llama"))
     path, errors, done = tmp_path / "shared.plan", [], threading.Event()

@@ -11,7 +11,7 @@ import pytest
 
 from weightplan.compiler.plan_summary import render_text, summarize
 from weightplan.runtime import PlanFormatError, load_plan
-from weightplan.runtime.plan_format import MAGIC, RUN_COLUMNS, decode_plan, encode_plan
+from weightplan.runtime.plan.format import MAGIC, RUN_COLUMNS, decode_plan, encode_plan
 
 GOLDEN = Path(__file__).parent / "golden"
 

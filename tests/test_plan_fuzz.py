@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from weightplan.compiler.plan_summary import summarize
 from weightplan.runtime import load_plan
 from weightplan.runtime.errors import PlanFormatError, WeightplanError
-from weightplan.runtime.plan_format import MAGIC, RUN_COLUMNS, SPAN_COLUMNS, STAGE_COLUMNS, decode_plan, fingerprint
+from weightplan.runtime.plan.format import MAGIC, RUN_COLUMNS, SPAN_COLUMNS, STAGE_COLUMNS, decode_plan, fingerprint
 
 EXAMPLES = int(os.environ.get("WEIGHTPLAN_FUZZ_EXAMPLES", "150"))  # raise for a longer campaign
 HOSTILE_VALUES = [None, True, -1, 0, 1, 7, 2**31, 2**48, 2**63 - 6, 2**64, -(2**63), 1.5, float("inf"), "", "x" * 300,

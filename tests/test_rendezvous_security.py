@@ -9,7 +9,7 @@ import pytest
 
 from weightplan.runtime import Receiver, Rendezvous, Sender, SyncError, load_plan
 from weightplan.runtime.errors import WeightplanError
-from weightplan.runtime.rendezvous import SECRET_ENV, SECRET_FILE_ENV, job_secret
+from weightplan.runtime.transport.rendezvous import SECRET_ENV, SECRET_FILE_ENV, job_secret
 
 from .runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
 

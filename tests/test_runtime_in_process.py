@@ -156,7 +156,7 @@ def test_job_ids_and_addresses_are_checked():
 
 
 def test_metadata_of_an_agent_not_in_the_plan_is_rejected(rendezvous, bf16_plan):
-    from weightplan.runtime.nixl_agent import NixlAgent
+    from weightplan.runtime.transport.nixl_agent import NixlAgent
 
     tensors, sender, destination, receiver = _pair(bf16_plan, rendezvous)
     intruder = NixlAgent(f"{rendezvous.job}.intruder")
@@ -168,7 +168,7 @@ def test_metadata_of_an_agent_not_in_the_plan_is_rejected(rendezvous, bf16_plan)
 
 
 def test_notifications_from_unknown_agents_are_ignored(rendezvous, bf16_plan):
-    from weightplan.runtime.nixl_agent import NixlAgent
+    from weightplan.runtime.transport.nixl_agent import NixlAgent
 
     tensors, sender, destination, receiver = _pair(bf16_plan, rendezvous)
     stranger = NixlAgent(f"{rendezvous.job}.inference.9")

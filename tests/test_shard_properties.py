@@ -13,7 +13,7 @@ from weightplan.compiler.ir import Program, Runs, TensorSpec
 from weightplan.compiler.passes.coalesce import coalesce
 from weightplan.compiler.passes.split_shards import split_shards
 from weightplan.compiler.passes.verify import descriptors_lower_bound, verify
-from weightplan.runtime.shards import TrainerLayout, shard_box
+from weightplan.runtime.layout.shards import TrainerLayout, shard_box
 
 
 @st.composite

@@ -9,7 +9,7 @@ import torch
 
 from .errors import ModelConfigError
 from .lazy_weight import dtype_name
-from ...runtime.quant import BLOCK, block_grid
+from ...runtime.fp8.numerics import BLOCK, block_grid
 from .vllm_patches import host_independent
 
 QUANT_METHODS = ("Fp8PerBlockOnlineLinearMethod", "Fp8PerBlockOnlineMoEMethod")

@@ -6,8 +6,8 @@ import dataclasses
 
 import numpy as np
 
-from ...runtime.plan_format import SPAN_COLUMNS, STAGE_COLUMNS
-from ...runtime.quant import BLOCK, block_grid
+from ...runtime.plan.format import SPAN_COLUMNS, STAGE_COLUMNS
+from ...runtime.fp8.numerics import BLOCK, block_grid
 from ..ir import Program, QuantPlacement, Runs, TensorSpec
 from .quant_blocks import BlockGrids, block_intervals, block_ranges
 

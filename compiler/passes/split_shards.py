@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from ...runtime.shards import TrainerLayout, box_segments
+from ...runtime.layout.shards import TrainerLayout, box_segments
 from ..ir import Program, Runs, itemsize
 
 

@@ -7,9 +7,9 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from .casts import cast_along
-from .plan_format import RECEIVER, SENDER, TRAINER_SIDES, Plan
-from .quant import quantize_span, span_dest_segments
+from ..casts import cast_along
+from ..plan.format import RECEIVER, SENDER, TRAINER_SIDES, Plan
+from ..fp8.numerics import quantize_span, span_dest_segments
 
 
 def stage_run_rows(plan: Plan, side: int, stage: int, quant_rank: int | None = None) -> np.ndarray:

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .nixl_agent import contiguous_starts
-from .plan_format import RECEIVER, Plan
-from .quant import BLOCK, BlockQuantizer
-from .quant_tables import (FP8_REGION, SCALE_REGION, STAGE_PACKED_REGION, QuantTables, exposed_regions, held_stages,
+from ..transport.nixl_agent import contiguous_starts
+from ..plan.format import RECEIVER, Plan
+from ..fp8.numerics import BLOCK, BlockQuantizer
+from ..tables.quant import (FP8_REGION, SCALE_REGION, STAGE_PACKED_REGION, QuantTables, exposed_regions, held_stages,
                            piece_segments, quant_sources, region_index, stage_packing)
-from .rank_tables import Reads
-from .region_digests import byte_view, digests
+from ..tables.ranks import Reads
+from ..transport.region_digests import byte_view, digests
 
 VALUES, SCALES, STAGED = 0, 1, 2  # what a READ row carries, for its digest key
 
@@ -186,7 +186,7 @@ class ReceiverQuant:
         self.seconds += time.perf_counter() - began
 
     def digests(self, src: int, group: int) -> dict[str, str]:
-        """What landed from `src` for `group`, hashed as the sender hashed it (runtime/sender_quant.py)."""
+        """What landed from `src` for `group`, hashed as the sender hashed it (runtime/sender/quant.py)."""
         r = self.rows[src]
         rows = np.flatnonzero(self.stage_group[r.stage] == group)
         buffers = {b: byte_view(t) for b, t in self._dst.items()}

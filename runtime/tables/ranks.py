@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .checks import check_rank
-from .plan_format import DTYPE_SIZES, Plan
+from ..checks import check_rank
+from ..plan.format import DTYPE_SIZES, Plan
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import torch
 
-from .errors import SyncError
+from ..errors import SyncError
 
 log = logging.getLogger("weightplan.runtime")
 # UCX handles one huge request list much more slowly than several smaller ones (measured by

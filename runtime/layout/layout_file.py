@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from .atomic_file import write_atomically
-from .errors import LayoutError
+from ..plan.atomic_file import write_atomically
+from ..errors import LayoutError
 from .placements import Mesh, Placement, Sharding, mesh_boxes
-from .plan_format import DTYPE_SIZES
+from ..plan.format import DTYPE_SIZES
 
 FORMAT = "weightplan-trainer-layout"
 VERSION = 1

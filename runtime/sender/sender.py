@@ -11,17 +11,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .casts import cast_along
-from .checks import check_tensors, check_version, flat_view, named_tensors
-from .errors import SyncError
+from ..casts import cast_along
+from ..checks import check_tensors, check_version, flat_view, named_tensors
+from ..errors import SyncError
 from .gather import Gather
-from .nixl_agent import NixlAgent
-from .plan_format import RECEIVER, Plan
-from .quant_tables import check_supported, exposed_regions, quant_readers, quant_tables
-from .rank_tables import check_src_rank, packing, readers, served_runs
-from .region_digests import byte_view, run_digests
-from .rendezvous import INCARNATION, Rendezvous, inference_agent, trainer_agent
-from .sender_quant import SenderQuant
+from ..transport.nixl_agent import NixlAgent
+from ..plan.format import RECEIVER, Plan
+from ..tables.quant import check_supported, exposed_regions, quant_readers, quant_tables
+from ..tables.ranks import check_src_rank, packing, readers, served_runs
+from ..transport.region_digests import byte_view, run_digests
+from ..transport.rendezvous import INCARNATION, Rendezvous, inference_agent, trainer_agent
+from .quant import SenderQuant
 from .trainer_gather import TrainerGather, gathered_key, staged_key
 
 log = logging.getLogger("weightplan.runtime")
@@ -46,8 +46,8 @@ class Sender:
     Sources whose wire dtype is their own are exposed in place (zero copy): after `publish(v)` the
     trainer must call `release(v)` before changing them. Cast sources (e.g. fp32 masters sent as
     bf16) are staged at `publish`. With fp8 tables, `publish` also quantizes the blocks this rank
-    alone holds into registered fp8 and scale regions (runtime/sender_quant.py), and the gather-side
-    blocks it quantizes for several ranks after READing their peers' bf16 (runtime/trainer_gather.py):
+    alone holds into registered fp8 and scale regions (runtime/sender/quant.py), and the gather-side
+    blocks it quantizes for several ranks after READing their peers' bf16 (runtime/sender/trainer_gather.py):
     every trainer rank of such a plan must call `publish(v)` at about the same time, since each waits
     for the peers it gathers from. A sequence word in registered memory lets receivers and gathering
     peers detect bytes that changed while they read (seqlock: 2v while v is stable, odd otherwise).

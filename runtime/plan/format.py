@@ -29,10 +29,10 @@ from pathlib import Path
 import numpy as np
 
 from .atomic_file import write_atomically
-from .errors import PlanFormatError
-from .plan_header import MAX_ELEMENTS, check_header
-from .placements import Box
-from .shards import ShardLayout
+from ..errors import PlanFormatError
+from .header import MAX_ELEMENTS, check_header
+from ..layout.placements import Box
+from ..layout.shards import ShardLayout
 
 MAGIC = b"WPLAN\x00\r\n"
 _ZLIB_MAX_RATIO = 1032  # deflate expands at most about 1032:1
@@ -143,7 +143,7 @@ class Plan:
 
     @cached_property
     def trainer_layout(self) -> ShardLayout:
-        """The box of each source every trainer rank holds (see runtime/shards.py)."""
+        """The box of each source every trainer rank holds (see runtime/layout/shards.py)."""
         return ShardLayout.from_header(self.header["trainer"], [(e.name, e.layout) for e in self.sources])
 
     def shard_box(self, source: int, rank: int) -> Box | None:
@@ -229,7 +229,7 @@ def encode_plan(header: dict, runs: dict[str, np.ndarray], stage: dict | None = 
 
 def write_plan(path: str | Path, header: dict, runs: dict[str, np.ndarray], stage: dict | None = None,
                spans: dict | None = None) -> Path:
-    """Write atomically (runtime/atomic_file.py): a reader never sees part of a plan; one PlanFormatError line on failure."""
+    """Write atomically (runtime/plan/atomic_file.py): a reader never sees part of a plan; one PlanFormatError line on failure."""
     return write_atomically(path, encode_plan(header, runs, stage, spans), PlanFormatError, "plan")
 
 

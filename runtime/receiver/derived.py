@@ -6,8 +6,8 @@ import time
 
 import torch
 
-from .errors import PlanMismatchError
-from .plan_format import Plan
+from ..errors import PlanMismatchError
+from ..plan.format import Plan
 
 MODES = ("refresh", "caller")
 

@@ -6,10 +6,10 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from .errors import PlanMismatchError
-from .plan_format import GATHER, RECEIVER, Plan
-from .quant import BLOCK, block_grid
-from .rank_tables import PACK_BELOW_BYTES, ServedRegion, check_dst_rank, check_src_rank, served_regions
+from ..errors import PlanMismatchError
+from ..plan.format import GATHER, RECEIVER, Plan
+from ..fp8.numerics import BLOCK, block_grid
+from .ranks import PACK_BELOW_BYTES, ServedRegion, check_dst_rank, check_src_rank, served_regions
 
 # Where a READ's remote bytes are on a trainer rank, besides its exposed regions (index >= 0) and
 # the packed small runs (-1, rank_tables.packing): the sender's fp8 values, scales, packed stage copies.

@@ -10,18 +10,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .checks import check_no_aliases, check_tensors, check_version, flat_view, named_tensors
-from .constants import write_constants
+from ..checks import check_no_aliases, check_tensors, check_version, flat_view, named_tensors
+from ..constant_writes import write_constants
 from .derived import DerivedRefresh
-from .errors import PlanMismatchError, SyncError
-from .nixl_agent import NixlAgent, contiguous_starts
-from .plan_format import Plan
-from .peer_check import checked_regions, checked_word
-from .quant_tables import check_supported, quant_tables, stage_packing
-from .rank_tables import Reads, held_entries, packing, pipeline_groups, reads_of
-from .receiver_quant import ReceiverQuant
-from .region_digests import byte_view, run_digests
-from .rendezvous import INCARNATION, Rendezvous, inference_agent, trainer_agent
+from ..errors import PlanMismatchError, SyncError
+from ..transport.nixl_agent import NixlAgent, contiguous_starts
+from ..plan.format import Plan
+from ..transport.peer_check import checked_regions, checked_word
+from ..tables.quant import check_supported, quant_tables, stage_packing
+from ..tables.ranks import Reads, held_entries, packing, pipeline_groups, reads_of
+from .quant import ReceiverQuant
+from ..transport.region_digests import byte_view, run_digests
+from ..transport.rendezvous import INCARNATION, Rendezvous, inference_agent, trainer_agent
 
 log = logging.getLogger("weightplan.runtime")
 PROGRESS_EVERY = 5.0  # seconds between progress lines of a long sync
@@ -41,7 +41,7 @@ class SyncReport:
     seconds: float
     verify_seconds: float | None
     quantize_seconds: float = 0.0  # receiver-side fp8 quantization, inside `seconds`
-    derived_seconds: float = 0.0  # recomputing derived post-load state (runtime/derived.py), inside `seconds`
+    derived_seconds: float = 0.0  # recomputing derived post-load state (runtime/receiver/derived.py), inside `seconds`
 
     @property
     def gbps(self) -> float:
@@ -98,10 +98,10 @@ class Receiver:
     the first sync, during a sync and after a failed one). `group_bytes` bounds the bytes of a
     pipeline group: group k+1 moves while the post-ops of group k run. Post-ops are the digest
     check (`verify`), quantizing this rank's own fp8 blocks (plans with fp8 tables; see
-    runtime/receiver_quant.py) and `post_op(names)`, called with the destination names each group
+    runtime/receiver/quant.py) and `post_op(names)`, called with the destination names each group
     completed, in that order. After the last group, the derived post-load state the plan lists
     (MLA's absorbed `W_UK_T`/`W_UV`) is recomputed on `destination`'s modules with
-    `process_weights_after_loading(act_dtype)` (runtime/derived.py); `derived="caller"` leaves
+    `process_weights_after_loading(act_dtype)` (runtime/receiver/derived.py); `derived="caller"` leaves
     that to the caller, and is required when `destination` is a dict of tensors.
 
     The plan's constants (vLLM's zero padding rows) are written once, here, before any sync: no
@@ -182,7 +182,7 @@ class Receiver:
 
     @property
     def staging_bytes(self) -> int:
-        """bf16 staging for the blocks this rank quantizes itself: the two slots of runtime/receiver_quant.py."""
+        """bf16 staging for the blocks this rank quantizes itself: the two slots of runtime/receiver/quant.py."""
         return self._quant.staging_bytes if self._quant else 0
 
     @property

@@ -7,12 +7,12 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from .casts import cast_along
-from .checks import check_tensors, named_tensors
-from .constants import write_constants
-from .errors import PlanMismatchError
-from .host_quant import execute_quant
-from .plan_format import RUN_COLUMNS, Plan
+from ..casts import cast_along
+from ..checks import check_tensors, named_tensors
+from ..constant_writes import write_constants
+from ..errors import PlanMismatchError
+from .quant import execute_quant
+from ..plan.format import RUN_COLUMNS, Plan
 
 
 def execute_local(
