@@ -8,7 +8,7 @@ import pytest
 from weightplan.compiler.plan_summary import summarize
 from weightplan.compiler.verify_plan import verify_plan
 from weightplan.runtime import load_plan
-from weightplan.runtime.plan.format import GATHER, RECEIVER, SENDER
+from weightplan.runtime.plan.schema import GATHER, RECEIVER, SENDER
 from weightplan.runtime.fp8.numerics import span_elements
 
 from .conftest import config_dir
@@ -121,7 +121,8 @@ SAMPLE_SEEDS = range(6)
 
 def _w2_shifted(plan, tmp_path):
     """The plan with every stage copy feeding an expert w2_weight missing its first element (left zero): wrong bytes."""
-    from weightplan.runtime.plan.format import RUN_COLUMNS, SPAN_COLUMNS, STAGE_COLUMNS, write_plan
+    from weightplan.runtime.plan.format import write_plan
+    from weightplan.runtime.plan.schema import RUN_COLUMNS, SPAN_COLUMNS, STAGE_COLUMNS
 
     stage = {c: plan.stage[c].copy() for c in STAGE_COLUMNS}
     w2 = np.array([e.name.endswith("w2_weight") for e in plan.staging])

@@ -26,9 +26,9 @@ def fp32_plan(plan_cache):
 def _pair(plan, rendezvous, version=1, **receiver_kwargs):
     tensors = shard(plan, full_weights(plan, 0, version), 0)
     # Both agents live in this process, so the target side needs NIXL's progress thread.
-    sender = Sender(plan, 0, tensors, rendezvous=rendezvous, timeout=5, digests=True, progress_thread=True)
+    sender = Sender(plan, 0, tensors, rendezvous=rendezvous, timeout=5, digests=True, progress_thread=True).start()
     destination = plain_destination(plan, 0)
-    receiver = Receiver(plan, 0, destination, rendezvous=rendezvous, timeout=5, derived="caller", **receiver_kwargs)
+    receiver = Receiver(plan, 0, destination, rendezvous=rendezvous, timeout=5, derived="caller", **receiver_kwargs).start()
     return tensors, sender, destination, receiver
 
 
@@ -105,8 +105,8 @@ def test_unpublished_version_times_out_with_a_clear_error(rendezvous, bf16_plan)
 
 def test_receiver_refuses_a_trainer_running_another_plan(rendezvous, bf16_plan, fp32_plan):
     sender = Sender(fp32_plan, 0, shard(fp32_plan, full_weights(fp32_plan, 0, 1), 0), rendezvous=rendezvous, timeout=5,
-                    progress_thread=True)
-    receiver = Receiver(bf16_plan, 0, plain_destination(bf16_plan, 0), rendezvous=rendezvous, timeout=5, derived="caller")
+                    progress_thread=True).start()
+    receiver = Receiver(bf16_plan, 0, plain_destination(bf16_plan, 0), rendezvous=rendezvous, timeout=5, derived="caller").start()
     sender.publish(1)
     with pytest.raises(PlanMismatchError, match="both sides must load the same plan file"):
         receiver.sync(1)

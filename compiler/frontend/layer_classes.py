@@ -13,7 +13,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
-from ..ir import Assignment, Node, Op, TensorSpec
+from ..ir import Assignment, Node, Op, TensorEntry
 
 _LAYER = re.compile(r"^(?P<head>.*?\.layers\.)(?P<index>\d+)\.(?P<tail>.+)$")
 
@@ -42,11 +42,11 @@ class LayerClasses:
         return index is None or index not in self.template_of
 
 
-def _signature(specs: list[TensorSpec]) -> tuple:
+def _signature(specs: list[TensorEntry]) -> tuple:
     return tuple(sorted((_LAYER.match(s.name)["tail"], s.shape, s.dtype) for s in specs))
 
 
-def layer_classes(sources: list[TensorSpec], dests: list[TensorSpec]) -> LayerClasses:
+def layer_classes(sources: list[TensorEntry], dests: list[TensorEntry]) -> LayerClasses:
     by_layer: dict[int, tuple[list, list]] = defaultdict(lambda: ([], []))
     for side, specs in ((0, sources), (1, dests)):
         for spec in specs:

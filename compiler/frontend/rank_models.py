@@ -146,7 +146,7 @@ class RankTracer:
                                             skip=None if absent is None else functools.partial(self._skip, absent))
             post = None
             if self.hooks is None and self.derived is None:
-                self.derived = [[d.module, d.what, list(d.reads), d.where] for d in derived_state(model)]
+                self.derived = [d.row() for d in derived_state(model)]
             if self.hooks:
                 if not shared:
                     post = self._post_load(model, dests, keep_model=False)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..ir import Assignment, TensorSpec
+from ..ir import Assignment, TensorEntry
 from .layer_classes import layer_classes, layer_of, rename_assignments
 from ...runtime.errors import WeightplanError
 from .errors import TraceError
@@ -17,20 +17,20 @@ from .trainer_formats import Conversion
 
 def trace_load(
     model: torch.nn.Module,
-    sources: list[TensorSpec],
+    sources: list[TensorEntry],
     conversion: Conversion,
     progress: Callable[[int, int], None] | None = None,
     *,
     reuse_layers: bool = True,
     skip: Callable[[str], bool] | None = None,
-) -> tuple[list[Assignment], list[TensorSpec]]:
+) -> tuple[list[Assignment], list[TensorEntry]]:
     """Feed LazyWeights for `sources` through `model.load_weights`; return assignments and destinations.
 
     With `reuse_layers`, layers identical up to their index are traced once (see layer_classes).
     Checkpoint names `skip` accepts are not fed (e.g. experts another rank holds: vllm_model.nonlocal_experts).
     """
     params = dict(model.named_parameters())
-    dests = [TensorSpec(name, tuple(p.shape), dtype_name(p.dtype)) for name, p in params.items()]
+    dests = [TensorEntry(name, tuple(p.shape), dtype_name(p.dtype)) for name, p in params.items()]
     classes = layer_classes(sources, dests) if reuse_layers else None
     fed = [spec for spec in sources if classes is None or classes.traced(spec.name)]
     traced = _trace(model, params, fed, conversion, progress, skip)
@@ -54,7 +54,7 @@ def trace_load(
     return out, dests
 
 
-def _trace(model, params, sources: list[TensorSpec], conversion: Conversion, progress, skip=None) -> list[Assignment]:
+def _trace(model, params, sources: list[TensorEntry], conversion: Conversion, progress, skip=None) -> list[Assignment]:
     tracer = Tracer(params)
     lazy = {spec.name: LazyWeight.source(spec.name, spec.shape, getattr(torch, spec.dtype)) for spec in sources}
     index = {name: i for i, name in enumerate(lazy)}

@@ -12,7 +12,8 @@ from ..checks import check_tensors, named_tensors
 from ..constant_writes import write_constants
 from ..errors import PlanMismatchError
 from .quant import execute_quant
-from ..plan.format import RUN_COLUMNS, Plan
+from ..plan.format import Plan
+from ..plan.schema import RUN_COLUMNS
 
 
 def execute_local(

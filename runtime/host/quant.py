@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from ..casts import cast_along
-from ..plan.format import RECEIVER, SENDER, TRAINER_SIDES, Plan
+from ..plan.format import Plan
+from ..plan.schema import RECEIVER, SENDER, TRAINER_SIDES
 from ..fp8.numerics import quantize_span, span_dest_segments
 
 

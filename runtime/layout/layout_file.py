@@ -20,7 +20,7 @@ import torch
 from ..plan.atomic_file import write_atomically
 from ..errors import LayoutError
 from .placements import Mesh, Placement, Sharding, mesh_boxes
-from ..plan.format import DTYPE_SIZES
+from ..plan.schema import DTYPE_SIZES
 
 FORMAT = "weightplan-trainer-layout"
 VERSION = 1

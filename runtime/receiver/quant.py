@@ -9,7 +9,8 @@ import numpy as np
 import torch
 
 from ..transport.nixl_agent import contiguous_starts
-from ..plan.format import RECEIVER, Plan
+from ..plan.format import Plan
+from ..plan.schema import RECEIVER
 from ..fp8.numerics import BLOCK, BlockQuantizer
 from ..tables.quant import (FP8_REGION, SCALE_REGION, STAGE_PACKED_REGION, QuantTables, exposed_regions, held_stages,
                            piece_segments, quant_sources, region_index, stage_packing)

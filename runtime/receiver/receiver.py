@@ -13,7 +13,7 @@ import torch
 from ..checks import check_no_aliases, check_tensors, check_version, flat_view, named_tensors
 from ..constant_writes import write_constants
 from .derived import DerivedRefresh
-from ..errors import PlanMismatchError, SyncError
+from ..errors import PlanMismatchError, SyncError, WeightplanError
 from ..transport.nixl_agent import NixlAgent, contiguous_starts
 from ..plan.format import Plan
 from ..transport.peer_check import checked_regions, checked_word
@@ -104,10 +104,14 @@ class Receiver:
     `process_weights_after_loading(act_dtype)` (runtime/receiver/derived.py); `derived="caller"` leaves
     that to the caller, and is required when `destination` is a dict of tensors.
 
-    The plan's constants (vLLM's zero padding rows) are written once, here, before any sync: no
+    The plan's constants (vLLM's zero padding rows) are written once, at `start()`, before any sync: no
     READ touches their bytes, so a sync, failed or not, leaves them intact. The destination is the
     caller's memory, though: a caller that writes it itself (vLLM's own `load_weights`, a dummy
     initialisation, a kernel repacking in place) calls `write_constants()` before the next sync.
+
+    The constructor only checks the destination against the plan; `start()` registers it with NIXL,
+    writes the constants and joins, `close()` deregisters it and releases the agent. `with
+    Receiver(...) as receiver:` does both.
     """
 
     def __init__(self, plan: Plan, rank: int, destination, *, rendezvous: Rendezvous, timeout: float = 60.0,
@@ -144,18 +148,48 @@ class Receiver:
                 names[stage_group[stage]] |= {plan.dests[entry.weight].name, plan.dests[entry.scale].name}
         self._group_names = [sorted(n) for n in names]
         self._seq = torch.zeros(plan.header["src_ranks"], dtype=torch.int64)
-        self.agent = NixlAgent(inference_agent(rendezvous.job, rank), progress_thread)
-        self.agent.register(list(self._dst.values()) + [self._seq] + (self._quant.slots if self._quant else []))
         packings = {src: packing(plan, src) for src in self.reads}
         self._packed_bytes = {src: p.nbytes for src, p in packings.items()}
         self._tables = {src: self._descriptors(src, packings[src]) for src in self.reads}
-        self._local = {src: self.agent.prepare(None, np.stack([t.local, t.nbytes], axis=1)) for src, t in self._tables.items()}
-        self._seq_local = {src: self.agent.prepare(None, np.array([[self._seq.data_ptr() + 8 * src, 8]])) for src in self.reads}
         self._peers: dict[int, _Peer] = {}
         self._version: int | None = None
         self.incarnation = uuid.uuid4().hex
+        self.agent: NixlAgent | None = None  # created, with the destinations registered, by start()
+        self._progress_thread = progress_thread
+
+    def start(self) -> "Receiver":
+        """Register the destinations with a new NIXL agent, write the plan's constants and join the job; returns self.
+
+        Side effects live here, not in the constructor (which only checks the destination against the
+        plan): call it once before `sync`, or use the receiver as a context manager, which also closes it.
+        """
+        if self.agent is not None:
+            raise WeightplanError(f"inference rank {self.rank}: this Receiver was started already")
+        self.agent = NixlAgent(inference_agent(self.rendezvous.job, self.rank), self._progress_thread)
+        self.agent.register(list(self._dst.values()) + [self._seq] + (self._quant.slots if self._quant else []))
+        self._local = {src: self.agent.prepare(None, np.stack([t.local, t.nbytes], axis=1)) for src, t in self._tables.items()}
+        self._seq_local = {src: self.agent.prepare(None, np.array([[self._seq.data_ptr() + 8 * src, 8]])) for src in self.reads}
         self.write_constants()  # with the destinations registered, before this rank says it joined
-        rendezvous.put(f"inference/{rank}/joined", {"incarnation": self.incarnation, "agent": self.agent.name})
+        self.rendezvous.put(f"inference/{self.rank}/joined", {"incarnation": self.incarnation, "agent": self.agent.name})
+        return self
+
+    def close(self) -> None:
+        """Drop every trainer peer, deregister the destinations and release the agent; idempotent.
+
+        The destination keeps the bytes of the last version (`version` says which, None if incomplete).
+        """
+        if self.agent is None or self.agent.closed:
+            return
+        self._drop_peers()
+        for prepared in [*self._local.values(), *self._seq_local.values()]:
+            self.agent.release_list(prepared)
+        self.agent.close()
+
+    def __enter__(self) -> "Receiver":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def version(self) -> int | None:
@@ -206,6 +240,9 @@ class Receiver:
     def sync(self, version: int) -> SyncReport:
         """Receive `version` from every trainer rank this rank reads; raise SyncError (weights incomplete) on failure."""
         check_version(version)
+        if self.agent is None or self.agent.closed:
+            raise WeightplanError(f"inference rank {self.rank}: call start() (or use the Receiver in a with block) "
+                                  "before syncing, and not after close()")
         self._version = None
         start = time.monotonic()
         deadline = start + self.timeout

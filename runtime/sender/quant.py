@@ -9,7 +9,8 @@ import torch
 
 from ..casts import cast_along
 from .gather import Gather, index_ranges
-from ..plan.format import RECEIVER, Plan
+from ..plan.format import Plan
+from ..plan.schema import RECEIVER
 from ..fp8.numerics import BLOCK, BlockQuantizer
 from ..tables.quant import QuantTables, region_index, served_copies, stage_packing
 from ..tables.ranks import ServedRegion

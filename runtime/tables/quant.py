@@ -7,7 +7,8 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from ..errors import PlanMismatchError
-from ..plan.format import GATHER, RECEIVER, Plan
+from ..plan.format import Plan
+from ..plan.schema import GATHER, RECEIVER
 from ..fp8.numerics import BLOCK, block_grid
 from .ranks import PACK_BELOW_BYTES, ServedRegion, check_dst_rank, check_src_rank, served_regions
 

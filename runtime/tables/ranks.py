@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..checks import check_rank
-from ..plan.format import DTYPE_SIZES, Plan
+from ..plan.format import Plan
+from ..plan.schema import DTYPE_SIZES
 
 
 @dataclass(frozen=True)
