@@ -133,10 +133,11 @@ def test_cut_refuses_bytes_no_rank_holds():
     import pytest
 
     from weightplan.compiler.passes.split_shards import _cut
+    from weightplan.runtime.errors import LayoutError
 
     runs = Runs.plain(*(np.array([v], dtype=np.int64) for v in (0, 2, 0, 0, 6, 0, 0)))
     gap = (np.array([0, 5]), np.array([4, 4]), np.array([0, 0]), np.array([0, 1]))  # element 4 is held by nobody
-    with pytest.raises(AssertionError, match="held by no trainer rank"):
+    with pytest.raises(LayoutError, match="held by no trainer rank"):
         _cut(runs, *gap)
 
 

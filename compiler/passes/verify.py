@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...runtime.errors import WeightplanError
-from ...runtime.plan.invariants import first_out_of_bounds, malformed_strides
+from ...runtime.plan import invariants
 from ..ir import Program, Runs, itemsize
 from .run_extents import unweave
 
@@ -58,7 +58,7 @@ def _check_strides(program: Program, runs: Runs) -> None:
     # the plan file's stride rules (runtime/plan/invariants.py), plus the compiler's own: no strided run that is
     # one contiguous stretch on both sides
     stretch = np.flatnonzero((runs.count > 1) & (runs.src_stride == runs.length) & (runs.dst_stride == runs.length))
-    bad = np.union1d(malformed_strides(runs), stretch)
+    bad = np.union1d(invariants.malformed_strides(runs), stretch)
     if len(bad):
         i = bad[0]
         raise PlanInvariantError(
@@ -87,7 +87,7 @@ def _check_bounds(program: Program, runs: Runs) -> None:
             spec = program.dests[c.dest[i]]
             raise PlanInvariantError(f"constant out of bounds or empty: {spec.name} {spec.shape} elements "
                                      f"[{c.dst_off[i]}, {c.dst_off[i] + c.length[i]})")
-    side, i = first_out_of_bounds(runs, src_limit, dst_limit)  # the plan file's bounds rule
+    side, i = invariants.first_out_of_bounds(runs, src_limit, dst_limit)  # the plan file's bounds rule
     if side:
         spec, off, end = ((program.sources[runs.src[i]], runs.src_off[i], runs.src_end()[i]) if side == "source"
                           else (program.dests[runs.dest[i]], runs.dst_off[i], runs.dst_end()[i]))

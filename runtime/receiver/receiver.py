@@ -15,10 +15,11 @@ from ..constant_writes import write_constants
 from .derived import DerivedRefresh
 from ..errors import PlanMismatchError, SyncError, WeightplanError
 from ..transport.nixl_agent import NixlAgent, contiguous_starts
+from ..plan.columns import ColumnTable
 from ..plan.format import Plan
 from ..transport.peer_check import checked_regions, checked_word
 from ..tables.quant import check_supported, quant_tables, stage_packing
-from ..tables.ranks import Reads, held_entries, packing, pipeline_groups, reads_of
+from ..tables.ranks import Reads, RemoteRegion, held_entries, packing, pipeline_groups, reads_of, region_addresses
 from .quant import ReceiverQuant
 from ..transport.region_digests import byte_view, run_digests
 from ..transport.rendezvous import INCARNATION, Rendezvous, inference_agent, trainer_agent
@@ -49,17 +50,14 @@ class SyncReport:
 
 
 @dataclass(frozen=True)
-class _Descriptors:
-    """The READs posted to one trainer rank: remote side as (region or -1 for packed, offset), local as addresses."""
+class _Descriptors(ColumnTable):
+    """The READs posted to one trainer rank: remote side as (exposed region index or RemoteRegion, offset), local as addresses."""
 
     region: np.ndarray
     remote_off: np.ndarray
     local: np.ndarray
     nbytes: np.ndarray
     group: np.ndarray
-
-    def __len__(self) -> int:
-        return int(self.nbytes.shape[0])
 
 
 def descriptor_table(reads: Reads, group: np.ndarray, packed_at: np.ndarray, local: np.ndarray) -> _Descriptors:
@@ -71,7 +69,7 @@ def descriptor_table(reads: Reads, group: np.ndarray, packed_at: np.ndarray, loc
     lo, po, n, g = local[rows], packed[rows], reads.nbytes[rows], group[rows]
     first, merged = contiguous_starts(n, (lo, po), (g,))
     return _Descriptors(
-        region=np.concatenate([reads.region[direct], np.full(len(first), -1, dtype=np.int64)]),
+        region=np.concatenate([reads.region[direct], np.full(len(first), RemoteRegion.PACKED, dtype=np.int64)]),
         remote_off=np.concatenate([reads.src_byte[direct], po[first]]),
         local=np.concatenate([local[direct], lo[first]]),
         nbytes=np.concatenate([reads.nbytes[direct], merged]),
@@ -301,9 +299,8 @@ class Receiver:
         name = trainer_agent(self.rendezvous.job, rank)
         self.agent.add_peer(self.rendezvous.get_bytes(f"trainer/{rank}/metadata/{incarnation}"), name)
         table = self._tables[rank]
-        # Negative region indices: -1 the packed small runs, -2 fp8 values, -3 scales, -4 packed stage copies.
-        bases = np.array(regions + quant + [packed_addr], dtype=np.int64)
-        remote = self.agent.prepare(name, np.stack([bases[table.region] + table.remote_off, table.nbytes], axis=1))
+        bases = region_addresses(table.region, regions, {RemoteRegion.PACKED: packed_addr, **quant})
+        remote = self.agent.prepare(name, np.stack([bases + table.remote_off, table.nbytes], axis=1))
         seq_remote = self.agent.prepare(name, np.array([[checked_word(rank, info, "seq")[0], 8]]))
         peer = _Peer(rank, incarnation, name, self.agent.make_read(self._seq_local[rank], seq_remote, np.zeros(1)))
         peer.remote_lists += [remote, seq_remote]
@@ -312,10 +309,10 @@ class Receiver:
             peer.group_reads[g] = self.agent.make_reads(self._local[rank], remote, rows)
         self._peers[rank] = peer
 
-    def _quant_regions(self, rank: int, info: dict) -> list[int]:
+    def _quant_regions(self, rank: int, info: dict) -> dict[RemoteRegion, int]:
         """Addresses of trainer `rank`'s packed stage copies, scales and fp8 values, after checking their sizes."""
         if self._qt is None:
-            return [0, 0, 0]
+            return {}
         fp8, scales = self._qt.region_bytes(rank)
         expected = {"stage_packed": stage_packing(self.plan, self._qt, rank).nbytes, "scales": 4 * scales, "fp8": fp8}
         quant = info.get("quant")
@@ -325,7 +322,8 @@ class Receiver:
         if {k: size for k, (_, size) in regions.items()} != expected:
             raise PlanMismatchError(f"trainer rank {rank} exposes fp8 regions {quant}, this rank expects sizes {expected}: "
                                     "run the same weightplan version on both sides")
-        return [regions[k][0] for k in ("stage_packed", "scales", "fp8")]
+        return {RemoteRegion.STAGE_PACKED: regions["stage_packed"][0], RemoteRegion.SCALES: regions["scales"][0],
+                RemoteRegion.FP8: regions["fp8"][0]}
 
     def _check_sequence(self, version: int, deadline: float, when: str) -> None:
         handles = [(peer.seq_read, f"trainer rank {peer.rank}") for peer in self._peers.values()]
@@ -384,7 +382,7 @@ class Receiver:
             bad = []
             for rank, reads in self.reads.items():
                 rows = self._groups[rank] == group
-                part = Reads(*(getattr(reads, f)[rows] for f in ("run", "region", "src_byte", "dest", "dst_byte", "nbytes")))
+                part = reads.take(rows)
                 ours = {str(d): h for d, h in run_digests(buffers, part.dest, part.dst_byte, part).items()}
                 if self._quant and rank in self._quant.rows:
                     ours.update(self._quant.digests(rank, group))
