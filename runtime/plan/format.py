@@ -85,13 +85,13 @@ class Plan:
         return self.header["fingerprint"]
 
     @cached_property
-    def trainer_layout(self) -> ShardLayout:
+    def shard_layout(self) -> ShardLayout:
         """The box of each source every trainer rank holds (see runtime/layout/shards.py)."""
         return ShardLayout.from_header(self.header["trainer"], [(e.name, e.box_class) for e in self.sources])
 
     def shard_box(self, source: int, rank: int) -> Box | None:
         """The box of source `source` that trainer `rank` holds; None if the rank is not in its mesh."""
-        return self.trainer_layout.box(source, rank)
+        return self.shard_layout.box(source, rank)
 
     def local_shape(self, source: int, rank: int) -> tuple[int, ...]:
         """Shape of trainer `rank`'s local shard of source `source`; (0,) off its mesh, as DTensor reports."""
@@ -236,7 +236,7 @@ def decode_plan(data: bytes, origin: str = "<bytes>") -> Plan:
     runs, stage, spans = (kind.from_columns(table) for kind, table in zip((Runs, StageRuns, BlockSpans), tables))
     plan = Plan(header, sources, dests, chains, runs, staging, stage, spans, constants, derived)
     try:
-        layout = plan.trainer_layout
+        layout = plan.shard_layout
         bad = [e.name for e in sources if not 0 <= e.box_class < len(layout.classes)]
         bad += [e.name for e in sources if any(b is not None and (len(b) != len(e.shape) or any(
             hi > size for (_, hi), size in zip(b, e.shape))) for b in layout.classes[e.box_class])]
