@@ -2,11 +2,11 @@
 
 from .errors import LayoutError, PlanFormatError, PlanMismatchError, SyncError, WeightplanError
 from .host.executor import execute_local
+from .layout.layout_file import read_trainer_layout, write_trainer_layout
 from .plan.format import Plan, load_plan
 from .receiver.receiver import Receiver, SyncReport
-from .transport.rendezvous import Rendezvous
 from .sender.sender import ReleaseReport, Sender
-from .layout.layout_file import read_trainer_layout, write_trainer_layout
+from .transport.rendezvous import Rendezvous
 
 __all__ = [
     "LayoutError", "Plan", "PlanFormatError", "PlanMismatchError", "Receiver", "ReleaseReport", "Rendezvous",

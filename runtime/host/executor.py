@@ -11,9 +11,9 @@ from ..casts import cast_along
 from ..checks import check_tensors, named_tensors
 from ..constant_writes import write_constants
 from ..errors import PlanMismatchError
-from .quant import execute_quant
 from ..plan.format import Plan
 from ..plan.schema import RUN_COLUMNS
+from .quant import execute_quant
 
 
 def execute_local(

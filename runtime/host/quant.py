@@ -8,9 +8,9 @@ import numpy as np
 import torch
 
 from ..casts import cast_along
+from ..fp8.numerics import quantize_span, span_dest_segments
 from ..plan.format import Plan
 from ..plan.schema import RECEIVER, SENDER, TRAINER_SIDES
-from ..fp8.numerics import quantize_span, span_dest_segments
 
 
 def stage_run_rows(plan: Plan, side: int, stage: int, quant_rank: int | None = None) -> np.ndarray:

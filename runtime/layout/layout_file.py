@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from ..plan.atomic_file import write_atomically
 from ..errors import LayoutError
-from .placements import Mesh, Placement, Sharding, mesh_boxes
+from ..plan.atomic_file import write_atomically
 from ..plan.schema import DTYPE_SIZES
+from .placements import Mesh, Placement, Sharding, mesh_boxes
 
 FORMAT = "weightplan-trainer-layout"
 VERSION = 1

@@ -12,17 +12,17 @@ import torch
 
 from ..checks import check_no_aliases, check_tensors, check_version, flat_view, named_tensors
 from ..constant_writes import write_constants
-from .derived import DerivedRefresh
 from ..errors import PlanMismatchError, SyncError, WeightplanError
-from ..transport.nixl_agent import NixlAgent, contiguous_starts
 from ..plan.columns import ColumnTable
 from ..plan.format import Plan
-from ..transport.peer_check import checked_regions, checked_word
 from ..tables.quant import check_supported, quant_tables, stage_packing
 from ..tables.ranks import Reads, RemoteRegion, held_entries, packing, pipeline_groups, reads_of, region_addresses
-from .quant import ReceiverQuant
+from ..transport.nixl_agent import NixlAgent, contiguous_starts
+from ..transport.peer_check import checked_regions, checked_word
 from ..transport.region_digests import byte_view, run_digests
 from ..transport.rendezvous import INCARNATION, Rendezvous, inference_agent, trainer_agent
+from .derived import DerivedRefresh
+from .quant import ReceiverQuant
 
 log = logging.getLogger("weightplan.runtime")
 PROGRESS_EVERY = 5.0  # seconds between progress lines of a long sync

@@ -8,13 +8,13 @@ import numpy as np
 import torch
 
 from ..casts import cast_along
-from .gather import Gather, index_ranges
+from ..fp8.numerics import BLOCK, BlockQuantizer
 from ..plan.format import Plan
 from ..plan.schema import RECEIVER
-from ..fp8.numerics import BLOCK, BlockQuantizer
 from ..tables.quant import QuantTables, region_index, served_copies, stage_packing
 from ..tables.ranks import ServedRegion
 from ..transport.region_digests import byte_view, digests
+from .gather import Gather, index_ranges
 
 # Stage copies shorter than this (elements) are gathered with one index_copy_ per source: a Python
 # slice copy per run costs microseconds, which thousands of per-row runs (TP column slices) add up.

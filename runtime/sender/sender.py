@@ -14,14 +14,14 @@ import torch
 from ..casts import cast_along
 from ..checks import check_tensors, check_version, flat_view, named_tensors
 from ..errors import SyncError, WeightplanError
-from .gather import Gather
-from ..transport.nixl_agent import NixlAgent
 from ..plan.format import Plan
 from ..plan.schema import RECEIVER
 from ..tables.quant import check_supported, exposed_regions, quant_readers, quant_tables
 from ..tables.ranks import check_src_rank, packing, readers, served_runs
+from ..transport.nixl_agent import NixlAgent
 from ..transport.region_digests import byte_view, run_digests
 from ..transport.rendezvous import INCARNATION, Rendezvous, inference_agent, trainer_agent
+from .gather import Gather
 from .quant import SenderQuant
 from .trainer_gather import TrainerGather, gathered_key, staged_key
 

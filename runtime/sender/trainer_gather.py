@@ -9,10 +9,10 @@ import numpy as np
 import torch
 
 from ..errors import SyncError
-from ..transport.nixl_agent import NixlAgent, contiguous_starts
-from ..transport.peer_check import checked_regions, checked_word
 from ..plan.format import Plan
 from ..tables.quant import QuantTables, exposed_regions, region_index
+from ..transport.nixl_agent import NixlAgent, contiguous_starts
+from ..transport.peer_check import checked_regions, checked_word
 from ..transport.rendezvous import INCARNATION, Rendezvous, trainer_agent
 
 

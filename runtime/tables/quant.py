@@ -7,10 +7,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import PlanMismatchError
+from ..fp8.numerics import BLOCK, block_grid
 from ..plan.columns import ColumnTable
 from ..plan.format import Plan
 from ..plan.schema import GATHER, RECEIVER
-from ..fp8.numerics import BLOCK, block_grid
 from .ranks import PACK_BELOW_BYTES, ServedRegion, check_dst_rank, check_src_rank, served_regions
 
 
