@@ -1,1 +1,1 @@
-"""Trainer-side layouts: DTensor placements and boxes, shard layouts, and the trainer layout file (the compiler imports these)."""
+"""Trainer-side layouts: DTensor placements and boxes, shard layouts, the trainer layout file (shared with the compiler)."""

@@ -1,1 +1,1 @@
-"""The plan file: its schema (entries, sides, column tables, derived items), invariants, header rules, reader and writer."""
+"""The plan file: schema (entries, sides, derived items), column tables, invariants, header rules, reader, writer."""

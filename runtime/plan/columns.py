@@ -1,4 +1,4 @@
-"""One column-table type (equally long int64 columns) and the plan's three tables built on it: runs, stage runs, spans."""
+"""One column-table type (equally long int64 columns) and the plan's tables built on it: runs, stage runs, spans."""
 
 from __future__ import annotations
 

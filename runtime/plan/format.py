@@ -1,4 +1,4 @@
-"""The plan file format: schema, deterministic writer, validating reader, fingerprint.
+"""The plan file format: deterministic writer, validating reader, fingerprint (rules in invariants.py).
 
 Layout (all integers little-endian):
 
@@ -65,8 +65,8 @@ OPTIONAL_FINGERPRINT_KEYS = ("constants",)  # covered when present; absent keys 
 class Plan:
     """A loaded plan: header fields, tensor tables and run columns (elements, not bytes).
 
-    `table` holds the runs as stored (RUN_COLUMNS, strided runs included); `runs` the same runs
-    as contiguous rows (ROW_COLUMNS), which is what executors move.
+    `table` holds the runs as stored (strided runs included); `runs` the same runs as contiguous
+    one-row runs, which is what executors move. `stage` and `spans` are the fp8 tables.
     """
 
     header: dict

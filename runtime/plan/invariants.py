@@ -1,4 +1,4 @@
-"""Plan invariants: the stride and bounds rules the reader and the compiler's verify share, and the reader's table checks."""
+"""Plan invariants: the stride and bounds rules the reader and the compiler's verify share; the reader's table checks."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def check_constants(plan: Plan, origin: str) -> None:
 
 
 def check_runs(plan: Plan, origin: str) -> None:
-    """The reader's rules for the run table: indexes in their tables, positive lengths, stride rules, in bounds, known dtypes."""
+    """The reader's rules for the run table: indexes in range, positive lengths, stride rules, bounds, known dtypes."""
     runs, sources, dests, chains = plan.table, plan.sources, plan.dests, plan.cast_chains
     for column, table in (("src", sources), ("dest", dests), ("wire", chains)):
         values = runs[column]
@@ -70,9 +70,11 @@ def check_runs(plan: Plan, origin: str) -> None:
         shard = np.zeros((plan.header["src_ranks"], len(sources)), dtype=np.int64)
         for s, r in set(zip(runs["src"].tolist(), ranks.tolist())):
             shard[r, s] = int(np.prod(plan.local_shape(s, r), dtype=np.int64))
-        side, _ = first_out_of_bounds(runs, shard[ranks, runs.src], np.array([e.numel for e in dests], dtype=np.int64)[runs.dest])
+        dest_numel = np.array([e.numel for e in dests], dtype=np.int64)
+        side, _ = first_out_of_bounds(runs, shard[ranks, runs.src], dest_numel[runs.dest])
         if side:
-            raise PlanFormatError(f"{origin}: a run reaches outside its {'source shard' if side == 'source' else 'destination tensor'}")
+            what = "source shard" if side == "source" else "destination tensor"
+            raise PlanFormatError(f"{origin}: a run reaches outside its {what}")
     for chain in chains:
         for dtype in chain:
             if dtype not in DTYPE_SIZES:
