@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..runtime.errors import LayoutError
-from ..runtime.shards import MAX_RANKS, ShardLayout, TrainerLayout, layout_items
-from ..runtime.trainer_layout import LayoutFile, read_trainer_layout
+from ..runtime.layout.shards import MAX_RANKS, ShardLayout, TrainerLayout, layout_items
+from ..runtime.layout.layout_file import TrainerLayoutFile, read_trainer_layout
 from .frontend.errors import ModelConfigError
 from .frontend.trainer_formats import canonical_format
 
@@ -92,7 +92,7 @@ def check_trainer_experts(layout, config: dict) -> None:
 class ExplicitTrainer:
     """A `--trainer-layout` file for trainer tensors of format `fmt`."""
 
-    file: LayoutFile
+    file: TrainerLayoutFile
     fmt: str
 
     def bind(self, specs) -> ShardLayout:

@@ -12,9 +12,9 @@ import torch
 
 from ..runtime import execute_local, load_plan
 from ..runtime.errors import PlanMismatchError
-from ..runtime.host_executor import rows_view
-from ..runtime.plan_format import Plan
-from ..runtime.shards import box_segments
+from ..runtime.host.executor import rows_view
+from ..runtime.plan.format import Plan
+from ..runtime.layout.shards import box_segments
 from .frontend.trainer_formats import Conversion
 from .frontend.errors import ModelConfigError
 from .frontend.vllm_model import build_model, current_platform_name, make_vllm_config

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..ir import TensorSpec
+from ..ir import TensorEntry
 from ...runtime.errors import WeightplanError
 from .errors import ModelConfigError
 from .lazy_weight import dtype_name
@@ -35,9 +35,9 @@ class AdapterTrainer:
     adapter: object
     tensors: dict[str, torch.Tensor]
 
-    def specs(self, fmt: str = ADAPTER_FORMAT) -> list[TensorSpec]:
+    def specs(self, fmt: str = ADAPTER_FORMAT) -> list[TensorEntry]:
         is_expert = getattr(self.adapter, "is_expert", lambda name: False)
-        return [TensorSpec(name, tuple(t.shape), dtype_name(t.dtype), "expert" if is_expert(name) else "dense")
+        return [TensorEntry(name, tuple(t.shape), dtype_name(t.dtype), "expert" if is_expert(name) else "dense")
                 for name, t in self.tensors.items()]
 
     def checkpoint_tensors(self, fmt: str, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -11,17 +11,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .casts import cast_along
-from .checks import check_tensors, check_version, flat_view, named_tensors
-from .errors import SyncError
+from ..casts import cast_along
+from ..checks import check_tensors, check_version, flat_view, named_tensors
+from ..errors import SyncError, WeightplanError
+from ..plan.format import Plan
+from ..plan.schema import RECEIVER
+from ..tables.quant import check_supported, exposed_regions, quant_readers, quant_tables
+from ..tables.ranks import check_src_rank, packing, readers, served_runs
+from ..transport.nixl_agent import NixlAgent
+from ..transport.region_digests import byte_view, run_digests
+from ..transport.rendezvous import INCARNATION, Rendezvous, inference_agent, trainer_agent
 from .gather import Gather
-from .nixl_agent import NixlAgent
-from .plan_format import RECEIVER, Plan
-from .quant_tables import check_supported, exposed_regions, quant_readers, quant_tables
-from .rank_tables import check_src_rank, packing, readers, served_runs
-from .region_digests import byte_view, run_digests
-from .rendezvous import INCARNATION, Rendezvous, inference_agent, trainer_agent
-from .sender_quant import SenderQuant
+from .quant import SenderQuant
 from .trainer_gather import TrainerGather, gathered_key, staged_key
 
 log = logging.getLogger("weightplan.runtime")
@@ -46,11 +47,15 @@ class Sender:
     Sources whose wire dtype is their own are exposed in place (zero copy): after `publish(v)` the
     trainer must call `release(v)` before changing them. Cast sources (e.g. fp32 masters sent as
     bf16) are staged at `publish`. With fp8 tables, `publish` also quantizes the blocks this rank
-    alone holds into registered fp8 and scale regions (runtime/sender_quant.py), and the gather-side
-    blocks it quantizes for several ranks after READing their peers' bf16 (runtime/trainer_gather.py):
+    alone holds into registered fp8 and scale regions (runtime/sender/quant.py), and the gather-side
+    blocks it quantizes for several ranks after READing their peers' bf16 (runtime/sender/trainer_gather.py):
     every trainer rank of such a plan must call `publish(v)` at about the same time, since each waits
     for the peers it gathers from. A sequence word in registered memory lets receivers and gathering
     peers detect bytes that changed while they read (seqlock: 2v while v is stable, odd otherwise).
+
+    The constructor only checks the tensors against the plan and allocates staging; `start()` registers
+    the memory with NIXL and publishes this rank's info, `close()` deregisters it and releases the
+    agent. `with Sender(...) as sender:` does both.
     """
 
     def __init__(self, plan: Plan, rank: int, tensors, *, rendezvous: Rendezvous, timeout: float = 60.0,
@@ -92,9 +97,8 @@ class Sender:
         self._seq = torch.ones(1, dtype=torch.int64)  # odd: nothing published yet
         self.readers = tuple(sorted(set(readers(plan, rank)) | set(quant_readers(plan, tables, rank) if tables else ())))
         self.incarnation = uuid.uuid4().hex
-        self.agent = NixlAgent(trainer_agent(rendezvous.job, rank), progress_thread)
-        self.agent.register(self._exposed + [self._packed, self._seq] + (self._quant.registered if self._quant else [])
-                            + (self._gather.registered if self._gather else []))
+        self.agent: NixlAgent | None = None  # created, with this rank's memory registered, by start()
+        self._progress_thread = progress_thread
         self._live: set[int] = set()  # inference ranks whose acknowledgement release() waits for
         self._joined: dict[int, str] = {}
         self._given_up: dict[int, str | None] = {}
@@ -103,6 +107,20 @@ class Sender:
         self.digest_seconds = 0.0
         self.quantize_seconds = 0.0
         self.gather_seconds = 0.0
+
+    def start(self) -> "Sender":
+        """Register this rank's memory with a new NIXL agent and publish its info for readers; returns self.
+
+        Side effects live here, not in the constructor (which only checks and allocates): call it once
+        before `publish`, or use the sender as a context manager, which also closes it.
+        """
+        if self.agent is not None:
+            raise WeightplanError(f"trainer rank {self.rank}: this Sender was started already")
+        rank, rendezvous = self.rank, self.rendezvous
+        self.agent = NixlAgent(trainer_agent(rendezvous.job, rank), self._progress_thread)
+        self.agent.register(self._exposed + [self._packed, self._seq] + (self._quant.registered if self._quant else [])
+                            + (self._gather.registered if self._gather else []))
+        plan = self.plan
         rendezvous.put(f"trainer/{rank}/metadata/{self.incarnation}", self.agent.metadata())
         rendezvous.put(f"trainer/{rank}/info", {
             "fingerprint": plan.fingerprint,
@@ -115,6 +133,22 @@ class Sender:
         })
         log.info("trainer rank %d serves %d regions (%d staged) to inference ranks %s",
                  rank, len(self.regions), sum(r.staged for r in self.regions), list(self.readers))
+        return self
+
+    def close(self) -> None:
+        """Retire the pending version, deregister this rank's memory and release its agent; idempotent."""
+        if self.agent is None or self.agent.closed:
+            return
+        if self._pending is not None:
+            self._seq.fill_(2 * self._pending + 1)  # a reader still reading sees the version retired
+            self._pending = None
+        self.agent.close()
+
+    def __enter__(self) -> "Sender":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def staging_bytes(self) -> int:
@@ -130,6 +164,7 @@ class Sender:
         SyncError then leaves the version unannounced (its receivers time out and keep no mixed bytes).
         """
         check_version(version)
+        self._started()
         if self._pending is not None:
             self.release(self._pending)
         self._seq.fill_(2 * version + 1)
@@ -172,6 +207,7 @@ class Sender:
         not answer in time is not waited for again until it talks or rejoins as a new process.
         """
         check_version(version)
+        self._started()
         start = time.monotonic()
         deadline = start + (self.timeout if timeout is None else timeout)
         self._refresh_joined()
@@ -204,6 +240,11 @@ class Sender:
             log.warning("trainer rank %d: trainer ranks %s had not gathered version %d within the timeout; they will "
                         "fail that version", self.rank, list(report.gatherers_timed_out), version)
         return report
+
+    def _started(self) -> None:
+        if self.agent is None or self.agent.closed:
+            raise WeightplanError(f"trainer rank {self.rank}: call start() (or use the Sender in a with block) before "
+                                  "publishing, and not after close()")
 
     def _poll(self) -> None:
         """Progress this agent (peers' READs need it without a progress thread), keeping the notifications for release()."""

@@ -22,7 +22,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from .errors import SyncError, WeightplanError
+from ..errors import SyncError, WeightplanError
 
 log = logging.getLogger("weightplan.rendezvous")
 

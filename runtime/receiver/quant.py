@@ -8,30 +8,37 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .nixl_agent import contiguous_starts
-from .plan_format import RECEIVER, Plan
-from .quant import BLOCK, BlockQuantizer
-from .quant_tables import (FP8_REGION, SCALE_REGION, STAGE_PACKED_REGION, QuantTables, exposed_regions, held_stages,
+from ..fp8.numerics import BLOCK, BlockQuantizer
+from ..plan.columns import ColumnTable
+from ..plan.format import Plan
+from ..plan.schema import RECEIVER
+from ..tables.quant import (QuantTables, exposed_regions, held_stages,
                            piece_segments, quant_sources, region_index, stage_packing)
-from .rank_tables import Reads
-from .region_digests import byte_view, digests
+from ..tables.ranks import Reads, RemoteRegion
+from ..transport.nixl_agent import contiguous_starts
+from ..transport.region_digests import byte_view, digests
 
 VALUES, SCALES, STAGED = 0, 1, 2  # what a READ row carries, for its digest key
 
 
 @dataclass(frozen=True)
-class QuantRows:
+class QuantRows(ColumnTable):
     """One inference rank's fp8 READs from one trainer rank, one row per piece segment, scale range or stage copy,
     in canonical order (also the order both sides hash them in)."""
 
-    region: np.ndarray  # exposed region index, or FP8_REGION / SCALE_REGION / STAGE_PACKED_REGION
+    region: np.ndarray  # exposed region index, or a RemoteRegion (FP8, SCALES, STAGE_PACKED)
     remote_off: np.ndarray
-    buffer: np.ndarray  # destination entry, or -1 - slot for the bf16 staging slots
+    buffer: np.ndarray  # destination entry (>= 0), or slot_buffer(k) for bf16 staging slot k
     local_off: np.ndarray  # bytes into that buffer
     nbytes: np.ndarray
     stage: np.ndarray
     kind: np.ndarray
     window: np.ndarray  # staging window of a stage copy, else -1
+
+
+def slot_buffer(slot):
+    """The buffer key of bf16 staging slot `slot` (an int or an array): negative, apart from destination entries."""
+    return -1 - slot
 
 
 def _empty_reads(dest: np.ndarray, nbytes: np.ndarray) -> Reads:
@@ -90,8 +97,8 @@ class ReceiverQuant:
         regions = region_index(exposed_regions(self.plan, t, src), copies)
         n_seg, n_pc, n_cp = len(piece), len(mine), len(copies)
         return QuantRows(
-            region=np.concatenate([np.full(n_seg, FP8_REGION), np.full(n_pc, SCALE_REGION),
-                                   np.where(packed_at >= 0, STAGE_PACKED_REGION, regions)]).astype(np.int64),
+            region=np.concatenate([np.full(n_seg, RemoteRegion.FP8), np.full(n_pc, RemoteRegion.SCALES),
+                                   np.where(packed_at >= 0, RemoteRegion.STAGE_PACKED, regions)]).astype(np.int64),
             remote_off=np.concatenate([mine.fp8_off[piece] + in_piece, mine.scale_off * 4,
                                        np.where(packed_at >= 0, packed_at, copies.src_off * 2)]).astype(np.int64),
             buffer=np.concatenate([weight[mine.stage[piece]], scale[mine.stage], np.full(n_cp, -1)]).astype(np.int64),
@@ -129,7 +136,7 @@ class ReceiverQuant:
         self.slots = [torch.zeros(int(used[k::2].max(initial=0)), dtype=torch.bfloat16) for k in range(min(2, n_groups))]
         for r in self.rows.values():
             staged = r.window >= 0
-            r.buffer[staged] = -1 - self.slot_of[r.window[staged]]
+            r.buffer[staged] = slot_buffer(self.slot_of[r.window[staged]])
             r.local_off[staged] += self.slot_off[r.window[staged]] * 2
         self.stage_group = stage_group
         self._quant_views = [[] for _ in range(n_groups)]
@@ -156,7 +163,7 @@ class ReceiverQuant:
         r = self.rows[src]
         group = self.stage_group[r.stage]
         bases = np.zeros(len(self.plan.dests) + 2, dtype=np.int64)  # the last two: slots 1 and 0 (buffers -2, -1)
-        for b, t in [*self._dst.items(), *((-1 - k, s) for k, s in enumerate(self.slots))]:
+        for b, t in [*self._dst.items(), *((slot_buffer(k), s) for k, s in enumerate(self.slots))]:
             bases[b] = t.data_ptr()
         local = bases[r.buffer] + r.local_off
         order = np.lexsort((r.remote_off, r.region, group))
@@ -186,11 +193,11 @@ class ReceiverQuant:
         self.seconds += time.perf_counter() - began
 
     def digests(self, src: int, group: int) -> dict[str, str]:
-        """What landed from `src` for `group`, hashed as the sender hashed it (runtime/sender_quant.py)."""
+        """What landed from `src` for `group`, hashed as the sender hashed it (runtime/sender/quant.py)."""
         r = self.rows[src]
         rows = np.flatnonzero(self.stage_group[r.stage] == group)
         buffers = {b: byte_view(t) for b, t in self._dst.items()}
-        buffers.update({-1 - k: byte_view(s) for k, s in enumerate(self.slots)})
+        buffers.update({slot_buffer(k): byte_view(s) for k, s in enumerate(self.slots)})
         return digests(buffers, r.buffer[rows], r.local_off[rows], r.nbytes[rows],
                        [self.key(k, s) for k, s in zip(r.kind[rows].tolist(), r.stage[rows].tolist())])
 

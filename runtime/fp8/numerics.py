@@ -102,7 +102,7 @@ def _flat(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 class BlockQuantizer:
     """per_block_fp8 for large 2-D views, writing into given outputs.
 
-    Same bytes as per_block_fp8. Whole tiles go through the numba kernel in fp8_kernel.py (`use_kernel`,
+    Same bytes as per_block_fp8. Whole tiles go through the numba kernel in fp8/kernel.py (`use_kernel`,
     the default) or, as its reference, through torch ops a few block rows at a time in preallocated
     buffers (fresh multi-megabyte temporaries cost page faults; cache-sized chunks made it several times
     faster). Tiles holding inf or NaN are redone by the torch path: their bytes depend on how the CPU
@@ -146,7 +146,7 @@ class BlockQuantizer:
         """Whole tiles x[:hf, :wf] through the numba kernel; False (nothing to keep) if it cannot take them."""
         if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.stride(1) != 1 or values.stride(1) != 1:
             return False  # device tensors (a GPU trainer's) go through torch ops where they are
-        from .fp8_kernel import quantize_tiles  # numba compiles or loads its cache on first use
+        from .kernel import quantize_tiles  # numba compiles or loads its cache on first use
 
         tile_scales = np.empty((hf // self.block, wf // self.block), dtype=np.float32)
         bits = _flat(x, hf, wf).view(torch.int16).numpy().view(np.uint16)

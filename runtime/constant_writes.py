@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from .plan_format import Plan
+from .plan.format import Plan
 
 
 def write_constants(plan: Plan, rank: int, flat: Callable[[int], torch.Tensor], only: set[str] | None = None) -> int:

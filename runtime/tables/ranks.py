@@ -6,12 +6,15 @@ derive the same layout independently and can check each other's.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import numpy as np
 
-from .checks import check_rank
-from .plan_format import DTYPE_SIZES, Plan
+from ..checks import check_rank
+from ..plan.columns import ColumnTable
+from ..plan.format import Plan
+from ..plan.schema import DTYPE_SIZES
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,25 @@ class ServedRegion:
         return f"{self.source}:{self.chain}"
 
 
+class RemoteRegion(enum.IntEnum):
+    """A READ's remote region on a trainer rank when it is not one of the exposed source regions (index >= 0)."""
+
+    PACKED = -1  # the small runs the sender packs into one region (`packing`)
+    FP8 = -2  # the fp8 values it quantized (runtime/sender/quant.py)
+    SCALES = -3  # their float32 scales
+    STAGE_PACKED = -4  # the receiver-side stage copies it packs
+
+
+def region_addresses(region: np.ndarray, exposed: list[int], special: dict[RemoteRegion, int]) -> np.ndarray:
+    """The remote base address of each READ: exposed regions by index, the others by their RemoteRegion."""
+    out = np.zeros(len(region), dtype=np.int64)
+    plain = region >= 0
+    out[plain] = np.asarray(exposed, dtype=np.int64)[region[plain]]
+    for kind, address in special.items():
+        out[region == kind] = address
+    return out
+
+
 # Runs shorter than this are gathered by the sender into one packed region, in destination order,
 # so a receiver reads them with a few large descriptors: UCX pays several microseconds per
 # descriptor on this path, whatever its size (benchmarks/bench_runtime.py, host overhead rows).
@@ -44,7 +66,7 @@ PACK_BELOW_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
-class Reads:
+class Reads(ColumnTable):
     """One inference rank's reads from one trainer rank, one row per plan run, in plan order."""
 
     run: np.ndarray  # index into plan.runs (rows)
@@ -53,9 +75,6 @@ class Reads:
     dest: np.ndarray  # index into plan.dests
     dst_byte: np.ndarray  # byte offset inside the destination tensor
     nbytes: np.ndarray
-
-    def __len__(self) -> int:
-        return int(self.nbytes.shape[0])
 
 
 def check_src_rank(plan: Plan, rank: int) -> None:

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import torch
 
-from .errors import SyncError
+from ..errors import SyncError
 
 log = logging.getLogger("weightplan.runtime")
 # UCX handles one huge request list much more slowly than several smaller ones (measured by
@@ -44,6 +44,22 @@ class NixlAgent:
 
     def metadata(self) -> bytes:
         return self._agent.get_agent_metadata()
+
+    def close(self) -> None:
+        """Deregister every registered tensor and release the NIXL agent; idempotent (an engine shutdown calls it)."""
+        agent, self._agent = self._agent, None
+        if agent is None:
+            return
+        for registered in self._registered:
+            try:
+                agent.deregister_memory(registered)
+            except Exception as exc:  # NIXL raises its own status types; the memory is released with the agent anyway
+                log.debug("deregistering memory of %s: %s", self.name, exc)
+        self._registered = []
+
+    @property
+    def closed(self) -> bool:
+        return self._agent is None
 
     def add_peer(self, metadata: bytes, expected_name: str) -> None:
         """Load a remote agent's metadata, refusing it unless it names the agent the plan expects."""

@@ -7,9 +7,10 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from .casts import cast_along
-from .plan_format import RECEIVER, SENDER, TRAINER_SIDES, Plan
-from .quant import quantize_span, span_dest_segments
+from ..casts import cast_along
+from ..fp8.numerics import quantize_span, span_dest_segments
+from ..plan.format import Plan
+from ..plan.schema import RECEIVER, SENDER, TRAINER_SIDES
 
 
 def stage_run_rows(plan: Plan, side: int, stage: int, quant_rank: int | None = None) -> np.ndarray:

@@ -7,7 +7,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-BLOCK = 128
+from .numerics import BLOCK
+
 _I32 = ir.IntType(32)
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from .errors import PlanFormatError
-from .shards import MAX_RANKS
+from ..errors import PlanFormatError
+from ..layout.shards import MAX_RANKS
 
 MAX_ELEMENTS = 1 << 48  # elements in one tensor, and any offset, length or stride a plan stores
 MAX_DIMS = 8

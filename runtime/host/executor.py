@@ -7,12 +7,13 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from .casts import cast_along
-from .checks import check_tensors, named_tensors
-from .constants import write_constants
-from .errors import PlanMismatchError
-from .host_quant import execute_quant
-from .plan_format import RUN_COLUMNS, Plan
+from ..casts import cast_along
+from ..checks import check_tensors, named_tensors
+from ..constant_writes import write_constants
+from ..errors import PlanMismatchError
+from ..plan.format import Plan
+from ..plan.schema import RUN_COLUMNS
+from .quant import execute_quant
 
 
 def execute_local(

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .errors import SyncError
-from .nixl_agent import NixlAgent, contiguous_starts
-from .peer_check import checked_regions, checked_word
-from .plan_format import Plan
-from .quant_tables import QuantTables, exposed_regions, region_index
-from .rendezvous import INCARNATION, Rendezvous, trainer_agent
+from ..errors import SyncError
+from ..plan.format import Plan
+from ..tables.quant import QuantTables, exposed_regions, region_index
+from ..transport.nixl_agent import NixlAgent, contiguous_starts
+from ..transport.peer_check import checked_regions, checked_word
+from ..transport.rendezvous import INCARNATION, Rendezvous, trainer_agent
 
 
 def staged_key(rank: int, version: int) -> str:

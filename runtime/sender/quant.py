@@ -7,18 +7,19 @@ import time
 import numpy as np
 import torch
 
-from .casts import cast_along
+from ..casts import cast_along
+from ..fp8.numerics import BLOCK, BlockQuantizer
+from ..plan.format import Plan
+from ..plan.schema import RECEIVER
+from ..tables.quant import QuantTables, region_index, served_copies, stage_packing
+from ..tables.ranks import ServedRegion
+from ..transport.region_digests import byte_view, digests
 from .gather import Gather, index_ranges
-from .plan_format import RECEIVER, Plan
-from .quant import BLOCK, BlockQuantizer
-from .quant_tables import QuantTables, region_index, served_copies, stage_packing
-from .rank_tables import ServedRegion
-from .region_digests import byte_view, digests
 
 # Stage copies shorter than this (elements) are gathered with one index_copy_ per source: a Python
 # slice copy per run costs microseconds, which thousands of per-row runs (TP column slices) add up.
 SMALL_COPY = 4096
-GATHERED = -1  # source key of the buffer holding the bf16 read from peer trainer ranks (runtime/trainer_gather.py)
+GATHERED = -1  # source key of the buffer holding the bf16 read from peer trainer ranks (runtime/sender/trainer_gather.py)
 BF16 = ("bfloat16",)
 
 

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from .atomic_file import write_atomically
-from .errors import LayoutError
+from ..errors import LayoutError
+from ..plan.atomic_file import write_atomically
+from ..plan.schema import DTYPE_SIZES
 from .placements import Mesh, Placement, Sharding, mesh_boxes
-from .plan_format import DTYPE_SIZES
 
 FORMAT = "weightplan-trainer-layout"
 VERSION = 1
@@ -36,13 +36,13 @@ class TensorLayout:
 
 
 @dataclass(frozen=True)
-class LayoutFile:
+class TrainerLayoutFile:
     path: str
     world_size: int
     tensors: dict[str, TensorLayout]
 
 
-def read_trainer_layout(path: str | Path) -> LayoutFile:
+def read_trainer_layout(path: str | Path) -> TrainerLayoutFile:
     """Read a layout file and check it on its own; LayoutError names the defect and where it is."""
     try:
         text = Path(path).read_text()
@@ -66,7 +66,7 @@ def read_trainer_layout(path: str | Path) -> LayoutFile:
     if missing:
         raise LayoutError(f"trainer layout {path}: trainer rank {missing[0]} of world_size {world} holds no tensor "
                           "(it is in no mesh a tensor uses); mesh rank ids must be the global trainer ranks 0..world_size-1")
-    return LayoutFile(str(path), world, layouts)
+    return TrainerLayoutFile(str(path), world, layouts)
 
 
 def _unique_keys(path, pairs: list[tuple[str, object]]) -> dict:

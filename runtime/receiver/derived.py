@@ -6,8 +6,9 @@ import time
 
 import torch
 
-from .errors import PlanMismatchError
-from .plan_format import Plan
+from ..errors import PlanMismatchError
+from ..plan.format import Plan
+from ..plan.schema import DerivedItem
 
 MODES = ("refresh", "caller")
 
@@ -26,7 +27,7 @@ class DerivedRefresh:
     def __init__(self, plan: Plan, held_names: set[str], destination, mode: str, act_dtype: torch.dtype):
         if mode not in MODES:
             raise ValueError(f"derived={mode!r}: choose one of {', '.join(MODES)}")
-        items = [d for d in plan.header.get("derived", []) if d[3] == "receiver" and set(d[2]) <= held_names]
+        items = [d for d in plan.derived if d.where == DerivedItem.RECEIVER and set(d.reads) <= held_names]
         self.mode, self.act_dtype, self.seconds = mode, act_dtype, 0.0
         self.modules: list[tuple[str, torch.nn.Module]] = []
         if mode == "caller" or not items:
@@ -34,9 +35,10 @@ class DerivedRefresh:
         if not isinstance(destination, torch.nn.Module):
             raise PlanMismatchError(
                 f"the plan lists {len(items)} derived post-load items this rank must recompute after every sync "
-                f"(e.g. {items[0][0]}: {items[0][1]}), but the destination is not a module; pass the vLLM model, "
+                f"(e.g. {items[0].module}: {items[0].what}), but the destination is not a module; pass the vLLM model, "
                 "or derived='caller' and recompute them yourself")
-        for module_name, what, _, _ in items:
+        for item in items:
+            module_name, what = item.module, item.what
             try:
                 module = destination.get_submodule(module_name)
             except AttributeError:

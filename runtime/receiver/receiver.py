@@ -10,18 +10,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .checks import check_no_aliases, check_tensors, check_version, flat_view, named_tensors
-from .constants import write_constants
+from ..checks import check_no_aliases, check_tensors, check_version, flat_view, named_tensors
+from ..constant_writes import write_constants
+from ..errors import PlanMismatchError, SyncError, WeightplanError
+from ..plan.columns import ColumnTable
+from ..plan.format import Plan
+from ..tables.quant import check_supported, quant_tables, stage_packing
+from ..tables.ranks import Reads, RemoteRegion, held_entries, packing, pipeline_groups, reads_of, region_addresses
+from ..transport.nixl_agent import NixlAgent, contiguous_starts
+from ..transport.peer_check import checked_regions, checked_word
+from ..transport.region_digests import byte_view, run_digests
+from ..transport.rendezvous import INCARNATION, Rendezvous, inference_agent, trainer_agent
 from .derived import DerivedRefresh
-from .errors import PlanMismatchError, SyncError
-from .nixl_agent import NixlAgent, contiguous_starts
-from .plan_format import Plan
-from .peer_check import checked_regions, checked_word
-from .quant_tables import check_supported, quant_tables, stage_packing
-from .rank_tables import Reads, held_entries, packing, pipeline_groups, reads_of
-from .receiver_quant import ReceiverQuant
-from .region_digests import byte_view, run_digests
-from .rendezvous import INCARNATION, Rendezvous, inference_agent, trainer_agent
+from .quant import ReceiverQuant
 
 log = logging.getLogger("weightplan.runtime")
 PROGRESS_EVERY = 5.0  # seconds between progress lines of a long sync
@@ -41,7 +42,7 @@ class SyncReport:
     seconds: float
     verify_seconds: float | None
     quantize_seconds: float = 0.0  # receiver-side fp8 quantization, inside `seconds`
-    derived_seconds: float = 0.0  # recomputing derived post-load state (runtime/derived.py), inside `seconds`
+    derived_seconds: float = 0.0  # recomputing derived post-load state (runtime/receiver/derived.py), inside `seconds`
 
     @property
     def gbps(self) -> float:
@@ -49,17 +50,14 @@ class SyncReport:
 
 
 @dataclass(frozen=True)
-class _Descriptors:
-    """The READs posted to one trainer rank: remote side as (region or -1 for packed, offset), local as addresses."""
+class _Descriptors(ColumnTable):
+    """The READs posted to one trainer rank: remote side as (exposed region index or RemoteRegion, offset), local as addresses."""
 
     region: np.ndarray
     remote_off: np.ndarray
     local: np.ndarray
     nbytes: np.ndarray
     group: np.ndarray
-
-    def __len__(self) -> int:
-        return int(self.nbytes.shape[0])
 
 
 def descriptor_table(reads: Reads, group: np.ndarray, packed_at: np.ndarray, local: np.ndarray) -> _Descriptors:
@@ -71,7 +69,7 @@ def descriptor_table(reads: Reads, group: np.ndarray, packed_at: np.ndarray, loc
     lo, po, n, g = local[rows], packed[rows], reads.nbytes[rows], group[rows]
     first, merged = contiguous_starts(n, (lo, po), (g,))
     return _Descriptors(
-        region=np.concatenate([reads.region[direct], np.full(len(first), -1, dtype=np.int64)]),
+        region=np.concatenate([reads.region[direct], np.full(len(first), RemoteRegion.PACKED, dtype=np.int64)]),
         remote_off=np.concatenate([reads.src_byte[direct], po[first]]),
         local=np.concatenate([local[direct], lo[first]]),
         nbytes=np.concatenate([reads.nbytes[direct], merged]),
@@ -98,16 +96,20 @@ class Receiver:
     the first sync, during a sync and after a failed one). `group_bytes` bounds the bytes of a
     pipeline group: group k+1 moves while the post-ops of group k run. Post-ops are the digest
     check (`verify`), quantizing this rank's own fp8 blocks (plans with fp8 tables; see
-    runtime/receiver_quant.py) and `post_op(names)`, called with the destination names each group
+    runtime/receiver/quant.py) and `post_op(names)`, called with the destination names each group
     completed, in that order. After the last group, the derived post-load state the plan lists
     (MLA's absorbed `W_UK_T`/`W_UV`) is recomputed on `destination`'s modules with
-    `process_weights_after_loading(act_dtype)` (runtime/derived.py); `derived="caller"` leaves
+    `process_weights_after_loading(act_dtype)` (runtime/receiver/derived.py); `derived="caller"` leaves
     that to the caller, and is required when `destination` is a dict of tensors.
 
-    The plan's constants (vLLM's zero padding rows) are written once, here, before any sync: no
+    The plan's constants (vLLM's zero padding rows) are written once, at `start()`, before any sync: no
     READ touches their bytes, so a sync, failed or not, leaves them intact. The destination is the
     caller's memory, though: a caller that writes it itself (vLLM's own `load_weights`, a dummy
     initialisation, a kernel repacking in place) calls `write_constants()` before the next sync.
+
+    The constructor only checks the destination against the plan; `start()` registers it with NIXL,
+    writes the constants and joins, `close()` deregisters it and releases the agent. `with
+    Receiver(...) as receiver:` does both.
     """
 
     def __init__(self, plan: Plan, rank: int, destination, *, rendezvous: Rendezvous, timeout: float = 60.0,
@@ -144,18 +146,48 @@ class Receiver:
                 names[stage_group[stage]] |= {plan.dests[entry.weight].name, plan.dests[entry.scale].name}
         self._group_names = [sorted(n) for n in names]
         self._seq = torch.zeros(plan.header["src_ranks"], dtype=torch.int64)
-        self.agent = NixlAgent(inference_agent(rendezvous.job, rank), progress_thread)
-        self.agent.register(list(self._dst.values()) + [self._seq] + (self._quant.slots if self._quant else []))
         packings = {src: packing(plan, src) for src in self.reads}
         self._packed_bytes = {src: p.nbytes for src, p in packings.items()}
         self._tables = {src: self._descriptors(src, packings[src]) for src in self.reads}
-        self._local = {src: self.agent.prepare(None, np.stack([t.local, t.nbytes], axis=1)) for src, t in self._tables.items()}
-        self._seq_local = {src: self.agent.prepare(None, np.array([[self._seq.data_ptr() + 8 * src, 8]])) for src in self.reads}
         self._peers: dict[int, _Peer] = {}
         self._version: int | None = None
         self.incarnation = uuid.uuid4().hex
+        self.agent: NixlAgent | None = None  # created, with the destinations registered, by start()
+        self._progress_thread = progress_thread
+
+    def start(self) -> "Receiver":
+        """Register the destinations with a new NIXL agent, write the plan's constants and join the job; returns self.
+
+        Side effects live here, not in the constructor (which only checks the destination against the
+        plan): call it once before `sync`, or use the receiver as a context manager, which also closes it.
+        """
+        if self.agent is not None:
+            raise WeightplanError(f"inference rank {self.rank}: this Receiver was started already")
+        self.agent = NixlAgent(inference_agent(self.rendezvous.job, self.rank), self._progress_thread)
+        self.agent.register(list(self._dst.values()) + [self._seq] + (self._quant.slots if self._quant else []))
+        self._local = {src: self.agent.prepare(None, np.stack([t.local, t.nbytes], axis=1)) for src, t in self._tables.items()}
+        self._seq_local = {src: self.agent.prepare(None, np.array([[self._seq.data_ptr() + 8 * src, 8]])) for src in self.reads}
         self.write_constants()  # with the destinations registered, before this rank says it joined
-        rendezvous.put(f"inference/{rank}/joined", {"incarnation": self.incarnation, "agent": self.agent.name})
+        self.rendezvous.put(f"inference/{self.rank}/joined", {"incarnation": self.incarnation, "agent": self.agent.name})
+        return self
+
+    def close(self) -> None:
+        """Drop every trainer peer, deregister the destinations and release the agent; idempotent.
+
+        The destination keeps the bytes of the last version (`version` says which, None if incomplete).
+        """
+        if self.agent is None or self.agent.closed:
+            return
+        self._drop_peers()
+        for prepared in [*self._local.values(), *self._seq_local.values()]:
+            self.agent.release_list(prepared)
+        self.agent.close()
+
+    def __enter__(self) -> "Receiver":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def version(self) -> int | None:
@@ -182,7 +214,7 @@ class Receiver:
 
     @property
     def staging_bytes(self) -> int:
-        """bf16 staging for the blocks this rank quantizes itself: the two slots of runtime/receiver_quant.py."""
+        """bf16 staging for the blocks this rank quantizes itself: the two slots of runtime/receiver/quant.py."""
         return self._quant.staging_bytes if self._quant else 0
 
     @property
@@ -206,6 +238,9 @@ class Receiver:
     def sync(self, version: int) -> SyncReport:
         """Receive `version` from every trainer rank this rank reads; raise SyncError (weights incomplete) on failure."""
         check_version(version)
+        if self.agent is None or self.agent.closed:
+            raise WeightplanError(f"inference rank {self.rank}: call start() (or use the Receiver in a with block) "
+                                  "before syncing, and not after close()")
         self._version = None
         start = time.monotonic()
         deadline = start + self.timeout
@@ -264,9 +299,8 @@ class Receiver:
         name = trainer_agent(self.rendezvous.job, rank)
         self.agent.add_peer(self.rendezvous.get_bytes(f"trainer/{rank}/metadata/{incarnation}"), name)
         table = self._tables[rank]
-        # Negative region indices: -1 the packed small runs, -2 fp8 values, -3 scales, -4 packed stage copies.
-        bases = np.array(regions + quant + [packed_addr], dtype=np.int64)
-        remote = self.agent.prepare(name, np.stack([bases[table.region] + table.remote_off, table.nbytes], axis=1))
+        bases = region_addresses(table.region, regions, {RemoteRegion.PACKED: packed_addr, **quant})
+        remote = self.agent.prepare(name, np.stack([bases + table.remote_off, table.nbytes], axis=1))
         seq_remote = self.agent.prepare(name, np.array([[checked_word(rank, info, "seq")[0], 8]]))
         peer = _Peer(rank, incarnation, name, self.agent.make_read(self._seq_local[rank], seq_remote, np.zeros(1)))
         peer.remote_lists += [remote, seq_remote]
@@ -275,10 +309,10 @@ class Receiver:
             peer.group_reads[g] = self.agent.make_reads(self._local[rank], remote, rows)
         self._peers[rank] = peer
 
-    def _quant_regions(self, rank: int, info: dict) -> list[int]:
+    def _quant_regions(self, rank: int, info: dict) -> dict[RemoteRegion, int]:
         """Addresses of trainer `rank`'s packed stage copies, scales and fp8 values, after checking their sizes."""
         if self._qt is None:
-            return [0, 0, 0]
+            return {}
         fp8, scales = self._qt.region_bytes(rank)
         expected = {"stage_packed": stage_packing(self.plan, self._qt, rank).nbytes, "scales": 4 * scales, "fp8": fp8}
         quant = info.get("quant")
@@ -288,7 +322,8 @@ class Receiver:
         if {k: size for k, (_, size) in regions.items()} != expected:
             raise PlanMismatchError(f"trainer rank {rank} exposes fp8 regions {quant}, this rank expects sizes {expected}: "
                                     "run the same weightplan version on both sides")
-        return [regions[k][0] for k in ("stage_packed", "scales", "fp8")]
+        return {RemoteRegion.STAGE_PACKED: regions["stage_packed"][0], RemoteRegion.SCALES: regions["scales"][0],
+                RemoteRegion.FP8: regions["fp8"][0]}
 
     def _check_sequence(self, version: int, deadline: float, when: str) -> None:
         handles = [(peer.seq_read, f"trainer rank {peer.rank}") for peer in self._peers.values()]
@@ -347,7 +382,7 @@ class Receiver:
             bad = []
             for rank, reads in self.reads.items():
                 rows = self._groups[rank] == group
-                part = Reads(*(getattr(reads, f)[rows] for f in ("run", "region", "src_byte", "dest", "dst_byte", "nbytes")))
+                part = reads.take(rows)
                 ours = {str(d): h for d, h in run_digests(buffers, part.dest, part.dst_byte, part).items()}
                 if self._quant and rank in self._quant.rows:
                     ours.update(self._quant.digests(rank, group))

@@ -2,32 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import PlanMismatchError
-from .plan_format import GATHER, RECEIVER, Plan
-from .quant import BLOCK, block_grid
-from .rank_tables import PACK_BELOW_BYTES, ServedRegion, check_dst_rank, check_src_rank, served_regions
+from ..errors import PlanMismatchError
+from ..fp8.numerics import BLOCK, block_grid
+from ..plan.columns import ColumnTable
+from ..plan.format import Plan
+from ..plan.schema import GATHER, RECEIVER
+from .ranks import PACK_BELOW_BYTES, ServedRegion, check_dst_rank, check_src_rank, served_regions
 
-# Where a READ's remote bytes are on a trainer rank, besides its exposed regions (index >= 0) and
-# the packed small runs (-1, rank_tables.packing): the sender's fp8 values, scales, packed stage copies.
-FP8_REGION, SCALE_REGION, STAGE_PACKED_REGION = -2, -3, -4
-
-
-class _Columns:
-    """A table of equally long int64 columns."""
-
-    def __len__(self) -> int:
-        return len(getattr(self, fields(self)[0].name))
-
-    def take(self, rows):
-        return type(self)(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
 
 
 @dataclass(frozen=True)
-class Pieces(_Columns):
+class Pieces(ColumnTable):
     """Rectangles of whole blocks quantized with one call each, in span order.
 
     A staging tensor is seen as 2-D (matrices * rows, cols). A piece covers rows [row, row + height),
@@ -53,7 +42,7 @@ class Pieces(_Columns):
 
 
 @dataclass(frozen=True)
-class Windows(_Columns):
+class Windows(ColumnTable):
     """Runs of consecutive block rows of one staging tensor that one side holds in bf16: flat elements [lo, hi).
 
     `covered`: stage copies write every element, so the buffer needs no zeroing for the padding.
@@ -72,7 +61,7 @@ class Windows(_Columns):
 
 
 @dataclass(frozen=True)
-class StageCopies(_Columns):
+class StageCopies(ColumnTable):
     """Stage runs cut to the windows they feed: `length` elements of the shard at `src_off` to `win_off` in `window`.
 
     Elements outside every window of their side are never needed, so they are never copied or read.

@@ -30,7 +30,7 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 
-from .errors import PlanMismatchError
+from ..errors import PlanMismatchError
 from .placements import REPLICATE, Box, Mesh, Placement, Sharding, mesh_boxes
 
 RankBoxes = tuple[Box | None, ...]  # the box each trainer rank holds; None: not in the tensor's mesh

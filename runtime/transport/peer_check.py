@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .errors import PlanMismatchError, SyncError
-from .plan_format import Plan
-from .quant_tables import QuantTables, exposed_regions
+from ..errors import PlanMismatchError, SyncError
+from ..plan.format import Plan
+from ..tables.quant import QuantTables, exposed_regions
 
 
 def checked_regions(plan: Plan, tables: QuantTables | None, rank: int, info: dict, incarnation: str) -> list[int]:

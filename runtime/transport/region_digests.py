@@ -12,7 +12,7 @@ import hashlib
 import numpy as np
 import torch
 
-from .rank_tables import Reads
+from ..tables.ranks import Reads
 
 
 def byte_view(tensor: torch.Tensor) -> np.ndarray:
