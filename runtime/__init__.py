@@ -2,6 +2,7 @@
 
 from .errors import LayoutError, PlanFormatError, PlanMismatchError, SyncError, WeightplanError
 from .host_executor import execute_local
+from .live_module import LiveSender, trainer_tensors
 from .plan_format import Plan, load_plan
 from .receiver import Receiver, SyncReport
 from .rendezvous import Rendezvous
@@ -9,7 +10,7 @@ from .sender import ReleaseReport, Sender
 from .trainer_layout import read_trainer_layout, write_trainer_layout
 
 __all__ = [
-    "LayoutError", "Plan", "PlanFormatError", "PlanMismatchError", "Receiver", "ReleaseReport", "Rendezvous",
+    "LayoutError", "LiveSender", "Plan", "PlanFormatError", "PlanMismatchError", "Receiver", "ReleaseReport", "Rendezvous",
     "Sender", "SyncError", "SyncReport", "WeightplanError", "execute_local", "load_plan", "read_trainer_layout",
-    "write_trainer_layout",
+    "trainer_tensors", "write_trainer_layout",
 ]
