@@ -84,6 +84,19 @@ class _SumOverGroup(torch.autograd.Function):
         return grad, None
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity whose gradient is multiplied by `scale`."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
 def _ep_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """DeepseekV3Experts.forward with this rank's experts only (their DTensor's local part) over the EP group's tokens."""
     group = self._ep_group
@@ -91,6 +104,10 @@ def _ep_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     gate_up, down = self.gate_up_proj, self.down_proj
     gate_up = gate_up.to_local() if hasattr(gate_up, "to_local") else gate_up
     down = down.to_local() if hasattr(down, "to_local") else down
+    # FSDP averages expert gradients over dp_shard only, but they already sum the whole EP group's tokens.
+    # (set_gradient_divide_factor would do this, with a PREMUL_SUM reduce-scatter gloo lacks for bf16.)
+    scale = 1.0 / dist.get_world_size(group)
+    gate_up, down = _ScaleGrad.apply(gate_up, scale), _ScaleGrad.apply(down, scale)
     local, first = gate_up.shape[0], rank * gate_up.shape[0]
     rows, width = hidden_states.shape
     # One gather (and so one backward all-reduce) for tokens and routing weights: every rank then runs
@@ -146,8 +163,6 @@ def parallelize(model: torch.nn.Module, *, ep: int = 1, reshard_after_forward: b
             experts._ep_group = mesh.get_group("ep")
             experts.forward = types.MethodType(_ep_experts_forward, experts)
             fully_shard(experts, mesh=mesh["dp_shard"], **kw)
-            # FSDP averages over dp_shard only; the experts' gradients already hold the EP group's tokens.
-            experts.set_gradient_divide_factor(float(world))
     else:
         dense_mesh = init_device_mesh("cpu", (world,))
     layers = model.model.layers
