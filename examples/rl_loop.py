@@ -1,7 +1,7 @@
 """The whole RL weight-sync loop on one machine: FSDP2 trainers train, publish, and one inference side syncs and generates.
 
-    python examples/rl_loop.py                  # 2 trainer processes (EP=2 on a (dp_shard, ep) mesh), 5 steps
-    python examples/rl_loop.py --trainers 4 --ep 2 --masters bf16 --steps 3
+    python examples/rl_loop.py                  # 4 trainer processes, experts on a (dp_shard=2, ep=2) mesh, 5 steps
+    python examples/rl_loop.py --trainers 2 --ep 1 --masters bf16 --steps 3 --check
 
 This process is the inference side and hosts the rendezvous store; it starts `--trainers`
 trainer processes (this same file with `--role trainer`). Then:
@@ -258,7 +258,7 @@ def run_inference(args) -> int:
         inference = ReceiverInference(plan, rendezvous, args.config, timeout=args.timeout)
         check = FreshLoad(plan, args.config) if args.check else None
         rendezvous.put("demo/plan", str(plan_path).encode())
-        print(json.dumps({"event": "start", "trainers": args.trainers, "ep": args.ep, "masters": args.masters,
+        print(json.dumps({"event": "start", "trainers": args.trainers, "ep": args.ep, "masters": args.masters, "target": mt.TARGET,
                           "plan": plan.header["trainer"]["token"], "setup_s": round(time.perf_counter() - began, 1)}),
               flush=True)
         for version in range(1, args.steps + 2):
@@ -312,13 +312,13 @@ def _check_alive(procs, workdir: Path) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--trainers", type=int, default=2, help="trainer processes (FSDP2 ranks)")
+    p.add_argument("--trainers", type=int, default=4, help="trainer processes (FSDP2 ranks)")
     p.add_argument("--ep", type=int, default=2, help="expert-parallel degree: experts Shard(0) over a (dp_shard, ep) mesh")
     p.add_argument("--masters", choices=DTYPES, default="fp32",
                    help="fp32: fp32 masters, MixedPrecisionPolicy(param_dtype=bf16), bf16 on the wire; bf16: bf16 masters")
     p.add_argument("--steps", type=int, default=5, help="publish/sync/generate rounds after the initial weights")
-    p.add_argument("--train-steps", type=int, default=3, help="optimizer steps per round")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--train-steps", type=int, default=2, help="optimizer steps per round")
+    p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--new-tokens", type=int, default=6)
     p.add_argument("--config", type=Path, default=mt.CONFIG)
     p.add_argument("--timeout", type=float, default=120.0)
