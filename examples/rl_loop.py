@@ -96,8 +96,6 @@ def run_trainer(args) -> None:
 
 def _reload(model, args):
     """Load a copy of the sharded state dict with assign=True (new storages, same values and layout), as a resume does."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict  # noqa: F401
-
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     model.load_state_dict(state, assign=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -224,7 +222,7 @@ class FreshLoad:
         expected, actual = compute_tensor_digests(self.reference), compute_tensor_digests(inference.model)
         differ = sorted(k for k in expected if expected[k] != actual.get(k))
         fresh = self.build_hf()
-        fresh.load_state_dict({k: v.to(torch.bfloat16) for k, v in full.items()}, strict=False)
+        fresh.load_state_dict({k: v.to(torch.bfloat16) for k, v in full.items()})
         fresh_tokens = greedy(fresh, mt.PROMPTS, n)
         return {"digests": len(expected), "digests_differ": differ[:5], "n_differ": len(differ),
                 "missing_in_full": missing[:5], "fresh_tokens_equal": fresh_tokens == tokens}

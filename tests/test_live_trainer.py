@@ -66,12 +66,12 @@ def test_four_ranks_ep_2d_mesh_bf16_masters_checkpoint_reload(tmp_path):
     assert layout["meshes"][experts["mesh"]] == {"shape": [2, 2], "ranks": [[0, 1], [2, 3]]}
 
 
-def _fsdp_rank0(dtype=torch.float32):
+def _fsdp_rank0(dtype=torch.float32, **kw):
     """Rank 0 of a fake 4-rank world: the tiny DeepSeek-V3 trainer under fully_shard (no collectives needed)."""
     from examples import moe_trainer as mt
 
     as_rank(0, 4)
-    return mt.parallelize(mt.build_model(mt.CONFIG, dtype))
+    return mt.parallelize(mt.build_model(mt.CONFIG, dtype), **kw)
 
 
 def _write_layout(path):
@@ -80,23 +80,33 @@ def _write_layout(path):
     write_trainer_layout(_fsdp_rank0(), path)
 
 
-def _refusals_and_reregistration(layout_plan, shorthand_plan, address):
-    from weightplan.runtime import LiveSender, PlanMismatchError, Rendezvous, load_plan
+def _refusals_and_reregistration(layout_plan, address):
+    from weightplan.runtime import LiveSender, PlanMismatchError, load_plan, trainer_tensors
     from weightplan.runtime import sender as sender_module
 
     rendezvous = Rendezvous.connect("live-unit", address)
-    model = _fsdp_rank0()
+    # After a forward with reshard_after_forward=False the module holds the all-gathered copies; the sharded
+    # masters are what is served. (The fake world's all-gather moves no bytes; only shapes matter here.)
+    model = _fsdp_rank0(reshard_after_forward=False)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
+    held = dict(model.named_parameters())["model.embed_tokens.weight"]
+    served = trainer_tensors(model)["model.embed_tokens.weight"]
+    assert not hasattr(held, "to_local") and tuple(held.shape) == (320, 64)
+    assert tuple(served.to_local().shape) == (80, 64)
+
     agent = sender_module.NixlAgent
 
     def refuse(*args, **kwargs):
         raise AssertionError("a NIXL agent was created before the layout was checked")
 
     sender_module.NixlAgent = refuse
-    # --trainer fsdp=4 shards every tensor on dim 0; FSDP2 leaves buffers whole on every rank.
-    with pytest.raises(PlanMismatchError, match=r"trainer tensor 'model\.layers\.1\.mlp\.gate\.e_score_correction_bias': "
-                                                r"the module places it \(Replicate\(\)\) on mesh \[4\].*rank 0 holds \[0:8\]; "
-                                                r"the plan \(trainer layout fsdp4\) has rank 0 holding \[0:2\]"):
-        LiveSender(load_plan(shorthand_plan), 0, model, rendezvous=rendezvous)
+    # The plan is for FSDP2 over 4 ranks; this module keeps its experts on a (dp_shard=2, ep=2) mesh.
+    with pytest.raises(PlanMismatchError, match=r"trainer tensor 'model\.layers\.1\.mlp\.experts\.gate_up_proj': the module "
+                                                r"places it \(_StridedShard\(0, split_factor=2\), Shard\(0\)\) on mesh \[2, 2\] "
+                                                r"of ranks \[0, 1, 2, 3\], so trainer rank 1 holds \[4:6, 0:48, 0:64\]; the plan "
+                                                r"\(trainer layout layout-[0-9a-f]{12}\) has rank 1 holding \[2:4, 0:48, 0:64\]"):
+        LiveSender(load_plan(layout_plan), 0, _fsdp_rank0(ep=2), rendezvous=rendezvous)
     with pytest.raises(PlanMismatchError, match=r"'model\.embed_tokens\.weight' is bfloat16 in the module, the plan "
                                                 r"expects float32.*--trainer-dtype bf16"):
         LiveSender(load_plan(layout_plan), 0, _fsdp_rank0(torch.bfloat16), rendezvous=rendezvous)
@@ -126,15 +136,14 @@ def _refusals_and_reregistration(layout_plan, shorthand_plan, address):
     sender.close()
 
 
-def test_plans_for_other_layouts_are_refused_and_reallocated_storage_is_registered_again(plan_cache, tmp_path):
+def test_plans_for_other_layouts_are_refused_and_reallocated_storage_is_registered_again(tmp_path):
     layout = tmp_path / "layout.json"
     run_in_fresh_process(_write_layout, layout)
     layout_plan = tmp_path / "live.plan"
     compile_plan(CompileOptions(str(config_dir("tiny-deepseek-v3")), "stacked", "fp32", output=layout_plan,
                                 trainer_layout=layout))
-    shorthand = plan_cache("tiny-deepseek-v3", "stacked", "fp32", "fsdp=4")
     store = Rendezvous.connect("live-unit", "127.0.0.1:0", serve=True)
-    run_in_fresh_process(_refusals_and_reregistration, layout_plan, shorthand, store.address)
+    run_in_fresh_process(_refusals_and_reregistration, layout_plan, store.address)
 
 
 def test_wrapper_components_are_removed_from_trainer_names():
