@@ -238,8 +238,9 @@ def run_inference(args) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="weightplan-rl-"))
     workdir.mkdir(parents=True, exist_ok=True)
     rendezvous = Rendezvous.connect(args.job, "127.0.0.1:0", serve=True, timeout=args.timeout)
+    # The trainers get this run's options (flags only when set).
     forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                 if k not in ("role", "rank", "address", "workdir", "job") and v not in (None, False, True)]
+                 if k not in ("role", "rank", "address", "workdir", "job") and v is not None and type(v) is not bool]
     forwarded += [f"--{k.replace('_', '-')}" for k, v in vars(args).items() if v is True]
     procs = []
     try:

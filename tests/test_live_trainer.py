@@ -51,6 +51,8 @@ def test_two_fsdp2_ranks_fp32_masters_bf16_wire_with_wrappers(tmp_path):
     layout = json.loads((tmp_path / "trainer-layout.json").read_text())
     assert not any("_orig_mod" in n or "_checkpoint_wrapped_module" in n for n in layout["tensors"])
     assert layout["tensors"]["model.embed_tokens.weight"]["dtype"] == "float32"
+    assert layout["tensors"]["model.layers.1.mlp.experts.gate_up_proj"]["placements"] == ["Shard(0)"]
+    assert layout["world_size"] == 2
 
 
 def test_four_ranks_ep_2d_mesh_bf16_masters_checkpoint_reload(tmp_path):
