@@ -55,7 +55,10 @@ def _fsdp_sharded(module: torch.nn.Module) -> dict[tuple[int, str], torch.nn.Par
             groups = [group] if group is not None else []
         for group in groups:
             for p in group.fsdp_params:
-                out[(id(p._module_info.module), p._module_info.param_name)] = p.sharded_param
+                info = p._module_info
+                owners = [(info.module, info.param_name)] + list(zip(info.shared_modules, info.shared_param_names))
+                for owner, attr in owners:  # tied weights: every module holding the parameter
+                    out[(id(owner), attr)] = p.sharded_param
     return out
 
 

@@ -136,9 +136,11 @@ def _refusals_and_reregistration(layout_plan, address):
         sender.publish(4)
     assert not rendezvous.exists("trainer/0/version/4")
     sender.close()
+    _tied_unsharded()  # here to share this process's start-up
 
 
 def test_plans_for_other_layouts_are_refused_and_reallocated_storage_is_registered_again(tmp_path):
+    """Also: served tensors are the sharded masters after a forward with reshard_after_forward=False, tied weights once."""
     layout = tmp_path / "layout.json"
     run_in_fresh_process(_write_layout, layout)
     layout_plan = tmp_path / "live.plan"
@@ -154,3 +156,19 @@ def test_wrapper_components_are_removed_from_trainer_names():
     assert trainer_name("_orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.down_proj.weight") == \
         "model.layers.0.mlp.down_proj.weight"
     assert trainer_name("_fsdp_wrapped_module.lm_head.weight") == "lm_head.weight"
+
+
+def _tied_unsharded():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from weightplan.runtime import trainer_tensors
+
+    as_rank(0, 4)
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8, bias=False))
+    model[1].weight = model[0].weight
+    fully_shard(model, mesh=init_device_mesh("cpu", (4,)), reshard_after_forward=False)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2]]))  # both modules now hold the all-gathered copy
+    tensors = trainer_tensors(model)
+    assert list(tensors) == ["0.weight"] and tuple(tensors["0.weight"].to_local().shape) == (2, 4)
