@@ -156,6 +156,8 @@ def describe_layout(tensors, *, world_size: int | None = None) -> dict:
     meshes: dict[str, int] = {}
     entries = {}
     for name, tensor in items:
+        if name in entries:
+            raise LayoutError(f"tensor {name!r} is given twice; each trainer tensor needs exactly one entry")
         if isinstance(tensor, DTensor):
             grid = tensor.device_mesh.mesh
             shape, ranks = list(grid.shape), grid.tolist()
