@@ -19,12 +19,12 @@ trainer processes (this same file with `--role trainer`). Then:
    and prints one JSON line: step, loss, update seconds, bytes, the first generated tokens.
 
 The inference side is `ReceiverInference` (a `Receiver` on a vLLM model built as vLLM's loader
-builds it). vLLM's CPU engine cannot run this tiny MLA config (its CPU MLA kernel needs head dim
+builds it, while the trainers start). vLLM's CPU engine cannot run this tiny MLA config (its CPU MLA kernel needs head dim
 576) and does not compute from the loader's parameters after loading (docs/trainer.md), so
 generation runs transformers' model on the received bytes: after each sync the same plan, run
 backwards (destination element -> trainer element, no model-specific mapping), copies the vLLM
 parameters into a bf16 transformers model. Swap `ReceiverInference` for an engine-backed class
-with the same three methods (`__init__(plan, rendezvous, config)`, `update(version)`,
+with the same methods (`__init__(config)`, `connect(plan, rendezvous)`, `update(version)`,
 `generate(prompts, n)`) when the vLLM weight-transfer backend lands.
 
 `--check`: trainer 0 also gathers the full state dict every step (`get_model_state_dict(...,
@@ -116,21 +116,28 @@ def _save_full(model, path: Path, rank: int) -> None:
 
 
 class ReceiverInference:
-    """The inference side: a Receiver on a vLLM model (loader-built, bf16); generation by transformers on the received bytes."""
+    """The inference side: a Receiver on a vLLM model (loader-built, bf16); generation by transformers on the received bytes.
 
-    def __init__(self, plan, rendezvous, config: Path, timeout: float = 120.0):
+    `__init__(config)` builds the models while the trainers start (as an engine would start), `connect(plan,
+    rendezvous)` registers them for the plan, then `update(version)` and `generate(prompts, n)` every step.
+    """
+
+    def __init__(self, config: Path):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from weightplan.compiler.frontend.vllm_model import build_model, make_vllm_config
 
-        self.plan, self.config = plan, config
+        self.config = config
         self.vllm_config = make_vllm_config(config)
         self.model = build_model(self.vllm_config, "cpu")
-        self.receiver = Receiver(plan, 0, self.model, rendezvous=rendezvous, timeout=timeout)
         hf_config = AutoConfig.from_pretrained(str(config))
         hf_config._attn_implementation = "eager"
         # Built on CPU (not meta + to_empty) so its non-persistent buffers (rotary inv_freq) are computed.
         self.generator = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
+
+    def connect(self, plan, rendezvous, timeout: float = 120.0) -> None:
+        self.plan = plan
+        self.receiver = Receiver(plan, 0, self.model, rendezvous=rendezvous, timeout=timeout)
         self._copies = _inverse_copies(plan, self.generator)
 
     def update(self, version: int) -> dict:
@@ -192,17 +199,16 @@ def _inverse_copies(plan, model) -> list[tuple]:
 class FreshLoad:
     """Ground truth for --check: vLLM's own load_weights of the trainer's full state dict, and a fresh transformers load."""
 
-    def __init__(self, plan, config: Path):
+    def __init__(self, config: Path):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from weightplan.compiler.frontend.vllm_model import build_model, make_vllm_config
 
-        self.plan, self.config = plan, config
+        self.config = config
         self.vllm_config = make_vllm_config(config)
         self.reference = build_model(self.vllm_config, "cpu")
         hf_config = AutoConfig.from_pretrained(str(config))
         hf_config._attn_implementation = "eager"
-        self.hf_config = hf_config
         self.build_hf = lambda: AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
 
     def compare(self, full: dict[str, torch.Tensor], inference: ReceiverInference, tokens, n: int) -> dict:
@@ -212,10 +218,11 @@ class FreshLoad:
         from weightplan.compiler.frontend.vllm_patches import parallel_rank
         from weightplan.compiler.verify_plan import plan_conversion
 
-        names = [e.name for e in self.plan.sources]
+        plan = inference.plan
+        names = [e.name for e in plan.sources]
         missing = sorted(set(names) - set(full))
         with torch.no_grad(), parallel_rank(self.vllm_config, 0, 0):
-            self.reference.load_weights(plan_conversion(self.vllm_config, self.plan)((n_, full[n_]) for n_ in names if n_ in full))
+            self.reference.load_weights(plan_conversion(self.vllm_config, plan)((n_, full[n_]) for n_ in names if n_ in full))
             for module in self.reference.modules():
                 if is_deferred_attention_layer(module):
                     module.process_weights_after_loading(torch.bfloat16)
@@ -249,13 +256,14 @@ def run_inference(args) -> int:
             procs.append(subprocess.Popen(
                 [sys.executable, __file__, "--role", "trainer", "--rank", str(rank), "--address", rendezvous.address,
                  "--job", args.job, "--workdir", str(workdir), *forwarded], stdout=log, stderr=subprocess.STDOUT))
+        inference = ReceiverInference(args.config)  # while the trainers start
+        check = FreshLoad(args.config) if args.check else None
         _wait(rendezvous, "demo/layout", procs, workdir, args.timeout * 4)
         plan_path = workdir / "rl-loop.plan"
         compile_plan(CompileOptions(str(args.config), trainer_format="stacked", trainer_dtype=args.masters,
                                     trainer_layout=workdir / "trainer-layout.json", output=plan_path))
         plan = load_plan(plan_path)
-        inference = ReceiverInference(plan, rendezvous, args.config, timeout=args.timeout)
-        check = FreshLoad(plan, args.config) if args.check else None
+        inference.connect(plan, rendezvous, timeout=args.timeout)
         rendezvous.put("demo/plan", str(plan_path).encode())
         print(json.dumps({"event": "start", "trainers": args.trainers, "ep": args.ep, "masters": args.masters, "target": mt.TARGET,
                           "plan": plan.header["trainer"]["token"], "setup_s": round(time.perf_counter() - began, 1)}),
