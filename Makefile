@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: plan test bench-compile bench-runtime sweep clean-venv
+.PHONY: plan test bench-compile bench-runtime sweep demo clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,6 +32,9 @@ bench-runtime: $(STAMP)
 
 sweep: $(STAMP)
 	$(BIN)/python benchmarks/sweep.py
+
+demo: $(STAMP)
+	$(BIN)/python examples/rl_loop.py
 
 clean-venv:
 	rm -rf $(VENV)

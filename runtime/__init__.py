@@ -5,11 +5,12 @@ from .host.executor import execute_local
 from .layout.layout_file import read_trainer_layout, write_trainer_layout
 from .plan.format import Plan, load_plan
 from .receiver.receiver import Receiver, SyncReport
+from .sender.live_module import LiveSender, trainer_tensors
 from .sender.sender import ReleaseReport, Sender
 from .transport.rendezvous import Rendezvous
 
 __all__ = [
-    "LayoutError", "Plan", "PlanFormatError", "PlanMismatchError", "Receiver", "ReleaseReport", "Rendezvous",
+    "LayoutError", "LiveSender", "Plan", "PlanFormatError", "PlanMismatchError", "Receiver", "ReleaseReport", "Rendezvous",
     "Sender", "SyncError", "SyncReport", "WeightplanError", "execute_local", "load_plan", "read_trainer_layout",
-    "write_trainer_layout",
+    "trainer_tensors", "write_trainer_layout",
 ]

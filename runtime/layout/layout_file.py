@@ -53,6 +53,11 @@ def read_trainer_layout(path: str | Path) -> TrainerLayoutFile:
     except json.JSONDecodeError as exc:
         raise LayoutError(f"trainer layout {path} is not valid JSON ({exc}); write it with "
                           "weightplan.runtime.write_trainer_layout") from None
+    return parse_trainer_layout(data, path)
+
+
+def parse_trainer_layout(data, path: str | Path) -> TrainerLayoutFile:
+    """Check a layout's JSON object (from a file, or `describe_layout` of a live model); `path` names it in errors."""
     if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
         raise LayoutError(f"{path} is not a weightplan trainer layout: expected \"format\": \"{FORMAT}\", \"version\": {VERSION}")
     world = data.get("world_size")
@@ -120,12 +125,25 @@ def _tensor(path, name: str, entry, meshes: list[Mesh]) -> TensorLayout:
 
 
 def write_trainer_layout(tensors, path: str | Path, *, world_size: int | None = None) -> Path:
-    """Write the layout of a live trainer: a module (its state_dict, tied tensors once) or (name, tensor) pairs.
+    """Write the layout of a live trainer: a module (its trainer tensors, see `describe_layout`) or (name, tensor) pairs.
 
     DTensors give their global shape, dtype, device_mesh.mesh and placements. Plain tensors (e.g.
     FSDP2's unsharded buffers) are written as replicated on every rank of `world_size`
     (default: torch.distributed's world size, else 1 + the highest rank of any mesh).
     Partial placements are refused.
+    """
+    data = describe_layout(tensors, world_size=world_size)
+    lines = [f"  {json.dumps(name)}: {json.dumps(entry)}" for name, entry in data["tensors"].items()]
+    text = (f'{{"format": "{FORMAT}", "version": {VERSION}, "world_size": {data["world_size"]},\n "meshes": [\n  '
+            + ",\n  ".join(json.dumps(m) for m in data["meshes"]) + '\n ],\n "tensors": {\n' + ",\n".join(lines) + "\n }\n}\n")
+    return write_atomically(path, text.encode(), LayoutError, "trainer layout")
+
+
+def describe_layout(tensors, *, world_size: int | None = None) -> dict:
+    """The layout file's JSON object for a live trainer (what write_trainer_layout writes).
+
+    A module gives its trainer tensors (runtime/sender/live_module.py `trainer_tensors`: state-dict names
+    without wrapper prefixes, FSDP2's sharded parameters, persistent buffers, tied tensors once).
     """
     from torch.distributed.tensor import DTensor
 
@@ -136,8 +154,10 @@ def write_trainer_layout(tensors, path: str | Path, *, world_size: int | None = 
         else:
             world_size = 1 + max((max(t.device_mesh.mesh.reshape(-1).tolist()) for _, t in items if isinstance(t, DTensor)), default=0)
     meshes: dict[str, int] = {}
-    lines = []
+    entries = {}
     for name, tensor in items:
+        if name in entries:
+            raise LayoutError(f"tensor {name!r} is given twice; each trainer tensor needs exactly one entry")
         if isinstance(tensor, DTensor):
             grid = tensor.device_mesh.mesh
             shape, ranks = list(grid.shape), grid.tolist()
@@ -145,21 +165,17 @@ def write_trainer_layout(tensors, path: str | Path, *, world_size: int | None = 
         else:
             shape, ranks, placements = [world_size], list(range(world_size)), ["Replicate()"]
         mesh = json.dumps({"shape": shape, "ranks": ranks})
-        entry = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
-                 "mesh": meshes.setdefault(mesh, len(meshes)), "placements": placements}
-        lines.append(f"  {json.dumps(name)}: {json.dumps(entry)}")
-    text = (f'{{"format": "{FORMAT}", "version": {VERSION}, "world_size": {world_size},\n "meshes": [\n  '
-            + ",\n  ".join(meshes) + '\n ],\n "tensors": {\n' + ",\n".join(lines) + "\n }\n}\n")
-    return write_atomically(path, text.encode(), LayoutError, "trainer layout")
+        entries[name] = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
+                         "mesh": meshes.setdefault(mesh, len(meshes)), "placements": placements}
+    return {"format": FORMAT, "version": VERSION, "world_size": world_size,
+            "meshes": [json.loads(m) for m in meshes], "tensors": entries}
 
 
 def _named(tensors) -> Iterable[tuple[str, torch.Tensor]]:
     if isinstance(tensors, torch.nn.Module):
-        seen: set[int] = set()
-        for name, tensor in tensors.state_dict(keep_vars=True).items():
-            if id(tensor) not in seen:  # tied weights: the trainer holds one tensor
-                seen.add(id(tensor))
-                yield name, tensor
+        from ..sender.live_module import trainer_tensors
+
+        yield from trainer_tensors(tensors).items()
     else:
         yield from (tensors.items() if isinstance(tensors, Mapping) else tensors)
 
