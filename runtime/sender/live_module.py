@@ -117,7 +117,7 @@ def check_layout(plan: Plan, layout: TrainerLayoutFile) -> None:
     if extra:
         raise PlanMismatchError(f"the module's tensor {extra[0]!r} is not a trainer tensor of the plan"
                                 f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}; {hint}")
-    table = plan.trainer_layout
+    table = plan.shard_layout
     for i, entry in enumerate(plan.sources):
         mine = layout.tensors[entry.name]
         if mine.shape != tuple(entry.shape):
