@@ -179,3 +179,27 @@ def test_notifications_from_unknown_agents_are_ignored(rendezvous, bf16_plan):
     report = sender.release(1, timeout=0.5)
     assert report.acked == () and report.timed_out == (0,)
 
+
+
+def test_start_and_close_own_the_side_effects(rendezvous, bf16_plan):
+    from weightplan.runtime.errors import WeightplanError
+
+    tensors = shard(bf16_plan, full_weights(bf16_plan, 0, 1), 0)
+    sender = Sender(bf16_plan, 0, tensors, rendezvous=rendezvous, timeout=5, progress_thread=True)
+    destination = plain_destination(bf16_plan, 0)
+    receiver = Receiver(bf16_plan, 0, destination, rendezvous=rendezvous, timeout=5, derived="caller")
+    assert sender.agent is None and receiver.agent is None and not rendezvous.exists("trainer/0/info")
+    with pytest.raises(WeightplanError, match="call start"):
+        sender.publish(1)
+    with pytest.raises(WeightplanError, match="call start"):
+        receiver.sync(1)
+    with sender, receiver:
+        assert rendezvous.exists("trainer/0/info") and rendezvous.exists("inference/0/joined")
+        sender.publish(1)
+        assert receiver.sync(1).version == 1
+        sender.release(1)
+    _assert_equal_to_host(bf16_plan, destination, 1)
+    assert not sender.running and not receiver.running
+    sender.close(), receiver.close()  # idempotent
+    with pytest.raises(WeightplanError, match="not after close"):
+        sender.publish(2)

@@ -95,15 +95,14 @@ class Runs(ColumnTable):
     def expand(self, mask: np.ndarray | None = None) -> "Runs":
         """These runs (or those selected by `mask`) as plain one-row runs, rows of a run in order."""
         runs = self if mask is None else self.take(np.flatnonzero(mask))
-        begin = np.cumsum(runs.count) - runs.count
         run = np.repeat(np.arange(len(runs)), runs.count)
-        return runs.row(run, np.arange(len(run)) - begin[run])
+        return runs.row(run, np.arange(len(run)) - np.repeat(np.cumsum(runs.count) - runs.count, runs.count))
 
     def row(self, run: np.ndarray, index: np.ndarray) -> "Runs":
-        """Row `index[k]` of run `run[k]`, for each k, as plain runs."""
-        r = self.take(run)
-        return Runs.plain(r.src, r.src_off + index * r.src_stride, r.dest,
-                          r.dst_off + index * r.dst_stride, r.length, r.wire, r.src_rank)
+        """Row `index[k]` of run `run[k]`, for each k, as plain runs (gathering only the columns a row needs)."""
+        return Runs.plain(self.src[run], self.src_off[run] + index * self.src_stride[run], self.dest[run],
+                          self.dst_off[run] + index * self.dst_stride[run], self.length[run], self.wire[run],
+                          self.src_rank[run])
 
 
 @dataclass(frozen=True)

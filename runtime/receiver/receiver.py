@@ -17,6 +17,7 @@ from ..plan.columns import ColumnTable
 from ..plan.format import Plan
 from ..tables.quant import check_supported, quant_tables, stage_packing
 from ..tables.ranks import Reads, RemoteRegion, held_entries, packing, pipeline_groups, reads_of, region_addresses
+from ..transport.lifecycle import AgentOwner
 from ..transport.nixl_agent import NixlAgent, contiguous_starts
 from ..transport.peer_check import checked_regions, checked_word
 from ..transport.region_digests import byte_view, run_digests
@@ -89,7 +90,7 @@ class _Peer:
     remote_lists: list = field(default_factory=list)
 
 
-class Receiver:
+class Receiver(AgentOwner):
     """Inference `rank` of `plan`, writing into `destination` (a vLLM model or any module/dict with the planned parameters).
 
     `version` is the last version fully received, or None while the weights are incomplete (before
@@ -176,18 +177,12 @@ class Receiver:
 
         The destination keeps the bytes of the last version (`version` says which, None if incomplete).
         """
-        if self.agent is None or self.agent.closed:
+        if not self.running:
             return
         self._drop_peers()
         for prepared in [*self._local.values(), *self._seq_local.values()]:
             self.agent.release_list(prepared)
         self.agent.close()
-
-    def __enter__(self) -> "Receiver":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     @property
     def version(self) -> int | None:
@@ -238,7 +233,7 @@ class Receiver:
     def sync(self, version: int) -> SyncReport:
         """Receive `version` from every trainer rank this rank reads; raise SyncError (weights incomplete) on failure."""
         check_version(version)
-        if self.agent is None or self.agent.closed:
+        if not self.running:
             raise WeightplanError(f"inference rank {self.rank}: call start() (or use the Receiver in a with block) "
                                   "before syncing, and not after close()")
         self._version = None

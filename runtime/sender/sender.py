@@ -18,6 +18,7 @@ from ..plan.format import Plan
 from ..plan.schema import RECEIVER
 from ..tables.quant import check_supported, exposed_regions, quant_readers, quant_tables
 from ..tables.ranks import check_src_rank, packing, readers, served_runs
+from ..transport.lifecycle import AgentOwner
 from ..transport.nixl_agent import NixlAgent
 from ..transport.region_digests import byte_view, run_digests
 from ..transport.rendezvous import INCARNATION, Rendezvous, inference_agent, trainer_agent
@@ -41,7 +42,7 @@ class ReleaseReport:
     gatherers_timed_out: tuple[int, ...] = ()  # peer trainer ranks that had not finished their gather-side READs
 
 
-class Sender:
+class Sender(AgentOwner):
     """Serve trainer `rank`'s bytes of `plan` to every inference rank that reads them.
 
     Sources whose wire dtype is their own are exposed in place (zero copy): after `publish(v)` the
@@ -137,18 +138,12 @@ class Sender:
 
     def close(self) -> None:
         """Retire the pending version, deregister this rank's memory and release its agent; idempotent."""
-        if self.agent is None or self.agent.closed:
+        if not self.running:
             return
         if self._pending is not None:
             self._seq.fill_(2 * self._pending + 1)  # a reader still reading sees the version retired
             self._pending = None
         self.agent.close()
-
-    def __enter__(self) -> "Sender":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     @property
     def staging_bytes(self) -> int:
@@ -242,7 +237,7 @@ class Sender:
         return report
 
     def _started(self) -> None:
-        if self.agent is None or self.agent.closed:
+        if not self.running:
             raise WeightplanError(f"trainer rank {self.rank}: call start() (or use the Sender in a with block) before "
                                   "publishing, and not after close()")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -131,8 +132,7 @@ def quant_tables(plan: Plan) -> QuantTables:
     pieces, windows = _pieces_and_windows(plan)
     copies = _copies(plan, windows)
     covered = np.bincount(copies.window, weights=copies.length, minlength=len(windows)).astype(np.int64) == windows.numel
-    return QuantTables(pieces, Windows(**{**{f.name: getattr(windows, f.name) for f in fields(windows)}, "covered": covered}),
-                       copies)
+    return QuantTables(pieces, dataclasses.replace(windows, covered=covered), copies)
 
 
 def _geometry(shape):
