@@ -171,6 +171,8 @@ def _compile(opts: CompileOptions, inputs: _Inputs, log) -> CompileResult:
         "dst_coverage": compiled.coverage.fraction,
         **ranks.stats,
     }
+    if compiled.source_choice is not None and compiled.source_choice.shared_bytes:
+        stats["source_choice"] = compiled.source_choice.as_dict()
     path = opts.output or default_plan_path(name, trainer, inference_meta, opts.quant)
     with phase(timings, "write"):
         size = write_program(compiled, path)
