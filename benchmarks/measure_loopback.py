@@ -5,8 +5,10 @@ Usage: python benchmarks/measure_loopback.py [--readers 2] [--sources 2] [--mib 
 Layout as in `make bench-runtime`: `--sources` processes each hold a buffer of `--mib` MiB;
 `--readers` processes read every source's buffer at once (8 MiB iovecs, the cma path UCX takes for
 NIXL READs between processes). The per-process rate is the bytes each reader moved over the
-slowest reader's time (median of 3 rounds). The per-iovec cost is 100k iovecs of 128 B read by
-one process, minus their bytes at the single reader's rate. The quantizer rate is
+slowest reader's time (median of 3 rounds). The per-descriptor cost is the runtime's sender-side
+packing of 100k runs of 128 B (runs under 64 KiB travel packed, so this is what many small
+descriptors cost it); the kernel's per-iovec cost (100k iovecs of 128 B, minus their bytes at the
+single reader's rate) is printed beside it. The quantizer rate is
 weightplan.runtime.quant.BlockQuantizer (the runtime's numba kernel) on one core. With --write, the figures go into a cluster
 file (compiler/simulate/clusters/loopback.json schema) with one "node" per process. The last line
 is one JSON object.
@@ -89,6 +91,27 @@ def per_iovec_seconds(source: tuple[int, int], rate: float, n: int = 100_000, si
     return max(statistics.median(times) - n * size / rate, 0.0) / n
 
 
+def pack_seconds(n: int = 100_000, size: int = 128) -> float:
+    """Per small run: the sender packing n runs of `size` bytes, read in reverse order, with the runtime's
+    Gather (runs under 64 KiB travel packed; the receiver then reads them as a few large descriptors)."""
+    import torch
+
+    from weightplan.runtime.gather import Gather
+
+    torch.set_num_threads(1)
+    src, out = torch.ones(n * size, dtype=torch.uint8), torch.empty(n * size, dtype=torch.uint8)
+    offsets = np.arange(n, dtype=np.int64)[::-1].copy() * size
+    gather = Gather([src], out, np.zeros(n, dtype=np.int64), offsets, np.full(n, size, dtype=np.int64),
+                    np.arange(n, dtype=np.int64) * size, 8)
+    gather()
+    times = []
+    for _ in range(3):
+        began = time.perf_counter()
+        gather()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times) / n
+
+
 def quantizer_rate() -> float:
     import torch
 
@@ -108,7 +131,7 @@ def quantizer_rate() -> float:
     return x.numel() * 2 / statistics.median(times)
 
 
-def cluster_file(processes: int, rate: float, iovec_s: float, quant: float, when: str) -> dict:
+def cluster_file(processes: int, rate: float, descriptor_s: float, quant: float, when: str) -> dict:
     return {
         "name": "loopback",
         "description": "This machine: every process is its own 'node' with one 'NIC', the kernel's process_vm_readv "
@@ -120,13 +143,13 @@ def cluster_file(processes: int, rate: float, iovec_s: float, quant: float, when
         "nics_per_gpu": 1,
         "nic_gbytes_per_s": round(rate / 1e9, 3),
         "intra_node_gbytes_per_s": round(rate / 1e9, 3),
-        "descriptor_us": round(iovec_s * 1e6, 4),
+        "descriptor_us": round(descriptor_s * 1e6, 4),
         "sender_quant_gbytes_per_s": round(quant / 1e9, 3),
         "receiver_quant_gbytes_per_s": round(quant / 1e9, 3),
         "sources": {
             "nic_gbytes_per_s": "benchmarks/measure_loopback.py: process_vm_readv per reading process, all readers at once",
             "intra_node_gbytes_per_s": "unused (one process per node); set to the NIC rate",
-            "descriptor_us": "benchmarks/measure_loopback.py: 100k process_vm_readv iovecs of 128 B, minus their bytes",
+            "descriptor_us": "benchmarks/measure_loopback.py: the runtime's sender-side packing (runtime/gather.py) of 100k runs of 128 B, per run",
             "sender_quant_gbytes_per_s": "benchmarks/measure_loopback.py: weightplan.runtime.quant.BlockQuantizer, one core, bf16 in",
             "receiver_quant_gbytes_per_s": "same as sender_quant_gbytes_per_s",
         },
@@ -158,15 +181,16 @@ def main() -> None:
         for p in procs:
             p.join()
     quant = quantizer_rate()
+    pack = pack_seconds()
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     figures = {"readers": args.readers, "sources": args.sources, "per_reader_gbps": round(rate / 1e9, 3),
-               "single_reader_gbps": round(single / 1e9, 3), "iovec_us": round(iovec * 1e6, 4),
+               "single_reader_gbps": round(single / 1e9, 3), "iovec_us": round(iovec * 1e6, 4), "pack_us": round(pack * 1e6, 4),
                "quantizer_gbps": round(quant / 1e9, 3), "measured": when, "load_average": os.getloadavg()[0]}
     print(f"process_vm_readv: {rate / 1e9:.3f} GB/s per reader with {args.readers} readers x {args.sources} sources at once, "
-          f"{single / 1e9:.3f} GB/s alone; {iovec * 1e6:.4f} us per 128 B iovec; fp8 quantizer {quant / 1e9:.3f} GB/s bf16 in "
+          f"{single / 1e9:.3f} GB/s alone; {iovec * 1e6:.4f} us per 128 B iovec, {pack * 1e6:.4f} us per 128 B run packed; fp8 quantizer {quant / 1e9:.3f} GB/s bf16 in "
           f"(one core); load average {figures['load_average']:.1f}")
     if args.write:
-        args.write.write_text(json.dumps(cluster_file(args.readers + args.sources, rate, iovec, quant, when), indent=2) + "\n")
+        args.write.write_text(json.dumps(cluster_file(args.readers + args.sources, rate, pack, quant, when), indent=2) + "\n")
         print(f"wrote {args.write}")
     print(json.dumps(figures))
 
