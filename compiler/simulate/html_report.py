@@ -42,8 +42,8 @@ svg text { font: 11px system-ui, sans-serif; fill: #333; }
 {% endfor %}{% for t in chart.labels %}<text x="{{ t.x }}" y="{{ t.y }}" text-anchor="{{ t.anchor }}">{{ t.text }}</text>
 {% endfor %}</svg>
 {% endfor %}
-{% if timeline %}<h2>Simulated timeline of the busiest inference ranks ({{ timeline.cluster }}, predicted sync {{ timeline.sync }})</h2>
-<p class="note">{% for phase, colour in phases %}<span style="color: {{ colour }}">&#9632;</span> {{ phase }} {% endfor %}&mdash; a model, not a measurement; each bar is one task touching the rank.</p>
+{% if timeline %}<h2>Simulated timeline: the critical path's ranks, then the busiest inference ranks ({{ timeline.cluster }}, predicted sync {{ timeline.sync }})</h2>
+<p class="note">{% for phase, colour in phases %}<span style="color: {{ colour }}">&#9632;</span> {{ phase }} {% endfor %}&mdash; a model, not a measurement; per rank, one bar per phase from its first task's start to its last task's end (hover for the count); the percentage is the rank's busiest NIC or link.</p>
 <svg id="timeline" xmlns="http://www.w3.org/2000/svg" width="{{ timeline.width }}" height="{{ timeline.height }}">
 {% for b in timeline.bars %}<rect x="{{ b.x }}" y="{{ b.y }}" width="{{ b.w }}" height="{{ b.h }}" fill="{{ b.fill }}" opacity="0.75"><title>{{ b.title }}</title></rect>
 {% endfor %}{% for t in timeline.labels %}<text x="{{ t.x }}" y="{{ t.y }}" text-anchor="{{ t.anchor }}">{{ t.text }}</text>
@@ -129,11 +129,11 @@ def _timeline(prediction: Prediction, ranks: int = 8, width: int = 900, left: in
         y = top + k * row
         labels.append({"x": left - 6, "y": y + row * 0.65, "text": f"{lane['rank']} ({lane['busy']:.0%})", "anchor": "end"})
         n = max(len(lane["bars"]), 1)
-        for j, b in enumerate(lane["bars"]):  # overlapping tasks of a lane share its height
+        for j, b in enumerate(lane["bars"]):  # the phases of a lane share its height
             h = (row - 4) / n
             bars.append({"x": left + width * b["start"] / span, "y": y + 2 + j * h, "w": max(width * (b["end"] - b["start"]) / span, 0.5),
                          "h": max(h, 0.5), "fill": PHASE_COLOURS.get(b["phase"], "#999"),
-                         "title": f"{b['phase']} {b['name']}: {b['start']:.4f} -> {b['end']:.4f} s"})
+                         "title": f"{lane['rank']}: {b['tasks']} {b['phase']} task(s), {b['start']:.4f} -> {b['end']:.4f} s"})
     bottom = top + len(lanes) * row
     labels += [{"x": left, "y": bottom + 14, "text": "0 s", "anchor": "start"},
                {"x": left + width, "y": bottom + 14, "text": f"{span:.3f} s", "anchor": "end"}]

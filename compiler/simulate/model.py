@@ -42,19 +42,29 @@ class Prediction:
         }
 
     def timeline(self, ranks: int = 8) -> list[dict]:
-        """The tasks of the `ranks` inference ranks whose NIC was busiest, as rows of bars."""
-        nic = sorted(((v, k) for k, v in self.nic_busy.items() if k.startswith("inference")), reverse=True)[:ranks]
+        """Lanes for the ranks on the critical path, then the inference ranks whose NIC was busiest (up
+        to `ranks`); in each lane one bar per phase from its first task's start to its last task's end."""
+        lanes = list(dict.fromkeys(step["rank"] for step in self.critical_path))
+        for _, name in sorted(((-v, k) for k, v in self.nic_busy.items() if k.startswith("inference ") and k.endswith(" in"))):
+            label = name.split(" NIC")[0].split(" link")[0]
+            if len(lanes) >= ranks:
+                break
+            if label not in lanes:
+                lanes.append(label)
         rows = []
-        for _, name in nic:
-            label = name.rsplit(" NIC", 1)[0]
-            bars = [{"phase": t.phase, "name": t.name, "start": float(self.schedule.start[i]), "end": float(self.schedule.finish[i])}
-                    for i, t in enumerate(self.tasks) if label in (t.rank, _peer(t))]
-            rows.append({"rank": label, "busy": self.nic_busy[name], "bars": bars})
+        for label in lanes[:ranks]:
+            phases: dict[str, dict] = {}
+            for i, t in enumerate(self.tasks):
+                if label not in (t.rank, t.name.split(" -> ")[0]):
+                    continue
+                bar = phases.setdefault(t.phase, {"phase": t.phase, "start": float(self.schedule.start[i]),
+                                                  "end": float(self.schedule.finish[i]), "tasks": 0})
+                bar["start"] = min(bar["start"], float(self.schedule.start[i]))
+                bar["end"] = max(bar["end"], float(self.schedule.finish[i]))
+                bar["tasks"] += 1
+            busy = max((v for k, v in self.nic_busy.items() if k.startswith(label + " ")), default=0.0)
+            rows.append({"rank": label, "busy": busy, "bars": [phases[p] for p in PHASES if p in phases]})
         return rows
-
-
-def _peer(task: Task) -> str:
-    return task.name.split(" -> ")[-1] if " -> " in task.name else ""
 
 
 def predict(transfers: PlanTransfers, cluster: Cluster) -> Prediction:
