@@ -26,7 +26,7 @@ class Prediction:
     inference_bytes: np.ndarray  # bytes each inference rank reads
 
     def as_dict(self, top: int = 5) -> dict:
-        busy = sorted(self.nic_busy.items(), key=lambda kv: (-kv[1], kv[0]))
+        busy = sorted(self.nic_busy.items(), key=lambda kv: (-round(kv[1], 9), _natural(kv[0])))
         return {
             "cluster": self.cluster,
             "sync_s": self.sync_s,
@@ -45,7 +45,8 @@ class Prediction:
         """Lanes for the ranks on the critical path, then the inference ranks whose NIC was busiest (up
         to `ranks`); in each lane one bar per phase from its first task's start to its last task's end."""
         lanes = list(dict.fromkeys(step["rank"] for step in self.critical_path))
-        for _, name in sorted(((-v, k) for k, v in self.nic_busy.items() if k.startswith("inference ") and k.endswith(" in"))):
+        for _, name in sorted(((-round(v, 9), _natural(k)), k) for k, v in self.nic_busy.items()
+                              if k.startswith("inference ") and k.endswith(" in")):
             label = name.split(" NIC")[0].split(" link")[0]
             if len(lanes) >= ranks:
                 break
@@ -65,6 +66,11 @@ class Prediction:
             busy = max((v for k, v in self.nic_busy.items() if k.startswith(label + " ")), default=0.0)
             rows.append({"rank": label, "busy": busy, "bars": [phases[p] for p in PHASES if p in phases]})
         return rows
+
+
+def _natural(name: str) -> tuple:
+    """'inference 10 NIC in' after 'inference 9 NIC in'."""
+    return tuple(int(w) if w.isdigit() else w for w in name.split())
 
 
 def predict(transfers: PlanTransfers, cluster: Cluster) -> Prediction:
