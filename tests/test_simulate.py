@@ -7,9 +7,12 @@ from html.parser import HTMLParser
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from weightplan.compiler.cli import inspect_main, simulate_main
 from weightplan.compiler.ir import PlanOrigin, Program, Runs, TensorSpec
+from weightplan.compiler.plan_summary import per_rank_bytes
 from weightplan.compiler.plan_writer import write_program
 from weightplan.compiler.simulate.cluster import ClusterError, parse_cluster
 from weightplan.compiler.simulate.fair_share import Resource, Task, simulate
@@ -73,6 +76,24 @@ def test_a_chain_of_hops_adds_up():
     assert [s["phase"] for s in p.critical_path] == ["gather", "sender-quantize", "read", "receiver-quantize"]
     assert p.critical_path[0]["limited_by"] == "trainer 0 link in"  # a tie names the receiving end
     assert p.phase_end_s["read"] == pytest.approx(0.21, rel=1e-12)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(1, 50)), min_size=1, max_size=12),
+       st.lists(st.integers(1, 5), min_size=4, max_size=4))
+def test_fair_sharing_bounds(flows, capacities):
+    """No resource over capacity, and the makespan lies between the busiest resource's own time
+    and every task run one after another at its slowest resource."""
+    res = [Resource(f"r{k}", float(c)) for k, c in enumerate(capacities)]
+    tasks = [Task(f"t{k}", "read", "x", float(w), tuple(sorted({a, b}))) for k, (a, b, w) in enumerate(flows)]
+    s = simulate(res, tasks)
+    load = np.zeros(len(res))
+    for t in tasks:
+        load[list(t.resources)] += t.work
+    assert (s.busy <= s.makespan * (1 + 1e-9)).all()
+    assert s.busy == pytest.approx(load / np.array(capacities, dtype=float))
+    assert s.makespan >= (load / np.array(capacities)).max() * (1 - 1e-9)
+    assert s.makespan <= sum(t.work / min(capacities[r] for r in t.resources) for t in tasks) * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("change,field", [
@@ -162,3 +183,14 @@ def test_reports_render_svg(tmp_path, capsys):
         assert sum(a.get("class") == "rank-bars" for a in svgs) == 2
         assert any(a.get("id") == "timeline" for a in svgs) == timeline
         assert sum(tag == "rect" for tag, _ in parser.tags) >= 4 + 4 + (2 if timeline else 0)
+
+
+def test_transfers_agree_with_inspect_plans_bytes(plan_cache):
+    """The simulator's per-pair bytes sum to inspect-plan's per-rank bytes, fp8 tables included."""
+    plan = load_plan(plan_cache("fp8-glm", "stacked", "bf16", "fsdp=4,ep=2,replicas=2", "dp=2,ep", "fp8_per_block"))
+    t = plan_transfers(plan)
+    dst, src, gathered = per_rank_bytes(plan)
+    assert t.read_bytes.sum(axis=0).tolist() == dst
+    assert (t.read_bytes.sum(axis=1) + t.gather_bytes.sum(axis=1)).tolist() == src
+    assert t.gather_bytes.sum() == gathered
+    assert t.sender_quant_bytes.sum() > 0
