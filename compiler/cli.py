@@ -62,8 +62,8 @@ def compile_main(argv: list[str] | None = None) -> int:
     if "source_choice" in s:
         c = s["source_choice"]
         print(f"replicated bytes: {c['shared_bytes']} served by several trainer ranks; busiest trainer rank "
-              f"{c['greedy_max']} bytes (max/mean {c['greedy_max'] / c['greedy_mean']:.3f}) greedy, "
-              f"{c['chosen_max']} bytes (max/mean {c['chosen_max'] / c['chosen_mean']:.3f}) kept ({c['method']})")
+              f"{c['greedy_max']} bytes (max/mean {c['greedy_max'] / c['greedy_mean']:.4f}) greedy, "
+              f"{c['chosen_max']} bytes (max/mean {c['chosen_max'] / c['chosen_mean']:.4f}) kept ({c['method']})")
     return 0
 
 

@@ -117,7 +117,7 @@ def test_missing_field_and_unknown_shipped_name():
     del data["trainer"]
     with pytest.raises(ClusterError, match="missing field 'trainer'"):
         parse_cluster(data)
-    with pytest.raises(ClusterError, match="no shipped cluster 'nowhere'"):
+    with pytest.raises(ClusterError, match="no cluster file 'nowhere' and no shipped cluster of that name"):
         resolve_cluster("nowhere")
     assert resolve_cluster("dgx-h200-seed").gpus("trainer") == 64 and resolve_cluster("loopback").name == "loopback"
 

@@ -28,14 +28,14 @@ predicted sync on {{ c.name }} (a model, not a measurement): {{ "%.3f" | format(
 
 
 def resolve_cluster(text: str) -> Cluster:
-    """A shipped cluster name (compiler/simulate/clusters/<name>.json) or a path to a cluster file."""
+    """A cluster file path, or the name of a shipped one (compiler/simulate/clusters/<name>.json)."""
     shipped = SHIPPED / f"{text}.json"
-    if "/" not in text and not text.endswith(".json"):
-        if not shipped.is_file():
-            names = ", ".join(sorted(p.stem for p in SHIPPED.glob("*.json")))
-            raise ClusterError(f"no shipped cluster {text!r} (shipped: {names}); give a cluster file path instead")
-        return load_cluster(shipped)
-    return load_cluster(text)
+    if Path(text).is_file() or "/" in text or text.endswith(".json"):
+        return load_cluster(text)
+    if not shipped.is_file():
+        names = ", ".join(sorted(p.stem for p in SHIPPED.glob("*.json")))
+        raise ClusterError(f"no cluster file {text!r} and no shipped cluster of that name (shipped: {names})")
+    return load_cluster(shipped)
 
 
 def render_text(plan: Plan, cluster: Cluster, prediction: Prediction) -> str:
