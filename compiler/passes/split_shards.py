@@ -83,8 +83,13 @@ def _weight(runs: Runs, sizes: np.ndarray, holders: np.ndarray) -> np.ndarray:
 def _split_among_holders(greedy: Runs, shared: np.ndarray, group: np.ndarray, groups: list[np.ndarray],
                          weight: np.ndarray, element_bytes: np.ndarray, fixed: np.ndarray) -> Runs:
     """The single-holder pieces as they are, then every shared piece (or its parts) given a holder
-    by the max-flow quotas: per group, pieces in (source, source offset) order, cut where a quota
-    ends (plain runs at an element, strided runs at a row)."""
+    by the max-flow quotas: per set of holders, pieces in (source, source offset) order, cut where
+    a quota ends (plain runs at an element, strided runs at a row)."""
+    # Boxes of different tensors held by the same ranks are one group for the flow.
+    distinct = {tuple(g.tolist()): None for g in groups}
+    index = {key: k for k, key in enumerate(distinct)}
+    group = np.array([index[tuple(g.tolist())] for g in groups], dtype=np.int64)[group]
+    groups = [np.array(key, dtype=np.int64) for key in distinct]
     totals = np.bincount(group[shared], weights=weight[shared], minlength=len(groups)).astype(np.int64)
     _, quota = min_max_quotas(fixed, groups, totals)
     cut = greedy  # the same pieces; only the shared ones' ranks are chosen again
