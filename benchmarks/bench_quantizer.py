@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from weightplan.runtime.quant import BlockQuantizer
+from weightplan.runtime.fp8.numerics import BlockQuantizer
 
 
 def _cases() -> dict[str, list[torch.Tensor]]:

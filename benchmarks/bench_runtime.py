@@ -64,9 +64,9 @@ def compile_bench_plan(out: Path, quant: str = "none") -> Path:
 
 def synthetic_plan(n: int, out: Path) -> Path:
     """One bf16 tensor moved in n runs of RUN_ELEMS elements, read in reverse order so none coalesce."""
-    from weightplan.compiler.ir import PlanOrigin, Program, Runs, TensorSpec
+    from weightplan.compiler.ir import PlanOrigin, Program, Runs, TensorEntry
     from weightplan.compiler.plan_writer import write_program
-    from weightplan.runtime.shards import TrainerLayout
+    from weightplan.runtime.layout.shards import TrainerLayout
 
     numel = n * RUN_ELEMS
     i = np.arange(n, dtype=np.int64)
@@ -74,11 +74,11 @@ def synthetic_plan(n: int, out: Path) -> Path:
     runs = Runs(src=zeros, src_off=(n - 1 - i) * RUN_ELEMS, dest=zeros, dst_off=i * RUN_ELEMS,
                 length=np.full(n, RUN_ELEMS, dtype=np.int64), wire=zeros, src_rank=zeros,
                 count=np.ones(n, dtype=np.int64), src_stride=zeros, dst_stride=zeros)  # plain runs
-    sources = (TensorSpec("synthetic.weight", (numel,), "bfloat16"),)
+    sources = (TensorEntry("synthetic.weight", (numel,), "bfloat16"),)
     layout = TrainerLayout().bind(sources)  # one trainer rank holding the whole tensor
     program = Program(
         sources=sources,
-        dests=(TensorSpec("synthetic.weight", (numel,), "bfloat16", ranks=(0,)),),
+        dests=(TensorEntry("synthetic.weight", (numel,), "bfloat16", ranks=(0,)),),
         runs=runs, cast_chains=(("bfloat16",),),
         origin=PlanOrigin(vllm_version="synthetic", model=f"synthetic-{n}", config_sha256="", architecture="none",
                           trainer={"format": "hf", "dtype": "bf16", "token": layout.token, **layout.as_dict()},

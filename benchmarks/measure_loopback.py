@@ -9,7 +9,7 @@ slowest reader's time (median of 3 rounds). The per-descriptor cost is the runti
 packing of 100k runs of 128 B (runs under 64 KiB travel packed, so this is what many small
 descriptors cost it); the kernel's per-iovec cost (100k iovecs of 128 B, minus their bytes at the
 single reader's rate) is printed beside it. The quantizer rate is
-weightplan.runtime.quant.BlockQuantizer (the runtime's numba kernel) on one core. With --write, the figures go into a cluster
+weightplan.runtime.fp8.numerics.BlockQuantizer (the runtime's numba kernel) on one core. With --write, the figures go into a cluster
 file (compiler/simulate/clusters/loopback.json schema) with one "node" per process. The last line
 is one JSON object.
 """
@@ -96,7 +96,7 @@ def pack_seconds(n: int = 100_000, size: int = 128) -> float:
     Gather (runs under 64 KiB travel packed; the receiver then reads them as a few large descriptors)."""
     import torch
 
-    from weightplan.runtime.gather import Gather
+    from weightplan.runtime.sender.gather import Gather
 
     torch.set_num_threads(1)
     src, out = torch.ones(n * size, dtype=torch.uint8), torch.empty(n * size, dtype=torch.uint8)
@@ -115,7 +115,7 @@ def pack_seconds(n: int = 100_000, size: int = 128) -> float:
 def quantizer_rate() -> float:
     import torch
 
-    from weightplan.runtime.quant import BlockQuantizer
+    from weightplan.runtime.fp8.numerics import BlockQuantizer
 
     torch.set_num_threads(1)
     x = torch.randn(4096, 4096, dtype=torch.bfloat16)
@@ -149,8 +149,8 @@ def cluster_file(processes: int, rate: float, descriptor_s: float, quant: float,
         "sources": {
             "nic_gbytes_per_s": "benchmarks/measure_loopback.py: process_vm_readv per reading process, all readers at once",
             "intra_node_gbytes_per_s": "unused (one process per node); set to the NIC rate",
-            "descriptor_us": "benchmarks/measure_loopback.py: the runtime's sender-side packing (runtime/gather.py) of 100k runs of 128 B, per run",
-            "sender_quant_gbytes_per_s": "benchmarks/measure_loopback.py: weightplan.runtime.quant.BlockQuantizer, one core, bf16 in",
+            "descriptor_us": "benchmarks/measure_loopback.py: the runtime's sender-side packing (runtime/sender/gather.py) of 100k runs of 128 B, per run",
+            "sender_quant_gbytes_per_s": "benchmarks/measure_loopback.py: weightplan.runtime.fp8.numerics.BlockQuantizer, one core, bf16 in",
             "receiver_quant_gbytes_per_s": "same as sender_quant_gbytes_per_s",
         },
     }

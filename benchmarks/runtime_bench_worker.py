@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from weightplan.runtime import Receiver, Rendezvous, Sender, load_plan
-from weightplan.runtime.rank_tables import reads_of
+from weightplan.runtime.tables.ranks import reads_of
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 IOV_MAX = 1024
@@ -144,7 +144,7 @@ def main() -> None:
     if args.role == "trainer":
         tensors = trainer_shards(plan, args.rank, seed=1)
         rendezvous.put(f"bench/pid/{args.rank}", str(os.getpid()).encode())
-        sender = Sender(plan, args.rank, tensors, rendezvous=rendezvous, timeout=120, digests=args.verify)
+        sender = Sender(plan, args.rank, tensors, rendezvous=rendezvous, timeout=120, digests=args.verify).start()
         model = None
     else:
         if args.model and not quantized:
@@ -161,7 +161,7 @@ def main() -> None:
             destination = {e.name: torch.zeros(e.shape, dtype=getattr(torch, e.dtype)) for e in plan.dests if args.rank in e.ranks}
         # A vLLM model gets its derived MLA state recomputed after every sync; plain tensors have none to recompute.
         receiver = Receiver(plan, args.rank, model if model is not None else destination, rendezvous=rendezvous,
-                            timeout=120, verify=args.verify, derived="refresh" if model is not None else "caller")
+                            timeout=120, verify=args.verify, derived="refresh" if model is not None else "caller").start()
         emit(event="joined", rank=args.rank, bytes=receiver.bytes, descriptors=receiver.descriptors,
              destination_bytes=receiver.destination_bytes, staging_bytes=receiver.staging_bytes)
     rendezvous.put(f"bench/ready/{args.role}/{args.rank}", b"1")

@@ -37,6 +37,9 @@ def compile_main(argv: list[str] | None = None) -> int:
                          help="explicit trainer layout (JSON: per tensor shape, dtype, mesh, DTensor placements)")
     parser.add_argument("--inference", default="tp=1", help="vLLM layout: tp=T[,dp=D][,ep]")
     parser.add_argument("-o", "--output", type=_output_path, help="plan file (default plans/<model>/<trainer>__<inference>__<quant>.plan)")
+    parser.add_argument("--trainer-adapter", metavar="MODULE:CALLABLE",
+                        help="a trainer that is not a transformers model: a factory(config_dir, dtype) whose object has "
+                             "state_dict() and to_hf(state_dict), e.g. weightplan.compiler.adapters.torchtitan:TorchtitanDeepSeekV3")
     parser.add_argument("--check-passes", action="store_true",
                         help="verify the program after every compiler pass and name the pass that breaks an invariant (slower)")
     args = parser.parse_args(argv)
@@ -47,7 +50,7 @@ def compile_main(argv: list[str] | None = None) -> int:
         result = compile_plan(
             CompileOptions(args.model, args.trainer_format, args.trainer_dtype, args.quant, args.output,
                            trainer=args.trainer, inference=args.inference, trainer_layout=args.trainer_layout,
-                           check_passes=args.check_passes),
+                           check_passes=args.check_passes, trainer_adapter=args.trainer_adapter),
             log=_log,
         )
     except WeightplanError as exc:

@@ -16,6 +16,7 @@ import torch
 
 from .frontend.errors import ModelConfigError
 from .frontend.rank_models import RankTracer
+from .frontend.trainer_adapter import ADAPTER_FORMAT, check_adapter_spec, load_adapter
 from .frontend.trainer_formats import Conversion, canonical_format, load_trainer_model
 from .frontend.vllm_model import current_platform_name, make_vllm_config
 from .frontend.vllm_patches import HOST_PROFILE, host_independent
@@ -43,6 +44,7 @@ class CompileOptions:
     inference: str = "tp=1"
     trainer_layout: Path | None = None
     check_passes: bool = False  # verify the program after every pass, not only the coverage proof at the end
+    trainer_adapter: str | None = None  # module:callable mapping a non-transformers trainer's tensors to checkpoint ones
 
 
 @dataclass
@@ -61,6 +63,10 @@ def default_plan_path(model: str, trainer: dict, inference: dict, quant: str) ->
 
 def check_options(opts: CompileOptions) -> None:
     canonical_format(opts.trainer_format)
+    if opts.trainer_adapter is not None:
+        check_adapter_spec(opts.trainer_adapter)
+        if opts.trainer_format != "hf":
+            raise ModelConfigError("pass either --trainer-format or --trainer-adapter (the adapter names the trainer's tensors)")
     if opts.trainer_dtype not in TRAINER_DTYPES:
         raise ModelConfigError(f"unknown --trainer-dtype {opts.trainer_dtype!r}; choose one of {', '.join(TRAINER_DTYPES)}")
     if opts.quant not in QUANTS:
@@ -96,7 +102,7 @@ def check_output(path: Path | None) -> None:
 def check_inputs(opts: CompileOptions) -> _Inputs:
     check_options(opts)
     check_output(opts.output)
-    trainer_layout = parse_trainer(opts.trainer, opts.trainer_layout, opts.trainer_format)
+    trainer_layout = parse_trainer(opts.trainer, opts.trainer_layout, trainer_format(opts))
     inference = parse_inference(opts.inference)
     name, config_dir = resolve_model(opts.model)
     config = load_config_json(config_dir)
@@ -123,8 +129,9 @@ def _compile(opts: CompileOptions, inputs: _Inputs, log) -> CompileResult:
     base = make_vllm_config(config_dir, quantization=quantization)
     vllm_config = (make_vllm_config(config_dir, tp=inference.tp, dp=inference.dp, ep=inference.ep, quantization=quantization)
                    if inference.ranks > 1 else base)
-    trainer_model = load_trainer_model(config_dir, getattr(torch, TRAINER_DTYPES[opts.trainer_dtype]))
-    sources = trainer_model.specs(opts.trainer_format)
+    fmt = trainer_format(opts)
+    trainer_model = trainer_tensors(config_dir, opts.trainer_dtype, fmt, opts.trainer_adapter)
+    sources = trainer_model.specs(fmt)
     trainer_layout = trainer_layout.bind(sources)
     add(timings, "setup", (start, start_cpu))  # importing vLLM, the engine configs, the trainer table
 
@@ -132,7 +139,7 @@ def _compile(opts: CompileOptions, inputs: _Inputs, log) -> CompileResult:
     chains: tuple = ()
     assignments_total = 0
     quant_hooks = quant_compile.hooks(opts.quant)
-    ranks = RankTracer(vllm_config, base, inference, sources, Conversion(trainer_model, opts.trainer_format), timings, quant_hooks=quant_hooks)
+    ranks = RankTracer(vllm_config, base, inference, sources, Conversion(trainer_model, fmt), timings, quant_hooks=quant_hooks)
     for rank in range(inference.ranks):
         load = ranks.trace(rank, _progress(log, name, rank, inference.ranks))
         with phase(timings, "passes"):
@@ -145,7 +152,8 @@ def _compile(opts: CompileOptions, inputs: _Inputs, log) -> CompileResult:
             del load, traced, lowered
 
     started = clock()
-    trainer = {"format": opts.trainer_format, "dtype": opts.trainer_dtype, "token": trainer_layout.token, **trainer_layout.as_dict()}
+    trainer = {"format": fmt, "dtype": opts.trainer_dtype, "token": trainer_layout.token, **trainer_layout.as_dict(),
+               **({"adapter": opts.trainer_adapter} if opts.trainer_adapter else {})}
     inference_meta = {"token": inference.token, **inference.as_dict(), "platform": current_platform_name(),
                       "vllm_host": HOST_PROFILE}
     origin = PlanOrigin(vllm_version=vllm.__version__, model=name, config_sha256=config_hash(config_dir),
@@ -197,6 +205,18 @@ def _before_coalesce(into: dict):
         into["lower_bound"] = descriptors_lower_bound(program.runs.take(np.flatnonzero(posted)), program.dests)
 
     return observe
+
+
+def trainer_format(opts: CompileOptions) -> str:
+    """The plan's trainer format: the adapter's, or --trainer-format."""
+    return ADAPTER_FORMAT if opts.trainer_adapter is not None else opts.trainer_format
+
+
+def trainer_tensors(config_dir: Path, dtype: str, fmt: str, adapter: str | None):
+    """The trainer's tensor table and checkpoint conversion: transformers' model, or the named adapter's."""
+    if adapter is not None:
+        return load_adapter(adapter, config_dir, getattr(torch, TRAINER_DTYPES[dtype]))
+    return load_trainer_model(config_dir, getattr(torch, TRAINER_DTYPES[dtype]))
 
 
 def _progress(log, name: str, rank: int, ranks: int):

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..runtime.plan_format import DTYPE_SIZES
+from ..runtime.plan.columns import Runs
+from ..runtime.plan.schema import DTYPE_SIZES, DerivedItem, TensorEntry
 
 
 class Op(str, enum.Enum):
@@ -100,25 +101,6 @@ class Geometry:
 
 
 @dataclass(frozen=True)
-class TensorSpec:
-    """A named tensor of one side: trainer tensor or vLLM destination parameter.
-
-    Trainer tensors carry their `sharding` ("dense" or "expert", see runtime/shards.py);
-    destinations carry the inference `ranks` that hold this exact tensor (replicas share one entry).
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    sharding: str = "dense"
-    ranks: tuple[int, ...] = (0,)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-@dataclass(frozen=True)
 class Assignment:
     """A traced `copy_`: the value `node` is written into `geometry` of destination `dest`."""
 
@@ -176,82 +158,6 @@ class Copy:
     dest: str
     dst_geom: Geometry
     casts: tuple[str, ...]  # dtypes the value passes through: source dtype first, destination dtype last
-
-
-@dataclass(frozen=True)
-class Runs:
-    """Byte runs as parallel arrays, in elements: row i < count of a run copies
-    src[src_off + i*src_stride :+length] -> dst[dst_off + i*dst_stride :+length].
-
-    A plain run has count 1 and strides 0; a strided run (count > 1) stands for `count` rows,
-    each contiguous on both sides, that one table row describes (e.g. a TP column slice of every
-    row of a matrix). `src`, `dest` and `wire` index `Program.sources`, `Program.dests` and
-    `Program.cast_chains`. `src_rank` is the trainer rank serving the run; `src_off` is global
-    until split_shards makes it an offset into that rank's shard. Every inference rank of
-    `dests[dest].ranks` reads the run.
-    """
-
-    src: np.ndarray
-    src_off: np.ndarray
-    dest: np.ndarray
-    dst_off: np.ndarray
-    length: np.ndarray
-    wire: np.ndarray
-    src_rank: np.ndarray
-    count: np.ndarray
-    src_stride: np.ndarray
-    dst_stride: np.ndarray
-
-    FIELDS = ("src", "src_off", "dest", "dst_off", "length", "wire", "src_rank", "count", "src_stride", "dst_stride")
-
-    @staticmethod
-    def empty() -> "Runs":
-        return Runs(*(np.zeros(0, dtype=np.int64) for _ in Runs.FIELDS))
-
-    @staticmethod
-    def plain(src, src_off, dest, dst_off, length, wire, src_rank) -> "Runs":
-        """Runs of one row each (count 1, strides 0)."""
-        columns = [np.asarray(c, dtype=np.int64) for c in (src, src_off, dest, dst_off, length, wire, src_rank)]
-        n = len(columns[4])
-        return Runs(*columns, np.ones(n, dtype=np.int64), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
-
-    @staticmethod
-    def concat(parts: list["Runs"]) -> "Runs":
-        if not parts:
-            return Runs.empty()
-        return Runs(*(np.concatenate([getattr(p, f) for p in parts]).astype(np.int64) for f in Runs.FIELDS))
-
-    def take(self, index: np.ndarray) -> "Runs":
-        return Runs(*(getattr(self, f)[index] for f in Runs.FIELDS))
-
-    def __len__(self) -> int:
-        return int(self.length.shape[0])
-
-    @property
-    def rows(self) -> int:
-        """Contiguous rows these runs stand for: the descriptors a reader posts without packing."""
-        return int(self.count.sum())
-
-    def src_end(self) -> np.ndarray:
-        """One past the last source element any row reads."""
-        return self.src_off + (self.count - 1) * self.src_stride + self.length
-
-    def dst_end(self) -> np.ndarray:
-        """One past the last destination element any row writes."""
-        return self.dst_off + (self.count - 1) * self.dst_stride + self.length
-
-    def expand(self, mask: np.ndarray | None = None) -> "Runs":
-        """These runs (or those selected by `mask`) as plain one-row runs, rows of a run in order."""
-        runs = self if mask is None else self.take(np.flatnonzero(mask))
-        begin = np.cumsum(runs.count) - runs.count
-        run = np.repeat(np.arange(len(runs)), runs.count)
-        return runs.row(run, np.arange(len(run)) - begin[run])
-
-    def row(self, run: np.ndarray, index: np.ndarray) -> "Runs":
-        """Row `index[k]` of run `run[k]`, for each k, as plain runs."""
-        r = self.take(run)
-        return Runs.plain(r.src, r.src_off + index * r.src_stride, r.dest,
-                          r.dst_off + index * r.dst_stride, r.length, r.wire, r.src_rank)
 
 
 @dataclass(frozen=True)
@@ -328,8 +234,8 @@ class Program:
     place_quant quantizes their blocks, and what the plan header records.
     """
 
-    sources: tuple[TensorSpec, ...]
-    dests: tuple[TensorSpec, ...]
+    sources: tuple[TensorEntry, ...]
+    dests: tuple[TensorEntry, ...]
     assignments: tuple[Assignment, ...] = ()
     copies: tuple[Copy, ...] = ()
     runs: Runs | None = None
@@ -344,7 +250,7 @@ class Program:
     quant_targets: tuple[QuantTarget, ...] = ()
     quant_placement: QuantPlacement | None = field(default=None, compare=False)  # set by place_quant
     kernel_layout: dict = field(default_factory=dict, compare=False)  # how vLLM's fp8 kernels want weights and scales
-    derived: tuple = ()  # post-load state the receiver derives (runtime/derived.py)
+    derived: tuple[DerivedItem, ...] = ()  # post-load state the receiver derives
     coverage: Coverage | None = field(default=None, compare=False)  # set by check_coverage
     source_choice: SourceChoice | None = field(default=None, compare=False)  # set by split_shards
     stats: dict = field(default_factory=dict, compare=False)  # compile statistics the header records
@@ -383,7 +289,3 @@ class QuantPlacement:
     staging: tuple[tuple, ...]
     stage: dict  # columns STAGE_COLUMNS -> int64 arrays
     spans: dict  # columns SPAN_COLUMNS -> int64 arrays
-
-    SENDER = 0
-    RECEIVER = 1
-    GATHER = 2

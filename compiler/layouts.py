@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..runtime.errors import LayoutError
-from ..runtime.shards import MAX_RANKS, ShardLayout, TrainerLayout, layout_items
-from ..runtime.trainer_layout import LayoutFile, read_trainer_layout
+from ..runtime.layout.shards import MAX_RANKS, ShardLayout, TrainerLayout, layout_items
+from ..runtime.layout.layout_file import TrainerLayoutFile, read_trainer_layout
 from .frontend.errors import ModelConfigError
 from .frontend.trainer_formats import canonical_format
 
@@ -65,8 +65,9 @@ def parse_trainer(text: str, layout_file: Path | None = None, fmt: str = "hf") -
         layout = TrainerLayout.parse(text)
     except ValueError as exc:
         raise ModelConfigError(str(exc)) from None
-    if layout.ep > 1 and canonical_format(fmt) != "transformers":
-        raise ModelConfigError("trainer ep needs --trainer-format transformers (alias stacked: experts stacked on dim 0)")
+    if layout.ep > 1 and fmt != "adapter" and canonical_format(fmt) != "transformers":
+        raise ModelConfigError("trainer ep needs --trainer-format transformers (alias stacked: experts stacked on dim 0) "
+                               "or a --trainer-adapter")
     return layout
 
 
@@ -91,7 +92,7 @@ def check_trainer_experts(layout, config: dict) -> None:
 class ExplicitTrainer:
     """A `--trainer-layout` file for trainer tensors of format `fmt`."""
 
-    file: LayoutFile
+    file: TrainerLayoutFile
     fmt: str
 
     def bind(self, specs) -> ShardLayout:

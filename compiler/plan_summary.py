@@ -5,9 +5,10 @@ from __future__ import annotations
 import jinja2
 import numpy as np
 
-from ..runtime.plan_format import DTYPE_SIZES, GATHER, RECEIVER, Plan
-from .ir import Constants, Program, Runs, TensorSpec
-from ..runtime.quant import span_elements
+from ..runtime.fp8.numerics import span_elements
+from ..runtime.plan.format import Plan
+from ..runtime.plan.schema import DTYPE_SIZES, GATHER, RECEIVER
+from .ir import Constants, Program
 from .passes.verify import descriptors_lower_bound, descriptors_posted, verify
 from .passes.verify_quant import verify_quant
 
@@ -34,14 +35,13 @@ weightplan plan (format {{ s.format_version }})
 
 
 def as_program(plan: Plan) -> Program:
-    runs = Runs(**{f: plan.table[f] for f in Runs.FIELDS})
     shard_numel = np.zeros((plan.header["src_ranks"], len(plan.sources)), dtype=np.int64)
     for s, r in set(zip(plan.table["src"].tolist(), plan.table["src_rank"].tolist())):
         shard_numel[r, s] = int(np.prod(plan.local_shape(s, r), dtype=np.int64))
     return Program(
-        sources=tuple(TensorSpec(e.name, e.shape, e.dtype) for e in plan.sources),
-        dests=tuple(TensorSpec(e.name, e.shape, e.dtype, ranks=e.ranks) for e in plan.dests),
-        runs=runs,
+        sources=plan.sources,  # the plan's entries are the compiler's (runtime/plan/schema.py)
+        dests=plan.dests,
+        runs=plan.table,
         cast_chains=plan.cast_chains,
         shard_numel=shard_numel,
         constants=Constants(*(np.array([getattr(c, f) for c in plan.constants], dtype=np.int64) for f in ("dest", "dst_off", "length")),

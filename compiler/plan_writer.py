@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 
-from ..runtime.plan_format import RUN_COLUMNS, write_plan
+from ..runtime.plan.format import write_plan
+from ..runtime.plan.schema import ConstantRun, StagingEntry
 from .ir import Program, QuantPlacement
 
 
@@ -23,13 +25,14 @@ def plan_header(program: Program) -> dict:
         "quant": origin.quant,
         "src_ranks": origin.src_ranks,
         "dst_ranks": origin.dst_ranks,
-        "sources": [[s.name, list(s.shape), s.dtype, layout.of[layout.index(s.name)]] for s in program.sources],
-        "dests": [[d.name, list(d.shape), d.dtype, list(d.ranks)] for d in program.dests],
+        "sources": [dataclasses.replace(s, box_class=layout.of[layout.index(s.name)]).source_row() for s in program.sources],
+        "dests": [d.dest_row() for d in program.dests],
         "cast_chains": [list(c) for c in program.cast_chains],
         "stats": program.stats,
-        "staging": [[n, list(shape), "bfloat16", list(ranks), w, s] for n, shape, ranks, w, s in _quant(program).staging],
+        "staging": [StagingEntry(n, tuple(shape), "bfloat16", tuple(ranks), w, s).row()
+                    for n, shape, ranks, w, s in _quant(program).staging],
         "quant_layout": program.kernel_layout,
-        "derived": list(program.derived),
+        "derived": [d.row() for d in program.derived],
         **_constants(program),
     }
 
@@ -40,7 +43,7 @@ def _constants(program: Program) -> dict:
     if not len(c):
         return {}
     order = np.lexsort((c.dst_off, c.dest)).tolist()
-    return {"constants": [[int(c.dest[i]), int(c.dst_off[i]), int(c.length[i]), c.values[i]] for i in order]}
+    return {"constants": [ConstantRun(int(c.dest[i]), int(c.dst_off[i]), int(c.length[i]), c.values[i]).row() for i in order]}
 
 
 def _quant(program: Program) -> QuantPlacement:
@@ -50,6 +53,5 @@ def _quant(program: Program) -> QuantPlacement:
 def write_program(program: Program, path: Path) -> int:
     """Write atomically; returns the file size."""
     runs, quant = program.runs, _quant(program)
-    written = write_plan(path, plan_header(program), {column: getattr(runs, column) for column in RUN_COLUMNS},
-                         quant.stage or None, quant.spans or None)
+    written = write_plan(path, plan_header(program), runs, quant.stage or None, quant.spans or None)
     return written.stat().st_size

@@ -38,7 +38,7 @@ class QuantHooks:
 
     quant: str
     found: dict = dataclasses.field(default_factory=dict)
-    derived: list = dataclasses.field(default_factory=list)
+    derived: list = dataclasses.field(default_factory=list)  # DerivedItems, from the first rank
     padding: dict = dataclasses.field(default_factory=dict)  # bf16 name -> element ranges post-load sets to zero
 
     def build_context(self):
@@ -61,7 +61,7 @@ class QuantHooks:
             if self.padding.setdefault(t.staging, t.padding) != t.padding:
                 raise ModelConfigError(f"fp8_per_block: the post-load zero padding of {t.staging} differs between ranks")
         if not self.derived:
-            self.derived.extend([d.module, d.what, list(d.reads), d.where] for d in post.derived)
+            self.derived.extend(post.derived)
 
 
     def targets(self) -> tuple[QuantTarget, ...]:

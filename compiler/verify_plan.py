@@ -12,10 +12,10 @@ import torch
 
 from ..runtime import execute_local, load_plan
 from ..runtime.errors import PlanMismatchError
-from ..runtime.host_executor import rows_view
-from ..runtime.plan_format import Plan
-from ..runtime.shards import box_segments
-from .frontend.trainer_formats import Conversion, load_trainer_model
+from ..runtime.host.executor import rows_view
+from ..runtime.plan.format import Plan
+from ..runtime.layout.shards import box_segments
+from .frontend.trainer_formats import Conversion
 from .frontend.errors import ModelConfigError
 from .frontend.vllm_model import build_model, current_platform_name, make_vllm_config
 from .frontend.vllm_patches import HOST_PROFILE, host_independent, parallel_rank, triton_fp8_kernels
@@ -302,10 +302,10 @@ def vllm_load_quantized(vllm_config, base, plan: Plan, full: dict[str, torch.Ten
 def plan_conversion(vllm_config, plan: Plan) -> Conversion:
     """The plan's trainer -> checkpoint conversion (its --trainer-format) for the config vLLM was built from."""
     trainer = plan.header["trainer"]
-    from .compile import TRAINER_DTYPES
+    from .compile import trainer_tensors
 
-    dtype = getattr(torch, TRAINER_DTYPES[trainer["dtype"]])
-    return Conversion(load_trainer_model(Path(vllm_config.model_config.model), dtype), trainer["format"])
+    return Conversion(trainer_tensors(Path(vllm_config.model_config.model), trainer["dtype"], trainer["format"],
+                                      trainer.get("adapter")), trainer["format"])
 
 
 def _materialize(model: torch.nn.Module, names: set[str], fill: float) -> dict[str, torch.Tensor]:

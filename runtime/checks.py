@@ -7,10 +7,7 @@ from collections.abc import Mapping
 import torch
 
 from .errors import PlanMismatchError
-
-
-def dtype_name(tensor: torch.Tensor) -> str:
-    return str(tensor.dtype).removeprefix("torch.")
+from .plan.schema import dtype_name
 
 
 def named_tensors(holder) -> dict[str, torch.Tensor]:
@@ -25,9 +22,9 @@ def named_tensors(holder) -> dict[str, torch.Tensor]:
 
 def flat_view(name: str, tensor: torch.Tensor, shape: tuple[int, ...], dtype: str, side: str) -> torch.Tensor:
     """The tensor as a flat view, after checking its shape, dtype and contiguity against the plan."""
-    if tuple(tensor.shape) != tuple(shape) or dtype_name(tensor) != dtype:
+    if tuple(tensor.shape) != tuple(shape) or dtype_name(tensor.dtype) != dtype:
         raise PlanMismatchError(
-            f"{side} tensor {name!r} is {dtype_name(tensor)}{list(tensor.shape)}, the plan expects {dtype}{list(shape)}"
+            f"{side} tensor {name!r} is {dtype_name(tensor.dtype)}{list(tensor.shape)}, the plan expects {dtype}{list(shape)}"
         )
     if tensor.device.type == "meta":
         raise PlanMismatchError(f"{side} tensor {name!r} is on the meta device; give it real memory")

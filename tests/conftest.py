@@ -48,8 +48,8 @@ def rendezvous(request):
 @pytest.fixture
 def no_agents(monkeypatch):
     """Fail the test if a NIXL agent (and so any registration) is created."""
-    from weightplan.runtime import receiver as receiver_module
-    from weightplan.runtime import sender as sender_module
+    from weightplan.runtime.receiver import receiver as receiver_module
+    from weightplan.runtime.sender import sender as sender_module
 
     def refuse(*args, **kwargs):
         raise AssertionError("a NIXL agent was created before the inputs were checked")

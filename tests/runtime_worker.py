@@ -64,7 +64,7 @@ def byte_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 def run_trainer(args, plan) -> None:
     tensors = shard(plan, full_weights(plan, args.seed, args.versions[0]), args.rank)
     rendezvous = Rendezvous.connect(args.job, args.address, timeout=args.timeout)
-    sender = Sender(plan, args.rank, tensors, rendezvous=rendezvous, timeout=args.timeout, digests=args.digests)
+    sender = Sender(plan, args.rank, tensors, rendezvous=rendezvous, timeout=args.timeout, digests=args.digests).start()
     emit(event="ready", rank=args.rank)
     deadline = time.monotonic() + args.join_timeout
     while args.wait_joined and not all(rendezvous.exists(f"inference/{k}/joined") for k in sender.readers):
@@ -102,7 +102,7 @@ def run_plain_inference(args, plan) -> None:
 
     receiver = Receiver(plan, args.rank, destination, rendezvous=rendezvous, timeout=args.timeout, verify=args.verify,
                         derived="caller",  # plain tensors: no modules whose derived state could go stale
-                        group_bytes=args.group_bytes, post_op=hold)
+                        group_bytes=args.group_bytes, post_op=hold).start()
     emit(event="joined", rank=args.rank)
     for version in args.versions:
         if args.gate:
@@ -148,7 +148,7 @@ def run_inference(args, plan) -> None:
         param.data.fill_(float("nan") if param.dtype.is_floating_point else 0)
     rendezvous = Rendezvous.connect(args.job, args.address, timeout=args.timeout)
     receiver = Receiver(plan, args.rank, model, rendezvous=rendezvous, timeout=args.timeout, verify=args.verify,
-                        group_bytes=args.group_bytes)
+                        group_bytes=args.group_bytes).start()
     emit(event="joined", rank=args.rank)
     ref_config, reference = model_for_rank()
     conversion = plan_conversion(ref_config, plan)
@@ -223,7 +223,7 @@ def run_quantized_inference(args, plan) -> None:
     # fp8 MLA layers cannot be processed on CPU with the Triton stub: derived state is not recomputed here.
     receiver = Receiver(plan, args.rank, params, rendezvous=rendezvous, timeout=args.timeout, verify=args.verify,
                         derived="caller",
-                        group_bytes=args.group_bytes)
+                        group_bytes=args.group_bytes).start()
     emit(event="joined", rank=args.rank)
     sync_versions(
         args, receiver,

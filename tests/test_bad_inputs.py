@@ -146,7 +146,8 @@ def test_verify_refuses_inference_ranks_the_plan_does_not_have(plan_cache, ranks
 
 
 def test_verify_refuses_a_plan_for_another_vllm(plan_cache, tmp_path):
-    from weightplan.runtime.plan_format import RUN_COLUMNS, write_plan
+    from weightplan.runtime.plan.format import write_plan
+    from weightplan.runtime.plan.schema import RUN_COLUMNS
 
     plan = load_plan(plan_cache("tiny-llama"))
     header = {k: v for k, v in plan.header.items() if k not in ("fingerprint", "n_runs", "kind", "format_version")}

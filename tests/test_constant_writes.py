@@ -13,14 +13,15 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from weightplan.compiler.compile import CompileOptions, compile_plan
 from weightplan.compiler.frontend.errors import ConstantWriteError
 from weightplan.compiler.frontend.lazy_weight import LazyWeight, Tracer, tracing
-from weightplan.compiler.ir import Program, TensorSpec
+from weightplan.compiler.ir import Program, TensorEntry
 from weightplan.compiler.passes.pipeline import Stage, run_stage
 from weightplan.compiler.passes.verify import PlanInvariantError, verify
 from weightplan.compiler.plan_summary import summarize
 from weightplan.compiler.verify_plan import shard_sources, verify_plan
 from weightplan.runtime import execute_local, load_plan
 from weightplan.runtime.errors import PlanFormatError
-from weightplan.runtime.plan_format import RUN_COLUMNS, decode_plan, encode_plan
+from weightplan.runtime.plan.format import decode_plan, encode_plan
+from weightplan.runtime.plan.schema import RUN_COLUMNS
 
 from .conftest import config_dir
 from .runtime_harness import Job
@@ -101,8 +102,8 @@ def _trace(params, body) -> Program:
     tracer = Tracer(params)
     with tracing(tracer), torch.no_grad():
         body(params)
-    dests = tuple(TensorSpec(n, tuple(p.shape), "bfloat16") for n, p in params.items())
-    return Program((TensorSpec("w", (6, 4), "bfloat16"),), dests, tuple(tracer.assignments))
+    dests = tuple(TensorEntry(n, tuple(p.shape), "bfloat16") for n, p in params.items())
+    return Program((TensorEntry("w", (6, 4), "bfloat16"),), dests, tuple(tracer.assignments))
 
 
 def test_fill_zero_and_constant_copies_are_recorded_and_the_later_copy_wins():

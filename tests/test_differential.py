@@ -42,7 +42,8 @@ def test_stacked_experts_coalesce_into_one_run_per_fused_tensor(plan_cache):
 
 def test_verify_detects_a_corrupted_run(plan_cache, tmp_path):
     """The digest comparison is a real check: a plan with one run redirected must fail."""
-    from weightplan.runtime.plan_format import RUN_COLUMNS, write_plan
+    from weightplan.runtime.plan.format import write_plan
+    from weightplan.runtime.plan.schema import RUN_COLUMNS
 
     plan = load_plan(plan_cache("tiny-llama", "hf", "bf16"))
     runs = {c: plan.table[c].copy() for c in RUN_COLUMNS}

@@ -12,7 +12,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from weightplan.runtime.placements import Mesh, Placement, Sharding
+from weightplan.runtime.layout.placements import Mesh, Placement, Sharding
 
 from .fake_world import as_rank, run_in_fresh_process
 

@@ -46,10 +46,10 @@ def test_reused_layers_equal_every_layer_traced(model, fmt):
 
 
 def test_only_the_template_layers_destinations_are_copied():
-    from weightplan.compiler.ir import Constants, Runs, TensorSpec
+    from weightplan.compiler.ir import Constants, Runs, TensorEntry
 
-    sources = tuple(TensorSpec(f"m.layers.{i}.w", (4,), "float32") for i in range(3)) + (TensorSpec("m.embed", (4,), "float32"),)
-    dests = tuple(TensorSpec(f"m.layers.{i}.w", (4,), "float32") for i in range(3)) + (TensorSpec("m.embed", (4,), "float32"),)
+    sources = tuple(TensorEntry(f"m.layers.{i}.w", (4,), "float32") for i in range(3)) + (TensorEntry("m.embed", (4,), "float32"),)
+    dests = tuple(TensorEntry(f"m.layers.{i}.w", (4,), "float32") for i in range(3)) + (TensorEntry("m.embed", (4,), "float32"),)
     # layer 0 copies elements 0..2 of its own source and fills element 3; the embedding is written from layer 0's source too (not a layer-0 destination)
     runs = Runs.plain(*(np.array(v, dtype=np.int64) for v in ([0, 0], [0, 0], [0, 3], [0, 0], [3, 4], [0, 0], [0, 0])))
     program = Program(sources, dests, runs=runs, cast_chains=(("float32",),), layer_reuse=(LayerReuse(0, 2),),

@@ -8,7 +8,8 @@ import pytest
 from weightplan.compiler.compile import CompileOptions, compile_plan
 from weightplan.compiler.frontend.errors import ModelConfigError
 from weightplan.runtime.errors import PlanFormatError
-from weightplan.runtime.plan_format import RUN_COLUMNS, SPAN_COLUMNS, STAGE_COLUMNS, decode_plan, encode_plan
+from weightplan.runtime.plan.format import decode_plan, encode_plan
+from weightplan.runtime.plan.schema import RUN_COLUMNS, SPAN_COLUMNS, STAGE_COLUMNS
 
 from .conftest import config_dir
 

@@ -8,8 +8,8 @@ import pytest
 from weightplan.compiler.plan_summary import summarize
 from weightplan.compiler.verify_plan import verify_plan
 from weightplan.runtime import load_plan
-from weightplan.runtime.plan_format import GATHER, RECEIVER, SENDER
-from weightplan.runtime.quant import span_elements
+from weightplan.runtime.plan.schema import GATHER, RECEIVER, SENDER
+from weightplan.runtime.fp8.numerics import span_elements
 
 from .conftest import config_dir
 
@@ -86,7 +86,7 @@ def test_plan_lists_derived_post_load_work(fp8_plan):
 def test_sender_blocks_read_only_their_rank(fp8_plan):
     """Executing the sender side with only one rank's shards must work: host_quant.trainer_quantize is given no other."""
     from weightplan.compiler.verify_plan import random_sources, shard_sources, source_reads
-    from weightplan.runtime.host_quant import trainer_quantize
+    from weightplan.runtime.host.quant import trainer_quantize
 
     plan = load_plan(fp8_plan("mixed"))
     everything = np.ones(plan.n_stored_runs, dtype=bool)
@@ -121,7 +121,8 @@ SAMPLE_SEEDS = range(6)
 
 def _w2_shifted(plan, tmp_path):
     """The plan with every stage copy feeding an expert w2_weight missing its first element (left zero): wrong bytes."""
-    from weightplan.runtime.plan_format import RUN_COLUMNS, SPAN_COLUMNS, STAGE_COLUMNS, write_plan
+    from weightplan.runtime.plan.format import write_plan
+    from weightplan.runtime.plan.schema import RUN_COLUMNS, SPAN_COLUMNS, STAGE_COLUMNS
 
     stage = {c: plan.stage[c].copy() for c in STAGE_COLUMNS}
     w2 = np.array([e.name.endswith("w2_weight") for e in plan.staging])

@@ -1,4 +1,4 @@
-"""runtime/fp8_kernel.py: its float32 -> e4m3fn rounding against torch, and BlockQuantizer with it against vLLM."""
+"""runtime/fp8/kernel.py: its float32 -> e4m3fn rounding against torch, and BlockQuantizer with it against vLLM."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightplan.runtime.fp8_kernel import f32_bits_to_e4m3fn, scaled_bf16_to_e4m3fn
-from weightplan.runtime.quant import BlockQuantizer
+from weightplan.runtime.fp8.kernel import f32_bits_to_e4m3fn, scaled_bf16_to_e4m3fn
+from weightplan.runtime.fp8.numerics import BlockQuantizer
 
 from .test_fp8_quant import _same, _vllm
 
@@ -167,8 +167,8 @@ def test_column_strided_input_falls_back_to_torch():
 
 def test_warm_up_loads_the_kernel_before_the_first_quantization():
     """Sender and receiver call warm_up at construction, so the first sync does not load numba's kernel."""
-    code = ("from weightplan.runtime import fp8_kernel\n"
-            "from weightplan.runtime.quant import BlockQuantizer\n"
+    code = ("from weightplan.runtime.fp8 import kernel as fp8_kernel\n"
+            "from weightplan.runtime.fp8.numerics import BlockQuantizer\n"
             "assert not fp8_kernel.quantize_tiles.signatures\n"
             "BlockQuantizer().warm_up()\n"
             "assert len(fp8_kernel.quantize_tiles.signatures) == 1\n"

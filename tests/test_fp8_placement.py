@@ -7,12 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightplan.compiler.ir import Program, QuantTarget, Runs, TensorSpec
+from weightplan.compiler.ir import Program, QuantTarget, Runs, TensorEntry
 from weightplan.compiler.passes.place_quant import place_quant
 from weightplan.compiler.passes.quant_blocks import block_ranges
 from weightplan.compiler.passes.verify import PlanInvariantError
 from weightplan.compiler.passes.verify_quant import verify_quant
-from weightplan.runtime.quant import block_grid
+from weightplan.runtime.fp8.numerics import block_grid
 
 
 def block_owners(shape: tuple[int, ...], offs, lengths, ranks) -> np.ndarray:
@@ -41,8 +41,8 @@ def _program(shape, pieces, ranks_of_dest=(0,)):
         wire=np.zeros(n, dtype=np.int64),
         src_rank=np.array([p[2] for p in pieces], dtype=np.int64),
     )
-    sources = (TensorSpec("w", shape, "bfloat16"),)
-    dests = (TensorSpec("norm", (4,), "bfloat16", ranks=ranks_of_dest), TensorSpec("layer.weight", shape, "bfloat16", ranks=ranks_of_dest))
+    sources = (TensorEntry("w", shape, "bfloat16"),)
+    dests = (TensorEntry("norm", (4,), "bfloat16", ranks=ranks_of_dest), TensorEntry("layer.weight", shape, "bfloat16", ranks=ranks_of_dest))
     return Program(sources, dests, runs=runs, cast_chains=(("bfloat16",),),
                    quant_targets=(QuantTarget("layer.weight", "layer.weight", "layer.weight_scale_inv"),))
 
@@ -201,14 +201,14 @@ def test_vectorised_placement_equals_the_per_block_loop(cases):
     """Several quantized tensors at once (one shared block id space) give the rows of the loop, in its order."""
     shapes = [shape for shape, _ in cases]
     n = sum(len(p) for _, p in cases)
-    cols = {f: [] for f in Runs.FIELDS[:7]}
+    cols = {f: [] for f in Runs.column_names()[:7]}
     for stage, (shape, pieces) in enumerate(cases):
         for off, length, rank in reversed(pieces):  # place_quant must order runs itself
-            for f, v in zip(Runs.FIELDS, (stage, off, stage, off, length, 0, rank)):
+            for f, v in zip(Runs.column_names(), (stage, off, stage, off, length, 0, rank)):
                 cols[f].append(v)
     runs = Runs.plain(**{f: np.array(v, dtype=np.int64).reshape(n) for f, v in cols.items()})
-    sources = tuple(TensorSpec(f"w{i}", shape, "bfloat16") for i, shape in enumerate(shapes))
-    dests = tuple(TensorSpec(f"l{i}.weight", shape, "bfloat16") for i, shape in enumerate(shapes))
+    sources = tuple(TensorEntry(f"w{i}", shape, "bfloat16") for i, shape in enumerate(shapes))
+    dests = tuple(TensorEntry(f"l{i}.weight", shape, "bfloat16") for i, shape in enumerate(shapes))
     quant = tuple(QuantTarget(f"l{i}.weight", f"l{i}.weight", f"l{i}.weight_scale_inv") for i in range(len(shapes)))
     q = place_quant(Program(sources, dests, runs=runs, cast_chains=(("bfloat16",),), quant_targets=quant)).quant_placement
     stage_rows, span_rows = _reference_tables(shapes, [p for _, p in cases])

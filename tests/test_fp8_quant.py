@@ -1,4 +1,4 @@
-"""runtime/quant.py against vLLM's per_block_cast_to_fp8: identical bytes on random data, whole tensors and sub-blocks."""
+"""runtime/fp8/numerics.py against vLLM's per_block_cast_to_fp8: identical bytes on random data, whole tensors and sub-blocks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightplan.runtime.quant import block_grid, per_block_fp8, quantize_span, span_dest_segments, span_elements
+from weightplan.runtime.fp8.numerics import block_grid, per_block_fp8, quantize_span, span_dest_segments, span_elements
 
 
 def _vllm(x: torch.Tensor):
@@ -73,8 +73,8 @@ def test_runtime_quant_imports_no_compiler_or_vllm():
     import subprocess
     import sys
 
-    code = ("import sys, weightplan.runtime.quant, weightplan.runtime.host_quant, weightplan.runtime.quant_tables, "
-            "weightplan.runtime.sender_quant, weightplan.runtime.receiver_quant; "
+    code = ("import sys, weightplan.runtime.fp8.numerics, weightplan.runtime.host.quant, weightplan.runtime.tables.quant, "
+            "weightplan.runtime.sender.quant, weightplan.runtime.receiver.quant; "
             "bad = [m for m in sys.modules if m.startswith(('weightplan.compiler', 'vllm'))]; print(bad); assert not bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -82,7 +82,7 @@ def test_runtime_quant_imports_no_compiler_or_vllm():
 @pytest.mark.parametrize("shape", [(128, 128), (256, 384), (1, 1), (5, 300), (300, 5), (129, 257), (1000, 700)])
 def test_block_quantizer_on_strided_views_matches_vllm(shape):
     """BlockQuantizer (the runtime's fast path) on views with a row pitch, into views with another, small chunks."""
-    from weightplan.runtime.quant import BlockQuantizer
+    from weightplan.runtime.fp8.numerics import BlockQuantizer
 
     rows, cols = shape
     x = (torch.randn(shape, generator=torch.Generator().manual_seed(rows + cols)) * torch.logspace(-6, 4, cols)).to(torch.bfloat16)

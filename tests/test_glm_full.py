@@ -12,7 +12,7 @@ from weightplan.compiler.make_plans import CHECKED_IN
 from weightplan.compiler.plan_summary import summarize
 from weightplan.compiler.verify_plan import verify_plan
 from weightplan.runtime import load_plan
-from weightplan.runtime.plan_format import GATHER, SENDER
+from weightplan.runtime.plan.schema import GATHER, SENDER
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -101,8 +101,8 @@ def test_versions_are_checked_before_anything_moves(llama_plan, rendezvous, vers
 
     from .runtime_worker import full_weights, plain_destination, shard
 
-    sender = Sender(llama_plan, 0, shard(llama_plan, full_weights(llama_plan, 0, 1), 0), rendezvous=rendezvous, timeout=2)
-    receiver = Receiver(llama_plan, 0, plain_destination(llama_plan, 0), rendezvous=rendezvous, timeout=2, derived="caller")
+    sender = Sender(llama_plan, 0, shard(llama_plan, full_weights(llama_plan, 0, 1), 0), rendezvous=rendezvous, timeout=2).start()
+    receiver = Receiver(llama_plan, 0, plain_destination(llama_plan, 0), rendezvous=rendezvous, timeout=2, derived="caller").start()
     for call in (sender.publish, sender.release, receiver.sync):
         with pytest.raises(ValueError, match="versions are integers from 1 to 2\\*\\*62 - 1"):
             call(version)
@@ -129,7 +129,7 @@ def test_concurrent_writers_never_show_a_reader_half_a_plan(plan_cache, tmp_path
     import threading
 
     from weightplan.runtime import load_plan
-    from weightplan.runtime.plan_format import write_plan
+    from weightplan.runtime.plan.format import write_plan
 
     plan = load_plan(plan_cache("tiny-llama"))
     path, errors, done = tmp_path / "shared.plan", [], threading.Event()

@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from weightplan.compiler.frontend.lazy_weight import LazyWeight, Tracer, tracing
-from weightplan.compiler.ir import Program, Runs, TensorSpec, itemsize
+from weightplan.compiler.ir import Program, Runs, TensorEntry, itemsize
 from weightplan.compiler.passes.coalesce import coalesce
 from weightplan.compiler.passes.fold_views import fold_views
 from weightplan.compiler.passes.lower_runs import lower_runs
@@ -82,8 +82,8 @@ class Case:
 
     def program(self, assignments=()) -> Program:
         return Program(
-            sources=tuple(TensorSpec(n, s, d) for n, s, d in self.sources),
-            dests=tuple(TensorSpec(n, s, d) for n, s, d in self.dests),
+            sources=tuple(TensorEntry(n, s, d) for n, s, d in self.sources),
+            dests=tuple(TensorEntry(n, s, d) for n, s, d in self.dests),
             assignments=tuple(assignments),
         )
 

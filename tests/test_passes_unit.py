@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from weightplan.compiler.frontend.lazy_weight import LazyWeight, Tracer, tracing
-from weightplan.compiler.ir import Copy, Geometry, Program, Runs, TensorSpec
+from weightplan.compiler.ir import Copy, Geometry, Program, Runs, TensorEntry
 from weightplan.compiler.passes.coalesce import coalesce
 from weightplan.compiler.passes.fold_views import fold_views
 from weightplan.compiler.passes.lower_runs import lower_runs, strided_runs
@@ -26,8 +26,8 @@ def trace(sources: dict, dests: dict, body) -> Program:
         lazy = {n: LazyWeight.source(n, s, getattr(torch, dt)) for n, (s, dt) in sources.items()}
         body(lazy, metas)
     return Program(
-        sources=tuple(TensorSpec(n, tuple(s), dt) for n, (s, dt) in sources.items()),
-        dests=tuple(TensorSpec(n, tuple(s), dt) for n, (s, dt) in dests.items()),
+        sources=tuple(TensorEntry(n, tuple(s), dt) for n, (s, dt) in sources.items()),
+        dests=tuple(TensorEntry(n, tuple(s), dt) for n, (s, dt) in dests.items()),
         assignments=tuple(tracer.assignments),
     )
 
@@ -290,8 +290,8 @@ def test_coalesce_does_not_merge_different_cast_chains():
 
 
 def test_coalesce_does_not_merge_different_destinations_or_source_gaps():
-    base = Program(sources=(TensorSpec("a", (8,), "float32"),),
-                   dests=(TensorSpec("d", (8,), "float32"), TensorSpec("e", (8,), "float32")),
+    base = Program(sources=(TensorEntry("a", (8,), "float32"),),
+                   dests=(TensorEntry("d", (8,), "float32"), TensorEntry("e", (8,), "float32")),
                    cast_chains=(("float32",),))
     runs = make_runs([(0, 0, 0, 0, 2, 0), (0, 2, 1, 2, 2, 0), (0, 5, 0, 2, 2, 0)])
     out = coalesce(dataclasses.replace(base, runs=runs))
@@ -299,7 +299,7 @@ def test_coalesce_does_not_merge_different_destinations_or_source_gaps():
 
 
 def test_coalesce_sorts_and_merges_long_chains():
-    base = Program(sources=(TensorSpec("a", (8,), "float32"),), dests=(TensorSpec("d", (8,), "float32"),),
+    base = Program(sources=(TensorEntry("a", (8,), "float32"),), dests=(TensorEntry("d", (8,), "float32"),),
                    cast_chains=(("float32",),))
     runs = make_runs([(0, 6, 0, 6, 2, 0), (0, 0, 0, 0, 1, 0), (0, 3, 0, 3, 3, 0), (0, 1, 0, 1, 2, 0)])
     out = coalesce(dataclasses.replace(base, runs=runs))
@@ -320,7 +320,7 @@ def _strided(rows) -> Runs:
 
 
 def _one_stream(runs: Runs) -> Program:
-    return Program(sources=(TensorSpec("w", (64,), "float32"),), dests=(TensorSpec("d", (64,), "float32"),),
+    return Program(sources=(TensorEntry("w", (64,), "float32"),), dests=(TensorEntry("d", (64,), "float32"),),
                    runs=runs, cast_chains=(("float32",),))
 
 
@@ -360,8 +360,8 @@ def test_verify_rejects_malformed_strided_runs():
 
 def _program(rows, *, src_shape=(8,), dst_shape=(8,), chain=("float32",), dst_dtype="float32"):
     return Program(
-        sources=(TensorSpec("trainer.w", src_shape, "float32"),),
-        dests=(TensorSpec("model.layers.0.w", dst_shape, dst_dtype),),
+        sources=(TensorEntry("trainer.w", src_shape, "float32"),),
+        dests=(TensorEntry("model.layers.0.w", dst_shape, dst_dtype),),
         runs=make_runs(rows),
         cast_chains=(chain,),
     )

@@ -11,7 +11,8 @@ import pytest
 
 from weightplan.compiler.plan_summary import render_text, summarize
 from weightplan.runtime import PlanFormatError, load_plan
-from weightplan.runtime.plan_format import MAGIC, RUN_COLUMNS, decode_plan, encode_plan
+from weightplan.runtime.plan.format import MAGIC, decode_plan, encode_plan
+from weightplan.runtime.plan.schema import RUN_COLUMNS
 
 GOLDEN = Path(__file__).parent / "golden"
 

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from weightplan.compiler.plan_summary import summarize
 from weightplan.runtime import load_plan
 from weightplan.runtime.errors import PlanFormatError, WeightplanError
-from weightplan.runtime.plan_format import MAGIC, RUN_COLUMNS, SPAN_COLUMNS, STAGE_COLUMNS, decode_plan, fingerprint
+from weightplan.runtime.plan.format import MAGIC, decode_plan, fingerprint
+from weightplan.runtime.plan.schema import RUN_COLUMNS, SPAN_COLUMNS, STAGE_COLUMNS
 
 EXAMPLES = int(os.environ.get("WEIGHTPLAN_FUZZ_EXAMPLES", "150"))  # raise for a longer campaign
 HOSTILE_VALUES = [None, True, -1, 0, 1, 7, 2**31, 2**48, 2**63 - 6, 2**64, -(2**63), 1.5, float("inf"), "", "x" * 300,
@@ -176,4 +177,4 @@ def test_an_accepted_plan_still_executes(base_plans, plan_cache):
     reference = load_plan(plan_cache("tiny-llama", "hf", "fp32", "fsdp=2", "tp=2"))
     assert plan.fingerprint == reference.fingerprint
     assert all(np.array_equal(plan.table[c], reference.table[c]) for c in RUN_COLUMNS)
-    assert set(STAGE_COLUMNS) <= set(plan.stage) and set(SPAN_COLUMNS) <= set(plan.spans)
+    assert set(STAGE_COLUMNS) <= set(plan.stage.column_names()) and set(SPAN_COLUMNS) <= set(plan.spans.column_names())

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weightplan.runtime import PlanMismatchError, load_plan
-from weightplan.runtime.rank_tables import Reads, pipeline_groups, reads_of, readers, served_regions, served_runs
+from weightplan.runtime.tables.ranks import Reads, pipeline_groups, reads_of, readers, served_regions, served_runs
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 
 from weightplan.runtime import Receiver, Rendezvous, Sender, SyncError, load_plan
 from weightplan.runtime.errors import WeightplanError
-from weightplan.runtime.rendezvous import SECRET_ENV, SECRET_FILE_ENV, job_secret
+from weightplan.runtime.transport.rendezvous import SECRET_ENV, SECRET_FILE_ENV, job_secret
 
 from .runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
 
@@ -72,10 +72,10 @@ def test_secrets_come_from_a_private_file_or_the_environment(tmp_path, monkeypat
 def _signed_pair(request, plan):
     """A store served with the job secret, a trainer on it, and a reader with its own signed connection."""
     served = Rendezvous.connect(_job(request), "127.0.0.1:0", serve=True, secret=SECRET)
-    sender = Sender(plan, 0, shard(plan, full_weights(plan, 0, 1), 0), rendezvous=served, timeout=5, progress_thread=True)
+    sender = Sender(plan, 0, shard(plan, full_weights(plan, 0, 1), 0), rendezvous=served, timeout=5, progress_thread=True).start()
     destination = plain_destination(plan, 0)
     receiver = Receiver(plan, 0, destination, rendezvous=Rendezvous.connect(served.job, served.address, secret=SECRET),
-                        timeout=5, derived="caller")
+                        timeout=5, derived="caller").start()
     return served, sender, destination, receiver
 
 
@@ -124,8 +124,8 @@ POISON = {
 def test_poisoned_trainer_records_fail_the_sync_cleanly_and_the_trainer_reports(request, plan, case):
     served = Rendezvous.connect(_job(request), "127.0.0.1:0", serve=True)
     tensors = shard(plan, full_weights(plan, 0, 1), 0)
-    sender = Sender(plan, 0, tensors, rendezvous=served, timeout=5, progress_thread=True)
-    receiver = Receiver(plan, 0, plain_destination(plan, 0), rendezvous=served, timeout=2, derived="caller")
+    sender = Sender(plan, 0, tensors, rendezvous=served, timeout=5, progress_thread=True).start()
+    receiver = Receiver(plan, 0, plain_destination(plan, 0), rendezvous=served, timeout=2, derived="caller").start()
     sender.publish(1)
     key, value = POISON[case]
     if isinstance(value, str):  # a real info record with one field broken
@@ -145,7 +145,7 @@ def test_poisoned_trainer_records_fail_the_sync_cleanly_and_the_trainer_reports(
 
 def test_a_garbage_join_record_does_not_make_the_trainer_fail(request, plan, caplog):
     served = Rendezvous.connect(_job(request), "127.0.0.1:0", serve=True)
-    sender = Sender(plan, 0, shard(plan, full_weights(plan, 0, 1), 0), rendezvous=served, timeout=5, progress_thread=True)
+    sender = Sender(plan, 0, shard(plan, full_weights(plan, 0, 1), 0), rendezvous=served, timeout=5, progress_thread=True).start()
     served.put("inference/0/joined", b"\xff not json")
     sender.publish(1)
     with caplog.at_level(logging.WARNING):
@@ -188,8 +188,8 @@ def test_connect_arguments_are_checked(job, address, timeout, message):
 def test_poisoned_metadata_and_digests_fail_the_sync_cleanly(request, plan, key, value):
     served = Rendezvous.connect(_job(request), "127.0.0.1:0", serve=True)
     sender = Sender(plan, 0, shard(plan, full_weights(plan, 0, 1), 0), rendezvous=served, timeout=5, digests=True,
-                    progress_thread=True)
-    receiver = Receiver(plan, 0, plain_destination(plan, 0), rendezvous=served, timeout=2, derived="caller", verify=True)
+                    progress_thread=True).start()
+    receiver = Receiver(plan, 0, plain_destination(plan, 0), rendezvous=served, timeout=2, derived="caller", verify=True).start()
     sender.publish(1)
     served.put(f"trainer/0/metadata/{sender.incarnation}" if key == "metadata" else "trainer/0/digests/1", value)
     with pytest.raises(SyncError, match="inference rank 0: sync of version 1 failed"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from weightplan.runtime import load_plan
-from weightplan.runtime.plan_format import GATHER, RECEIVER, SENDER
+from weightplan.runtime.plan.schema import GATHER, RECEIVER, SENDER
 
 from .conftest import config_dir
 from .runtime_harness import Job

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from weightplan.runtime import PlanMismatchError, Receiver, Rendezvous, Sender, SyncError, execute_local, load_plan
-from weightplan.runtime.plan_format import GATHER, RECEIVER, SENDER
+from weightplan.runtime.plan.schema import GATHER, RECEIVER, SENDER
 
 from .runtime_worker import byte_equal, full_weights, plain_destination, shard
 from .test_fp8_differential import CASES
@@ -32,10 +32,10 @@ def _world(plan, rendezvous, **receiver_kwargs):
     # Both ends in one process: the targets need NIXL's progress thread.
     # One store client per trainer, as in separate processes: a client blocked in wait() serves no other thread.
     senders = [Sender(plan, r, tensors[r], rendezvous=Rendezvous.connect(rendezvous.job, rendezvous.address), timeout=10,
-                      digests=True, progress_thread=True)
+                      digests=True, progress_thread=True).start()
                for r in range(plan.header["src_ranks"])]
     destinations = {k: plain_destination(plan, k) for k in range(plan.header["dst_ranks"])}
-    receivers = [Receiver(plan, k, destinations[k], rendezvous=rendezvous, timeout=10, derived="caller", **receiver_kwargs)
+    receivers = [Receiver(plan, k, destinations[k], rendezvous=rendezvous, timeout=10, derived="caller", **receiver_kwargs).start()
                  for k in destinations]
     return tensors, senders, destinations, receivers
 
@@ -160,8 +160,8 @@ def test_bad_fp8_inputs_are_refused_before_any_agent(no_agents, rendezvous, fp8_
 
 def test_receivers_read_only_what_they_quantize(fp8_plan):
     """Receiver-side stage runs are cut to the block rows the receiver quantizes, so the bf16 read is at most the plan's."""
-    from weightplan.runtime.plan_format import RECEIVER
-    from weightplan.runtime.quant_tables import quant_tables
+    from weightplan.runtime.plan.schema import RECEIVER
+    from weightplan.runtime.tables.quant import quant_tables
 
     for case in CASES:
         plan = fp8_plan(case)

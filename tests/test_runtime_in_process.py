@@ -26,9 +26,9 @@ def fp32_plan(plan_cache):
 def _pair(plan, rendezvous, version=1, **receiver_kwargs):
     tensors = shard(plan, full_weights(plan, 0, version), 0)
     # Both agents live in this process, so the target side needs NIXL's progress thread.
-    sender = Sender(plan, 0, tensors, rendezvous=rendezvous, timeout=5, digests=True, progress_thread=True)
+    sender = Sender(plan, 0, tensors, rendezvous=rendezvous, timeout=5, digests=True, progress_thread=True).start()
     destination = plain_destination(plan, 0)
-    receiver = Receiver(plan, 0, destination, rendezvous=rendezvous, timeout=5, derived="caller", **receiver_kwargs)
+    receiver = Receiver(plan, 0, destination, rendezvous=rendezvous, timeout=5, derived="caller", **receiver_kwargs).start()
     return tensors, sender, destination, receiver
 
 
@@ -105,8 +105,8 @@ def test_unpublished_version_times_out_with_a_clear_error(rendezvous, bf16_plan)
 
 def test_receiver_refuses_a_trainer_running_another_plan(rendezvous, bf16_plan, fp32_plan):
     sender = Sender(fp32_plan, 0, shard(fp32_plan, full_weights(fp32_plan, 0, 1), 0), rendezvous=rendezvous, timeout=5,
-                    progress_thread=True)
-    receiver = Receiver(bf16_plan, 0, plain_destination(bf16_plan, 0), rendezvous=rendezvous, timeout=5, derived="caller")
+                    progress_thread=True).start()
+    receiver = Receiver(bf16_plan, 0, plain_destination(bf16_plan, 0), rendezvous=rendezvous, timeout=5, derived="caller").start()
     sender.publish(1)
     with pytest.raises(PlanMismatchError, match="both sides must load the same plan file"):
         receiver.sync(1)
@@ -156,7 +156,7 @@ def test_job_ids_and_addresses_are_checked():
 
 
 def test_metadata_of_an_agent_not_in_the_plan_is_rejected(rendezvous, bf16_plan):
-    from weightplan.runtime.nixl_agent import NixlAgent
+    from weightplan.runtime.transport.nixl_agent import NixlAgent
 
     tensors, sender, destination, receiver = _pair(bf16_plan, rendezvous)
     intruder = NixlAgent(f"{rendezvous.job}.intruder")
@@ -168,7 +168,7 @@ def test_metadata_of_an_agent_not_in_the_plan_is_rejected(rendezvous, bf16_plan)
 
 
 def test_notifications_from_unknown_agents_are_ignored(rendezvous, bf16_plan):
-    from weightplan.runtime.nixl_agent import NixlAgent
+    from weightplan.runtime.transport.nixl_agent import NixlAgent
 
     tensors, sender, destination, receiver = _pair(bf16_plan, rendezvous)
     stranger = NixlAgent(f"{rendezvous.job}.inference.9")

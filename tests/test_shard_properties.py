@@ -9,11 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightplan.compiler.ir import Program, Runs, TensorSpec
+from weightplan.compiler.ir import Program, Runs, TensorEntry
 from weightplan.compiler.passes.coalesce import coalesce
 from weightplan.compiler.passes.split_shards import split_shards
-from weightplan.compiler.passes.verify import PlanInvariantError, descriptors_lower_bound, verify
-from weightplan.runtime.shards import TrainerLayout, shard_box
+from weightplan.compiler.passes.verify import descriptors_lower_bound, verify
+from weightplan.runtime.layout.shards import TrainerLayout, shard_box
 
 
 @st.composite
@@ -48,8 +48,8 @@ def test_split_runs_executed_from_shards_equal_eager(case):
     cols = np.array(rows, dtype=np.int64).T
     runs = Runs.plain(*cols, np.zeros(len(rows), dtype=np.int64))
     program = Program(
-        sources=(TensorSpec("w", shape, "float32", sharding),),
-        dests=(TensorSpec("d", (numel,), "float32", ranks=(0, 1)),),
+        sources=(TensorEntry("w", shape, "float32", sharding),),
+        dests=(TensorEntry("d", (numel,), "float32", ranks=(0, 1)),),
         runs=runs,
         cast_chains=(("float32",),),
         trainer_layout=layout,
@@ -125,7 +125,7 @@ def test_vectorised_cut_equals_successive_cuts(case, wire):
     runs = Runs.plain(*np.array(rows, dtype=np.int64).T, np.zeros(len(rows), dtype=np.int64))
     segments = _segments([shard_box(layout, shape, sharding, r) for r in range(layout.ranks)], shape, [])
     got, want = _cut(runs, *segments), _cut_by_successive_cuts(runs, *segments)
-    for name in Runs.FIELDS:
+    for name in Runs.column_names():
         assert getattr(got, name).tolist() == getattr(want, name).tolist(), name
 
 
@@ -133,10 +133,11 @@ def test_cut_refuses_bytes_no_rank_holds():
     import pytest
 
     from weightplan.compiler.passes.split_shards import _cut
+    from weightplan.runtime.errors import LayoutError
 
     runs = Runs.plain(*(np.array([v], dtype=np.int64) for v in (0, 2, 0, 0, 6, 0, 0)))
     gap = (np.array([0, 5]), np.array([4, 4]), np.array([0, 0]), np.array([0, 1]))  # element 4 is held by nobody
-    with pytest.raises(PlanInvariantError, match="held by no trainer rank"):
+    with pytest.raises(LayoutError, match="held by no trainer rank"):
         _cut(runs, *gap)
 
 
@@ -181,7 +182,7 @@ def test_strided_runs_split_by_any_boxes_equal_eager(case):
     groups: list[np.ndarray] = []
     cut = _cut(runs, *_segments(boxes, shape, groups))
     cut = dataclasses.replace(cut, src_rank=np.array([g[0] for g in groups], dtype=np.int64)[cut.src_rank])
-    program = Program(sources=(TensorSpec("w", shape, "float32"),), dests=(TensorSpec("d", dst.shape, "float32"),),
+    program = Program(sources=(TensorEntry("w", shape, "float32"),), dests=(TensorEntry("d", dst.shape, "float32"),),
                       runs=cut, cast_chains=(("float32",),))
     merged = coalesce(program)
     verify(merged)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weightplan.compiler.cli import inspect_main, simulate_main
-from weightplan.compiler.ir import PlanOrigin, Program, Runs, TensorSpec
+from weightplan.compiler.ir import PlanOrigin, Program, Runs, TensorEntry
 from weightplan.compiler.plan_summary import per_rank_bytes
 from weightplan.compiler.plan_writer import write_program
 from weightplan.compiler.simulate.cluster import ClusterError, parse_cluster
@@ -20,7 +20,7 @@ from weightplan.compiler.simulate.model import predict
 from weightplan.compiler.simulate.report import resolve_cluster
 from weightplan.compiler.simulate.transfers import PlanTransfers, plan_transfers
 from weightplan.runtime import load_plan
-from weightplan.runtime.shards import TrainerLayout
+from weightplan.runtime.layout.shards import TrainerLayout
 
 GB = 1e9
 
@@ -124,11 +124,11 @@ def test_missing_field_and_unknown_shipped_name():
 
 def two_rank_plan(path) -> str:
     """Two trainer ranks (fsdp=2) serving one 8x4 bf16 tensor whole to two inference ranks."""
-    sources = (TensorSpec("w", (8, 4), "bfloat16"),)
+    sources = (TensorEntry("w", (8, 4), "bfloat16"),)
     layout = TrainerLayout(2).bind(sources)
     runs = Runs.plain([0, 0], [0, 0], [0, 0], [0, 16], [16, 16], [0, 0], [0, 1])
     program = Program(
-        sources=sources, dests=(TensorSpec("w", (8, 4), "bfloat16", ranks=(0, 1)),), runs=runs, cast_chains=(("bfloat16",),),
+        sources=sources, dests=(TensorEntry("w", (8, 4), "bfloat16", ranks=(0, 1)),), runs=runs, cast_chains=(("bfloat16",),),
         origin=PlanOrigin(vllm_version="test", model="two-rank", config_sha256="", architecture="none",
                           trainer={"format": "hf", "dtype": "bf16", "token": layout.token, **layout.as_dict()},
                           inference={"token": "tp1-dp2", "tp": 1, "dp": 2, "ep": False, "platform": "cpu"},

@@ -9,12 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightplan.compiler.ir import Program, Runs, TensorSpec
+from weightplan.compiler.ir import Program, Runs, TensorEntry
 from weightplan.compiler.passes.coalesce import coalesce
 from weightplan.compiler.passes.source_flow import fill_quotas, min_max_quotas
 from weightplan.compiler.passes.split_shards import split_shards
 from weightplan.compiler.passes.verify import verify
-from weightplan.runtime.shards import TrainerLayout, shard_box
+from weightplan.runtime.layout.shards import TrainerLayout, shard_box
 
 
 @st.composite
@@ -83,8 +83,8 @@ def replicated_programs(draw):
     sources, runs = [], []
     for s in range(draw(st.integers(1, 3))):
         shape = (draw(st.integers(1, 7)), draw(st.integers(1, 5)))
-        sources.append(TensorSpec(f"w{s}", shape, "float32"))
-    dests = [TensorSpec(f"d{s}", spec.shape, "float32", ranks=tuple(sorted(draw(st.sets(st.integers(0, 3), min_size=1)))))
+        sources.append(TensorEntry(f"w{s}", shape, "float32"))
+    dests = [TensorEntry(f"d{s}", spec.shape, "float32", ranks=tuple(sorted(draw(st.sets(st.integers(0, 3), min_size=1)))))
              for s, spec in enumerate(sources)]
     for s, spec in enumerate(sources):
         rows, cols = spec.shape
@@ -108,7 +108,7 @@ def replicated_programs(draw):
 def test_split_among_replicas_is_exact_and_never_worse_than_greedy(program):
     split = split_shards(program)
     again = split_shards(program).runs
-    assert all(np.array_equal(getattr(split.runs, f), getattr(again, f)) for f in Runs.FIELDS)  # deterministic
+    assert all(np.array_equal(getattr(split.runs, f), getattr(again, f)) for f in Runs.column_names())  # deterministic
     choice = split.source_choice
     assert choice.chosen_max <= choice.greedy_max
     assert (choice.method == "flow") == (choice.chosen_max < choice.greedy_max)
@@ -131,7 +131,7 @@ def test_split_among_replicas_is_exact_and_never_worse_than_greedy(program):
 def test_replicas_share_one_tensor_evenly_where_greedy_cannot():
     """One 6-row tensor read whole by one inference rank, two replicas: greedy must give the single
     piece to one replica; the split serves half from each."""
-    program = Program(sources=(TensorSpec("w", (6, 4), "float32"),), dests=(TensorSpec("d", (6, 4), "float32"),),
+    program = Program(sources=(TensorEntry("w", (6, 4), "float32"),), dests=(TensorEntry("d", (6, 4), "float32"),),
                       runs=Runs.plain([0], [0], [0], [0], [24], [0], [0]), cast_chains=(("float32",),),
                       trainer_layout=TrainerLayout(1, 1, 2))
     split = split_shards(program)

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ...runtime.fp8.numerics import BLOCK, block_grid
+from ...runtime.plan.schema import DerivedItem, dtype_name
 from .errors import ModelConfigError
-from .lazy_weight import dtype_name
-from ...runtime.quant import BLOCK, block_grid
 from .vllm_patches import host_independent
 
 QUANT_METHODS = ("Fp8PerBlockOnlineLinearMethod", "Fp8PerBlockOnlineMoEMethod")
@@ -28,16 +28,6 @@ class QuantTensor:
     shape: tuple[int, ...]
     scale_shape: tuple[int, ...]
     padding: tuple[tuple[int, int], ...] = ()  # [start, end) element ranges the post-load step sets to zero
-
-
-@dataclass(frozen=True)
-class Derived:
-    """State vLLM derives from loaded parameters and keeps outside them; `where` says who (re)computes it."""
-
-    module: str
-    what: str
-    reads: tuple[str, ...]
-    where: str
 
 
 def quantized_modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
@@ -123,7 +113,7 @@ def _scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return (*shape[:-2], rows, cols)
 
 
-def derived_state(model: torch.nn.Module, wanted: Callable[[str], bool] | None = None) -> list[Derived]:
+def derived_state(model: torch.nn.Module, wanted: Callable[[str], bool] | None = None) -> list[DerivedItem]:
     """Post-load state vLLM derives from loaded parameters: MLA layers absorb kv_b_proj into W_UK/W_UV when processed.
 
     With or without quantization (bf16 MLA absorbs too). With fp8, read after trace_post_load
@@ -138,6 +128,6 @@ def derived_state(model: torch.nn.Module, wanted: Callable[[str], bool] | None =
         # Only MLA layers derive state from loaded weights; other attention layers' post-load step reads none.
         if is_deferred_attention_layer(module) and kv_b is not None and (wanted is None or wanted(name)):
             reads = tuple(f"{names[id(kv_b)]}.{n}" for n, _ in kv_b.named_parameters(recurse=False)) if id(kv_b) in names else ()
-            out.append(Derived(name, "attention process_weights_after_loading (MLA: W_UK/W_UV absorbed from kv_b_proj)",
-                               reads, "receiver"))
+            out.append(DerivedItem(name, "attention process_weights_after_loading (MLA: W_UK/W_UV absorbed from kv_b_proj)",
+                               reads, DerivedItem.RECEIVER))
     return out

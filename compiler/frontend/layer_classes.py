@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
-from ..ir import Assignment, Node, Op, TensorSpec
+from ..ir import Assignment, Node, Op, TensorEntry
 from ..layer_names import LAYER, layer_of, rename
 
 @dataclass(frozen=True)
@@ -27,11 +27,11 @@ class LayerClasses:
         return index is None or index not in self.template_of
 
 
-def _signature(specs: list[TensorSpec]) -> tuple:
+def _signature(specs: list[TensorEntry]) -> tuple:
     return tuple(sorted((LAYER.match(s.name)["tail"], s.shape, s.dtype) for s in specs))
 
 
-def layer_classes(sources: list[TensorSpec], dests: list[TensorSpec]) -> LayerClasses:
+def layer_classes(sources: list[TensorEntry], dests: list[TensorEntry]) -> LayerClasses:
     by_layer: dict[int, tuple[list, list]] = defaultdict(lambda: ([], []))
     for side, specs in ((0, sources), (1, dests)):
         for spec in specs:

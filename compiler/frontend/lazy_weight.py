@@ -9,14 +9,11 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ...runtime.plan.schema import dtype_name
 from ..ir import Assignment, Geometry, Node, Op
 from .errors import ConstantWriteError, DataDependentError, DestinationError, UnsupportedOpError
 
 aten = torch.ops.aten
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class LazyWeight(torch.Tensor):

@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .fp8_trace import Derived, QuantTensor, derived_state, quantized_modules, trace_post_load
+from ...runtime.plan.schema import DerivedItem
+from .fp8_trace import QuantTensor, derived_state, quantized_modules, trace_post_load
 from ..layer_names import layer_of, rename
 from .layer_classes import LayerClasses
 from .module_state import restored
@@ -26,7 +27,7 @@ class PostLoad:
     """What tracing one rank's post-load step found: the tensors vLLM quantizes and the state it derives."""
 
     tensors: tuple[QuantTensor, ...]
-    derived: tuple[Derived, ...]
+    derived: tuple[DerivedItem, ...]
 
 
 def trace_rank_post_load(model: torch.nn.Module, classes: LayerClasses | None = None, *, keep_model: bool = False) -> PostLoad:

@@ -25,6 +25,7 @@ import functools
 import gc
 from collections.abc import Callable
 
+from ...runtime.plan.schema import DerivedItem
 from ..timing import phase
 from .fp8_trace import derived_state
 from .layer_classes import layer_classes
@@ -47,7 +48,7 @@ class RankTracer:
         self.post: dict[int, object] = {}  # TP rank -> post-load result of its shared model (traced at DP rank 0)
         self.guarded: dict[int, tuple] = {}  # the guard rank's real trace, until asked for
         self.stats = {"models_built": 0, "ranks_repointed": 0, "guard": "not run" if self.share else "off", "names_skipped": 0}
-        self.derived: list | None = None  # without quant hooks: derived post-load state, read from the first model traced
+        self.derived: list[DerivedItem] | None = None  # without quant hooks: derived post-load state, read from the first model traced
         if quant_hooks is not None:
             self.stats["post_load_traces"] = 0
 
@@ -147,7 +148,7 @@ class RankTracer:
             dests = traced.dests
             post = None
             if self.hooks is None and self.derived is None:
-                self.derived = [[d.module, d.what, list(d.reads), d.where] for d in derived_state(model)]
+                self.derived = list(derived_state(model))
             if self.hooks:
                 if not shared:
                     post = self._post_load(model, dests, keep_model=False)

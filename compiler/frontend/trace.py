@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ir import Assignment, LayerReuse, TensorSpec
+from ..ir import Assignment, LayerReuse, TensorEntry
 from ..layer_names import layer_of
 from .layer_classes import layer_classes, rename_assignments
 from ...runtime.errors import WeightplanError
@@ -23,7 +23,7 @@ class TracedLoad:
     destination table, and the layers that load as a traced template layer does (index renamed)."""
 
     assignments: list[Assignment]
-    dests: list[TensorSpec]
+    dests: list[TensorEntry]
     layer_reuse: tuple[LayerReuse, ...] = ()
     reused_assignments: int = 0  # assignments the reused layers stand for
 
@@ -40,7 +40,7 @@ class TracedLoad:
 
 def trace_load(
     model: torch.nn.Module,
-    sources: list[TensorSpec],
+    sources: list[TensorEntry],
     conversion: Conversion,
     progress: Callable[[int, int], None] | None = None,
     *,
@@ -55,7 +55,7 @@ def trace_load(
     vllm_model.nonlocal_experts).
     """
     params = dict(model.named_parameters())
-    dests = [TensorSpec(name, tuple(p.shape), dtype_name(p.dtype)) for name, p in params.items()]
+    dests = [TensorEntry(name, tuple(p.shape), dtype_name(p.dtype)) for name, p in params.items()]
     classes = layer_classes(sources, dests) if reuse_layers else None
     fed = [spec for spec in sources if classes is None or classes.traced(spec.name)]
     traced = _trace(model, params, fed, conversion, progress, skip)
@@ -77,7 +77,7 @@ def trace_load(
     return TracedLoad(traced, dests, reuse, sum(len(by_layer[r.template]) for r in reuse))
 
 
-def _trace(model, params, sources: list[TensorSpec], conversion: Conversion, progress, skip=None) -> list[Assignment]:
+def _trace(model, params, sources: list[TensorEntry], conversion: Conversion, progress, skip=None) -> list[Assignment]:
     tracer = Tracer(params)
     lazy = {spec.name: LazyWeight.source(spec.name, spec.shape, getattr(torch, spec.dtype)) for spec in sources}
     index = {name: i for i, name in enumerate(lazy)}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..ir import TensorSpec
+from ..ir import TensorEntry
 from .errors import ModelConfigError
 from .lazy_weight import dtype_name
 
@@ -39,15 +39,15 @@ class TrainerModel:
 
     model: torch.nn.Module  # carries its conversion mapping in `_weight_conversions`, computed once
     in_memory: Mapping[str, torch.Tensor]  # the trainer's state dict (tied tensors once), meta
-    checkpoint: Mapping[str, TensorSpec]  # checkpoint name -> spec, in feeding order
+    checkpoint: Mapping[str, TensorEntry]  # checkpoint name -> spec, in feeding order
     group_of: Mapping[str, tuple[str, ...]]  # in-memory name -> the in-memory tensors converted together with it
 
-    def specs(self, fmt: str) -> list[TensorSpec]:
+    def specs(self, fmt: str) -> list[TensorEntry]:
         """The trainer tensors of format `fmt`, in feeding order."""
         if canonical_format(fmt) == "hf":
             return list(self.checkpoint.values())
         plan = getattr(self.model, "ep_plan", {}) or {}
-        return [TensorSpec(name, tuple(t.shape), dtype_name(t.dtype), "expert" if _expert_stacked(name, plan) else "dense")
+        return [TensorEntry(name, tuple(t.shape), dtype_name(t.dtype), "expert" if _expert_stacked(name, plan) else "dense")
                 for name, t in self.in_memory.items()]
 
     def checkpoint_tensors(self, fmt: str, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -136,13 +136,13 @@ def _load_trainer_model(config_dir: Path, dtype: torch.dtype, config_sha256: str
         for name in in_memory:
             group = {name} | {o for out in names_of[name] for o in owners[out]}
             group_of[name] = tuple(n for n in in_memory if n in group)
-        checkpoint: dict[str, TensorSpec] = {}
+        checkpoint: dict[str, TensorEntry] = {}
         for name, group in group_of.items():
             if group[0] != name:
                 continue
             converted = alone[name] if len(group) == 1 else _revert(model, {n: in_memory[n] for n in group})
             for out in sorted(converted, key=_natural):
-                checkpoint[out] = TensorSpec(out, tuple(converted[out].shape), dtype_name(converted[out].dtype))
+                checkpoint[out] = TensorEntry(out, tuple(converted[out].shape), dtype_name(converted[out].dtype))
     except Exception as exc:
         raise ModelConfigError(f"transformers' reverse weight conversion fails for {config_dir}: {exc}") from None
     return TrainerModel(model, in_memory, checkpoint, group_of)
@@ -168,6 +168,6 @@ def _expert_stacked(name: str, ep_plan: Mapping[str, str]) -> bool:
     return bool(getattr(style, "shards_expert_dim", False))
 
 
-def trainer_specs(config_dir: Path, fmt: str, dtype: torch.dtype) -> list[TensorSpec]:
+def trainer_specs(config_dir: Path, fmt: str, dtype: torch.dtype) -> list[TensorEntry]:
     """The trainer tensors of this format, in feeding order."""
     return load_trainer_model(config_dir, dtype).specs(fmt)

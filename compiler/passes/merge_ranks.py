@@ -7,7 +7,7 @@ import hashlib
 
 import numpy as np
 
-from ..ir import Constants, Program, Runs, TensorSpec
+from ..ir import Constants, Program, Runs, TensorEntry
 
 
 def merge_ranks(programs: list[Program], cast_chains: tuple) -> Program:
@@ -17,7 +17,7 @@ def merge_ranks(programs: list[Program], cast_chains: tuple) -> Program:
     run and constant into it are identical (e.g. attention weights under DP attention): the entry
     lists the ranks holding it, and its runs and constants are stored once.
     """
-    entries: list[TensorSpec] = []
+    entries: list[TensorEntry] = []
     by_key: dict[tuple, int] = {}
     parts, constant_parts, last_writes = [], [], {}
     for rank, program in enumerate(programs):

@@ -6,9 +6,9 @@ import dataclasses
 
 import numpy as np
 
-from ...runtime.plan_format import SPAN_COLUMNS, STAGE_COLUMNS
-from ...runtime.quant import BLOCK, block_grid
-from ..ir import Program, QuantPlacement, Runs, TensorSpec
+from ...runtime.fp8.numerics import BLOCK, block_grid
+from ...runtime.plan.schema import SPAN_COLUMNS, STAGE_COLUMNS, Side
+from ..ir import Program, QuantPlacement, Runs, TensorEntry
 from .quant_blocks import BlockGrids, block_intervals
 
 
@@ -29,7 +29,7 @@ def place_quant(program: Program) -> Program:
     into_quantized = names[runs.dest] & (runs.count > 1)
     if into_quantized.any():  # stage runs are plain: take strided runs into quantized tensors row by row
         runs = Runs.concat([runs.take(np.flatnonzero(~into_quantized)), runs.expand(into_quantized)])
-    dests: list[TensorSpec] = []
+    dests: list[TensorEntry] = []
     remap = np.full(len(program.dests), -1, dtype=np.int64)
     staging, stage_of = [], {}
     for d, spec in enumerate(program.dests):
@@ -41,8 +41,8 @@ def place_quant(program: Program) -> Program:
         _, nbr, nbc = block_grid(spec.shape)
         stage_of[d] = len(staging)
         staging.append((spec.name, spec.shape, spec.ranks, len(dests), len(dests) + 1))
-        dests.append(TensorSpec(weight, spec.shape, "float8_e4m3fn", ranks=spec.ranks))
-        dests.append(TensorSpec(scale, (*spec.shape[:-2], nbr, nbc), "float32", ranks=spec.ranks))
+        dests.append(TensorEntry(weight, spec.shape, "float8_e4m3fn", ranks=spec.ranks))
+        dests.append(TensorEntry(scale, (*spec.shape[:-2], nbr, nbc), "float32", ranks=spec.ranks))
     keep = remap[runs.dest] >= 0
     kept = runs.take(np.flatnonzero(keep))
     order = np.lexsort((runs.dst_off, runs.dest))
@@ -76,7 +76,7 @@ def _place(grids: BlockGrids, stage: np.ndarray, runs, holders: np.ndarray) -> t
         seg = _segments(grids, lo, hi, rank, cuts)
     gathered = seg.multi & (holders[seg.stage] >= 2)
     gatherer, pair_item, pair_seg = _gatherers(grids, seg, gathered, item, rank, holders)
-    side = np.where(seg.owner >= 0, QuantPlacement.SENDER, np.where(gathered, QuantPlacement.GATHER, QuantPlacement.RECEIVER))
+    side = np.where(seg.owner >= 0, Side.SENDER, np.where(gathered, Side.GATHER, Side.RECEIVER))
     quant_rank = np.where(seg.owner >= 0, seg.owner, gatherer)
     # Spans: runs of segments with one side and quantizing rank within one tensor.
     new = np.ones(len(side), dtype=bool)
@@ -89,13 +89,13 @@ def _place(grids: BlockGrids, stage: np.ndarray, runs, holders: np.ndarray) -> t
         side[starts], quant_rank[starts],
     )))
     # A run is listed once per (side, quantizing rank) among the segments it touches.
-    on_side = {s: item[seg.touches(side == s)] for s in (QuantPlacement.SENDER, QuantPlacement.RECEIVER)}
+    on_side = {s: item[seg.touches(side == s)] for s in (Side.SENDER, Side.RECEIVER)}
     run_item = np.concatenate(list(on_side.values()))
     run_side = np.concatenate([np.full(len(items), s) for s, items in on_side.items()])
     rows = np.unique(np.stack([
         np.concatenate([run_item, pair_item]),
-        np.concatenate([run_side, np.full(len(pair_item), QuantPlacement.GATHER)]),
-        np.concatenate([np.where(run_side == QuantPlacement.SENDER, runs.src_rank[run_item], -1), gatherer[pair_seg]]),
+        np.concatenate([run_side, np.full(len(pair_item), Side.GATHER)]),
+        np.concatenate([np.where(run_side == Side.SENDER, runs.src_rank[run_item], -1), gatherer[pair_seg]]),
     ], axis=1).reshape(-1, 3), axis=0)  # sorted by (run, side, quantizing rank)
     row_run, row_side, row_quant = rows[:, 0], rows[:, 1], rows[:, 2]
     stage_cols = dict(zip(STAGE_COLUMNS, (

@@ -6,10 +6,10 @@ import dataclasses
 
 import numpy as np
 
-from ...runtime.shards import TrainerLayout, box_segments
+from ...runtime.errors import LayoutError
+from ...runtime.layout.shards import TrainerLayout, box_segments
 from ..ir import Program, Runs, SourceChoice, itemsize
 from .source_flow import fill_quotas, min_max_quotas
-from .verify import PlanInvariantError
 
 
 def split_shards(program: Program) -> Program:
@@ -193,6 +193,10 @@ def _cut_strided(runs: Runs, seg_start, seg_len, seg_local, seg_rank) -> tuple[R
     return pieces, runs.row(owner, row - begin[owner])
 
 
+_UNHELD = ("a source byte is held by no trainer rank: the trainer layout's boxes do not cover every source tensor; "
+           "check the --trainer-layout file (or the DTensor placements it was written from)")
+
+
 def _cut_rows(runs: Runs, seg_start, seg_len, seg_local, seg_rank) -> Runs:
     """Split runs (global source offsets) at segment ends; map each piece to (rank, local offset).
 
@@ -202,7 +206,7 @@ def _cut_rows(runs: Runs, seg_start, seg_len, seg_local, seg_rank) -> Runs:
     first = np.searchsorted(seg_start, runs.src_off, side="right") - 1
     last = np.searchsorted(seg_start, end - 1, side="right") - 1
     if len(runs) and ((first < 0).any() or (last < first).any()):
-        raise PlanInvariantError("a source byte is held by no trainer rank: the trainer layout leaves part of a source unowned")
+        raise LayoutError(_UNHELD)
     count = last - first + 1
     offset = np.cumsum(count) - count  # where each run's pieces start
     run = np.repeat(np.arange(len(runs)), count)
@@ -212,7 +216,7 @@ def _cut_rows(runs: Runs, seg_start, seg_len, seg_local, seg_rank) -> Runs:
     hi = np.minimum(end[run], seg_start[seg] + seg_len[seg])
     length = hi - lo
     if len(runs) and ((length <= 0).any() or (np.add.reduceat(length, offset) != runs.length).any()):
-        raise PlanInvariantError("a source byte is held by no trainer rank: the trainer layout leaves part of a source unowned")
+        raise LayoutError(_UNHELD)
     order = np.lexsort((run, k))
     run, seg, lo, length = run[order], seg[order], lo[order], length[order]
     pieces = runs.take(run)

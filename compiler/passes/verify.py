@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...runtime.errors import WeightplanError
+from ...runtime.plan import invariants
 from ..ir import Coverage, Program, Runs, itemsize
 from .run_extents import unweave
 
@@ -39,13 +40,10 @@ def _check_strides(program: Program, runs: Runs) -> None:
     its rows are not one contiguous stretch on both sides (that is a plain run)."""
     if len(runs) == 0:
         return
-    plain = runs.count == 1
-    bad = np.flatnonzero(
-        (runs.count < 1)
-        | (plain & ((runs.src_stride != 0) | (runs.dst_stride != 0)))
-        | (~plain & ((runs.dst_stride < runs.length) | (runs.src_stride < 0)))
-        | (~plain & (runs.src_stride == runs.length) & (runs.dst_stride == runs.length))
-    )
+    # the plan file's stride rules (runtime/plan/invariants.py), plus the compiler's own: no strided run that is
+    # one contiguous stretch on both sides
+    stretch = np.flatnonzero((runs.count > 1) & (runs.src_stride == runs.length) & (runs.dst_stride == runs.length))
+    bad = np.union1d(invariants.malformed_strides(runs), stretch)
     if len(bad):
         i = bad[0]
         raise PlanInvariantError(
@@ -74,15 +72,11 @@ def _check_bounds(program: Program, runs: Runs) -> None:
             spec = program.dests[c.dest[i]]
             raise PlanInvariantError(f"constant out of bounds or empty: {spec.name} {spec.shape} elements "
                                      f"[{c.dst_off[i]}, {c.dst_off[i] + c.length[i]})")
-    for side, tensor, off, end, limit, table in (
-        ("source", runs.src, runs.src_off, runs.src_end(), src_limit, program.sources),
-        ("destination", runs.dest, runs.dst_off, runs.dst_end(), dst_limit, program.dests),
-    ):
-        bad = np.flatnonzero((off < 0) | (end > limit))
-        if len(bad):
-            i = bad[0]
-            spec = table[tensor[i]]
-            raise PlanInvariantError(f"{side} run out of bounds: {spec.name} {spec.shape} elements [{off[i]}, {end[i]})")
+    side, i = invariants.first_out_of_bounds(runs, src_limit, dst_limit)  # the plan file's bounds rule
+    if side:
+        spec, off, end = ((program.sources[runs.src[i]], runs.src_off[i], runs.src_end()[i]) if side == "source"
+                          else (program.dests[runs.dest[i]], runs.dst_off[i], runs.dst_end()[i]))
+        raise PlanInvariantError(f"{side} run out of bounds: {spec.name} {spec.shape} elements [{off}, {end})")
 
 
 def _check_dtypes(program: Program, runs: Runs) -> None:

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...runtime.plan.schema import GATHER, RECEIVER, SENDER, Side
 from .quant_blocks import BlockGrids, block_intervals
 from .verify import PlanInvariantError
 
-SENDER, RECEIVER, GATHER = 0, 1, 2
-SIDE_NAMES = {SENDER: "sender", RECEIVER: "receiver", GATHER: "gather"}
+SIDE_NAMES = {side: side.name.lower() for side in Side}
 
 
 @dataclass(frozen=True)

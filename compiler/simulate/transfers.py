@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...runtime.plan_format import DTYPE_SIZES, GATHER, RECEIVER, Plan
-from ...runtime.quant import BLOCK, span_bands, span_elements
+from ...runtime.fp8.numerics import BLOCK, span_bands, span_elements
+from ...runtime.plan.format import Plan
+from ...runtime.plan.schema import DTYPE_SIZES, GATHER, RECEIVER
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,178 @@
+"""fp8 128x128 block quantization shared by sender and receiver, bit-exact with vLLM's per_block_cast_to_fp8."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+BLOCK = 128
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448.0, what vLLM's get_fp8_min_max gives for e4m3fn (non-fnuz platforms)
+
+
+def per_block_fp8(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D tensor in block x block tiles: (fp8 values of x's shape, float32 scale per tile).
+
+    The same ops in the same order as vllm.utils.deep_gemm.per_block_cast_to_fp8(use_ue8m0=False):
+    zero-pad to whole tiles, amax per tile (floored at 1e-4), scale = amax / 448, value * (1 / scale).
+    Tiles are independent, so any block-aligned sub-tensor quantizes to the same bytes as the whole.
+    """
+    assert x.dim() == 2, x.shape
+    m, n = x.shape
+    padded = torch.zeros((math.ceil(m / block) * block, math.ceil(n / block) * block), dtype=x.dtype, device=x.device)
+    padded[:m, :n] = x
+    tiles = padded.view(-1, block, padded.size(1) // block, block)
+    amax = tiles.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
+    scale = amax / FP8_MAX
+    values = (tiles * (1.0 / scale)).to(FP8)
+    return values.view_as(padded)[:m, :n].contiguous(), scale.view(tiles.size(0), tiles.size(2))
+
+
+def block_grid(shape: tuple[int, ...], block: int = BLOCK) -> tuple[int, int, int]:
+    """(matrices, block rows, block cols) of a 2-D or 3-D (experts first) quantized tensor."""
+    *lead, rows, cols = shape
+    return math.prod(lead), math.ceil(rows / block), math.ceil(cols / block)
+
+
+def span_bands(shape: tuple[int, ...], first: int, count: int, block: int = BLOCK):
+    """Split a span of flat block ids (matrix, block row, block col order) into per-band pieces.
+
+    Yields (matrix, block_row, first_col, n_cols): consecutive blocks of one block row.
+    """
+    _, nbr, nbc = block_grid(shape, block)
+    b, end = first, first + count
+    while b < end:
+        band, col = divmod(b, nbc)
+        take = min(nbc - col, end - b)
+        matrix, row = divmod(band, nbr)
+        yield matrix, row, col, take
+        b += take
+
+
+def quantize_span(staging: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, first: int, count: int,
+                  block: int = BLOCK) -> None:
+    """Quantize blocks [first, first + count) of `staging` (bf16) into `weight` (fp8) and `scale` (float32).
+
+    All three tensors are shaped as the plan says: weight like staging, scale [..., block rows, block cols].
+    """
+    rows, cols = staging.shape[-2:]
+    s2 = staging.reshape(-1, rows, cols)
+    w2 = weight.view(-1, rows, cols)
+    sc = scale.view(s2.shape[0], -1, scale.shape[-1])
+    for matrix, brow, bcol, n in span_bands(tuple(staging.shape), first, count, block):
+        r0, c0 = brow * block, bcol * block
+        r1, c1 = min(r0 + block, rows), min(c0 + n * block, cols)
+        values, scales = per_block_fp8(s2[matrix, r0:r1, c0:c1], block)
+        w2[matrix, r0:r1, c0:c1] = values
+        sc[matrix, brow, bcol : bcol + n] = scales[0]
+
+
+def span_dest_segments(shape: tuple[int, ...], first: int, count: int, block: int = BLOCK):
+    """Flat element segments (offset, length) of the destination a span covers, in destination order."""
+    rows, cols = shape[-2:]
+    out = []
+    for matrix, brow, bcol, n in span_bands(shape, first, count, block):
+        c0, c1 = bcol * block, min((bcol + n) * block, cols)
+        base = matrix * rows * cols
+        for r in range(brow * block, min(brow * block + block, rows)):
+            off = base + r * cols + c0
+            if out and out[-1][0] + out[-1][1] == off:
+                out[-1] = (out[-1][0], out[-1][1] + c1 - c0)
+            else:
+                out.append((off, c1 - c0))
+    return out
+
+
+def span_elements(shape: tuple[int, ...], first: int, count: int, block: int = BLOCK) -> int:
+    """Destination elements (fp8 bytes) a span of blocks covers; edge blocks are smaller than block x block."""
+    rows, cols = shape[-2:]
+    total = 0
+    for _, brow, bcol, n in span_bands(shape, first, count, block):
+        total += (min(brow * block + block, rows) - brow * block) * (min((bcol + n) * block, cols) - bcol * block)
+    return total
+
+
+def _flat(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The elements from t[0, 0] to t[rows - 1, cols - 1] as one contiguous 1-D view (no copy)."""
+    return torch.as_strided(t, ((rows - 1) * t.stride(0) + cols,), (1,), t.storage_offset())
+
+
+class BlockQuantizer:
+    """per_block_fp8 for large 2-D views, writing into given outputs.
+
+    Same bytes as per_block_fp8. Whole tiles go through the numba kernel in fp8/kernel.py (`use_kernel`,
+    the default) or, as its reference, through torch ops a few block rows at a time in preallocated
+    buffers (fresh multi-megabyte temporaries cost page faults; cache-sized chunks made it several times
+    faster). Tiles holding inf or NaN are redone by the torch path: their bytes depend on how the CPU
+    propagates NaN, which the kernel does not model. Edge tiles (rows or columns not a multiple of the
+    block) go through per_block_fp8's padding.
+    """
+
+    def __init__(self, chunk_elements: int = 1 << 18, block: int = BLOCK, use_kernel: bool = True):
+        self.block, self.chunk_elements = block, chunk_elements
+        self.use_kernel = use_kernel and block == BLOCK
+        self._bits = torch.empty(0, dtype=torch.int16)
+        self._wide = torch.empty(0, dtype=torch.float32)
+
+    def warm_up(self) -> None:
+        """Load the kernel now (numba's import and its compiled-code cache take about a second in a fresh process),
+        so that the first sync does not pay it."""
+        if self.use_kernel:
+            tile = torch.zeros(BLOCK, BLOCK, dtype=torch.bfloat16)
+            self(tile, torch.empty(BLOCK, BLOCK, dtype=FP8), torch.empty(1, 1))
+
+    def __call__(self, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
+        """Quantize bf16 `x` (h, w) into fp8 `values` (h, w) and float32 `scales` (ceil(h/B), ceil(w/B)).
+
+        All three may be strided views (unit stride along columns).
+        """
+        b = self.block
+        h, w = x.shape
+        hf, wf = h // b * b, w // b * b
+        if hf and wf and not (self.use_kernel and self._kernel_tiles(x, values, scales, hf, wf)):
+            self._torch_tiles(x, values, scales, hf, wf)
+        if wf < w:
+            v, s = per_block_fp8(x[:, wf:], b)
+            values[:, wf:] = v
+            scales[:, wf // b :] = s
+        if hf < h and wf:
+            v, s = per_block_fp8(x[hf:, :wf], b)
+            values[hf:, :wf] = v
+            scales[hf // b :, : wf // b] = s
+
+    def _kernel_tiles(self, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, hf: int, wf: int) -> bool:
+        """Whole tiles x[:hf, :wf] through the numba kernel; False (nothing to keep) if it cannot take them."""
+        if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.stride(1) != 1 or values.stride(1) != 1:
+            return False  # device tensors (a GPU trainer's) go through torch ops where they are
+        from .kernel import quantize_tiles  # numba compiles or loads its cache on first use
+
+        tile_scales = np.empty((hf // self.block, wf // self.block), dtype=np.float32)
+        bits = _flat(x, hf, wf).view(torch.int16).numpy().view(np.uint16)
+        out = _flat(values.view(torch.uint8), hf, wf).numpy()
+        if quantize_tiles(bits, x.stride(0), out, values.stride(0), tile_scales):
+            return False
+        scales[: hf // self.block, : wf // self.block] = torch.from_numpy(tile_scales)
+        return True
+
+    def _torch_tiles(self, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, hf: int, wf: int) -> None:
+        """Whole tiles x[:hf, :wf] through torch ops, a few block rows at a time in reused buffers."""
+        b = self.block
+        rows = max(b, self.chunk_elements // wf // b * b)
+        if self._bits.numel() < rows * wf or self._bits.device != x.device:
+            self._bits = torch.empty(rows * wf, dtype=torch.int16, device=x.device)
+            self._wide = torch.empty(rows * wf, dtype=torch.float32, device=x.device)
+        for r in range(0, hf, rows):
+            n = min(rows, hf - r)
+            part = x[r : r + n, :wf]
+            # |x| as bits: clearing the sign bit orders finite bf16 magnitudes like int16, and amax over
+            # integers is exact and 2-3x faster here than abs() then amax() on bf16.
+            bits = torch.bitwise_and(part.view(torch.int16), 0x7FFF, out=self._bits[: n * wf].view(n, wf))
+            amax = bits.view(n // b, b, wf // b, b).amax(dim=(1, 3)).view(torch.bfloat16)
+            scale = amax.float().clamp_(1e-4) / FP8_MAX
+            # 1 / scale repeated along each block's columns, so the multiply runs over whole rows.
+            inv = (1.0 / scale).repeat_interleave(b, dim=1).view(n // b, 1, wf)
+            wide = torch.mul(part.view(n // b, b, wf), inv, out=self._wide[: n * wf].view(n // b, b, wf))
+            values[r : r + n, :wf].copy_(wide.view(n, wf))
+            scales[r // b : (r + n) // b, : wf // b] = scale

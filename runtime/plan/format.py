@@ -1,0 +1,265 @@
+"""The plan file format: deterministic writer, validating reader, fingerprint (rules in invariants.py).
+
+Layout (all integers little-endian):
+
+    magic       8 bytes   b"WPLAN\\x00\\r\\n"
+    header_len  u64
+    header      canonical JSON (sorted keys, no spaces), UTF-8; a plan with constant writes lists them under
+                "constants" as [dest, dst_off, length, value] rows (format 5; a plan without them is format 4)
+    payload     zlib stream of int64 columns: the runs (RUN_COLUMNS, n_runs each; a run with count > 1
+                stands for `count` rows, row i at src_off + i*src_stride and dst_off + i*dst_stride), then the stage runs
+                (STAGE_COLUMNS, n_stage_runs each), then the block spans (SPAN_COLUMNS, n_spans each)
+    digest      32 bytes  SHA-256 of everything before it
+
+Reading never unpickles or evaluates anything: JSON plus numpy.frombuffer of int64 columns.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import struct
+import zlib
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import PlanFormatError
+from ..layout.placements import Box
+from ..layout.shards import ShardLayout
+from .atomic_file import write_atomically
+from .columns import BlockSpans, Runs, StageRuns
+from .header import MAX_ELEMENTS, check_header
+from .invariants import check_constants, check_quant_tables, check_runs
+from .schema import (DTYPE_SIZES, RUN_COLUMNS, SPAN_COLUMNS, STAGE_COLUMNS, ConstantRun, DerivedItem, StagingEntry,
+                     TensorEntry)
+
+MAGIC = b"WPLAN\x00\r\n"
+_ZLIB_MAX_RATIO = 1032  # deflate expands at most about 1032:1
+FORMAT_VERSION = 5  # the newest format this reads: 5 adds the constants table
+BASE_FORMAT_VERSION = 4  # plans without constants are written as format 4, which readers of format 4 read alike
+# Header keys that the fingerprint covers: everything the plan assumes about both sides.
+FINGERPRINT_KEYS = (
+    "format_version",
+    "vllm_version",
+    "model",
+    "config_sha256",
+    "trainer",
+    "inference",
+    "quant",
+    "sources",
+    "dests",
+    "cast_chains",
+    "staging",
+    "quant_layout",
+    "derived",
+)
+OPTIONAL_FINGERPRINT_KEYS = ("constants",)  # covered when present; absent keys keep older plans' fingerprints
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A loaded plan: header fields, tensor tables and run columns (elements, not bytes).
+
+    `table` holds the runs as stored (strided runs included); `runs` the same runs as contiguous
+    one-row runs, which is what executors move. `stage` and `spans` are the fp8 tables.
+    """
+
+    header: dict
+    sources: tuple[TensorEntry, ...]
+    dests: tuple[TensorEntry, ...]
+    cast_chains: tuple[tuple[str, ...], ...]
+    table: Runs = field(repr=False)
+    staging: tuple[StagingEntry, ...] = ()
+    stage: StageRuns = field(default_factory=StageRuns.empty, repr=False)
+    spans: BlockSpans = field(default_factory=BlockSpans.empty, repr=False)
+    constants: tuple[ConstantRun, ...] = ()
+    derived: tuple[DerivedItem, ...] = ()
+
+    @property
+    def fingerprint(self) -> str:
+        return self.header["fingerprint"]
+
+    @cached_property
+    def shard_layout(self) -> ShardLayout:
+        """The box of each source every trainer rank holds (see runtime/layout/shards.py)."""
+        return ShardLayout.from_header(self.header["trainer"], [(e.name, e.box_class) for e in self.sources])
+
+    def shard_box(self, source: int, rank: int) -> Box | None:
+        """The box of source `source` that trainer `rank` holds; None if the rank is not in its mesh."""
+        return self.shard_layout.box(source, rank)
+
+    def local_shape(self, source: int, rank: int) -> tuple[int, ...]:
+        """Shape of trainer `rank`'s local shard of source `source`; (0,) off its mesh, as DTensor reports."""
+        box = self.shard_box(source, rank)
+        return (0,) if box is None else tuple(b - a for a, b in box)
+
+    @cached_property
+    def runs(self) -> Runs:
+        """Every row of every run, in stored order (rows of a strided run consecutive), as plain runs."""
+        return self.table.expand()
+
+    @property
+    def n_runs(self) -> int:
+        """Rows (contiguous runs) in the plan; `n_stored_runs` counts table entries."""
+        return int(self.table["count"].sum())
+
+    @property
+    def n_stored_runs(self) -> int:
+        return int(self.table["count"].shape[0])
+
+    def wire_itemsize(self) -> np.ndarray:
+        """Bytes per element on the wire (the destination dtype) for each row of `runs`."""
+        return self._sizes()[self.runs["wire"]]
+
+    def stored_itemsize(self) -> np.ndarray:
+        """Bytes per element on the wire for each entry of `table`."""
+        return self._sizes()[self.table["wire"]]
+
+    def _sizes(self) -> np.ndarray:
+        return np.array([DTYPE_SIZES[chain[-1]] for chain in self.cast_chains] or [0], dtype=np.int64)
+
+
+def fingerprint(header: dict) -> str:
+    subset = {key: header[key] for key in FINGERPRINT_KEYS}
+    subset.update({key: header[key] for key in OPTIONAL_FINGERPRINT_KEYS if key in header})
+    return hashlib.sha256(_canonical(subset)).hexdigest()
+
+
+def _canonical(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def encode_plan(header: dict, runs: dict[str, np.ndarray], stage: dict | None = None, spans: dict | None = None) -> bytes:
+    """Serialize deterministically; `header` must hold the FINGERPRINT_KEYS fields (quant tables default to empty)."""
+    stage, spans = stage or StageRuns.empty(), spans or BlockSpans.empty()
+    counts = []
+    for table, names in ((runs, RUN_COLUMNS), (stage, STAGE_COLUMNS), (spans, SPAN_COLUMNS)):
+        n = {len(table[c]) for c in names}
+        if len(n) != 1:
+            raise ValueError(f"columns {names} differ in length: {n}")
+        counts.append(n.pop())
+    header = {"staging": [], "quant_layout": {}, "derived": [], **header}
+    if "constants" in header and not header["constants"]:
+        del header["constants"]
+    version = FORMAT_VERSION if "constants" in header else BASE_FORMAT_VERSION
+    header = dict(header, format_version=version, kind="weightplan", n_runs=counts[0], n_stage_runs=counts[1],
+                  n_spans=counts[2])
+    header["fingerprint"] = fingerprint(header)
+    columns = b"".join(np.ascontiguousarray(table[c], dtype="<i8").tobytes()
+                       for table, names in ((runs, RUN_COLUMNS), (stage, STAGE_COLUMNS), (spans, SPAN_COLUMNS))
+                       for c in names)
+    payload = zlib.compress(columns, 6)
+    head = _canonical(header)
+    body = MAGIC + struct.pack("<Q", len(head)) + head + payload
+    return body + hashlib.sha256(body).digest()
+
+
+def write_plan(path: str | Path, header: dict, runs: dict[str, np.ndarray], stage: dict | None = None,
+               spans: dict | None = None) -> Path:
+    """Write atomically (runtime/plan/atomic_file.py): a reader never sees part of a plan; one PlanFormatError line on failure."""
+    return write_atomically(path, encode_plan(header, runs, stage, spans), PlanFormatError, "plan")
+
+
+def decode_plan(data: bytes, origin: str = "<bytes>") -> Plan:
+    if len(data) < len(MAGIC) + 8 + 32 or not data.startswith(MAGIC):
+        raise PlanFormatError(f"{origin} is not a weightplan plan file (bad magic or too short)")
+    body, digest = data[:-32], data[-32:]
+    if hashlib.sha256(body).digest() != digest:
+        raise PlanFormatError(f"{origin} is truncated or corrupted (checksum mismatch); recompile it with compile-plan")
+    (head_len,) = struct.unpack_from("<Q", data, len(MAGIC))
+    start = len(MAGIC) + 8
+    if head_len > len(body) - start:
+        raise PlanFormatError(f"{origin}: header length {head_len} runs past the end of the file")
+    try:
+        header = json.loads(body[start : start + head_len].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise PlanFormatError(f"{origin} has an unreadable header: {str(exc)[:200]}") from None
+    if not isinstance(header, dict):
+        raise PlanFormatError(f"{origin}: the header is a JSON {type(header).__name__}, not an object")
+    version = header.get("format_version")
+    if header.get("kind") != "weightplan" or not isinstance(version, int):
+        raise PlanFormatError(f"{origin} has no weightplan header")
+    if version > FORMAT_VERSION:
+        raise PlanFormatError(
+            f"{origin} uses plan format {version}, newer than this weightplan reads ({FORMAT_VERSION}); upgrade weightplan"
+        )
+    if version < BASE_FORMAT_VERSION:
+        raise PlanFormatError(f"{origin} uses old plan format {version}; recompile it with compile-plan")
+    if ("constants" in header) != (version == FORMAT_VERSION):
+        raise PlanFormatError(f"{origin}: format {version} with{'' if 'constants' in header else 'out'} a constants table")
+    missing = [key for key in FINGERPRINT_KEYS + ("src_ranks", "dst_ranks", "n_runs", "n_stage_runs", "n_spans")
+               if key not in header]
+    if missing:
+        raise PlanFormatError(f"{origin}: the header has no {missing[0]!r} field")
+    check_header(header, origin, DTYPE_SIZES)
+    if fingerprint(header) != header.get("fingerprint"):
+        raise PlanFormatError(f"{origin}: header fingerprint does not match its contents")
+    n, n_stage, n_spans = header["n_runs"], header["n_stage_runs"], header["n_spans"]
+    expected = 8 * (n * len(RUN_COLUMNS) + n_stage * len(STAGE_COLUMNS) + n_spans * len(SPAN_COLUMNS))
+    payload = body[start + head_len :]
+    if expected > _ZLIB_MAX_RATIO * len(payload) + 64:
+        raise PlanFormatError(f"{origin}: the header declares {expected} bytes of columns, more than zlib can expand "
+                              f"its {len(payload)}-byte payload to")
+    try:
+        inflate = zlib.decompressobj()
+        columns = inflate.decompress(payload, max(expected, 1))  # never more than the declared size (0 means unbounded)
+        extra = inflate.unconsumed_tail or inflate.decompress(b"", 1) or not inflate.eof
+    except zlib.error as exc:
+        raise PlanFormatError(f"{origin} has a corrupted payload: {exc}") from None
+    if len(columns) != expected or extra:
+        raise PlanFormatError(f"{origin}: payload does not hold the {expected} bytes of columns its header declares")
+    flat = np.frombuffer(columns, dtype="<i8").astype(np.int64)
+    tables, at = [], 0
+    for count, names in ((n, RUN_COLUMNS), (n_stage, STAGE_COLUMNS), (n_spans, SPAN_COLUMNS)):
+        tables.append({c: flat[at + i * count : at + (i + 1) * count] for i, c in enumerate(names)})
+        at += count * len(names)
+    for table in tables:
+        for column, values in table.items():
+            # -1 marks "no trainer rank" (receiver side); every other value is an index, offset, length or stride
+            if len(values) and (values.min() < -1 or values.max() >= MAX_ELEMENTS):
+                raise PlanFormatError(f"{origin}: column {column!r} holds {int(values.min())}..{int(values.max())}, "
+                                      "outside -1..2**48")
+    try:
+        sources = tuple(TensorEntry.from_source_row(row) for row in header["sources"])
+        dests = tuple(TensorEntry.from_dest_row(row) for row in header["dests"])
+        chains = tuple(tuple(c) for c in header["cast_chains"])
+        staging = tuple(StagingEntry.from_row(row) for row in header["staging"])
+        constants = tuple(ConstantRun(*row) for row in header.get("constants", ()))
+        derived = tuple(DerivedItem.from_row(row) for row in header["derived"])
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise PlanFormatError(f"{origin}: malformed tensor tables in the header ({exc})") from None
+    runs, stage, spans = (kind.from_columns(table) for kind, table in zip((Runs, StageRuns, BlockSpans), tables))
+    plan = Plan(header, sources, dests, chains, runs, staging, stage, spans, constants, derived)
+    try:
+        layout = plan.shard_layout
+        bad = [e.name for e in sources if not 0 <= e.box_class < len(layout.classes)]
+        bad += [e.name for e in sources if any(b is not None and (len(b) != len(e.shape) or any(
+            hi > size for (_, hi), size in zip(b, e.shape))) for b in layout.classes[e.box_class])]
+        if bad or any(len(c) != header["src_ranks"] for c in layout.classes):
+            raise ValueError(f"source {bad[0]!r}" if bad else "a box table does not list every trainer rank")
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise PlanFormatError(f"{origin}: malformed trainer layout in the header ({exc})") from None
+    check_runs(plan, origin)
+    check_quant_tables(plan, origin)
+    check_constants(plan, origin)
+    return plan
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and validate a plan file; raises PlanFormatError with the reason on any defect."""
+    path = Path(path)
+    try:
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; only regular files are read.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as file:
+            if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+                raise PlanFormatError(f"plan {path} is not a regular file")
+            data = file.read()
+    except OSError as exc:
+        raise PlanFormatError(f"cannot read plan {path}: {exc.strerror or exc}") from None
+    return decode_plan(data, str(path))

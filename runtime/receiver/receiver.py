@@ -1,0 +1,409 @@
+"""The inference end of a sync: pulls its descriptors with one-sided NIXL READs, never keeps mixed versions."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..checks import check_no_aliases, check_tensors, check_version, flat_view, named_tensors
+from ..constant_writes import write_constants
+from ..errors import PlanMismatchError, SyncError, WeightplanError
+from ..plan.columns import ColumnTable
+from ..plan.format import Plan
+from ..tables.quant import check_supported, quant_tables, stage_packing
+from ..tables.ranks import Reads, RemoteRegion, held_entries, packing, pipeline_groups, reads_of, region_addresses
+from ..transport.nixl_agent import NixlAgent, contiguous_starts
+from ..transport.peer_check import checked_regions, checked_word
+from ..transport.region_digests import byte_view, run_digests
+from ..transport.rendezvous import INCARNATION, Rendezvous, inference_agent, trainer_agent
+from .derived import DerivedRefresh
+from .quant import ReceiverQuant
+
+log = logging.getLogger("weightplan.runtime")
+PROGRESS_EVERY = 5.0  # seconds between progress lines of a long sync
+_NO_READS = Reads(*(np.zeros(0, dtype=np.int64) for _ in range(6)))
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """One completed sync on one inference rank."""
+
+    version: int
+    rank: int
+    bytes: int
+    descriptors: int
+    trainer_ranks: int
+    groups: int
+    seconds: float
+    verify_seconds: float | None
+    quantize_seconds: float = 0.0  # receiver-side fp8 quantization, inside `seconds`
+    derived_seconds: float = 0.0  # recomputing derived post-load state (runtime/receiver/derived.py), inside `seconds`
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class _Descriptors(ColumnTable):
+    """The READs posted to one trainer rank: remote side as (exposed region index or RemoteRegion, offset), local as addresses."""
+
+    region: np.ndarray
+    remote_off: np.ndarray
+    local: np.ndarray
+    nbytes: np.ndarray
+    group: np.ndarray
+
+
+def descriptor_table(reads: Reads, group: np.ndarray, packed_at: np.ndarray, local: np.ndarray) -> _Descriptors:
+    """Runs read in place keep one descriptor each; packed runs merge wherever both sides are contiguous."""
+    packed = packed_at[reads.run]
+    direct = np.flatnonzero(packed < 0)
+    rows = np.flatnonzero(packed >= 0)
+    rows = rows[np.argsort(packed[rows], kind="stable")]
+    lo, po, n, g = local[rows], packed[rows], reads.nbytes[rows], group[rows]
+    first, merged = contiguous_starts(n, (lo, po), (g,))
+    return _Descriptors(
+        region=np.concatenate([reads.region[direct], np.full(len(first), RemoteRegion.PACKED, dtype=np.int64)]),
+        remote_off=np.concatenate([reads.src_byte[direct], po[first]]),
+        local=np.concatenate([local[direct], lo[first]]),
+        nbytes=np.concatenate([reads.nbytes[direct], merged]),
+        group=np.concatenate([group[direct], g[first]]),
+    )
+
+
+@dataclass
+class _Peer:
+    """Prepared transfers to one incarnation of one trainer rank; rebuilt when that trainer restarts."""
+
+    rank: int
+    incarnation: str
+    agent: str
+    seq_read: object
+    group_reads: dict[int, list] = field(default_factory=dict)
+    remote_lists: list = field(default_factory=list)
+
+
+class Receiver:
+    """Inference `rank` of `plan`, writing into `destination` (a vLLM model or any module/dict with the planned parameters).
+
+    `version` is the last version fully received, or None while the weights are incomplete (before
+    the first sync, during a sync and after a failed one). `group_bytes` bounds the bytes of a
+    pipeline group: group k+1 moves while the post-ops of group k run. Post-ops are the digest
+    check (`verify`), quantizing this rank's own fp8 blocks (plans with fp8 tables; see
+    runtime/receiver/quant.py) and `post_op(names)`, called with the destination names each group
+    completed, in that order. After the last group, the derived post-load state the plan lists
+    (MLA's absorbed `W_UK_T`/`W_UV`) is recomputed on `destination`'s modules with
+    `process_weights_after_loading(act_dtype)` (runtime/receiver/derived.py); `derived="caller"` leaves
+    that to the caller, and is required when `destination` is a dict of tensors.
+
+    The plan's constants (vLLM's zero padding rows) are written once, at `start()`, before any sync: no
+    READ touches their bytes, so a sync, failed or not, leaves them intact. The destination is the
+    caller's memory, though: a caller that writes it itself (vLLM's own `load_weights`, a dummy
+    initialisation, a kernel repacking in place) calls `write_constants()` before the next sync.
+
+    The constructor only checks the destination against the plan; `start()` registers it with NIXL,
+    writes the constants and joins, `close()` deregisters it and releases the agent. `with
+    Receiver(...) as receiver:` does both.
+    """
+
+    def __init__(self, plan: Plan, rank: int, destination, *, rendezvous: Rendezvous, timeout: float = 60.0,
+                 verify: bool = False, group_bytes: int = 256 << 20, post_op=None, progress_thread: bool = False,
+                 derived: str = "refresh", act_dtype: torch.dtype = torch.bfloat16):
+        held = held_entries(plan, rank)
+        if plan.staging:
+            check_supported(plan)
+        self.plan, self.rank, self.rendezvous, self.timeout, self.verify = plan, rank, rendezvous, timeout, verify
+        self.post_op = post_op
+        given = named_tensors(destination)
+        expected = {plan.dests[i].name: (plan.dests[i].shape, plan.dests[i].dtype) for i in np.flatnonzero(held)}
+        check_tensors(given, expected, set(expected), f"inference rank {rank}")
+        self._dst = {int(i): flat_view(plan.dests[i].name, given[plan.dests[i].name], plan.dests[i].shape,
+                                       plan.dests[i].dtype, f"inference rank {rank}") for i in np.flatnonzero(held)}
+        check_no_aliases({plan.dests[i].name: view for i, view in self._dst.items()}, f"inference rank {rank}")
+        self._derived = DerivedRefresh(plan, set(expected), destination, derived, act_dtype)
+        self._qt = quant_tables(plan) if plan.staging else None
+        self._quant = ReceiverQuant(plan, rank, self._qt, self._dst) if self._qt else None
+        reads = reads_of(plan, rank)
+        trainers = sorted(set(reads) | set(self._quant.sources if self._quant else ()))
+        self.reads: dict[int, Reads] = {src: reads.get(src, _NO_READS) for src in trainers}
+        groups = pipeline_groups({**self.reads, **(self._quant.grouping() if self._quant else {})}, group_bytes)
+        self._groups = {src: groups[src] for src in trainers}
+        self.n_groups = 1 + max((int(g.max()) for g in groups.values() if len(g)), default=0)
+        names = [{plan.dests[int(d)].name for src, r in self.reads.items() for d in r.dest[self._groups[src] == g].tolist()}
+                 for g in range(self.n_groups)]
+        if self._quant:
+            stage_group = np.full(len(plan.staging), -1, dtype=np.int64)
+            stage_group[np.flatnonzero(self._quant.held)] = groups[("stages",)]
+            self._quant.place(stage_group, self.n_groups)
+            for stage in np.flatnonzero(self._quant.held).tolist():
+                entry = plan.staging[stage]
+                names[stage_group[stage]] |= {plan.dests[entry.weight].name, plan.dests[entry.scale].name}
+        self._group_names = [sorted(n) for n in names]
+        self._seq = torch.zeros(plan.header["src_ranks"], dtype=torch.int64)
+        packings = {src: packing(plan, src) for src in self.reads}
+        self._packed_bytes = {src: p.nbytes for src, p in packings.items()}
+        self._tables = {src: self._descriptors(src, packings[src]) for src in self.reads}
+        self._peers: dict[int, _Peer] = {}
+        self._version: int | None = None
+        self.incarnation = uuid.uuid4().hex
+        self.agent: NixlAgent | None = None  # created, with the destinations registered, by start()
+        self._progress_thread = progress_thread
+
+    def start(self) -> "Receiver":
+        """Register the destinations with a new NIXL agent, write the plan's constants and join the job; returns self.
+
+        Side effects live here, not in the constructor (which only checks the destination against the
+        plan): call it once before `sync`, or use the receiver as a context manager, which also closes it.
+        """
+        if self.agent is not None:
+            raise WeightplanError(f"inference rank {self.rank}: this Receiver was started already")
+        self.agent = NixlAgent(inference_agent(self.rendezvous.job, self.rank), self._progress_thread)
+        self.agent.register(list(self._dst.values()) + [self._seq] + (self._quant.slots if self._quant else []))
+        self._local = {src: self.agent.prepare(None, np.stack([t.local, t.nbytes], axis=1)) for src, t in self._tables.items()}
+        self._seq_local = {src: self.agent.prepare(None, np.array([[self._seq.data_ptr() + 8 * src, 8]])) for src in self.reads}
+        self.write_constants()  # with the destinations registered, before this rank says it joined
+        self.rendezvous.put(f"inference/{self.rank}/joined", {"incarnation": self.incarnation, "agent": self.agent.name})
+        return self
+
+    def close(self) -> None:
+        """Drop every trainer peer, deregister the destinations and release the agent; idempotent.
+
+        The destination keeps the bytes of the last version (`version` says which, None if incomplete).
+        """
+        if self.agent is None or self.agent.closed:
+            return
+        self._drop_peers()
+        for prepared in [*self._local.values(), *self._seq_local.values()]:
+            self.agent.release_list(prepared)
+        self.agent.close()
+
+    def __enter__(self) -> "Receiver":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def version(self) -> int | None:
+        return self._version
+
+    def write_constants(self) -> int:
+        """(Re)write the plan's constant runs into this rank's destinations; returns the bytes written."""
+        return write_constants(self.plan, self.rank, self._dst.__getitem__)
+
+    @property
+    def constant_bytes(self) -> int:
+        """Bytes of this rank's destinations the plan's constants write (never READ)."""
+        return sum(c.length * self._dst[c.dest].element_size() for c in self.plan.constants if c.dest in self._dst)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes READ per sync: runs, plus with fp8 tables the fp8 values, scales and bf16 staging."""
+        return int(sum(int(r.nbytes.sum()) for r in self.reads.values())) + (self._quant.bytes if self._quant else 0)
+
+    @property
+    def destination_bytes(self) -> int:
+        """Bytes of the parameters this rank holds (what a sync produces)."""
+        return sum(t.numel() * t.element_size() for t in self._dst.values())
+
+    @property
+    def staging_bytes(self) -> int:
+        """bf16 staging for the blocks this rank quantizes itself: the two slots of runtime/receiver/quant.py."""
+        return self._quant.staging_bytes if self._quant else 0
+
+    @property
+    def descriptors(self) -> int:
+        """READ descriptors posted per sync (small runs arrive packed, so fewer than the plan's runs)."""
+        return sum(len(t) for t in self._tables.values())
+
+    def _local_addresses(self, reads: Reads) -> np.ndarray:
+        base = np.array([self._dst[int(d)].data_ptr() for d in reads.dest.tolist()], dtype=np.int64)
+        return base + reads.dst_byte
+
+    def _descriptors(self, src: int, packed) -> _Descriptors:
+        reads = self.reads[src]
+        table = descriptor_table(reads, self._groups[src], packed.offsets_by_run(self.plan.n_runs), self._local_addresses(reads))
+        if self._quant is None or src not in self._quant.rows:
+            return table
+        quant = self._quant.descriptors(src)
+        return _Descriptors(*(np.concatenate([getattr(table, f), q]) for f, q in
+                              zip(("region", "remote_off", "local", "nbytes", "group"), quant)))
+
+    def sync(self, version: int) -> SyncReport:
+        """Receive `version` from every trainer rank this rank reads; raise SyncError (weights incomplete) on failure."""
+        check_version(version)
+        if self.agent is None or self.agent.closed:
+            raise WeightplanError(f"inference rank {self.rank}: call start() (or use the Receiver in a with block) "
+                                  "before syncing, and not after close()")
+        self._version = None
+        start = time.monotonic()
+        deadline = start + self.timeout
+        try:
+            return self._sync(version, start, deadline)
+        except (SyncError, PlanMismatchError) as exc:
+            for peer in self._peers.values():
+                self.agent.notify(peer.agent, f"fail:{version}")
+            self._drop_peers()
+            raise type(exc)(f"inference rank {self.rank}: sync of version {version} failed; its weights are "
+                            f"incomplete until a later sync succeeds: {exc}") from None
+
+    def _sync(self, version: int, start: float, deadline: float) -> SyncReport:
+        sources = sorted(self.reads)
+        self.rendezvous.wait([f"trainer/{r}/version/{version}" for r in sources], deadline - time.monotonic(),
+                             f"version {version} from trainer ranks {sources}")
+        for r in sources:
+            self._connect(r, self.rendezvous.get_text(f"trainer/{r}/version/{version}", INCARNATION))
+        for peer in self._peers.values():
+            self.agent.notify(peer.agent, f"begin:{version}")
+        check, spent = self._verifier(version, deadline) if self.verify else (None, [0.0])
+        self._check_sequence(version, deadline, "before reading")
+        if self._quant:
+            self._quant.begin()
+        self._transfer(version, start, deadline, self._post_ops(check))
+        if self._quant:
+            self._quant.end()
+        self._check_sequence(version, deadline, "after reading")
+        for peer in self._peers.values():
+            self.agent.notify(peer.agent, f"ack:{version}")
+        self._derived()  # after the ack: it reads only this rank's memory, so the trainers need not wait
+        self._version = version
+        report = SyncReport(version, self.rank, self.bytes, self.descriptors, len(sources), self.n_groups,
+                            time.monotonic() - start, spent[0] if self.verify else None,
+                            self._quant.seconds if self._quant else 0.0, self._derived.seconds)
+        log.info("weightplan sync v%d inference rank %d: %.3f GB, %d descriptors from %d trainer ranks, %.3f s, %.2f GB/s%s%s",
+                 version, self.rank, report.bytes / 1e9, report.descriptors, report.trainer_ranks, report.seconds,
+                 report.gbps, f", verified in {report.verify_seconds:.3f} s" if self.verify else "",
+                 f", quantized in {report.quantize_seconds:.3f} s" if self._quant and self._quant.quantizes else "")
+        return report
+
+    def _connect(self, rank: int, incarnation: str) -> None:
+        """Prepare transfers to trainer `rank` unless they exist for this incarnation of it."""
+        peer = self._peers.get(rank)
+        if peer is not None and peer.incarnation == incarnation:
+            return
+        if peer is not None:
+            self._drop_peer(peer)
+        info = self.rendezvous.get_json(f"trainer/{rank}/info")
+        regions = checked_regions(self.plan, self._qt, rank, info, incarnation)
+        packed_addr, packed_bytes = checked_word(rank, info, "packed", 2)
+        if packed_bytes != self._packed_bytes[rank]:
+            raise PlanMismatchError(f"trainer rank {rank} packs {packed_bytes} bytes of small runs, this rank expects "
+                                    f"{self._packed_bytes[rank]}: run the same weightplan version on both sides")
+        quant = self._quant_regions(rank, info)
+        name = trainer_agent(self.rendezvous.job, rank)
+        self.agent.add_peer(self.rendezvous.get_bytes(f"trainer/{rank}/metadata/{incarnation}"), name)
+        table = self._tables[rank]
+        bases = region_addresses(table.region, regions, {RemoteRegion.PACKED: packed_addr, **quant})
+        remote = self.agent.prepare(name, np.stack([bases + table.remote_off, table.nbytes], axis=1))
+        seq_remote = self.agent.prepare(name, np.array([[checked_word(rank, info, "seq")[0], 8]]))
+        peer = _Peer(rank, incarnation, name, self.agent.make_read(self._seq_local[rank], seq_remote, np.zeros(1)))
+        peer.remote_lists += [remote, seq_remote]
+        for g in np.unique(table.group).tolist():
+            rows = np.flatnonzero(table.group == g)
+            peer.group_reads[g] = self.agent.make_reads(self._local[rank], remote, rows)
+        self._peers[rank] = peer
+
+    def _quant_regions(self, rank: int, info: dict) -> dict[RemoteRegion, int]:
+        """Addresses of trainer `rank`'s packed stage copies, scales and fp8 values, after checking their sizes."""
+        if self._qt is None:
+            return {}
+        fp8, scales = self._qt.region_bytes(rank)
+        expected = {"stage_packed": stage_packing(self.plan, self._qt, rank).nbytes, "scales": 4 * scales, "fp8": fp8}
+        quant = info.get("quant")
+        if not isinstance(quant, dict):
+            raise SyncError(f"trainer rank {rank}: its info has no fp8 regions ('quant'), which this plan needs")
+        regions = {k: checked_word(rank, quant, k, 2) for k in expected}
+        if {k: size for k, (_, size) in regions.items()} != expected:
+            raise PlanMismatchError(f"trainer rank {rank} exposes fp8 regions {quant}, this rank expects sizes {expected}: "
+                                    "run the same weightplan version on both sides")
+        return {RemoteRegion.STAGE_PACKED: regions["stage_packed"][0], RemoteRegion.SCALES: regions["scales"][0],
+                RemoteRegion.FP8: regions["fp8"][0]}
+
+    def _check_sequence(self, version: int, deadline: float, when: str) -> None:
+        handles = [(peer.seq_read, f"trainer rank {peer.rank}") for peer in self._peers.values()]
+        self.agent.read_now(handles, deadline, f"reading trainer sequence words {when}")
+        for rank in self._peers:
+            seq = int(self._seq[rank])
+            if seq != 2 * version:
+                state = "is staging or retired it" if seq == 2 * version + 1 else f"holds version {seq // 2}"
+                raise SyncError(f"trainer rank {rank} {when}: expected stable version {version}, the trainer {state}")
+
+    def _transfer(self, version: int, start: float, deadline: float, post_op=None) -> None:
+        """Move every group; with a post-op, at most two groups are in flight and group g's post-op overlaps g+1."""
+        window = 2 if post_op is not None else self.n_groups
+        posted = 0
+        shown = start
+        for g in range(self.n_groups):
+            while posted < min(self.n_groups, g + window):
+                for peer in self._peers.values():
+                    for handle in peer.group_reads.get(posted, ()):
+                        self.agent.post(handle, f"trainer rank {peer.rank}")
+                posted += 1
+            handles = [(h, f"trainer rank {p.rank}") for p in self._peers.values() for h in p.group_reads.get(g, ())]
+            self.agent.wait(handles, deadline, f"version {version} group {g + 1}/{self.n_groups}")
+            if post_op is not None:
+                post_op(g)
+            if time.monotonic() - shown > PROGRESS_EVERY:
+                shown = time.monotonic()
+                log.info("weightplan sync v%d inference rank %d: group %d/%d done after %.1f s",
+                         version, self.rank, g + 1, self.n_groups, shown - start)
+
+    def _post_ops(self, check):
+        quantize = self._quant.quantize if self._quant and self._quant.quantizes else None
+        if check is None and self.post_op is None and quantize is None:
+            return None
+
+        def run(group: int) -> None:
+            if check is not None:
+                check(group)
+            if quantize is not None:
+                quantize(group)
+            if self.post_op is not None:
+                self.post_op(self._group_names[group])
+
+        return run
+
+    def _verifier(self, version: int, deadline: float):
+        """A post-op comparing each group's landed bytes with the digests the trainers published for `version`."""
+        keys = [f"trainer/{r}/digests/{version}" for r in self._peers]
+        self.rendezvous.wait(keys, deadline - time.monotonic(), "trainer digests (start trainers with digests=True)")
+        theirs = {r: self.rendezvous.get_json(f"trainer/{r}/digests/{version}") for r in self._peers}
+        buffers = {d: byte_view(t) for d, t in self._dst.items()}
+        spent = [0.0]
+
+        def check(group: int) -> None:
+            began = time.perf_counter()
+            bad = []
+            for rank, reads in self.reads.items():
+                rows = self._groups[rank] == group
+                part = reads.take(rows)
+                ours = {str(d): h for d, h in run_digests(buffers, part.dest, part.dst_byte, part).items()}
+                if self._quant and rank in self._quant.rows:
+                    ours.update(self._quant.digests(rank, group))
+                bad += [f"{self._key_name(k)} (from trainer rank {rank})" for k, h in ours.items() if theirs[rank].get(k) != h]
+            spent[0] += time.perf_counter() - began
+            if bad:
+                raise SyncError(f"verification failed for {len(bad)} regions, e.g. {', '.join(bad[:3])}")
+
+        return check, spent
+
+    def _key_name(self, key: str) -> str:
+        return self.plan.dests[int(key)].name if key.isdigit() else self._quant.key_name(key)
+
+    def _drop_peer(self, peer: _Peer) -> None:
+        for handle in [peer.seq_read, *(h for chunk in peer.group_reads.values() for h in chunk)]:
+            self.agent.release(handle)
+        for prepared in peer.remote_lists:
+            self.agent.release_list(prepared)
+        self.agent.remove_peer(peer.agent)
+        self._peers.pop(peer.rank, None)
+
+    def _drop_peers(self) -> None:
+        for peer in list(self._peers.values()):
+            self._drop_peer(peer)

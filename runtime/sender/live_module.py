@@ -1,0 +1,238 @@
+"""Serve a live trainer module (FSDP2 / DTensor parameters): its layout checked against the plan, its storages re-checked at every publish.
+
+`LiveSender(plan, rank, module, rendezvous=...)` derives the trainer layout from the module's
+DTensors (the same description `write_trainer_layout` writes) and refuses a plan compiled for
+another layout; `start()` (or `with`) gives a started `Sender` the local shard tensors. At every
+`publish` it checks that the tensors it registered are still the module's (data pointer, shape,
+stride, dtype); if a checkpoint load or a re-sharding replaced them, it re-checks the layout and
+starts a new `Sender` on the new storages (a new incarnation: receivers reconnect at their next
+sync), or raises `PlanMismatchError` if the layout changed. See docs/trainer.md.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..errors import LayoutError, PlanMismatchError, WeightplanError
+from ..layout.layout_file import TrainerLayoutFile, describe_layout, parse_trainer_layout
+from ..layout.placements import Box
+from ..layout.shards import rank_boxes
+from ..plan.format import Plan
+from .sender import Sender
+
+log = logging.getLogger("weightplan.runtime")
+
+# Module names wrappers insert into parameter names: activation checkpointing, torch.compile, FSDP1.
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+_WRAPPERS = tuple(p.rstrip(".") for p in WRAPPER_PREFIXES)
+
+
+def trainer_name(name: str) -> str:
+    """A module's parameter name as the plan names it: the wrapper components removed."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPERS)
+
+
+def _fsdp_sharded(module: torch.nn.Module) -> dict[tuple[int, str], torch.nn.Parameter]:
+    """FSDP2's sharded parameter (a DTensor: the masters the optimizer updates) per (owning module, attribute).
+
+    Outside FSDP2's sharded state (e.g. after a forward with reshard_after_forward=False) the module
+    holds the all-gathered (and, with MixedPrecisionPolicy, cast) copies instead; those are never served.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without distributed
+        return {}
+    out = {}
+    for m in module.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        state = m._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [group] if group is not None else []
+        for group in groups:
+            for p in group.fsdp_params:
+                info = p._module_info
+                owners = [(info.module, info.param_name)] + list(zip(info.shared_modules, info.shared_param_names))
+                for owner, attr in owners:  # tied weights: every module holding the parameter
+                    out[(id(owner), attr)] = p.sharded_param
+    return out
+
+
+def trainer_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainer tensors of a live module, in state-dict order: {plan name: sharded parameter or buffer}.
+
+    Names are the state-dict names without wrapper components (`_checkpoint_wrapped_module`,
+    `_orig_mod`, `_fsdp_wrapped_module`). FSDP2-managed parameters are their sharded DTensors
+    whatever the module currently holds; persistent buffers are included; a tensor reachable under
+    several names (tied weights) is listed once, under its first name. LayoutError if two
+    different tensors get the same name once the wrappers are removed.
+    """
+    sharded = _fsdp_sharded(module)
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for prefix, owner in module.named_modules():
+        tensors = [(attr, sharded.get((id(owner), attr), p)) for attr, p in owner._parameters.items() if p is not None]
+        tensors += [(attr, b) for attr, b in owner._buffers.items()
+                    if b is not None and attr not in owner._non_persistent_buffers_set]
+        for attr, tensor in tensors:
+            if id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            name = trainer_name(f"{prefix}.{attr}" if prefix else attr)
+            if name in out:
+                raise LayoutError(f"two tensors of the module are both named {name!r} once wrapper prefixes "
+                                  f"({', '.join(WRAPPER_PREFIXES)}) are removed")
+            out[name] = tensor
+    return out
+
+
+def module_layout(module: torch.nn.Module, *, world_size: int | None = None) -> TrainerLayoutFile:
+    """The trainer layout of a live module, checked like a layout file (LayoutError names a defect)."""
+    return parse_trainer_layout(describe_layout(trainer_tensors(module), world_size=world_size), "of the live module")
+
+
+def _box_text(box: Box | None) -> str:
+    return "nothing" if box is None else "[" + ", ".join(f"{a}:{b}" for a, b in box) + "]"
+
+
+def check_layout(plan: Plan, layout: TrainerLayoutFile) -> None:
+    """Refuse a plan compiled for another trainer layout: PlanMismatchError naming the first tensor and placement that differ."""
+    world = plan.header["src_ranks"]
+    hint = ("compile the plan from this module's layout (write_trainer_layout(module, FILE), then "
+            "compile-plan --trainer-layout FILE)")
+    if layout.world_size != world:
+        raise PlanMismatchError(f"the module's trainer world has {layout.world_size} ranks, the plan was compiled for "
+                                f"{world} trainer ranks; {hint}")
+    names = [e.name for e in plan.sources]
+    missing = [n for n in names if n not in layout.tensors]
+    if missing:
+        raise PlanMismatchError(f"the plan's trainer tensor {missing[0]!r} is not in the module"
+                                f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; the plan is for "
+                                f"another model or --trainer-format, or a wrapper renamed it; {hint}")
+    extra = [n for n in layout.tensors if n not in set(names)]
+    if extra:
+        raise PlanMismatchError(f"the module's tensor {extra[0]!r} is not a trainer tensor of the plan"
+                                f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}; {hint}")
+    table = plan.shard_layout
+    for i, entry in enumerate(plan.sources):
+        mine = layout.tensors[entry.name]
+        if mine.shape != tuple(entry.shape):
+            raise PlanMismatchError(f"trainer tensor {entry.name!r} has global shape {list(mine.shape)} in the module, the "
+                                    f"plan expects {list(entry.shape)}; {hint}")
+        if mine.dtype != entry.dtype:
+            raise PlanMismatchError(
+                f"trainer tensor {entry.name!r} is {mine.dtype} in the module, the plan expects {entry.dtype}. FSDP2's "
+                "sharded parameters are the masters (MixedPrecisionPolicy(param_dtype=...) only casts the all-gathered "
+                f"copies): compile with --trainer-dtype {'fp32' if mine.dtype == 'float32' else 'bf16'}")
+        boxes = rank_boxes(mine.sharding, mine.shape, world)
+        planned = table.classes[table.of[i]]
+        for rank, (have, want) in enumerate(zip(boxes, planned)):
+            if have != want:
+                placements = ", ".join(map(str, mine.sharding.placements))
+                mesh = mine.sharding.mesh
+                raise PlanMismatchError(
+                    f"trainer tensor {entry.name!r}: the module places it ({placements}) on mesh {list(mesh.shape)} of "
+                    f"ranks {list(mesh.ranks)}, so trainer rank {rank} holds {_box_text(have)}; the plan (trainer layout "
+                    f"{table.token}) has rank {rank} holding {_box_text(want)}; {hint}")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    local = getattr(tensor, "to_local", None)
+    return (local() if callable(local) else tensor).detach()
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple:
+    return (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device)
+
+
+class LiveSender:
+    """A `Sender` for trainer `rank` of `plan` serving a live module's shards; re-checked at every publish.
+
+    Construction refuses (PlanMismatchError, nothing registered) a plan whose trainer layout is not
+    the module's; `start()` registers the shards (as `Sender.start`), `close()` releases them, and the
+    LiveSender is a context manager doing both. `publish(v)` first compares the module's current local tensors with the ones
+    registered: unchanged, it publishes; replaced (same layout), it releases the pending version,
+    retires the old Sender and registers the new storages as a new Sender incarnation (counted in
+    `reregistered`); with another layout it raises PlanMismatchError and publishes nothing.
+    Other keyword arguments go to `Sender`. Attributes not defined here are the current Sender's.
+    """
+
+    def __init__(self, plan: Plan, rank: int, module: torch.nn.Module, **sender_kwargs):
+        self.plan, self.rank, self.module, self._kwargs = plan, rank, module, sender_kwargs
+        self.reregistered = 0
+        self.sender: Sender | None = None
+        self._locals: dict[str, torch.Tensor] | None = self._checked_locals()
+
+    def start(self) -> "LiveSender":
+        """Register the module's shards and publish this rank's info (Sender.start); returns self."""
+        if self._locals is None:
+            raise WeightplanError(f"trainer rank {self.rank}: this LiveSender was started already")
+        self.sender, self._locals = self._start(self._locals), None
+        return self
+
+    def __enter__(self) -> "LiveSender":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _checked_locals(self) -> dict[str, torch.Tensor]:
+        """The module's local shards by plan name, after checking its layout against the plan."""
+        tensors = trainer_tensors(self.module)
+        try:
+            layout = module_layout(self.module)
+        except LayoutError as exc:
+            raise PlanMismatchError(f"trainer rank {self.rank}: {exc}") from None
+        check_layout(self.plan, layout)
+        return {name: _local(t) for name, t in tensors.items()}
+
+    def _start(self, tensors: dict[str, torch.Tensor]) -> Sender:
+        sender = Sender(self.plan, self.rank, tensors, **self._kwargs).start()
+        self._registered = {name: _storage_key(t) for name, t in tensors.items()}
+        return sender
+
+    def _current(self) -> dict[str, torch.Tensor]:
+        return {name: _local(t) for name, t in trainer_tensors(self.module).items()}
+
+    def changed(self) -> list[str]:
+        """Plan tensors whose storage, shape, stride or dtype is no longer the one registered (cheap: no copies)."""
+        current = self._current()
+        return [n for n, key in self._registered.items() if n not in current or _storage_key(current[n]) != key]
+
+    def publish(self, version: int) -> None:
+        """Publish `version` from the module's current storages (re-registering them if they were replaced)."""
+        if self.sender is None:
+            raise WeightplanError(f"trainer rank {self.rank}: start() the LiveSender before publishing")
+        changed = self.changed()
+        if changed:
+            tensors = self._checked_locals()  # PlanMismatchError if the layout itself changed
+            log.warning("trainer rank %d: %d tensors were reallocated (e.g. %r) since they were registered; "
+                        "registering the new storages", self.rank, len(changed), changed[0])
+            self._retire()
+            self.sender = self._start(tensors)
+            self.reregistered += 1
+        self.sender.publish(version)
+
+    def release(self, version: int, timeout: float | None = None):
+        return self.sender.release(version, timeout)
+
+    def _retire(self) -> None:
+        """Let receivers finish the pending version, then drop the old Sender and its registrations."""
+        old, self.sender = self.sender, None
+        if old._pending is not None:
+            old.release(old._pending)
+        old.close()
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self._retire()
+
+    def __getattr__(self, name: str):
+        sender = self.__dict__.get("sender")
+        if sender is None:
+            raise AttributeError(name)
+        return getattr(sender, name)

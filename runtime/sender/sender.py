@@ -1,0 +1,285 @@
+"""The trainer end of a sync: exposes one rank's shard bytes in wire dtype and publishes versions."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..casts import cast_along
+from ..checks import check_tensors, check_version, flat_view, named_tensors
+from ..errors import SyncError, WeightplanError
+from ..plan.format import Plan
+from ..plan.schema import RECEIVER
+from ..tables.quant import check_supported, exposed_regions, quant_readers, quant_tables
+from ..tables.ranks import check_src_rank, packing, readers, served_runs
+from ..transport.nixl_agent import NixlAgent
+from ..transport.region_digests import byte_view, run_digests
+from ..transport.rendezvous import INCARNATION, Rendezvous, inference_agent, trainer_agent
+from .gather import Gather
+from .quant import SenderQuant
+from .trainer_gather import TrainerGather, gathered_key, staged_key
+
+log = logging.getLogger("weightplan.runtime")
+_MESSAGE = re.compile(r"^(begin|ack|fail):(\d+)$")
+
+
+@dataclass(frozen=True)
+class ReleaseReport:
+    """How version `version` ended on this trainer rank: who acknowledged it and who was given up on."""
+
+    version: int
+    acked: tuple[int, ...]
+    failed: tuple[int, ...]
+    timed_out: tuple[int, ...]
+    seconds: float
+    gatherers_timed_out: tuple[int, ...] = ()  # peer trainer ranks that had not finished their gather-side READs
+
+
+class Sender:
+    """Serve trainer `rank`'s bytes of `plan` to every inference rank that reads them.
+
+    Sources whose wire dtype is their own are exposed in place (zero copy): after `publish(v)` the
+    trainer must call `release(v)` before changing them. Cast sources (e.g. fp32 masters sent as
+    bf16) are staged at `publish`. With fp8 tables, `publish` also quantizes the blocks this rank
+    alone holds into registered fp8 and scale regions (runtime/sender/quant.py), and the gather-side
+    blocks it quantizes for several ranks after READing their peers' bf16 (runtime/sender/trainer_gather.py):
+    every trainer rank of such a plan must call `publish(v)` at about the same time, since each waits
+    for the peers it gathers from. A sequence word in registered memory lets receivers and gathering
+    peers detect bytes that changed while they read (seqlock: 2v while v is stable, odd otherwise).
+
+    The constructor only checks the tensors against the plan and allocates staging; `start()` registers
+    the memory with NIXL and publishes this rank's info, `close()` deregisters it and releases the
+    agent. `with Sender(...) as sender:` does both.
+    """
+
+    def __init__(self, plan: Plan, rank: int, tensors, *, rendezvous: Rendezvous, timeout: float = 60.0,
+                 digests: bool = False, progress_thread: bool = False):
+        check_src_rank(plan, rank)
+        if plan.staging:
+            check_supported(plan)
+        self.plan, self.rank, self.rendezvous, self.timeout, self.digests = plan, rank, rendezvous, timeout, digests
+        tables = quant_tables(plan) if plan.staging else None
+        self.regions = exposed_regions(plan, tables, rank)
+        # Sources this rank quantizes from itself are read locally; they are exposed only if others read them.
+        c = tables.copies if tables else None
+        local = sorted(set(c.src[(c.side != RECEIVER) & (c.src_rank == rank) & (c.quant_rank == rank)].tolist())
+                       if tables else set())
+        given = named_tensors(tensors)
+        expected = {plan.sources[s].name: (plan.local_shape(s, rank), plan.sources[s].dtype)
+                    for s in [r.source for r in self.regions] + local}
+        check_tensors(given, expected, {e.name for e in plan.sources}, f"trainer rank {rank}")
+        flat = {s: flat_view(plan.sources[s].name, given[plan.sources[s].name], *expected[plan.sources[s].name],
+                             f"trainer rank {rank}") for s in [r.source for r in self.regions] + local}
+        self._sources = [flat[r.source] for r in self.regions]
+        # Memory is allocated and registered only after every check passed.
+        self._exposed = [
+            torch.empty(r.numel, dtype=getattr(torch, r.wire_dtype)) if r.staged else src
+            for r, src in zip(self.regions, self._sources)
+        ]
+        self._served_runs = served_runs(plan, rank)
+        self.packing = packing(plan, rank)
+        self._packed = torch.empty(self.packing.nbytes, dtype=torch.uint8)
+        served = self._served_runs
+        at = np.searchsorted(served.run, self.packing.run)
+        self._pack = Gather(self._exposed, self._packed, served.region[at], served.src_byte[at], served.nbytes[at],
+                            self.packing.packed_byte, self.packing.unit)
+        self._gather = TrainerGather(plan, rank, tables) if tables is not None and len(tables.gathered(rank)) else None
+        self.gatherers = tables.gatherers(rank) if tables else ()  # peer trainer ranks reading this rank's bf16
+        self._quant = (SenderQuant(plan, rank, tables, self.regions, self._exposed, flat,
+                                   *((self._gather.buffer, self._gather.offset) if self._gather else ()))
+                       if tables else None)
+        self._seq = torch.ones(1, dtype=torch.int64)  # odd: nothing published yet
+        self.readers = tuple(sorted(set(readers(plan, rank)) | set(quant_readers(plan, tables, rank) if tables else ())))
+        self.incarnation = uuid.uuid4().hex
+        self.agent: NixlAgent | None = None  # created, with this rank's memory registered, by start()
+        self._progress_thread = progress_thread
+        self._live: set[int] = set()  # inference ranks whose acknowledgement release() waits for
+        self._joined: dict[int, str] = {}
+        self._given_up: dict[int, str | None] = {}
+        self._inbox: list[tuple[int, str, int]] = []
+        self._pending: int | None = None
+        self.digest_seconds = 0.0
+        self.quantize_seconds = 0.0
+        self.gather_seconds = 0.0
+
+    def start(self) -> "Sender":
+        """Register this rank's memory with a new NIXL agent and publish its info for readers; returns self.
+
+        Side effects live here, not in the constructor (which only checks and allocates): call it once
+        before `publish`, or use the sender as a context manager, which also closes it.
+        """
+        if self.agent is not None:
+            raise WeightplanError(f"trainer rank {self.rank}: this Sender was started already")
+        rank, rendezvous = self.rank, self.rendezvous
+        self.agent = NixlAgent(trainer_agent(rendezvous.job, rank), self._progress_thread)
+        self.agent.register(self._exposed + [self._packed, self._seq] + (self._quant.registered if self._quant else [])
+                            + (self._gather.registered if self._gather else []))
+        plan = self.plan
+        rendezvous.put(f"trainer/{rank}/metadata/{self.incarnation}", self.agent.metadata())
+        rendezvous.put(f"trainer/{rank}/info", {
+            "fingerprint": plan.fingerprint,
+            "incarnation": self.incarnation,
+            "agent": self.agent.name,
+            "seq": self._seq.data_ptr(),
+            "packed": [self._packed.data_ptr(), self.packing.nbytes],
+            "regions": [[r.source, r.chain, t.data_ptr(), r.nbytes] for r, t in zip(self.regions, self._exposed)],
+            **({"quant": self._quant.info()} if self._quant else {}),
+        })
+        log.info("trainer rank %d serves %d regions (%d staged) to inference ranks %s",
+                 rank, len(self.regions), sum(r.staged for r in self.regions), list(self.readers))
+        return self
+
+    def close(self) -> None:
+        """Retire the pending version, deregister this rank's memory and release its agent; idempotent."""
+        if self.agent is None or self.agent.closed:
+            return
+        if self._pending is not None:
+            self._seq.fill_(2 * self._pending + 1)  # a reader still reading sees the version retired
+            self._pending = None
+        self.agent.close()
+
+    def __enter__(self) -> "Sender":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes this rank writes at every publish: cast regions, packed small runs, and with fp8 tables the
+        packed stage copies and the fp8 values and scales."""
+        quant = sum(t.numel() * t.element_size() for t in self._quant.registered) if self._quant else 0
+        return sum(r.nbytes for r in self.regions if r.staged) + self.packing.nbytes + quant
+
+    def publish(self, version: int) -> None:
+        """Stage this rank's bytes for `version` and announce it. Releases the previous version first.
+
+        With gather-side blocks this waits for the peers it gathers from to stage `version` too; a
+        SyncError then leaves the version unannounced (its receivers time out and keep no mixed bytes).
+        """
+        check_version(version)
+        self._started()
+        if self._pending is not None:
+            self.release(self._pending)
+        self._seq.fill_(2 * version + 1)
+        with torch.no_grad():
+            for region, src, out in zip(self.regions, self._sources, self._exposed):
+                if region.staged:
+                    out.copy_(cast_along(src, self.plan.cast_chains[region.chain]))
+            self._pack()
+        # The exposed bf16 is final for this version; receivers still wait for the version key below,
+        # and fp8 regions rewritten from here on are read only after it.
+        self._seq.fill_(2 * version)
+        if self.gatherers:
+            self.rendezvous.put(staged_key(self.rank, version), self.incarnation.encode())
+        if self._gather is not None:
+            try:
+                self.gather_seconds = self._gather.fetch(self.agent, self.rendezvous, version,
+                                                         time.monotonic() + self.timeout)
+            except SyncError:
+                self._seq.fill_(2 * version + 1)
+                raise
+        if self._quant is not None:
+            self.quantize_seconds = self._quant.publish(self._poll if self.gatherers else None)
+        if self.digests:
+            began = time.perf_counter()
+            served = self._served_runs
+            found = run_digests([byte_view(x) for x in self._exposed], served.region, served.src_byte, served)
+            found = {str(k): v for k, v in found.items()}
+            if self._quant is not None:
+                found.update(self._quant.digests(self._exposed))
+            self.rendezvous.put(f"trainer/{self.rank}/digests/{version}", found)
+            self.digest_seconds = time.perf_counter() - began
+        self._pending = version
+        self.rendezvous.put(f"trainer/{self.rank}/version/{version}", self.incarnation.encode())
+
+    def release(self, version: int, timeout: float | None = None) -> ReleaseReport:
+        """Wait until the joined inference ranks and gathering peers finished reading `version` (or the timeout), then retire it.
+
+        After this returns the trainer may change its tensors: a receiver or peer still reading sees
+        the sequence word move and fails instead of keeping mixed bytes. An inference rank that does
+        not answer in time is not waited for again until it talks or rejoins as a new process.
+        """
+        check_version(version)
+        self._started()
+        start = time.monotonic()
+        deadline = start + (self.timeout if timeout is None else timeout)
+        self._refresh_joined()
+        done: dict[int, str] = {}
+        gathering = set(self.gatherers)
+        while True:
+            self._inbox += list(self._messages())
+            for rank, kind, v in self._inbox:
+                if v == version and kind in ("ack", "fail"):
+                    done[rank] = kind
+            self._inbox = [m for m in self._inbox if m[2] > version]
+            waiting = self._live - set(done)
+            gathering -= {g for g in gathering if self.rendezvous.exists(gathered_key(g, version))}
+            if (not waiting and not gathering) or time.monotonic() > deadline:
+                break
+            time.sleep(0.001)
+        self._seq.fill_(2 * version + 1)
+        if self._pending == version:
+            self._pending = None
+        for rank in waiting:
+            self._live.discard(rank)
+            self._given_up[rank] = self._joined.get(rank)
+        report = ReleaseReport(version, tuple(sorted(k for k, s in done.items() if s == "ack")),
+                               tuple(sorted(k for k, s in done.items() if s == "fail")), tuple(sorted(waiting)),
+                               time.monotonic() - start, tuple(sorted(gathering)))
+        if report.timed_out:
+            log.warning("trainer rank %d: version %d not acknowledged by inference ranks %s within the timeout",
+                        self.rank, version, list(report.timed_out))
+        if report.gatherers_timed_out:
+            log.warning("trainer rank %d: trainer ranks %s had not gathered version %d within the timeout; they will "
+                        "fail that version", self.rank, list(report.gatherers_timed_out), version)
+        return report
+
+    def _started(self) -> None:
+        if self.agent is None or self.agent.closed:
+            raise WeightplanError(f"trainer rank {self.rank}: call start() (or use the Sender in a with block) before "
+                                  "publishing, and not after close()")
+
+    def _poll(self) -> None:
+        """Progress this agent (peers' READs need it without a progress thread), keeping the notifications for release()."""
+        self._inbox += list(self._messages())
+
+    def _refresh_joined(self) -> None:
+        """Wait for inference ranks that joined since the last check (each process has its own incarnation)."""
+        for rank in self.readers:
+            key = f"inference/{rank}/joined"
+            if self.rendezvous.exists(key):
+                try:
+                    incarnation = self.rendezvous.get_json(key).get("incarnation")
+                except SyncError as exc:  # one bad reader record never makes a trainer fail
+                    log.warning("trainer rank %d: ignoring inference rank %d's join: %s", self.rank, rank, exc)
+                    continue
+                if not isinstance(incarnation, str) or not INCARNATION.fullmatch(incarnation):
+                    log.warning("trainer rank %d: ignoring inference rank %d's join: malformed incarnation", self.rank, rank)
+                    continue
+                self._joined[rank] = incarnation
+                if self._given_up.get(rank) != incarnation:
+                    self._live.add(rank)
+
+    def _messages(self):
+        """Parsed notifications from inference ranks of this plan; anything else is dropped."""
+        names = {inference_agent(self.rendezvous.job, k): k for k in self.readers}
+        for agent, messages in self.agent.notifications().items():
+            rank = names.get(agent)
+            if rank is None:
+                log.warning("trainer rank %d: ignoring notifications from unknown agent %r", self.rank, agent)
+                continue
+            for text in messages:
+                match = _MESSAGE.match(text)
+                if match is None:
+                    log.warning("trainer rank %d: ignoring malformed notification from %s", self.rank, agent)
+                    continue
+                self._live.add(rank)
+                self._given_up.pop(rank, None)
+                yield rank, match[1], int(match[2])

@@ -1,0 +1,196 @@
+"""What one rank does in a plan: the regions a trainer rank serves and the reads an inference rank posts.
+
+Pure functions of the plan (numpy, no NIXL), shared by the sender and the receiver so both sides
+derive the same layout independently and can check each other's.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..checks import check_rank
+from ..plan.columns import ColumnTable
+from ..plan.format import Plan
+from ..plan.schema import DTYPE_SIZES
+
+
+@dataclass(frozen=True)
+class ServedRegion:
+    """A trainer rank's local shard of one source, exposed in one wire dtype.
+
+    When the wire dtype is the source dtype the shard itself is exposed (zero copy); otherwise the
+    sender casts the shard into a staging region of `nbytes`.
+    """
+
+    source: int
+    chain: int
+    numel: int
+    wire_dtype: str
+    staged: bool
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_SIZES[self.wire_dtype]
+
+    @property
+    def key(self) -> str:
+        return f"{self.source}:{self.chain}"
+
+
+class RemoteRegion(enum.IntEnum):
+    """A READ's remote region on a trainer rank when it is not one of the exposed source regions (index >= 0)."""
+
+    PACKED = -1  # the small runs the sender packs into one region (`packing`)
+    FP8 = -2  # the fp8 values it quantized (runtime/sender/quant.py)
+    SCALES = -3  # their float32 scales
+    STAGE_PACKED = -4  # the receiver-side stage copies it packs
+
+
+def region_addresses(region: np.ndarray, exposed: list[int], special: dict[RemoteRegion, int]) -> np.ndarray:
+    """The remote base address of each READ: exposed regions by index, the others by their RemoteRegion."""
+    out = np.zeros(len(region), dtype=np.int64)
+    plain = region >= 0
+    out[plain] = np.asarray(exposed, dtype=np.int64)[region[plain]]
+    for kind, address in special.items():
+        out[region == kind] = address
+    return out
+
+
+# Runs shorter than this are gathered by the sender into one packed region, in destination order,
+# so a receiver reads them with a few large descriptors: UCX pays several microseconds per
+# descriptor on this path, whatever its size (benchmarks/bench_runtime.py, host overhead rows).
+PACK_BELOW_BYTES = 64 << 10
+
+
+@dataclass(frozen=True)
+class Reads(ColumnTable):
+    """One inference rank's reads from one trainer rank, one row per plan run, in plan order."""
+
+    run: np.ndarray  # index into plan.runs (rows)
+    region: np.ndarray  # index into that trainer rank's served regions
+    src_byte: np.ndarray  # byte offset inside the region
+    dest: np.ndarray  # index into plan.dests
+    dst_byte: np.ndarray  # byte offset inside the destination tensor
+    nbytes: np.ndarray
+
+
+def check_src_rank(plan: Plan, rank: int) -> None:
+    check_rank(rank, plan.header["src_ranks"], "trainer")
+
+
+def check_dst_rank(plan: Plan, rank: int) -> None:
+    check_rank(rank, plan.header["dst_ranks"], "inference")
+
+
+def served_regions(plan: Plan, rank: int) -> tuple[ServedRegion, ...]:
+    """Every (source, wire chain) whose bytes some run reads from trainer `rank`, in a canonical order."""
+    check_src_rank(plan, rank)
+    table = plan.table
+    mine = table["src_rank"] == rank
+    pairs = sorted(set(zip(table["src"][mine].tolist(), table["wire"][mine].tolist())))
+    regions = []
+    for source, chain in pairs:
+        entry = plan.sources[source]
+        numel = int(np.prod(plan.local_shape(source, rank), dtype=np.int64))
+        wire = plan.cast_chains[chain][-1]
+        regions.append(ServedRegion(source, chain, numel, wire, staged=wire != entry.dtype or len(plan.cast_chains[chain]) > 2))
+    return tuple(regions)
+
+
+def held_entries(plan: Plan, rank: int) -> np.ndarray:
+    """Boolean mask over plan.dests: the destination entries inference `rank` holds."""
+    check_dst_rank(plan, rank)
+    return np.array([rank in e.ranks for e in plan.dests], dtype=bool)
+
+
+def readers(plan: Plan, rank: int) -> tuple[int, ...]:
+    """The inference ranks that read from trainer `rank`."""
+    check_src_rank(plan, rank)
+    dests = set(plan.table["dest"][plan.table["src_rank"] == rank].tolist())
+    return tuple(sorted({r for d in dests for r in plan.dests[d].ranks}))
+
+
+def _reads(plan: Plan, sel: np.ndarray, src_rank: int) -> Reads:
+    width = len(plan.cast_chains) + 1
+    regions = served_regions(plan, src_rank)
+    region_keys = np.array([r.source * width + r.chain for r in regions], dtype=np.int64)  # sorted
+    runs = plan.runs
+    size = plan.wire_itemsize()[sel]
+    return Reads(
+        run=np.flatnonzero(sel),
+        region=np.searchsorted(region_keys, runs["src"][sel] * width + runs["wire"][sel]),
+        src_byte=runs["src_off"][sel] * size,
+        dest=runs["dest"][sel],
+        dst_byte=runs["dst_off"][sel] * size,
+        nbytes=runs["length"][sel] * size,
+    )
+
+
+def reads_of(plan: Plan, rank: int) -> dict[int, Reads]:
+    """Inference `rank`'s descriptors, grouped by the trainer rank they read from."""
+    runs = plan.runs
+    mask = held_entries(plan, rank)[runs["dest"]]
+    return {src: _reads(plan, mask & (runs["src_rank"] == src), src) for src in sorted(set(runs["src_rank"][mask].tolist()))}
+
+
+def served_runs(plan: Plan, rank: int) -> Reads:
+    """Every run trainer `rank` serves (into entries of any inference rank), in plan order."""
+    check_src_rank(plan, rank)
+    return _reads(plan, plan.runs["src_rank"] == rank, rank)
+
+
+@dataclass(frozen=True)
+class Packing:
+    """The runs a trainer rank gathers into its packed region: ordered by (destination, offset), back to back."""
+
+    run: np.ndarray  # plan run indices, in packed order
+    packed_byte: np.ndarray  # offset of each in the packed region
+    unit: int  # bytes per gathered element: the largest of 8, 4, 2, 1 dividing every offset and length
+    nbytes: int
+
+    def offsets_by_run(self, n_runs: int) -> np.ndarray:
+        """packed_byte per plan run, -1 where the run is not packed."""
+        out = np.full(n_runs, -1, dtype=np.int64)
+        out[self.run] = self.packed_byte
+        return out
+
+
+def packing(plan: Plan, rank: int) -> Packing:
+    """Which of trainer `rank`'s runs are packed (those under PACK_BELOW_BYTES) and where."""
+    check_src_rank(plan, rank)
+    runs = plan.runs
+    mine = np.flatnonzero(runs["src_rank"] == rank)
+    nbytes = runs["length"][mine] * plan.wire_itemsize()[mine]
+    small = mine[nbytes < PACK_BELOW_BYTES]
+    run = small[np.lexsort((runs["dst_off"][small], runs["dest"][small]))]
+    size = runs["length"][run] * plan.wire_itemsize()[run]
+    src_byte = runs["src_off"][run] * plan.wire_itemsize()[run]
+    packed_byte = np.cumsum(size) - size
+    unit = next(u for u in (8, 4, 2, 1) if not (np.any(size % u) or np.any(src_byte % u)))
+    return Packing(run, packed_byte, unit, int(size.sum()))
+
+
+def pipeline_groups(reads: dict[int, Reads], group_bytes: int) -> dict[int, np.ndarray]:
+    """Group number of each descriptor: consecutive destination entries cut every `group_bytes`.
+
+    Groups follow plan (layer) order across all trainer ranks, so group k of every trainer rank
+    completes the same destination entries and post-ops can run on group k while k+1 moves.
+    """
+    if group_bytes <= 0:
+        raise ValueError(f"group_bytes must be positive, got {group_bytes}")
+    if not reads:
+        return {}
+    dests = np.unique(np.concatenate([r.dest for r in reads.values()]))
+    per_dest = np.zeros(int(dests.max()) + 1, dtype=np.int64)
+    for r in reads.values():
+        np.add.at(per_dest, r.dest, r.nbytes)
+    # An entry starts a new group when the bytes before it cross a multiple of group_bytes.
+    before = np.cumsum(per_dest[dests]) - per_dest[dests]
+    group_of = np.zeros_like(per_dest)
+    group_of[dests] = before // group_bytes
+    _, dense = np.unique(group_of[dests], return_inverse=True)
+    group_of[dests] = dense
+    return {src: group_of[r.dest] for src, r in reads.items()}

@@ -1,0 +1,171 @@
+"""A thin wrapper over one NIXL agent (UCX backend, host memory): register, prepare, read, notify."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from ..errors import SyncError
+
+log = logging.getLogger("weightplan.runtime")
+# UCX handles one huge request list much more slowly than several smaller ones (measured by
+# benchmarks/bench_runtime.py's host-overhead rows), so descriptors go out in chunks of this many.
+DESCRIPTORS_PER_READ = 4096
+
+
+def _nixl():
+    # Imported lazily: the plan reader and the host executor work without NIXL installed.
+    from nixl_cu12._api import nixl_agent, nixl_agent_config
+
+    return nixl_agent, nixl_agent_config
+
+
+class NixlAgent:
+    """One NIXL agent of this process. Every transfer is a one-sided READ initiated here."""
+
+    def __init__(self, name: str, progress_thread: bool = False):
+        nixl_agent, nixl_agent_config = _nixl()
+        self.name = name
+        # NIXL's progress thread spins a whole core even when idle (measured: 2.9 s of CPU per 3 s),
+        # so by default transfers and notifications progress when this process polls them. READs
+        # over one-sided transports (cma here, RDMA on clusters) need no progress on the target;
+        # others (e.g. both agents in one process) need the thread on the target side.
+        self._agent = nixl_agent(name, nixl_agent_config(backends=["UCX"], enable_prog_thread=progress_thread))
+        self._registered = []
+
+    def register(self, tensors: list[torch.Tensor]) -> None:
+        """Register host tensors once; descriptors must fall inside registered memory."""
+        tensors = [t for t in tensors if t.numel()]
+        if tensors:
+            self._registered.append(self._agent.register_memory(tensors))
+
+    def metadata(self) -> bytes:
+        return self._agent.get_agent_metadata()
+
+    def close(self) -> None:
+        """Deregister every registered tensor and release the NIXL agent; idempotent (an engine shutdown calls it)."""
+        agent, self._agent = self._agent, None
+        if agent is None:
+            return
+        for registered in self._registered:
+            try:
+                agent.deregister_memory(registered)
+            except Exception as exc:  # NIXL raises its own status types; the memory is released with the agent anyway
+                log.debug("deregistering memory of %s: %s", self.name, exc)
+        self._registered = []
+
+    @property
+    def closed(self) -> bool:
+        return self._agent is None
+
+    def add_peer(self, metadata: bytes, expected_name: str) -> None:
+        """Load a remote agent's metadata, refusing it unless it names the agent the plan expects."""
+        try:
+            name = self._agent.add_remote_agent(metadata)
+        except Exception as exc:
+            raise SyncError(f"cannot load agent metadata published for {expected_name!r}: {type(exc).__name__}") from None
+        name = name.decode() if isinstance(name, bytes) else name
+        if name != expected_name:
+            self._agent.remove_remote_agent(name)
+            raise SyncError(f"rejected agent metadata naming {name!r}: this rank expects {expected_name!r} there")
+
+    def remove_peer(self, name: str) -> None:
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception as exc:  # NIXL raises its own status types; the peer is gone either way
+            log.debug("removing agent %s: %s", name, exc)
+
+    def prepare(self, peer: str | None, rows: np.ndarray):
+        """Prepare a descriptor list of (address, bytes) rows, local (peer None) or on a peer, once."""
+        table = np.zeros((len(rows), 3), dtype=np.uint64)
+        if len(rows):
+            table[:, :2] = rows
+        return self._agent.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", table, "DRAM")
+
+    def make_read(self, local, remote, indices: np.ndarray, message: bytes = b""):
+        """A READ of the given descriptor indices of two prepared lists; post it with `post` each sync."""
+        idx = np.ascontiguousarray(indices, dtype=np.int32)
+        return self._agent.make_prepped_xfer("READ", local, idx, remote, idx, message)
+
+    def make_reads(self, local, remote, rows: np.ndarray) -> list:
+        """READs of descriptor rows `rows` of two prepared lists, DESCRIPTORS_PER_READ rows per request."""
+        return [self.make_read(local, remote, rows[i : i + DESCRIPTORS_PER_READ])
+                for i in range(0, len(rows), DESCRIPTORS_PER_READ)]
+
+    def read_now(self, handles: list[tuple[object, str]], deadline: float, what: str) -> None:
+        """Post every prepared (READ, peer) and wait for all of them."""
+        for handle, peer in handles:
+            self.post(handle, peer)
+        self.wait(handles, deadline, what)
+
+    def post(self, handle, peer: str) -> None:
+        try:
+            state = self._agent.transfer(handle)
+        except Exception as exc:  # NIXL raises per-status exception types (e.g. nixlRemoteDisconnectError)
+            raise SyncError(f"posting a READ from {peer} failed: {type(exc).__name__} (did that process die?)") from None
+        if state == "ERR":
+            raise SyncError(f"NIXL refused to post a READ from {peer} (did that process die?)")
+
+    def wait(self, handles: list[tuple[object, str]], deadline: float, what: str) -> None:
+        """Wait until every posted (transfer, peer) is done; an error state or the deadline raises SyncError."""
+        pending = list(handles)
+        pause = 1e-5
+        while pending:
+            still = []
+            for handle, peer in pending:
+                try:
+                    state = self._agent.check_xfer_state(handle)
+                except Exception as exc:  # as in post(): a status turned into an exception
+                    raise SyncError(f"{what}: a READ from {peer} failed: {type(exc).__name__} (did that process die?)") from None
+                if state == "ERR":
+                    raise SyncError(f"{what}: a READ from {peer} failed (its process died or deregistered its memory)")
+                if state != "DONE":
+                    still.append((handle, peer))
+            pending = still
+            if pending:
+                if time.monotonic() > deadline:
+                    peers = sorted({peer for _, peer in pending})
+                    raise SyncError(f"{what}: timed out waiting for READs from {', '.join(peers)}")
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+
+    def release(self, handle) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as exc:  # a handle to a dead peer may refuse release; nothing else to do
+            log.debug("releasing a transfer handle: %s", exc)
+
+    def release_list(self, prepared) -> None:
+        try:
+            self._agent.release_dlist_handle(prepared)
+        except Exception as exc:  # as for transfer handles: best effort once the peer is gone
+            log.debug("releasing a prepared list: %s", exc)
+
+    def notify(self, peer: str, message: str) -> None:
+        try:
+            self._agent.send_notif(peer, message.encode())
+        except Exception as exc:  # a dead peer cannot be told; callers treat notifications as best effort
+            log.debug("notifying %s: %s", peer, exc)
+
+    def notifications(self) -> dict[str, list[str]]:
+        """New notifications by sender agent name."""
+        out = {}
+        for name, messages in self._agent.get_new_notifs().items():
+            name = name.decode() if isinstance(name, bytes) else name
+            out[name] = [m.decode(errors="replace") for m in messages]
+        return out
+
+
+def contiguous_starts(nbytes: np.ndarray, ends: tuple[np.ndarray, ...], keys: tuple[np.ndarray, ...] = ()):
+    """Join consecutive rows that continue each other on every side (`ends`: byte offsets or addresses) and
+    share every key: returns (first row of each joined descriptor, its bytes)."""
+    joins = np.ones(max(len(nbytes) - 1, 0), dtype=bool)  # row i + 1 continues row i
+    for at in ends:
+        joins &= at[1:] == at[:-1] + nbytes[:-1]
+    for key in keys:
+        joins &= key[1:] == key[:-1]
+    first = np.flatnonzero(np.concatenate([[True], ~joins])) if len(nbytes) else np.zeros(0, dtype=np.int64)
+    return first, (np.add.reduceat(nbytes, first) if len(first) else nbytes[:0])

@@ -1,0 +1,254 @@
+"""Metadata exchange between senders and receivers through a torch.distributed TCPStore, namespaced by job id.
+
+Values are JSON or raw NIXL agent metadata; nothing read from the store is unpickled or evaluated.
+With a job secret every record is authenticated (HMAC-SHA256 over the record's key and value), so
+a process that can reach the store but lacks the secret cannot publish as a trainer or a reader.
+Without one, the store may only be reached on loopback (or with `insecure=True`). See
+docs/runtime.md, "Threat model".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import re
+import socket
+import stat
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from ..errors import SyncError, WeightplanError
+
+log = logging.getLogger("weightplan.rendezvous")
+
+DEFAULT_ADDRESS = "127.0.0.1:29577"
+_JOB = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+INCARNATION = re.compile(r"[0-9a-f]{32}")  # a Sender's or Receiver's uuid4().hex
+SECRET_ENV = "WEIGHTPLAN_SECRET"
+SECRET_FILE_ENV = "WEIGHTPLAN_SECRET_FILE"
+MIN_SECRET_BYTES = 16
+_SIGNED, _PLAIN = b"wp1s", b"wp1p"  # record tags: HMAC-signed, or plain (a job without a secret)
+_MAC_BYTES = 32
+
+
+def trainer_agent(job: str, rank: int) -> str:
+    """The NIXL agent name of trainer `rank` in `job`."""
+    return f"{job}.trainer.{rank}"
+
+
+def inference_agent(job: str, rank: int) -> str:
+    """The NIXL agent name of inference `rank` in `job`."""
+    return f"{job}.inference.{rank}"
+
+
+def check_job(job: str) -> str:
+    if not isinstance(job, str) or not _JOB.fullmatch(job):
+        raise WeightplanError(f"job id {job!r} must be 1-64 characters of letters, digits, '_', '.', '-'")
+    return job
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    if not isinstance(address, str):
+        raise WeightplanError(f"rendezvous address must be a HOST:PORT string, got {type(address).__name__}")
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 <= int(port) < 65536:
+        raise WeightplanError(f"rendezvous address {address!r} must be HOST:PORT, e.g. {DEFAULT_ADDRESS} (port 0: any free port, when serving)")
+    return host.strip("[]"), int(port)
+
+
+def job_secret(secret: bytes | str | None = None) -> bytes | None:
+    """The job's secret: `secret`, else the file named by WEIGHTPLAN_SECRET_FILE (mode 0600), else WEIGHTPLAN_SECRET."""
+    if secret is None and os.environ.get(SECRET_FILE_ENV):
+        secret = _read_secret_file(Path(os.environ[SECRET_FILE_ENV]))
+    elif secret is None and os.environ.get(SECRET_ENV):
+        secret = os.environ[SECRET_ENV]
+    if secret is None:
+        return None
+    if isinstance(secret, str):
+        secret = secret.encode()
+    if not isinstance(secret, bytes) or len(secret.strip()) < MIN_SECRET_BYTES:
+        raise WeightplanError(f"the job secret must be at least {MIN_SECRET_BYTES} bytes (e.g. `openssl rand -hex 32`)")
+    return secret.strip()
+
+
+def _read_secret_file(path: Path) -> bytes:
+    try:
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):
+            raise WeightplanError(f"{SECRET_FILE_ENV}={path} is not a regular file")
+        if info.st_mode & 0o077:
+            raise WeightplanError(f"{SECRET_FILE_ENV}={path} is readable by others (mode {stat.S_IMODE(info.st_mode):04o}); "
+                                  f"run `chmod 600 {path}`")
+        return path.read_bytes()
+    except OSError as exc:
+        raise WeightplanError(f"cannot read the job secret {SECRET_FILE_ENV}={path}: {exc.strerror}") from None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address `host` resolves to is a loopback address."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+class Rendezvous:
+    """The job's keys in a shared store: every key is prefixed `weightplan/<job>/`; records signed with the job secret."""
+
+    def __init__(self, store, job: str, secret: bytes | None = None):
+        self.store = store
+        self.job = check_job(job)
+        self._secret = secret
+
+    @property
+    def authenticated(self) -> bool:
+        return self._secret is not None
+
+    @classmethod
+    def connect(cls, job: str, address: str = DEFAULT_ADDRESS, *, serve: bool = False, timeout: float = 60.0,
+                secret: bytes | str | None = None, insecure: bool = False) -> "Rendezvous":
+        """Connect to (or with `serve`, host) the TCPStore at `address`.
+
+        A served store listens only on `address`'s host (loopback by default). A store off
+        loopback needs a job secret (`secret`, WEIGHTPLAN_SECRET_FILE or WEIGHTPLAN_SECRET),
+        unless `insecure=True`, which is logged.
+        """
+        from torch.distributed import TCPStore
+
+        check_job(job)
+        host, port = parse_address(address)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
+            raise WeightplanError(f"rendezvous timeout must be a number of seconds in (0, 86400], got {timeout!r}")
+        key = job_secret(secret)
+        if key is None and not is_loopback(host):
+            if not insecure:
+                raise WeightplanError(f"rendezvous store {address} is not on loopback and this job has no secret: set "
+                                      f"{SECRET_FILE_ENV} (a 0600 file) or {SECRET_ENV} on every process of the job, or "
+                                      "pass insecure=True if every host that can reach it is trusted")
+            log.warning("weightplan job %s: rendezvous store %s off loopback without a job secret (insecure=True): any "
+                        "process that reaches it can publish as a trainer", job, address)
+        listener = _listen(host, port) if serve else None
+        if not serve:
+            _wait_reachable(host, port, timeout, address)
+        try:
+            store = TCPStore(host, listener.getsockname()[1] if listener else port, is_master=serve, wait_for_workers=False,
+                             timeout=timedelta(seconds=timeout), master_listen_fd=listener.fileno() if listener else None)
+        except Exception as exc:  # DistNetworkError / RuntimeError, with C++ frames after the first line
+            if listener is not None:
+                listener.close()
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise WeightplanError(f"cannot {'serve' if serve else 'reach'} the rendezvous store at {address} "
+                                  f"within {timeout:g} s: {first}") from None
+        rendezvous = cls(store, job, key)
+        if listener is not None:
+            listener.detach()  # the store's event loop owns the descriptor now; a second close could hit a reused fd
+        return rendezvous
+
+    @property
+    def address(self) -> str:
+        """HOST:PORT of the store, with the port it actually listens on."""
+        return f"{self.store.host}:{self.store.port}"
+
+    def _key(self, key: str) -> str:
+        return f"weightplan/{self.job}/{key}"
+
+    def _mac(self, key: str, value: bytes) -> bytes:
+        return hmac.new(self._secret, b"weightplan-rendezvous-v1\0" + self._key(key).encode() + b"\0" + value,
+                        hashlib.sha256).digest()
+
+    def put(self, key: str, value: bytes | dict) -> None:
+        raw = value if isinstance(value, bytes) else json.dumps(value, sort_keys=True).encode()
+        record = _SIGNED + self._mac(key, raw) + raw if self._secret is not None else _PLAIN + raw
+        self.store.set(self._key(key), record)
+
+    def exists(self, key: str) -> bool:
+        """Whether `key` holds a record this job wrote (a forged or malformed one counts as absent, and is logged)."""
+        if not self.store.check([self._key(key)]):
+            return False
+        try:
+            self.get_bytes(key)
+        except SyncError as exc:
+            log.warning("weightplan job %s: ignoring %s", self.job, exc)
+            return False
+        return True
+
+    def wait(self, keys: list[str], timeout: float, what: str) -> None:
+        try:
+            self.store.wait([self._key(k) for k in keys], timedelta(seconds=max(timeout, 0.001)))
+        except Exception as exc:  # TCPStore raises DistStoreError on timeout, DistNetworkError when the store is gone
+            if "Network" in type(exc).__name__:
+                raise SyncError(f"{what}: lost the rendezvous store ({type(exc).__name__}); is its host process alive?") from None
+            raise SyncError(f"{what}: not published within {timeout:.1f} s") from None
+
+    def get_bytes(self, key: str) -> bytes:
+        """The value at `key`, once its record authenticates; SyncError naming the key otherwise."""
+        try:
+            record = self.store.get(self._key(key))
+        except Exception as exc:
+            raise SyncError(f"rendezvous key {key!r}: cannot read it ({type(exc).__name__})") from None
+        tag = record[:4]
+        if self._secret is None:
+            if tag == _SIGNED:
+                raise SyncError(f"rendezvous key {key!r} is signed with a job secret this process does not have; "
+                                f"set {SECRET_FILE_ENV} or {SECRET_ENV} as on the other processes of job {self.job!r}")
+            if tag != _PLAIN:
+                raise SyncError(f"rendezvous key {key!r} is not a weightplan record; another program may share job id {self.job!r}")
+            return record[4:]
+        value = record[4 + _MAC_BYTES:]
+        if tag != _SIGNED or not hmac.compare_digest(record[4:4 + _MAC_BYTES], self._mac(key, value)):
+            raise SyncError(f"rendezvous key {key!r} does not authenticate with this job's secret: written by a "
+                            "process without it (an impostor, or a process started without the secret); refused")
+        return value
+
+    def get_text(self, key: str, pattern: re.Pattern | None = None) -> str:
+        """The value at `key` as ASCII text (matching `pattern` in full, if given); SyncError naming the key otherwise."""
+        raw = self.get_bytes(key)
+        text = raw.decode("ascii", errors="replace")
+        if not raw.isascii() or (pattern is not None and not pattern.fullmatch(text)):
+            raise SyncError(f"rendezvous key {key!r} holds {raw[:40]!r}, not the value this key should hold")
+        return text
+
+    def get_json(self, key: str) -> dict:
+        raw = self.get_bytes(key)
+        try:
+            value = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            raise SyncError(f"rendezvous key {key!r} holds malformed JSON; another program may share job id {self.job!r}") from None
+        if not isinstance(value, dict):
+            raise SyncError(f"rendezvous key {key!r} holds {type(value).__name__}, expected an object")
+        return value
+
+
+def _wait_reachable(host: str, port: int, timeout: float, address: str) -> None:
+    """Wait until something accepts connections at host:port, within `timeout` (TCPStore's own retries overshoot it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=max(0.05, min(1.0, deadline - time.monotonic()))).close()
+            return
+        except OSError as exc:
+            if time.monotonic() + 0.1 >= deadline:
+                raise WeightplanError(f"cannot reach the rendezvous store at {address} within {timeout:g} s: "
+                                      f"{exc.strerror or exc}") from None
+            time.sleep(0.1)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket bound to `host` only (TCPStore alone would listen on every interface)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, where = infos[0]
+        listener = socket.socket(family, kind, proto)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(where)
+        listener.listen(1024)
+    except OSError as exc:
+        raise WeightplanError(f"cannot listen on {host}:{port} for the rendezvous store: {exc.strerror or exc}") from None
+    listener.set_inheritable(False)
+    return listener
