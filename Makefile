@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: plan test bench-compile bench-runtime sweep demo clean-venv
+.PHONY: plan test bench-compile bench-runtime bench-cluster sweep demo clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,6 +29,9 @@ bench-compile: $(STAMP)
 
 bench-runtime: $(STAMP)
 	$(BIN)/python benchmarks/bench_runtime.py
+
+bench-cluster: $(STAMP)
+	$(BIN)/python benchmarks/bench_cluster.py
 
 sweep: $(STAMP)
 	$(BIN)/python benchmarks/sweep.py

@@ -1,4 +1,4 @@
-"""Console scripts: compile-plan, inspect-plan, verify-plan (a stable interface; see docs/cli.md)."""
+"""Console scripts: compile-plan, inspect-plan, verify-plan, simulate-plan (a stable interface; see docs/cli.md)."""
 
 from __future__ import annotations
 
@@ -62,6 +62,11 @@ def compile_main(argv: list[str] | None = None) -> int:
         f"coverage {s['dst_coverage']:.6f}, {result.plan_bytes} bytes, "
         f"{t['total']:.1f} s (trace {t['trace']:.1f} s, passes {t['passes']:.1f} s)"
     )
+    if "source_choice" in s:
+        c = s["source_choice"]
+        print(f"replicated bytes: {c['shared_bytes']} served by several trainer ranks; busiest trainer rank "
+              f"{c['greedy_max']} bytes (max/mean {c['greedy_max'] / c['greedy_mean']:.4f}) greedy, "
+              f"{c['chosen_max']} bytes (max/mean {c['chosen_max'] / c['chosen_mean']:.4f}) kept ({c['method']})")
     return 0
 
 
@@ -70,6 +75,7 @@ def inspect_main(argv: list[str] | None = None) -> int:
     parser.add_argument("plan", type=Path)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--runs", type=int, default=0, help="also list the first N descriptors (text mode)")
+    parser.add_argument("--html", type=_output_path, metavar="OUT", help="also write an HTML report (summary, byte heat map, per-rank bars)")
     args = parser.parse_args(argv)
     from ..runtime import load_plan
     from .plan_summary import render_text, summarize
@@ -77,6 +83,11 @@ def inspect_main(argv: list[str] | None = None) -> int:
     try:
         plan = load_plan(args.plan)
         summary = summarize(plan)
+        if args.html:
+            from .simulate.html_report import write_report
+            from .simulate.transfers import plan_transfers
+
+            write_report(args.html, plan, summary, plan_transfers(plan))
     except WeightplanError as exc:
         return _fail(exc)
     if args.json:
@@ -126,4 +137,36 @@ def verify_main(argv: list[str] | None = None) -> int:
         print(f"MISMATCH: {result.mismatches[0]} differs from vLLM's load_weights ({len(result.mismatches)} tensors differ)")
         return 1
     print(f"verified: {result.tensors} tensors, {result.bytes} bytes identical to vLLM")
+    return 0
+
+
+def simulate_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="simulate-plan", description="Predict a plan's sync time on a cluster (a model, not a measurement).")
+    parser.add_argument("plan", type=Path)
+    parser.add_argument("--cluster", required=True, metavar="FILE",
+                        help="cluster file (JSON, see docs/simulate.md) or a shipped name: dgx-h200-seed, loopback")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--html", type=_output_path, metavar="OUT", help="also write the HTML report with the simulated timeline")
+    args = parser.parse_args(argv)
+    from ..runtime import load_plan
+    from .simulate.report import render_text, resolve_cluster
+    from .simulate.model import predict
+    from .simulate.transfers import plan_transfers
+
+    try:
+        cluster = resolve_cluster(args.cluster)
+        plan = load_plan(args.plan)
+        transfers = plan_transfers(plan)
+        prediction = predict(transfers, cluster)
+        if args.html:
+            from .plan_summary import summarize
+            from .simulate.html_report import write_report
+
+            write_report(args.html, plan, summarize(plan), transfers, prediction)
+    except WeightplanError as exc:
+        return _fail(exc)
+    if args.json:
+        print(json.dumps(prediction.as_dict(), sort_keys=True))
+    else:
+        print(render_text(plan, cluster, prediction), end="")
     return 0

@@ -167,8 +167,10 @@ def _compile(opts: CompileOptions, inputs: _Inputs, log) -> CompileResult:
     before_coalesce = {}
     compiled = run_stage(Stage.WHOLE_PLAN, program, check_each=opts.check_passes, observe=_before_coalesce(before_coalesce))
     compiled = run_stage(Stage.QUANT, compiled, check_each=opts.check_passes)
-    compiled = dataclasses.replace(compiled, stats={"assignments": assignments_total,
-                                                    "runs_before_coalesce": before_coalesce["runs"]})
+    header_stats = {"assignments": assignments_total, "runs_before_coalesce": before_coalesce["runs"]}
+    if compiled.source_choice is not None and compiled.source_choice.shared_bytes:  # absent: other plans keep their bytes
+        header_stats["source_choice"] = compiled.source_choice.as_dict()
+    compiled = dataclasses.replace(compiled, stats=header_stats)
     add(timings, "passes", started)
 
     stats = {
@@ -179,6 +181,8 @@ def _compile(opts: CompileOptions, inputs: _Inputs, log) -> CompileResult:
         "dst_coverage": compiled.coverage.fraction,
         **ranks.stats,
     }
+    if "source_choice" in header_stats:
+        stats["source_choice"] = header_stats["source_choice"]
     path = opts.output or default_plan_path(name, trainer, inference_meta, opts.quant)
     with phase(timings, "write"):
         size = write_program(compiled, path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -209,6 +210,22 @@ class Coverage:
 
 
 @dataclass(frozen=True)
+class SourceChoice:
+    """Bytes the trainer ranks serve (once per reading inference rank) under the greedy choice of
+    holders for replicated pieces and under the choice split_shards kept (passes/source_flow.py)."""
+
+    greedy_max: int
+    greedy_mean: float
+    chosen_max: int
+    chosen_mean: float
+    shared_bytes: int  # of all served bytes, those several trainer ranks hold
+    method: str  # "flow" when the max-flow split is strictly better, else "greedy"
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class Program:
     """What passes transform: tensor tables plus assignments, then copies, then runs.
 
@@ -235,6 +252,7 @@ class Program:
     kernel_layout: dict = field(default_factory=dict, compare=False)  # how vLLM's fp8 kernels want weights and scales
     derived: tuple[DerivedItem, ...] = ()  # post-load state the receiver derives
     coverage: Coverage | None = field(default=None, compare=False)  # set by check_coverage
+    source_choice: SourceChoice | None = field(default=None, compare=False)  # set by split_shards
     stats: dict = field(default_factory=dict, compare=False)  # compile statistics the header records
 
     def source_index(self) -> dict[str, int]:

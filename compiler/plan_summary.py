@@ -26,7 +26,8 @@ weightplan plan (format {{ s.format_version }})
 {% endif %}{% if s.quantized_blocks %}  fp8 blocks     {{ s.quantized_blocks }} in {{ s.quantized_tensors }} tensors, {{ "%.4f" | format(s.sender_quantized_fraction) }} quantized on the sender, {{ "%.4f" | format(s.gather_quantized_fraction) }} gathered on a trainer; {{ s.derived }} derived post-load items
 {% endif %}  descriptors    {{ s.descriptors }} posted, {{ s.descriptors_stored }} stored (lower bound {{ s.descriptors_lower_bound }})
   balance        trainer ranks {{ "%.3f" | format(s.src_balance) }}, inference ranks {{ "%.3f" | format(s.dst_balance) }} (max/mean bytes)
-  fingerprint    {{ s.fingerprint }}
+{% if s.source_choice %}{% set c = s.source_choice %}  replicas       {{ c.shared_bytes }} bytes held by several trainer ranks; busiest trainer rank {{ c.greedy_max }} bytes greedy (max/mean {{ "%.4f" | format(c.greedy_max / c.greedy_mean) }}), {{ c.chosen_max }} kept (max/mean {{ "%.4f" | format(c.chosen_max / c.chosen_mean) }}, {{ c.method }})
+{% endif %}  fingerprint    {{ s.fingerprint }}
 {% for r in runs %}  {{ "%-6d" | format(loop.index0) }} trainer {{ r.src_rank }} {{ r.src }}[{{ r.src_off }}:+{{ r.length }}] -> {{ r.dest }}[{{ r.dst_off }}:+{{ r.length }}]{{ r.rows }}{{ r.cast }}
 {% endfor %}""",
     undefined=jinja2.StrictUndefined,
@@ -120,6 +121,7 @@ def summarize(plan: Plan) -> dict:
         "bytes_per_src_rank": bytes_src,
         "src_balance": _balance(bytes_src),
         "dst_balance": _balance(bytes_dst),
+        "source_choice": h.get("stats", {}).get("source_choice"),  # compile's greedy vs max-flow figures, when replicated
         "fingerprint": plan.fingerprint,
     }
 

@@ -8,7 +8,8 @@ import numpy as np
 
 from ...runtime.errors import LayoutError
 from ...runtime.layout.shards import TrainerLayout, box_segments
-from ..ir import Program, Runs, itemsize
+from ..ir import Program, Runs, SourceChoice, itemsize
+from .source_flow import fill_quotas, min_max_quotas
 
 
 def split_shards(program: Program) -> Program:
@@ -16,9 +17,14 @@ def split_shards(program: Program) -> Program:
 
     `program.trainer_layout` (a ShardLayout, or a TrainerLayout shorthand; default one rank) says
     which box of each source every rank holds. Where several ranks hold the same box (HSDP
-    replicas, Replicate() placements), each piece goes to the holder that has served the fewest
-    bytes so far (bytes counted once per inference rank that reads them, pieces with one holder
-    counted first, the others visited largest first), so the choice is deterministic and balanced.
+    replicas, Replicate() placements), the bytes are split among the holders so that the busiest
+    trainer rank serves as few bytes as possible (counted once per inference rank that reads
+    them): `source_flow.min_max_quotas` finds that optimum exactly by max-flow, and each group's
+    pieces, in source order, are cut at element (strided runs: row) boundaries into the holders'
+    quotas. The greedy choice (each piece, largest first, to the holder that has served the fewest
+    bytes so far) is kept unless the split is strictly better, so a plan never gets worse and
+    plans without replicated bytes stay as they were. Both are deterministic; the figures of both
+    go to `program.source_choice`.
     """
     layout = (program.trainer_layout or TrainerLayout()).bind(program.sources)
     runs = program.runs
@@ -44,20 +50,72 @@ def split_shards(program: Program) -> Program:
         pieces.append(_cut(mine, *segments[cls]))
     cut = Runs.concat(pieces)
     group = cut.src_rank  # _cut leaves the holder group in src_rank
-    weight = cut.count * cut.length * sizes[cut.wire] * holders[cut.dest]
+    weight = _weight(cut, sizes, holders)
     count = np.array([len(g) for g in groups], dtype=np.int64)
     first = np.array([g[0] for g in groups], dtype=np.int64)
     chosen = first[group]
     single = count[group] == 1
-    served = np.bincount(chosen[single], weights=weight[single], minlength=layout.ranks).astype(np.int64)
+    fixed = np.bincount(chosen[single], weights=weight[single], minlength=layout.ranks).astype(np.int64)
+    served = fixed.copy()
     shared = np.flatnonzero(~single)
     for i in shared[np.argsort(-weight[shared], kind="stable")]:
         options = groups[group[i]]
         choice = options[np.argmin(served[options])]
         served[choice] += weight[i]
         chosen[i] = choice
-    cut = dataclasses.replace(cut, src_rank=chosen)
-    return dataclasses.replace(program, runs=cut, shard_numel=shard_numel)
+    greedy = dataclasses.replace(cut, src_rank=chosen)
+    result, loads, method = greedy, served, "greedy"
+    if len(shared):
+        split = _split_among_holders(greedy, shared, group, groups, weight, sizes[cut.wire] * holders[cut.dest], fixed)
+        split_loads = np.bincount(split.src_rank, weights=_weight(split, sizes, holders), minlength=layout.ranks).astype(np.int64)
+        if split_loads.max() < served.max():
+            result, loads, method = split, split_loads, "flow"
+    choice = SourceChoice(greedy_max=int(served.max()), greedy_mean=float(served.mean()), chosen_max=int(loads.max()),
+                          chosen_mean=float(loads.mean()), shared_bytes=int(weight[shared].sum()), method=method)
+    return dataclasses.replace(program, runs=result, shard_numel=shard_numel, source_choice=choice)
+
+
+def _weight(runs: Runs, sizes: np.ndarray, holders: np.ndarray) -> np.ndarray:
+    """Bytes each run puts on its trainer rank's NIC: once per inference rank reading it."""
+    return runs.count * runs.length * sizes[runs.wire] * holders[runs.dest]
+
+
+def _split_among_holders(greedy: Runs, shared: np.ndarray, group: np.ndarray, groups: list[np.ndarray],
+                         weight: np.ndarray, element_bytes: np.ndarray, fixed: np.ndarray) -> Runs:
+    """The single-holder pieces as they are, then every shared piece (or its parts) given a holder
+    by the max-flow quotas: per set of holders, pieces in (source, source offset) order, cut where
+    a quota ends (plain runs at an element, strided runs at a row)."""
+    # Boxes of different tensors held by the same ranks are one group for the flow.
+    distinct = {tuple(g.tolist()): None for g in groups}
+    index = {key: k for k, key in enumerate(distinct)}
+    group = np.array([index[tuple(g.tolist())] for g in groups], dtype=np.int64)[group]
+    groups = [np.array(key, dtype=np.int64) for key in distinct]
+    totals = np.bincount(group[shared], weights=weight[shared], minlength=len(groups)).astype(np.int64)
+    _, quota = min_max_quotas(fixed, groups, totals)
+    cut = greedy  # the same pieces; only the shared ones' ranks are chosen again
+    parts = [cut.take(np.setdiff1d(np.arange(len(cut)), shared))]
+    for g in np.unique(group[shared]).tolist():
+        mine = shared[group[shared] == g]
+        mine = mine[np.lexsort((cut.dst_off[mine], cut.dest[mine], cut.src_off[mine], cut.src[mine]))]
+        runs = cut.take(mine)
+        strided = runs.count > 1
+        unit = np.where(strided, runs.length, 1) * element_bytes[mine]  # bytes of one cuttable step
+        piece, first, stop, share = fill_quotas(weight[mine], unit, quota[g, groups[g]])
+        p = runs.take(piece)
+        rows = stop - first
+        step_src = np.where(strided[piece], p.src_stride, 1)
+        step_dst = np.where(strided[piece], p.dst_stride, 1)
+        parts.append(dataclasses.replace(
+            p,
+            src_off=p.src_off + first * step_src,
+            dst_off=p.dst_off + first * step_dst,
+            length=np.where(strided[piece], p.length, rows),
+            count=np.where(strided[piece], rows, 1),
+            src_stride=np.where(strided[piece] & (rows > 1), p.src_stride, 0),
+            dst_stride=np.where(strided[piece] & (rows > 1), p.dst_stride, 0),
+            src_rank=groups[g][share],
+        ))
+    return Runs.concat(parts)
 
 
 def _segments(boxes, shape, groups: list[np.ndarray]):

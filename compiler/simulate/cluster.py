@@ -1,0 +1,146 @@
+"""The cluster file: nodes, GPUs, NICs and link rates, costs, and where the ranks sit (schema, validation, placement)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...runtime.errors import WeightplanError
+
+RATES = ("nic_gbytes_per_s", "intra_node_gbytes_per_s", "sender_quant_gbytes_per_s", "receiver_quant_gbytes_per_s")
+REQUIRED = ("name", "nodes", "trainer", "inference", "nics_per_gpu", *RATES, "descriptor_us")
+OPTIONAL = ("description", "sources")
+
+
+class ClusterError(WeightplanError):
+    """A cluster file is unreadable, misses a field, or has a field of the wrong type or range."""
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    name: str
+    count: int
+    gpus_per_node: int
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Rates are GB/s (1e9 bytes) per GPU and direction: `nic` is one NIC (a GPU has `nics_per_gpu`),
+    `intra_node` its share of the node's fast link (NVLink; cma between processes here), the quant
+    rates bf16 bytes in per second. A descriptor costs `descriptor_us` of its NICs' time. Trainer
+    ranks fill the GPUs of node group `trainer` in order, inference ranks those of `inference`
+    (after the trainers' when both name the same group)."""
+
+    name: str
+    groups: tuple[NodeGroup, ...]
+    trainer: str
+    inference: str
+    nics_per_gpu: int
+    nic_gbytes_per_s: float
+    intra_node_gbytes_per_s: float
+    sender_quant_gbytes_per_s: float
+    receiver_quant_gbytes_per_s: float
+    descriptor_us: float
+    description: str = ""
+    sources: tuple[tuple[str, str], ...] = ()
+
+    def group(self, name: str) -> NodeGroup:
+        return next(g for g in self.groups if g.name == name)
+
+    def gpus(self, name: str) -> int:
+        g = self.group(name)
+        return g.count * g.gpus_per_node
+
+    def nodes_of(self, trainer_ranks: int, inference_ranks: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The node (`group/index`) of every trainer rank and every inference rank; ClusterError if they do not fit."""
+        first_free = {g.name: 0 for g in self.groups}
+        out = []
+        for side, group, ranks in (("trainer", self.trainer, trainer_ranks), ("inference", self.inference, inference_ranks)):
+            g = self.group(group)
+            start = first_free[group]
+            if start + ranks > self.gpus(group):
+                raise ClusterError(f"cluster {self.name!r}: the plan has {ranks} {side} ranks but node group {group!r} "
+                                   f"has {self.gpus(group) - start} free GPUs ({g.count} nodes x {g.gpus_per_node})")
+            out.append(tuple(f"{group}/{(start + r) // g.gpus_per_node}" for r in range(ranks)))
+            first_free[group] = start + ranks
+        return out[0], out[1]
+
+    @property
+    def nic_bytes_per_s(self) -> float:
+        return self.nics_per_gpu * self.nic_gbytes_per_s * 1e9
+
+
+def load_cluster(path: Path | str) -> Cluster:
+    """Read and validate a cluster file (JSON); every problem is one ClusterError naming the field."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise ClusterError(f"cannot read cluster file {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ClusterError(f"cluster file {path} is not JSON: {exc.msg} at line {exc.lineno}") from None
+    return parse_cluster(data, str(path))
+
+
+def parse_cluster(data, where: str = "cluster") -> Cluster:
+    if not isinstance(data, dict):
+        raise ClusterError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(REQUIRED) - set(OPTIONAL))
+    if unknown:
+        raise ClusterError(f"{where}: unknown field {unknown[0]!r}; fields are {', '.join(REQUIRED + OPTIONAL)}")
+    missing = [k for k in REQUIRED if k not in data]
+    if missing:
+        raise ClusterError(f"{where}: missing field {missing[0]!r}")
+    name = _string(data, "name", where)
+    groups = _groups(data["nodes"], where)
+    sides = {side: _string(data, side, where) for side in ("trainer", "inference")}
+    for side, group in sides.items():
+        if group not in {g.name for g in groups}:
+            raise ClusterError(f"{where}: field {side!r} names node group {group!r}, which 'nodes' does not define")
+    sources = data.get("sources", {})
+    if not isinstance(sources, dict) or not all(isinstance(v, str) for v in sources.values()):
+        raise ClusterError(f"{where}: field 'sources' must map field names to text saying where each value came from")
+    return Cluster(
+        name=name, groups=groups, trainer=sides["trainer"], inference=sides["inference"],
+        nics_per_gpu=_integer(data, "nics_per_gpu", where, data["nics_per_gpu"]),
+        **{k: _number(data, k, where, positive=True) for k in RATES},
+        descriptor_us=_number(data, "descriptor_us", where, positive=False),
+        description=_string(data, "description", where) if "description" in data else "",
+        sources=tuple(sorted(sources.items())),
+    )
+
+
+def _string(data: dict, key: str, where: str) -> str:
+    value = data[key]
+    if not isinstance(value, str) or not value:
+        raise ClusterError(f"{where}: field {key!r} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _number(data: dict, key: str, where: str, *, positive: bool) -> float:
+    value = data[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \
+            or (positive and value == 0):
+        raise ClusterError(f"{where}: field {key!r} must be a {'positive' if positive else 'non-negative'} number, got {value!r}")
+    return float(value)
+
+
+def _integer(data: dict, key: str, where: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ClusterError(f"{where}: field {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def _groups(nodes, where: str) -> tuple[NodeGroup, ...]:
+    if not isinstance(nodes, dict) or not nodes:
+        raise ClusterError(f"{where}: field 'nodes' must map node group names to {{\"count\": N, \"gpus_per_node\": G}}")
+    out = []
+    for name, spec in nodes.items():
+        field = f"nodes.{name}"
+        if not isinstance(spec, dict) or set(spec) != {"count", "gpus_per_node"}:
+            raise ClusterError(f"{where}: field {field!r} must be {{\"count\": N, \"gpus_per_node\": G}}, got {spec!r}")
+        out.append(NodeGroup(name, _integer(spec, f"{field}.count", where, spec["count"]),
+                             _integer(spec, f"{field}.gpus_per_node", where, spec["gpus_per_node"])))
+    return tuple(out)

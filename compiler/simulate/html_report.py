@@ -1,0 +1,141 @@
+"""The HTML plan report: summary, trainer x inference byte heat map, per-rank bars and (with a cluster) the simulated timeline, as inline SVG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jinja2
+import numpy as np
+
+from ...runtime.errors import WeightplanError
+from ...runtime.plan.atomic_file import write_atomically
+from ...runtime.plan.format import Plan
+from .model import Prediction
+from .transfers import PlanTransfers
+
+PHASE_COLOURS = {"gather": "#8e6c8a", "sender-quantize": "#d08c3a", "read": "#3a78b5", "receiver-quantize": "#5a9e5a"}
+
+PAGE = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined).from_string(
+    """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>weightplan: {{ title }}</title>
+<style>
+body { font: 14px/1.4 system-ui, sans-serif; margin: 2em; color: #222; }
+table.summary td { padding: 1px 12px 1px 0; vertical-align: top; }
+table.summary td:first-child { color: #666; }
+h2 { margin-top: 1.6em; font-size: 17px; }
+svg text { font: 11px system-ui, sans-serif; fill: #333; }
+.note { color: #666; }
+</style></head><body>
+<h1>{{ title }}</h1>
+<table class="summary">{% for k, v in summary %}<tr><td>{{ k }}</td><td>{{ v }}</td></tr>{% endfor %}</table>
+
+<h2>Bytes from each trainer rank (rows) to each inference rank (columns)</h2>
+<p class="note">Darker is more; maximum cell {{ matrix.max_label }}. Hover a cell for its bytes.</p>
+<svg id="byte-matrix" xmlns="http://www.w3.org/2000/svg" width="{{ matrix.width }}" height="{{ matrix.height }}">
+{% for c in matrix.cells %}<rect x="{{ c.x }}" y="{{ c.y }}" width="{{ c.w }}" height="{{ c.h }}" fill="{{ c.fill }}"><title>{{ c.title }}</title></rect>
+{% endfor %}{% for t in matrix.labels %}<text x="{{ t.x }}" y="{{ t.y }}" text-anchor="{{ t.anchor }}">{{ t.text }}</text>
+{% endfor %}</svg>
+
+{% for chart in bars %}<h2>{{ chart.title }}</h2>
+<svg class="rank-bars" xmlns="http://www.w3.org/2000/svg" width="{{ chart.width }}" height="{{ chart.height }}">
+{% for b in chart.bars %}<rect x="{{ b.x }}" y="{{ b.y }}" width="{{ b.w }}" height="{{ b.h }}" fill="#3a78b5"><title>{{ b.title }}</title></rect>
+{% endfor %}{% for t in chart.labels %}<text x="{{ t.x }}" y="{{ t.y }}" text-anchor="{{ t.anchor }}">{{ t.text }}</text>
+{% endfor %}</svg>
+{% endfor %}
+{% if timeline %}<h2>Simulated timeline: the critical path's ranks, then the busiest inference ranks ({{ timeline.cluster }}, predicted sync {{ timeline.sync }})</h2>
+<p class="note">{% for phase, colour in phases %}<span style="color: {{ colour }}">&#9632;</span> {{ phase }} {% endfor %}&mdash; a model, not a measurement; per rank, one bar per phase from its first task's start to its last task's end (hover for the count); the percentage is the rank's busiest NIC or link.</p>
+<svg id="timeline" xmlns="http://www.w3.org/2000/svg" width="{{ timeline.width }}" height="{{ timeline.height }}">
+{% for b in timeline.bars %}<rect x="{{ b.x }}" y="{{ b.y }}" width="{{ b.w }}" height="{{ b.h }}" fill="{{ b.fill }}" opacity="0.75"><title>{{ b.title }}</title></rect>
+{% endfor %}{% for t in timeline.labels %}<text x="{{ t.x }}" y="{{ t.y }}" text-anchor="{{ t.anchor }}">{{ t.text }}</text>
+{% endfor %}</svg>
+{% else %}<p class="note">No timeline: give <code>simulate-plan PLAN --cluster FILE --html OUT</code> a cluster file to add one.</p>{% endif %}
+</body></html>
+"""
+)
+
+
+def write_report(out: Path | str, plan: Plan, summary: dict, transfers: PlanTransfers, prediction: Prediction | None = None) -> None:
+    """Render the report into one self-contained HTML file (no scripts, no network)."""
+    write_atomically(Path(out), render_report(plan, summary, transfers, prediction).encode(), WeightplanError, "HTML report")
+
+
+def render_report(plan: Plan, summary: dict, transfers: PlanTransfers, prediction: Prediction | None = None) -> str:
+    h = plan.header
+    rows = [
+        ("model", f"{h['model']} ({h.get('architecture', '')})"),
+        ("trainer", f"{summary['trainer']['format']}, {summary['trainer']['dtype']}, {summary['trainer']['token']} ({summary['src_ranks']} ranks)"),
+        ("inference", f"{summary['inference']['token']} ({summary['dst_ranks']} ranks), quant {summary['quant']}"),
+        ("destination bytes", f"{summary['dst_bytes']:,} in {summary['dst_tensors']:,} tensors, coverage {summary['dst_coverage']:.6f}"),
+        ("wire bytes", f"{summary['wire_bytes']:,}"),
+        ("descriptors", f"{summary['descriptors']:,} posted (lower bound {summary['descriptors_lower_bound']:,})"),
+        ("balance (max/mean)", f"trainer ranks {summary['src_balance']:.3f}, inference ranks {summary['dst_balance']:.3f}"),
+        ("fingerprint", summary["fingerprint"]),
+    ]
+    if prediction is not None:
+        d = prediction.as_dict()
+        rows.append(("predicted sync", f"{prediction.sync_s:.3f} s on {prediction.cluster} (model)"))
+        rows.append(("critical path", " → ".join(f"{s['phase']} {s['task']} [{s['limited_by']}]" for s in d["critical_path"])))
+    return PAGE.render(
+        title=f"{h['model']} {summary['trainer']['token']} → {summary['inference']['token']} ({summary['quant']})",
+        summary=rows, matrix=_matrix(transfers.read_bytes),
+        bars=[_bars("Bytes each trainer rank serves", "trainer", summary["bytes_per_src_rank"]),
+              _bars("Bytes each inference rank reads", "inference", summary["bytes_per_dst_rank"])],
+        timeline=_timeline(prediction) if prediction is not None else None,
+        phases=list(PHASE_COLOURS.items()),
+    )
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.3f} GB"
+
+
+def _matrix(m: np.ndarray, cell_max: int = 14, left: int = 70, top: int = 20) -> dict:
+    rows, cols = m.shape
+    cell = max(2, min(cell_max, 900 // max(cols, 1), 900 // max(rows, 1)))
+    peak = float(m.max(initial=0.0)) or 1.0
+    cells = []
+    for t, i in zip(*np.nonzero(m >= 0)):
+        level = m[t, i] / peak
+        shade = int(round(255 - 200 * level))
+        cells.append({"x": left + i * cell, "y": top + t * cell, "w": cell, "h": cell,
+                      "fill": f"rgb({shade},{shade},255)" if m[t, i] else "#f4f4f4",
+                      "title": f"trainer {t} -> inference {i}: {int(m[t, i]):,} bytes"})
+    labels = [{"x": left - 6, "y": top + cell * 0.8, "text": "trainer 0", "anchor": "end"},
+              {"x": left - 6, "y": top + rows * cell, "text": f"trainer {rows - 1}", "anchor": "end"},
+              {"x": left, "y": top - 6, "text": "inference 0", "anchor": "start"},
+              {"x": left + cols * cell, "y": top - 6, "text": f"{cols - 1}", "anchor": "end"}]
+    return {"cells": cells, "labels": labels, "width": left + cols * cell + 10, "height": top + rows * cell + 10,
+            "max_label": _gb(peak)}
+
+
+def _bars(title: str, side: str, values: list[int], height: int = 120, left: int = 70, top: int = 10) -> dict:
+    n = len(values)
+    width = max(2, min(24, 900 // max(n, 1)))
+    peak = max(values, default=0) or 1
+    bars = [{"x": left + k * width, "y": top + height - height * v / peak, "w": max(width - 1, 1), "h": height * v / peak,
+             "title": f"{side} {k}: {v:,} bytes"} for k, v in enumerate(values)]
+    labels = [{"x": left - 6, "y": top + 10, "text": _gb(peak), "anchor": "end"},
+              {"x": left - 6, "y": top + height, "text": "0", "anchor": "end"},
+              {"x": left, "y": top + height + 14, "text": f"{side} 0", "anchor": "start"},
+              {"x": left + n * width, "y": top + height + 14, "text": f"{n - 1}", "anchor": "end"}]
+    return {"title": title, "bars": bars, "labels": labels, "width": left + n * width + 20, "height": top + height + 24}
+
+
+def _timeline(prediction: Prediction, ranks: int = 8, width: int = 900, left: int = 110, row: int = 22, top: int = 10) -> dict:
+    lanes = prediction.timeline(ranks)
+    span = prediction.sync_s or 1.0
+    bars, labels = [], []
+    for k, lane in enumerate(lanes):
+        y = top + k * row
+        labels.append({"x": left - 6, "y": y + row * 0.65, "text": f"{lane['rank']} ({lane['busy']:.0%})", "anchor": "end"})
+        n = max(len(lane["bars"]), 1)
+        for j, b in enumerate(lane["bars"]):  # the phases of a lane share its height
+            h = (row - 4) / n
+            bars.append({"x": left + width * b["start"] / span, "y": y + 2 + j * h, "w": max(width * (b["end"] - b["start"]) / span, 0.5),
+                         "h": max(h, 0.5), "fill": PHASE_COLOURS.get(b["phase"], "#999"),
+                         "title": f"{lane['rank']}: {b['tasks']} {b['phase']} task(s), {b['start']:.4f} -> {b['end']:.4f} s"})
+    bottom = top + len(lanes) * row
+    labels += [{"x": left, "y": bottom + 14, "text": "0 s", "anchor": "start"},
+               {"x": left + width, "y": bottom + 14, "text": f"{span:.3f} s", "anchor": "end"}]
+    return {"bars": bars, "labels": labels, "width": left + width + 20, "height": bottom + 24, "cluster": prediction.cluster,
+            "sync": f"{prediction.sync_s:.3f} s"}

@@ -1,0 +1,145 @@
+"""The sync-time model: a plan's transfers and quantization as tasks on a cluster's NICs, links and quantizers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cluster import Cluster
+from .fair_share import Resource, Schedule, Task, simulate
+from .transfers import PlanTransfers
+
+PHASES = ("gather", "sender-quantize", "read", "receiver-quantize")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    cluster: str
+    sync_s: float
+    resources: tuple[Resource, ...]
+    tasks: tuple[Task, ...]
+    schedule: Schedule
+    critical_path: tuple[dict, ...]
+    nic_busy: dict  # NIC resource name -> busy fraction of the sync
+    phase_end_s: dict  # phase -> when its last task finished
+    inference_bytes: np.ndarray  # bytes each inference rank reads
+
+    def as_dict(self, top: int = 5) -> dict:
+        busy = sorted(self.nic_busy.items(), key=lambda kv: (-round(kv[1], 9), _natural(kv[0])))
+        return {
+            "cluster": self.cluster,
+            "sync_s": self.sync_s,
+            "phase_end_s": self.phase_end_s,
+            "critical_path": list(self.critical_path),
+            "nic_busy": self.nic_busy,
+            "busiest_nics": [{"nic": k, "busy": v} for k, v in busy[:top]],
+            "nic_busy_mean": float(np.mean(list(self.nic_busy.values()))) if self.nic_busy else 0.0,
+            "inference_nic_bytes": {"max": int(self.inference_bytes.max(initial=0)),
+                                    "mean": float(self.inference_bytes.mean()) if len(self.inference_bytes) else 0.0},
+            "tasks": len(self.tasks),
+            "events": self.schedule.events,
+        }
+
+    def timeline(self, ranks: int = 8) -> list[dict]:
+        """Lanes for the ranks on the critical path, then the inference ranks whose NIC was busiest (up
+        to `ranks`); in each lane one bar per phase from its first task's start to its last task's end."""
+        lanes = list(dict.fromkeys(step["rank"] for step in self.critical_path))
+        for _, name in sorted(((-round(v, 9), _natural(k)), k) for k, v in self.nic_busy.items()
+                              if k.startswith("inference ") and k.endswith(" in")):
+            label = name.split(" NIC")[0].split(" link")[0]
+            if len(lanes) >= ranks:
+                break
+            if label not in lanes:
+                lanes.append(label)
+        rows = []
+        for label in lanes[:ranks]:
+            phases: dict[str, dict] = {}
+            for i, t in enumerate(self.tasks):
+                if label not in (t.rank, t.name.split(" -> ")[0]):
+                    continue
+                bar = phases.setdefault(t.phase, {"phase": t.phase, "start": float(self.schedule.start[i]),
+                                                  "end": float(self.schedule.finish[i]), "tasks": 0})
+                bar["start"] = min(bar["start"], float(self.schedule.start[i]))
+                bar["end"] = max(bar["end"], float(self.schedule.finish[i]))
+                bar["tasks"] += 1
+            busy = max((v for k, v in self.nic_busy.items() if k.startswith(label + " ")), default=0.0)
+            rows.append({"rank": label, "busy": busy, "bars": [phases[p] for p in PHASES if p in phases]})
+        return rows
+
+
+def _natural(name: str) -> tuple:
+    """'inference 10 NIC in' after 'inference 9 NIC in'."""
+    return tuple(int(w) if w.isdigit() else w for w in name.split())
+
+
+def predict(transfers: PlanTransfers, cluster: Cluster) -> Prediction:
+    """Simulate one sync: gathers between trainer ranks, then each trainer's quantization (serial on
+    its quantizer), then every trainer -> inference read once its trainer published, then each
+    inference rank's own quantization once all its reads landed."""
+    n_src, n_dst = transfers.read_bytes.shape
+    trainer_nodes, inference_nodes = cluster.nodes_of(n_src, n_dst)
+    resources: list[Resource] = []
+    index: dict[str, int] = {}
+
+    def res(name: str, rate: float) -> int:
+        if name not in index:
+            index[name] = len(resources)
+            resources.append(Resource(name, rate))
+        return index[name]
+
+    nic, link = cluster.nic_bytes_per_s, cluster.intra_node_gbytes_per_s * 1e9
+    per_descriptor = cluster.descriptor_us * 1e-6
+    tasks: list[Task] = []
+
+    def move(phase: str, src: str, src_node: str, dst: str, dst_node: str, nbytes: float, descriptors: float, after=()) -> int:
+        same = src_node == dst_node
+        rate = link if same else nic
+        kind = "link" if same else "NIC"
+        path = (res(f"{src} {kind} out", rate), res(f"{dst} {kind} in", rate))
+        tasks.append(Task(f"{src} -> {dst}", phase, dst, nbytes + descriptors * per_descriptor * rate, path, tuple(after)))
+        return len(tasks) - 1
+
+    gathers: dict[int, list[int]] = {q: [] for q in range(n_src)}
+    for s, q in zip(*np.nonzero(transfers.gather_bytes)):
+        gathers[int(q)].append(move("gather", f"trainer {s}", trainer_nodes[s], f"trainer {q}", trainer_nodes[q],
+                                    float(transfers.gather_bytes[s, q]), float(transfers.gather_descriptors[s, q])))
+    published: dict[int, tuple[int, ...]] = {}
+    for t in range(n_src):
+        if transfers.sender_quant_bytes[t] > 0:
+            tasks.append(Task(f"trainer {t} quantize", "sender-quantize", f"trainer {t}", float(transfers.sender_quant_bytes[t]),
+                              (res(f"trainer {t} quantizer", cluster.sender_quant_gbytes_per_s * 1e9),), tuple(gathers[t])))
+            published[t] = (len(tasks) - 1,)
+        else:
+            published[t] = tuple(gathers[t])
+    landed: dict[int, list[int]] = {i: [] for i in range(n_dst)}
+    for t, i in zip(*np.nonzero(transfers.read_bytes)):
+        landed[int(i)].append(move("read", f"trainer {t}", trainer_nodes[t], f"inference {i}", inference_nodes[i],
+                                   float(transfers.read_bytes[t, i]), float(transfers.read_descriptors[t, i]), published[int(t)]))
+    for i in range(n_dst):
+        if transfers.receiver_quant_bytes[i] > 0:
+            tasks.append(Task(f"inference {i} quantize", "receiver-quantize", f"inference {i}", float(transfers.receiver_quant_bytes[i]),
+                              (res(f"inference {i} quantizer", cluster.receiver_quant_gbytes_per_s * 1e9),), tuple(landed[i])))
+    schedule = simulate(resources, tasks)
+    sync = schedule.makespan
+    nic_busy = {r.name: (float(schedule.busy[k] / sync) if sync else 0.0)
+                for k, r in enumerate(resources) if " NIC " in r.name or " link " in r.name}
+    phase_end = {p: float(max((schedule.finish[i] for i, t in enumerate(tasks) if t.phase == p), default=0.0)) for p in PHASES}
+    return Prediction(cluster.name, sync, tuple(resources), tuple(tasks), schedule, _critical_path(tasks, resources, schedule),
+                      nic_busy, phase_end, transfers.read_bytes.sum(axis=0))
+
+
+def _critical_path(tasks: list[Task], resources: list[Resource], schedule: Schedule) -> tuple[dict, ...]:
+    """From the last task to finish back through the dependency that finished last before it started."""
+    if not tasks:
+        return ()
+    path = []
+    i = int(np.argmax(schedule.finish))
+    while True:
+        t = tasks[i]
+        path.append({"phase": t.phase, "task": t.name, "rank": t.rank, "limited_by": resources[schedule.limited_by[i]].name,
+                     "start_s": float(schedule.start[i]), "end_s": float(schedule.finish[i])})
+        if not t.after:
+            break
+        i = max(t.after, key=lambda j: schedule.finish[j])
+    return tuple(reversed(path))

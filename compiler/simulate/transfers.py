@@ -1,0 +1,87 @@
+"""What a plan moves and computes per rank: trainer -> inference reads, trainer -> trainer gathers, quantization work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...runtime.fp8.numerics import BLOCK, span_bands, span_elements
+from ...runtime.plan.format import Plan
+from ...runtime.plan.schema import DTYPE_SIZES, GATHER, RECEIVER
+
+
+@dataclass(frozen=True)
+class PlanTransfers:
+    """`read_bytes[t, i]` and `read_descriptors[t, i]`: what inference rank i reads from trainer rank t
+    (runs, receiver-side bf16 stage runs, fp8 spans and their scales); `gather_bytes[s, q]` and
+    `gather_descriptors[s, q]`: bf16 trainer rank q reads from trainer rank s before quantizing;
+    `sender_quant_bytes[t]` and `receiver_quant_bytes[i]`: bf16 bytes each rank quantizes."""
+
+    read_bytes: np.ndarray
+    read_descriptors: np.ndarray
+    gather_bytes: np.ndarray
+    gather_descriptors: np.ndarray
+    sender_quant_bytes: np.ndarray
+    receiver_quant_bytes: np.ndarray
+
+
+def plan_transfers(plan: Plan) -> PlanTransfers:
+    n_src, n_dst = plan.header["src_ranks"], plan.header["dst_ranks"]
+    sizes = np.array([DTYPE_SIZES[c[-1]] for c in plan.cast_chains] or [0], dtype=np.int64)
+    table = plan.table
+    nbytes = (table["count"] * table["length"] * sizes[table["wire"]]).astype(np.float64)
+    read_bytes = _per_pair(table["src_rank"], table["dest"], nbytes, [e.ranks for e in plan.dests], n_src, n_dst)
+    read_desc = _per_pair(table["src_rank"], table["dest"], table["count"].astype(np.float64),
+                          [e.ranks for e in plan.dests], n_src, n_dst)
+    stage, spans = plan.stage, plan.spans
+    holders = [e.ranks for e in plan.staging]
+    pulled = stage["side"] == RECEIVER
+    stage_bytes = (stage["length"] * sizes[stage["wire"]]).astype(np.float64)
+    read_bytes += _per_pair(stage["src_rank"][pulled], stage["stage"][pulled], stage_bytes[pulled], holders, n_src, n_dst)
+    read_desc += _per_pair(stage["src_rank"][pulled], stage["stage"][pulled], np.ones(int(pulled.sum())), holders, n_src, n_dst)
+    remote = (stage["side"] == GATHER) & (stage["src_rank"] != stage["quant_rank"])
+    gather_bytes = np.zeros((n_src, n_src))
+    gather_desc = np.zeros((n_src, n_src))
+    np.add.at(gather_bytes, (stage["src_rank"][remote], stage["quant_rank"][remote]), stage_bytes[remote])
+    np.add.at(gather_desc, (stage["src_rank"][remote], stage["quant_rank"][remote]), 1.0)
+    sender_quant = np.zeros(n_src)
+    receiver_quant = np.zeros(n_dst)
+    served = spans["side"] != RECEIVER
+    span_bytes = np.zeros(len(spans["side"]))
+    span_desc = np.zeros(len(spans["side"]))
+    for k in range(len(spans["side"])):
+        entry = plan.staging[spans["stage"][k]]
+        first, count = int(spans["first_block"][k]), int(spans["n_blocks"][k])
+        elements = span_elements(entry.shape, first, count)
+        if served[k]:
+            sender_quant[spans["src_rank"][k]] += 2 * elements
+            span_bytes[k] = elements + 4 * count  # fp8 values and float32 scales
+            span_desc[k] = _segments(entry.shape, first, count) + 1
+        else:
+            receiver_quant[list(entry.ranks)] += 2 * elements
+    read_bytes += _per_pair(spans["src_rank"][served], spans["stage"][served], span_bytes[served], holders, n_src, n_dst)
+    read_desc += _per_pair(spans["src_rank"][served], spans["stage"][served], span_desc[served], holders, n_src, n_dst)
+    return PlanTransfers(read_bytes, read_desc, gather_bytes, gather_desc, sender_quant, receiver_quant)
+
+
+def _per_pair(src_rank: np.ndarray, entry: np.ndarray, values: np.ndarray, ranks: list, n_src: int, n_dst: int) -> np.ndarray:
+    """Sum `values` per (trainer rank, table entry), then give each entry's sum to every inference rank holding it."""
+    out = np.zeros((n_src, n_dst))
+    if not len(values) or not ranks:
+        return out
+    per_entry = np.bincount(src_rank * len(ranks) + entry, weights=values, minlength=n_src * len(ranks)).reshape(n_src, len(ranks))
+    held = np.zeros((len(ranks), n_dst))
+    for e, rs in enumerate(ranks):
+        held[e, list(rs)] = 1.0
+    return per_entry @ held
+
+
+def _segments(shape: tuple[int, ...], first: int, count: int) -> int:
+    """Contiguous destination segments of a span: one per full-width band, else one per row of the band."""
+    rows, cols = shape[-2:]
+    out = 0
+    for _, brow, bcol, n in span_bands(shape, first, count):
+        full = bcol == 0 and (bcol + n) * BLOCK >= cols
+        out += 1 if full else min(brow * BLOCK + BLOCK, rows) - brow * BLOCK
+    return out

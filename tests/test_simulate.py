@@ -1,0 +1,196 @@
+"""simulate-plan: hand-computable sync times, bad cluster files, and the HTML report's SVG."""
+
+from __future__ import annotations
+
+import json
+from html.parser import HTMLParser
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from weightplan.compiler.cli import inspect_main, simulate_main
+from weightplan.compiler.ir import PlanOrigin, Program, Runs, TensorEntry
+from weightplan.compiler.plan_summary import per_rank_bytes
+from weightplan.compiler.plan_writer import write_program
+from weightplan.compiler.simulate.cluster import ClusterError, parse_cluster
+from weightplan.compiler.simulate.fair_share import Resource, Task, simulate
+from weightplan.compiler.simulate.model import predict
+from weightplan.compiler.simulate.report import resolve_cluster
+from weightplan.compiler.simulate.transfers import PlanTransfers, plan_transfers
+from weightplan.runtime import load_plan
+from weightplan.runtime.layout.shards import TrainerLayout
+
+GB = 1e9
+
+
+def cluster(**over) -> dict:
+    base = {"name": "test", "nodes": {"t": {"count": 2, "gpus_per_node": 2}, "i": {"count": 2, "gpus_per_node": 1}},
+            "trainer": "t", "inference": "i", "nics_per_gpu": 1, "nic_gbytes_per_s": 50.0, "intra_node_gbytes_per_s": 400.0,
+            "descriptor_us": 0.0, "sender_quant_gbytes_per_s": 100.0, "receiver_quant_gbytes_per_s": 200.0}
+    return {**base, **over}
+
+
+def transfers(read, gather=None, sender=None, receiver=None, descriptors=None) -> PlanTransfers:
+    read = np.array(read, dtype=np.float64)
+    n_src, n_dst = read.shape
+    return PlanTransfers(read, np.zeros_like(read) if descriptors is None else np.array(descriptors, dtype=np.float64),
+                         np.zeros((n_src, n_src)) if gather is None else np.array(gather, dtype=np.float64),
+                         np.zeros((n_src, n_src)) if gather is None else (np.array(gather) > 0).astype(np.float64),
+                         np.zeros(n_src) if sender is None else np.array(sender, dtype=np.float64),
+                         np.zeros(n_dst) if receiver is None else np.array(receiver, dtype=np.float64))
+
+
+def test_one_transfer_takes_its_bytes_over_the_nic_rate_plus_its_descriptors():
+    assert predict(transfers([[10 * GB]]), parse_cluster(cluster())).sync_s == pytest.approx(0.2, rel=1e-12)
+    slow = parse_cluster(cluster(descriptor_us=2.0))
+    assert predict(transfers([[10 * GB]], descriptors=[[1000]]), slow).sync_s == pytest.approx(0.2 + 1000 * 2e-6, rel=1e-12)
+
+
+def test_two_transfers_share_one_nic_fairly_then_the_survivor_gets_all_of_it():
+    p = predict(transfers([[10 * GB], [5 * GB]]), parse_cluster(cluster()))
+    # Both at 25 GB/s until the 5 GB one lands at 0.2 s; the other's last 5 GB at 50 GB/s: 0.1 s more.
+    assert sorted(p.schedule.finish.tolist()) == pytest.approx([0.2, 0.3], rel=1e-12)
+    assert p.sync_s == pytest.approx(0.3, rel=1e-12)
+    assert p.nic_busy["inference 0 NIC in"] == pytest.approx(1.0)
+    assert p.nic_busy["trainer 1 NIC out"] == pytest.approx((5 / 50) / 0.3)  # 5 GB at 50 GB/s over a 0.3 s sync
+    assert [s["phase"] for s in p.critical_path] == ["read"] and p.critical_path[0]["limited_by"] == "inference 0 NIC in"
+
+
+def test_max_min_fairness_gives_a_second_bottleneck_the_capacity_left():
+    # A and B share R1 (1/s): 0.5 each; C shares R2 (3/s) with B: gets 3 - 0.5 = 2.5 until B ends at 2 s,
+    # then 3/s alone for its last unit: 2 + 1/3 s.
+    res = [Resource("R1", 1.0), Resource("R2", 3.0)]
+    s = simulate(res, [Task("A", "read", "a", 1.0, (0,)), Task("B", "read", "b", 1.0, (0, 1)), Task("C", "read", "c", 6.0, (1,))])
+    assert s.finish.tolist() == pytest.approx([2.0, 2.0, 2.0 + 1 / 3], rel=1e-12)
+    assert s.busy.tolist() == pytest.approx([2.0, (0.5 * 2 + 2.5 * 2 + 3 * (1 / 3)) / 3], rel=1e-12)
+
+
+def test_a_chain_of_hops_adds_up():
+    # trainer 1 -> trainer 0 (same node: 400 GB/s link) 4 GB, trainer 0 quantizes 10 GB (100 GB/s),
+    # then trainer 0 -> inference 0 over the NICs 5 GB (50 GB/s), then inference 0 quantizes 2 GB (200 GB/s).
+    p = predict(transfers([[5 * GB], [0]], gather=[[0, 0], [4 * GB, 0]], sender=[10 * GB, 0], receiver=[2 * GB]),
+                parse_cluster(cluster()))
+    assert p.sync_s == pytest.approx(0.01 + 0.1 + 0.1 + 0.01, rel=1e-12)
+    assert [s["phase"] for s in p.critical_path] == ["gather", "sender-quantize", "read", "receiver-quantize"]
+    assert p.critical_path[0]["limited_by"] == "trainer 0 link in"  # a tie names the receiving end
+    assert p.phase_end_s["read"] == pytest.approx(0.21, rel=1e-12)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(1, 50)), min_size=1, max_size=12),
+       st.lists(st.integers(1, 5), min_size=4, max_size=4))
+def test_fair_sharing_bounds(flows, capacities):
+    """No resource over capacity, and the makespan lies between the busiest resource's own time
+    and every task run one after another at its slowest resource."""
+    res = [Resource(f"r{k}", float(c)) for k, c in enumerate(capacities)]
+    tasks = [Task(f"t{k}", "read", "x", float(w), tuple(sorted({a, b}))) for k, (a, b, w) in enumerate(flows)]
+    s = simulate(res, tasks)
+    load = np.zeros(len(res))
+    for t in tasks:
+        load[list(t.resources)] += t.work
+    assert (s.busy <= s.makespan * (1 + 1e-9)).all()
+    assert s.busy == pytest.approx(load / np.array(capacities, dtype=float))
+    assert s.makespan >= (load / np.array(capacities)).max() * (1 - 1e-9)
+    assert s.makespan <= sum(t.work / min(capacities[r] for r in t.resources) for t in tasks) * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"nic_gbytes_per_s": "fast"}, "nic_gbytes_per_s"),
+    ({"nic_gbytes_per_s": 0}, "nic_gbytes_per_s"),
+    ({"descriptor_us": -1}, "descriptor_us"),
+    ({"nics_per_gpu": 1.5}, "nics_per_gpu"),
+    ({"nodes": {"t": {"count": 0, "gpus_per_node": 2}, "i": {"count": 1, "gpus_per_node": 1}}}, "nodes.t.count"),
+    ({"nodes": {"t": {"count": 1}}}, "nodes.t"),
+    ({"inference": "elsewhere"}, "inference"),
+    ({"bandwidth": 3}, "bandwidth"),
+    ({"sources": {"nic_gbytes_per_s": 7}}, "sources"),
+])
+def test_bad_cluster_field_is_named(change, field):
+    with pytest.raises(ClusterError, match=f"'{field}'"):
+        parse_cluster(cluster(**change))
+
+
+def test_missing_field_and_unknown_shipped_name():
+    data = cluster()
+    del data["trainer"]
+    with pytest.raises(ClusterError, match="missing field 'trainer'"):
+        parse_cluster(data)
+    with pytest.raises(ClusterError, match="no cluster file 'nowhere' and no shipped cluster of that name"):
+        resolve_cluster("nowhere")
+    assert resolve_cluster("dgx-h200-seed").gpus("trainer") == 64 and resolve_cluster("loopback").name == "loopback"
+
+
+def two_rank_plan(path) -> str:
+    """Two trainer ranks (fsdp=2) serving one 8x4 bf16 tensor whole to two inference ranks."""
+    sources = (TensorEntry("w", (8, 4), "bfloat16"),)
+    layout = TrainerLayout(2).bind(sources)
+    runs = Runs.plain([0, 0], [0, 0], [0, 0], [0, 16], [16, 16], [0, 0], [0, 1])
+    program = Program(
+        sources=sources, dests=(TensorEntry("w", (8, 4), "bfloat16", ranks=(0, 1)),), runs=runs, cast_chains=(("bfloat16",),),
+        origin=PlanOrigin(vllm_version="test", model="two-rank", config_sha256="", architecture="none",
+                          trainer={"format": "hf", "dtype": "bf16", "token": layout.token, **layout.as_dict()},
+                          inference={"token": "tp1-dp2", "tp": 1, "dp": 2, "ep": False, "platform": "cpu"},
+                          quant="none", src_ranks=2, dst_ranks=2),
+        trainer_layout=layout)
+    write_program(program, path)
+    return str(path)
+
+
+def test_plan_transfers_count_each_holder(tmp_path):
+    t = plan_transfers(load_plan(two_rank_plan(tmp_path / "p.plan")))
+    assert t.read_bytes.tolist() == [[32, 32], [32, 32]] and t.read_descriptors.tolist() == [[1, 1], [1, 1]]
+
+
+def test_cli_bad_cluster_file_is_one_error_line(tmp_path, capsys):
+    plan = two_rank_plan(tmp_path / "p.plan")
+    bad = tmp_path / "bad.json"
+    for text, needle in (("{", "is not JSON"), (json.dumps(cluster(nic_gbytes_per_s=None)), "'nic_gbytes_per_s'"),
+                         (json.dumps(cluster(nodes={"t": {"count": 1, "gpus_per_node": 1}, "i": {"count": 2, "gpus_per_node": 1}})),
+                          "2 trainer ranks")):
+        bad.write_text(text)
+        assert simulate_main([plan, "--cluster", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and needle in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+class _Tags(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.tags: list[tuple[str, dict]] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+
+
+def test_reports_render_svg(tmp_path, capsys):
+    plan = two_rank_plan(tmp_path / "p.plan")
+    cfile = tmp_path / "c.json"
+    cfile.write_text(json.dumps(cluster()))
+    assert inspect_main([plan, "--html", str(tmp_path / "inspect.html")]) == 0
+    capsys.readouterr()
+    assert simulate_main([plan, "--cluster", str(cfile), "--html", str(tmp_path / "sim.html"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["sync_s"] == pytest.approx(64 / 50e9, rel=1e-9)
+    for name, timeline in (("inspect.html", False), ("sim.html", True)):
+        text = (tmp_path / name).read_text()
+        assert "http://" not in text.replace("http://www.w3.org/2000/svg", "") and "<script" not in text
+        parser = _Tags()
+        parser.feed(text)
+        svgs = [a for tag, a in parser.tags if tag == "svg"]
+        assert any(a.get("id") == "byte-matrix" for a in svgs)
+        assert sum(a.get("class") == "rank-bars" for a in svgs) == 2
+        assert any(a.get("id") == "timeline" for a in svgs) == timeline
+        assert sum(tag == "rect" for tag, _ in parser.tags) >= 4 + 4 + (2 if timeline else 0)
+
+
+def test_transfers_agree_with_inspect_plans_bytes(plan_cache):
+    """The simulator's per-pair bytes sum to inspect-plan's per-rank bytes, fp8 tables included."""
+    plan = load_plan(plan_cache("fp8-glm", "stacked", "bf16", "fsdp=4,ep=2,replicas=2", "dp=2,ep", "fp8_per_block"))
+    t = plan_transfers(plan)
+    dst, src, gathered = per_rank_bytes(plan)
+    assert t.read_bytes.sum(axis=0).tolist() == dst
+    assert (t.read_bytes.sum(axis=1) + t.gather_bytes.sum(axis=1)).tolist() == src
+    assert t.gather_bytes.sum() == gathered
+    assert t.sender_quant_bytes.sum() > 0
