@@ -1,0 +1,107 @@
+"""Shared pieces of the vLLM engine tests: trainer weights per version, HF checkpoints, CPU engines, greedy outputs."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import sys
+import zlib
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "tests" / "configs"
+PROMPTS = [[1, 2, 3, 4, 5], [17, 42, 99, 7], [250, 3, 3, 3, 3, 3, 8, 9]]
+MAX_TOKENS = 8
+NO_AMX_PIN = "import torch.cpu\ntorch.cpu._is_amx_tile_supported = lambda: False\n"
+
+
+def full_weights(plan, seed: int, version: int) -> dict[str, torch.Tensor]:
+    """The trainer's full tensors at `version`: small values (1 ± 0.1 for norms), a function of (seed, version, name)."""
+    out = {}
+    for entry in plan.sources:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + version * 7919 + zlib.crc32(entry.name.encode()))
+        value = 0.1 * torch.randn(entry.shape, generator=g)
+        if len(entry.shape) == 1 and entry.name.endswith("norm.weight"):
+            value += 1.0
+        out[entry.name] = value.to(getattr(torch, entry.dtype))
+    return out
+
+
+def local_shards(plan, full: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    from weightplan.compiler.verify_plan import shard_sources
+
+    return shard_sources(plan, full, {rank})[rank]
+
+
+def write_checkpoint(config_dir: Path, full: dict[str, torch.Tensor], out: Path) -> Path:
+    """An HF checkpoint (config.json + model.safetensors) of the trainer's tensors, in bf16 as vLLM serves them."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(config_dir / "config.json", out / "config.json")
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in full.items()}, str(out / "model.safetensors"))
+    return out
+
+
+def pin_no_amx(tmp: Path) -> None:
+    """Make every engine process (spawned ones via a sitecustomize on PYTHONPATH) see a CPU without AMX tiles."""
+    if os.environ.get("WEIGHTPLAN_TEST_AMX") == "1":  # run the host's own kernels
+        return
+    site = tmp / "no_amx_site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(NO_AMX_PIN)
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    torch.cpu._is_amx_tile_supported = lambda: False
+
+
+def engine_env() -> None:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def make_llm(model: Path | str, *, dummy: bool, backend: bool, **kw):
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    engine_env()
+    return LLM(model=str(model), load_format="dummy" if dummy else "safetensors", skip_tokenizer_init=True,
+               enforce_eager=True, dtype="bfloat16", gpu_memory_utilization=0.03, max_model_len=128, max_num_seqs=4,
+               seed=0, weight_transfer_config=WeightTransferConfig(backend="weightplan") if backend else None, **kw)
+
+
+def greedy(llm) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and their logprobs for the fixed prompts."""
+    from vllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0), use_tqdm=False)
+    result = []
+    for out in outs:
+        c = out.outputs[0]
+        result.append((list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]))
+    return result
+
+
+def shutdown(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def reference_outputs(config_dir: Path, weights: dict[int, dict[str, torch.Tensor]], tmp: Path) -> dict[int, list]:
+    """Greedy outputs of a fresh engine per version, loaded from a checkpoint of that version's weights."""
+    out = {}
+    for version, full in weights.items():
+        ckpt = write_checkpoint(config_dir, full, tmp / f"ckpt-v{version}")
+        llm = make_llm(ckpt, dummy=False, backend=False)
+        out[version] = greedy(llm)
+        shutdown(llm)
+    return out
+
+
+if __name__ == "__main__":  # python -m tests.vllm_engine_support <config> : print greedy outputs of a dummy engine
+    print(json.dumps(greedy(make_llm(sys.argv[1], dummy=True, backend=False))))

@@ -1,0 +1,52 @@
+"""A trainer rank (>= 1) of the vLLM engine tests: a WeightplanTrainerEngine that sends a version when the test says so.
+
+Run as `python -m tests.vllm_trainer_worker --plan P --rank R --address A --job J --seed S`; waits for
+`test/go/<v>` in the store, sends version v (publish + release) and prints one JSON line per version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+from weightplan.runtime import Rendezvous, load_plan
+from weightplan.vllm_backend.trainer import ShardSource, WeightplanTrainerEngine, WeightplanTrainerInitInfo
+
+from .vllm_engine_support import full_weights, local_shards
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for flag in ("--plan", "--address", "--job"):
+        parser.add_argument(flag, required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    args = parser.parse_args()
+    plan = load_plan(args.plan)
+    tensors = local_shards(plan, full_weights(plan, args.seed, 1), args.rank)
+    info = WeightplanTrainerInitInfo(rank=args.rank, plan=args.plan, address=args.address, job=args.job,
+                                     timeout=args.timeout)
+    engine = WeightplanTrainerEngine.trainer_init(info, client=None, source=ShardSource(tensors))
+    gate = Rendezvous.connect(args.job, args.address, timeout=args.timeout)
+    print(json.dumps({"event": "ready", "rank": args.rank}), flush=True)
+    version = 0
+    while True:
+        gate.wait([f"test/go/{version + 1}"], 3600, "the test's go")
+        version += 1
+        if gate.exists(f"test/stop/{version}"):
+            break
+        for name, value in local_shards(plan, full_weights(plan, args.seed, version), args.rank).items():
+            tensors[name].copy_(value)
+        engine.send_weights(version)
+        report = engine.last_release
+        print(json.dumps({"event": "sent", "version": version, "acked": list(report.acked),
+                          "failed": list(report.failed), "timed_out": list(report.timed_out)}), flush=True)
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
