@@ -11,6 +11,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from weightplan.runtime import PlanMismatchError, Receiver, Rendezvous, load_plan
 
+from .endpoints import close_endpoint
 from .engine_check import check_engine, plan_rank
 from .live_patches import allow_forward, refuse_forward
 from .init_info import InitInfoError, WeightplanInitInfo, WeightplanUpdateInfo
@@ -133,11 +134,7 @@ class WeightplanWeightTransferEngine(WeightTransferEngine[WeightplanInitInfo, We
 
     def shutdown(self) -> None:
         receiver, self.receiver = self.receiver, None
-        for obj in (receiver, getattr(receiver, "agent", None)):
-            close = getattr(obj, "close", None)  # Receiver.close()/NixlAgent.close() once the runtime has them
-            if callable(close):
-                close()
-                break
+        close_endpoint(receiver)
         self.rendezvous = self.destination = self.plan = None
 
 

@@ -16,6 +16,7 @@ from vllm.distributed.weight_transfer.base import (
 from weightplan.runtime import Rendezvous, Sender, load_plan
 
 from . import BACKEND
+from .endpoints import close_endpoint
 
 log = logging.getLogger("weightplan.vllm_backend")
 
@@ -141,8 +142,4 @@ class WeightplanTrainerEngine(TrainerWeightTransferEngine[WeightplanTrainerInitI
 
     def shutdown(self) -> None:
         sender, self.sender = self.sender, None
-        for obj in (sender, getattr(sender, "agent", None)):
-            close = getattr(obj, "close", None)  # Sender.close()/NixlAgent.close() once the runtime has them
-            if callable(close):
-                close()
-                break
+        close_endpoint(sender)
