@@ -6,6 +6,7 @@ import gc
 import json
 import os
 import shutil
+import subprocess
 import sys
 import zlib
 from pathlib import Path
@@ -92,16 +93,30 @@ def shutdown(llm) -> None:
     gc.collect()
 
 
-def reference_outputs(config_dir: Path, weights: dict[int, dict[str, torch.Tensor]], tmp: Path) -> dict[int, list]:
-    """Greedy outputs of a fresh engine per version, loaded from a checkpoint of that version's weights."""
-    out = {}
-    for version, full in weights.items():
-        ckpt = write_checkpoint(config_dir, full, tmp / f"ckpt-v{version}")
-        llm = make_llm(ckpt, dummy=False, backend=False)
-        out[version] = greedy(llm)
+def start_references(checkpoints: dict[int, Path], out: Path, log: Path) -> subprocess.Popen:
+    """A process computing, for each weight set, the greedy outputs of a fresh engine loaded from its checkpoint.
+
+    The engines run one after the other inside that process (engine core and worker in-process:
+    VLLM_ENABLE_V1_MULTIPROCESSING=0, executor "uni"), each a new `LLM` reading the checkpoint with
+    vLLM's own loader; only the process start is shared.
+    """
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    args = [f"{k}={v}" for k, v in checkpoints.items()]
+    return subprocess.Popen([sys.executable, "-m", "tests.vllm_engine_support", str(out), *args], cwd=ROOT, env=env,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def read_references(proc: subprocess.Popen, out: Path, log: Path, timeout: float = 600) -> dict[int, list]:
+    if proc.wait(timeout) != 0:
+        raise AssertionError(f"reference engines failed:\n{log.read_text()[-3000:]}")
+    return {int(k): [(t, lp) for t, lp in v] for k, v in json.loads(out.read_text()).items()}
+
+
+if __name__ == "__main__":  # python -m tests.vllm_engine_support OUT.json SET=CHECKPOINT ...
+    results = {}
+    for arg in sys.argv[2:]:
+        key, _, path = arg.partition("=")
+        llm = make_llm(path, dummy=False, backend=False, distributed_executor_backend="uni")
+        results[key] = greedy(llm)
         shutdown(llm)
-    return out
-
-
-if __name__ == "__main__":  # python -m tests.vllm_engine_support <config> : print greedy outputs of a dummy engine
-    print(json.dumps(greedy(make_llm(sys.argv[1], dummy=True, backend=False))))
+    Path(sys.argv[1]).write_text(json.dumps(results))
