@@ -136,6 +136,10 @@ def test_three_updates_generate_what_fresh_checkpoint_engines_generate(case):
         case.update(version)
         assert case.event("rank1", "sent", version)["acked"] == [0]
         out = greedy(case.llm)
+        if os.environ.get("WEIGHTPLAN_TEST_DIGESTS"):
+            from tests.vllm_engine_support import kernel_digests
+            ours, theirs = case.llm.collective_rpc(kernel_digests)[0], case.refs[f"digests-{SETS[version - 1]}"]
+            print("DIFF", version, sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k)))
         assert out != previous, f"version {version}: the engine generates what it did before the update"
         assert out == case.refs[SETS[version - 1]], f"version {version} differs from a fresh engine on its checkpoint"
         previous = out

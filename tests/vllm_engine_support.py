@@ -75,16 +75,47 @@ def make_llm(model: Path | str, *, dummy: bool, backend: bool, **kw):
 
 
 def greedy(llm) -> list[tuple[list[int], list[float]]]:
-    """Greedy tokens and their logprobs for the fixed prompts."""
+    """Greedy tokens and their logprobs for the fixed prompts, one request at a time.
+
+    One at a time because vLLM's CPU MLA engine generates differently for a prompt batched with
+    others than alone (a fresh engine: prompt 0's first token is 261 in a batch of three, 307
+    alone), and an engine's batching depends on request timing, which differs between engines.
+    """
     from vllm import SamplingParams
 
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0), use_tqdm=False)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
     result = []
-    for out in outs:
-        c = out.outputs[0]
+    for prompt in PROMPTS:
+        c = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
         result.append((list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]))
     return result
+
+
+def kernel_digests(worker) -> dict[str, str]:
+    """SHA-256 of every tensor the live model's modules hold (parameters, buffers and tensor attributes like W_UK_T)."""
+    import hashlib
+
+    out = {}
+
+    def add(key, t):
+        if isinstance(t, torch.Tensor) and t.numel() and t.device.type != "meta":
+            data = t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            out[key] = hashlib.sha256(data).hexdigest()[:16]
+
+    for name, module in worker.model_runner.get_model().named_modules():
+        for attr, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            add(f"{name}.{attr}", t)
+        holders = {"": module, "impl.": getattr(module, "impl", None), "qm.": getattr(module, "quant_method", None)}
+        kernel = getattr(holders["qm."], "moe_kernel", None)
+        holders["kernel."] = kernel
+        holders["experts."] = getattr(kernel, "fused_experts", None)
+        for prefix, obj in holders.items():
+            for attr, value in (vars(obj).items() if obj is not None and hasattr(obj, "__dict__") else ()):
+                if attr not in ("_parameters", "_buffers"):
+                    add(f"{name}.{prefix}{attr}", value)
+        for i, cell in enumerate(getattr(getattr(module, "cpu_linear", None), "__closure__", None) or ()):
+            add(f"{name}.cpu_linear[{i}]", cell.cell_contents)
+    return out
 
 
 def shutdown(llm) -> None:
@@ -109,7 +140,10 @@ def start_references(checkpoints: dict[int, Path], out: Path, log: Path) -> subp
 def read_references(proc: subprocess.Popen, out: Path, log: Path, timeout: float = 600) -> dict[int, list]:
     if proc.wait(timeout) != 0:
         raise AssertionError(f"reference engines failed:\n{log.read_text()[-3000:]}")
-    return {int(k): [(t, lp) for t, lp in v] for k, v in json.loads(out.read_text()).items()}
+    data = json.loads(out.read_text())
+    refs = {int(k): [(t, lp) for t, lp in v] for k, v in data.items() if k.isdigit()}
+    refs.update({k: v for k, v in data.items() if not k.isdigit()})
+    return refs
 
 
 if __name__ == "__main__":  # python -m tests.vllm_engine_support OUT.json SET=CHECKPOINT ...
@@ -118,5 +152,7 @@ if __name__ == "__main__":  # python -m tests.vllm_engine_support OUT.json SET=C
         key, _, path = arg.partition("=")
         llm = make_llm(path, dummy=False, backend=False, distributed_executor_backend="uni")
         results[key] = greedy(llm)
+        if os.environ.get("WEIGHTPLAN_TEST_DIGESTS"):
+            results[f"digests-{key}"] = llm.collective_rpc(kernel_digests)[0]
         shutdown(llm)
     Path(sys.argv[1]).write_text(json.dumps(results))

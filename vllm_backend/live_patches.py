@@ -36,6 +36,10 @@ VLLM_VERSION = "0.32.0"
 LINEAR_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
 MOE_METHODS = ("UnquantizedFusedMoEMethod",)
 KNOWN_METHODS = LINEAR_METHODS + MOE_METHODS
+# Parameters the known post-load steps consume (and may pack or replace). Others on the same module,
+# e.g. a DeepSeek router's `e_score_correction_bias` (the router holds that very tensor), are
+# written in place instead: rebinding them would leave their other holders on the old tensor.
+CONSUMED = ("weight", "bias", "w13_weight", "w2_weight", "w13_bias", "w2_bias")
 _MOE_STATE = ("moe_kernel", "moe_quant_config")  # quant-method attributes the first-load branch tests and rebuilds
 _LAYER_STATE = ("cpu_linear", "_cpu_unpacked_conv_weight")  # closures / packed copies the post-load step sets
 

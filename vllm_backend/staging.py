@@ -11,7 +11,7 @@ import torch
 from weightplan.runtime import Plan
 
 from .engine_check import owner
-from .live_patches import Snapshot, rebuild, transforms_on
+from .live_patches import CONSUMED, Snapshot, rebuild, transforms_on
 
 log = logging.getLogger("weightplan.vllm_backend")
 
@@ -81,7 +81,7 @@ def choose(plan: Plan, names: list[str], model: torch.nn.Module, platform: str, 
     for name in names:
         module, attr = owner(model, name)
         module_name = name.rpartition(".")[0]
-        if transforms_on(module, platform):
+        if transforms_on(module, platform) and attr in CONSUMED:
             dest.modules[module_name] = module
             dest.rebuilt.setdefault(module_name, {})[attr] = tensors[name]
         else:
