@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: plan test bench-compile bench-runtime sweep clean-venv
+.PHONY: plan test bench-compile bench-runtime bench-engine sweep clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,6 +26,9 @@ bench-compile: $(STAMP)
 
 bench-runtime: $(STAMP)
 	$(BIN)/python benchmarks/bench_runtime.py
+
+bench-engine: $(STAMP)
+	$(BIN)/python benchmarks/bench_engine.py
 
 sweep: $(STAMP)
 	$(BIN)/python benchmarks/sweep.py
