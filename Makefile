@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: plan test bench-compile bench-runtime bench-engine sweep clean-venv
+.PHONY: plan test test-engine-slow bench-compile bench-runtime bench-engine sweep clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,6 +20,9 @@ plan: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+test-engine-slow: $(STAMP)
+	WEIGHTPLAN_SLOW_ENGINE=1 $(BIN)/python -m pytest -q tests/test_vllm_backend_serve.py
 
 bench-compile: $(STAMP)
 	$(BIN)/python benchmarks/bench_compile.py

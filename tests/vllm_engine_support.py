@@ -64,13 +64,13 @@ def engine_env() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def make_llm(model: Path | str, *, dummy: bool, backend: bool, **kw):
+def make_llm(model: Path | str, *, dummy: bool, backend: bool, memory: float = 0.03, **kw):
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
     engine_env()
     return LLM(model=str(model), load_format="dummy" if dummy else "safetensors", skip_tokenizer_init=True,
-               enforce_eager=True, dtype="bfloat16", gpu_memory_utilization=0.03, max_model_len=128, max_num_seqs=4,
+               enforce_eager=True, dtype="bfloat16", gpu_memory_utilization=memory, max_model_len=128, max_num_seqs=4,
                seed=0, weight_transfer_config=WeightTransferConfig(backend="weightplan") if backend else None, **kw)
 
 

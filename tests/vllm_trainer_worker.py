@@ -41,11 +41,15 @@ def main() -> None:
     print(json.dumps({"event": "ready", "rank": args.rank}), flush=True)
     version = args.first_version - 1
     while True:
+        upcoming = None  # the next version's values, computed before the go so that a sync never waits for them
+        if version + 1 <= len(sets) and version + 1 != args.first_version:
+            upcoming = local_shards(plan, full_weights(plan, args.seed, sets[version]), args.rank)
+        print(json.dumps({"event": "prepared", "version": version + 1}), flush=True)
         gate.wait([f"test/go/{version + 1}"], 3600, "the test's go")
         version += 1
         if gate.exists(f"test/stop/{version}"):
             break
-        for name, value in local_shards(plan, full_weights(plan, args.seed, sets[version - 1]), args.rank).items():
+        for name, value in (upcoming or {}).items():  # an optimizer step: new values in the same tensors
             tensors[name].copy_(value)
         if version == args.hold_after_publish:  # a trainer that dies mid-update: published, then killed by the test
             engine.sender.publish(version)
