@@ -54,7 +54,7 @@ def test_one_update_through_vllm_serve_http_routes(tmp_path):
     from weightplan.runtime import load_plan
     from weightplan.vllm_backend.trainer import ShardSource, WeightplanTrainerEngine, WeightplanTrainerInitInfo
 
-    pin_no_amx(tmp_path)
+    unpin = pin_no_amx(tmp_path)
     plan_path = compile_plan(CompileOptions(model=str(CONFIGS / MODEL), output=tmp_path / "p.plan")).path
     plan = load_plan(plan_path)
     refs = start_references({1: write_checkpoint(CONFIGS / MODEL, full_weights(plan, 0, 1), tmp_path / "ckpt")},
@@ -92,3 +92,4 @@ def test_one_update_through_vllm_serve_http_routes(tmp_path):
     finally:
         server.terminate()
         server.wait(60)
+        unpin()

@@ -48,15 +48,28 @@ def write_checkpoint(config_dir: Path, full: dict[str, torch.Tensor], out: Path)
     return out
 
 
-def pin_no_amx(tmp: Path) -> None:
-    """Make every engine process (spawned ones via a sitecustomize on PYTHONPATH) see a CPU without AMX tiles."""
+def pin_no_amx(tmp: Path):
+    """Make every engine process (spawned ones via a sitecustomize on PYTHONPATH) see a CPU without AMX tiles.
+
+    Returns a function undoing it (PYTHONPATH and this process's probe), for fixtures' teardown.
+    """
+    saved_path, saved_probe = os.environ.get("PYTHONPATH"), torch.cpu._is_amx_tile_supported
+
+    def undo() -> None:
+        torch.cpu._is_amx_tile_supported = saved_probe
+        if saved_path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved_path
+
     if os.environ.get("WEIGHTPLAN_TEST_AMX") == "1":  # run the host's own kernels
-        return
+        return undo
     site = tmp / "no_amx_site"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(NO_AMX_PIN)
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT), *filter(None, [saved_path])])
     torch.cpu._is_amx_tile_supported = lambda: False
+    return undo
 
 
 def engine_env() -> None:
