@@ -1,4 +1,4 @@
-"""Closing a runtime endpoint (Sender or Receiver) through `close()`, on runtimes that have it."""
+"""Starting and closing a runtime endpoint (Sender or Receiver) on runtimes that separate those steps."""
 
 from __future__ import annotations
 
@@ -10,3 +10,10 @@ def close_endpoint(endpoint) -> None:
         if callable(close):
             close()
             return
+
+
+def start_endpoint(endpoint) -> None:
+    """Call `endpoint.start()` (register and publish) if this runtime version separates it from construction."""
+    start = getattr(endpoint, "start", None)
+    if callable(start):
+        start()

@@ -11,7 +11,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from weightplan.runtime import PlanMismatchError, Receiver, Rendezvous, load_plan
 
-from .endpoints import close_endpoint
+from .endpoints import close_endpoint, start_endpoint
 from .engine_check import check_engine, plan_rank
 from .live_patches import allow_forward, refuse_forward
 from .init_info import InitInfoError, WeightplanInitInfo, WeightplanUpdateInfo
@@ -83,6 +83,7 @@ class WeightplanWeightTransferEngine(WeightTransferEngine[WeightplanInitInfo, We
         rendezvous = Rendezvous.connect(init_info.job, init_info.address, timeout=init_info.timeout)
         self.receiver = Receiver(plan, rank, destination.tensors, rendezvous=rendezvous, timeout=init_info.timeout,
                                  verify=init_info.verify, derived="caller")
+        start_endpoint(self.receiver)
         self.plan, self.rank, self.rendezvous, self.destination = plan, rank, rendezvous, destination
         log.info("weightplan backend: inference rank %d, plan %s (%s), %s mode (%s), %.1f MB staged",
                  rank, plan.header.get("model"), plan.fingerprint[:12], destination.mode, destination.reason,

@@ -16,7 +16,7 @@ from vllm.distributed.weight_transfer.base import (
 from weightplan.runtime import Rendezvous, Sender, load_plan
 
 from . import BACKEND
-from .endpoints import close_endpoint
+from .endpoints import close_endpoint, start_endpoint
 
 log = logging.getLogger("weightplan.vllm_backend")
 
@@ -99,9 +99,7 @@ class WeightplanTrainerEngine(TrainerWeightTransferEngine[WeightplanTrainerInitI
             init_info.address = rendezvous.address  # port 0 picks a free one
         sender = Sender(plan, init_info.rank, tensors, rendezvous=rendezvous, timeout=init_info.timeout,
                         digests=init_info.verify)
-        start = getattr(sender, "start", None)  # Sender.start() once the runtime separates construction from publishing
-        if callable(start):
-            start()
+        start_endpoint(sender)
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, sender=sender, rendezvous=rendezvous,
                      init_info=init_info)
         if init_info.is_sender and client is not None:
