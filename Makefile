@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: plan test bench-compile bench-runtime bench-cluster sweep demo clean-venv
+.PHONY: plan test test-engine-slow bench-compile bench-runtime bench-cluster bench-engine sweep demo clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,6 +24,9 @@ plan: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+test-engine-slow: $(STAMP)
+	WEIGHTPLAN_SLOW_ENGINE=1 $(BIN)/python -m pytest -q tests/test_vllm_backend_serve.py
+
 bench-compile: $(STAMP)
 	$(BIN)/python benchmarks/bench_compile.py
 
@@ -32,6 +35,9 @@ bench-runtime: $(STAMP)
 
 bench-cluster: $(STAMP)
 	$(BIN)/python benchmarks/bench_cluster.py
+
+bench-engine: $(STAMP)
+	$(BIN)/python benchmarks/bench_engine.py
 
 sweep: $(STAMP)
 	$(BIN)/python benchmarks/sweep.py

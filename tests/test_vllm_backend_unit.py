@@ -1,0 +1,115 @@
+"""The weightplan vLLM backend without an engine: registration, init info validation, mode choice, all-or-nothing apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weightplan.runtime import Plan
+
+
+class Norms(torch.nn.Module):
+    """A module whose parameters are what its kernel uses (no quant method): direct mode on any platform."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.b = torch.nn.Parameter(torch.zeros(2, 3), requires_grad=False)
+
+
+class UnknownMethod:
+    def process_weights_after_loading(self, layer):
+        raise AssertionError("never called: unknown methods are refused first")
+
+
+class Packed(torch.nn.Module):
+    def __init__(self, method):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(2, 2), requires_grad=False)
+        self.quant_method = method
+
+
+def fake_plan(entries) -> Plan:
+    from types import SimpleNamespace
+
+    from weightplan.runtime.plan_format import TensorEntry
+
+    return SimpleNamespace(dests=tuple(TensorEntry(n, s, "float32") for n, s in entries))
+
+
+def test_registration_is_idempotent_and_lazy():
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    from weightplan.vllm_backend.plugin import register
+
+    register()
+    register()  # plugins load several times per process: the factories' duplicate-name error must not escape
+    assert WeightTransferEngineFactory._registry["weightplan"]().__name__ == "WeightplanWeightTransferEngine"
+    assert WeightTransferTrainerFactory._registry["weightplan"]().__name__ == "WeightplanTrainerEngine"
+
+
+@pytest.mark.parametrize("field,value", [("plan", 3), ("plan", []), ("address", "host"), ("job", ""), ("timeout", 0),
+                                         ("timeout", True), ("verify", 1), ("rank_offset", -1), ("mode", "fast"),
+                                         ("fingerprint", 5), ("extra", 1)])
+def test_bad_init_info_names_the_field(field, value):
+    from weightplan.vllm_backend.init_info import InitInfoError, WeightplanInitInfo
+
+    good = {"plan": "p.plan", "address": "127.0.0.1:1", "job": "j"}
+    assert WeightplanInitInfo.from_dict(good).plans == ["p.plan"]
+    with pytest.raises(InitInfoError, match=f"field '{field}'"):
+        WeightplanInitInfo.from_dict({**good, field: value})
+    with pytest.raises(InitInfoError, match="field 'job' is required"):
+        WeightplanInitInfo.from_dict({"plan": "p", "address": "h:1"})
+
+
+def test_update_info_is_one_positive_version():
+    from weightplan.vllm_backend.init_info import InitInfoError, WeightplanUpdateInfo
+
+    assert WeightplanUpdateInfo.from_dict({"version": 3}).version == 3
+    for bad in ({"version": 0}, {"version": "3"}, {"version": 3, "x": 1}, [3]):
+        with pytest.raises(InitInfoError):
+            WeightplanUpdateInfo.from_dict(bad)
+
+
+def test_mode_choice_direct_for_plain_parameters_staged_when_asked_or_packed():
+    from weightplan.vllm_backend.staging import choose
+
+    model = Norms()
+    plan = fake_plan([("a", (4,)), ("b", (2, 3))])
+    direct = choose(plan, ["a", "b"], model, "cpu", "auto")
+    assert direct.mode == "direct" and direct.tensors["a"].data_ptr() == model.a.data_ptr()
+    staged = choose(plan, ["a", "b"], model, "cpu", "staged")
+    assert staged.mode == "staged" and staged.tensors["a"].data_ptr() != model.a.data_ptr()
+    staged.tensors["b"].fill_(5.0)
+    staged.tensors["a"].fill_(1.0)
+    assert model.b.sum() == 0  # the engine serves the previous weights until apply()
+    staged.apply()
+    assert torch.equal(model.b, torch.full((2, 3), 5.0))
+    packed = torch.nn.Module()
+    packed.layer = Packed(UnknownMethod())
+    with pytest.raises(ValueError, match="field 'mode' is 'direct'"):
+        choose(fake_plan([("layer.weight", (2, 2))]), ["layer.weight"], packed, "cpu", "direct")
+
+
+def test_a_failed_rebuild_restores_every_layer_already_rebuilt():
+    from weightplan.vllm_backend.live_patches import rebuild
+    from weightplan.vllm_backend.staging import Destination
+
+    class Linear:  # stands for UnquantizedLinearMethod: packs into a closure and empties `weight`
+        def process_weights_after_loading(self, layer):
+            packed = layer.weight.detach().clone()
+            layer.cpu_linear = lambda x: x @ packed.t()
+            layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+    Linear.__name__ = "UnquantizedLinearMethod"
+    first, second = Packed(Linear()), Packed(UnknownMethod())
+    first.quant_method.process_weights_after_loading(first)
+    old_closure, old_weight = first.cpu_linear, first.weight
+    dest = Destination("staged", {}, "test", rebuilt={"first": {"weight": torch.full((2, 2), 3.0)},
+                                                      "second": {"weight": torch.zeros(2, 2)}},
+                       modules={"first": first, "second": second})
+    with pytest.raises(NotImplementedError, match="UnknownMethod"):
+        dest.apply()
+    assert first.cpu_linear is old_closure and first.weight is old_weight and torch.equal(second.weight, torch.ones(2, 2))
+    rebuild(first, {"weight": torch.full((2, 2), 3.0)})
+    assert torch.equal(first.cpu_linear(torch.eye(2)), torch.full((2, 2), 3.0)) and first.weight.numel() == 0

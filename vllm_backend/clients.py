@@ -1,0 +1,65 @@
+"""Adapters giving vLLM's in-process engines the four-method VLLMWeightSyncClient surface the trainer engine drives."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+
+class LLMClient:
+    """A `vllm.LLM` as a VLLMWeightSyncClient (its methods take request objects, the protocol plain dicts)."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info) -> None:
+        self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+
+class AsyncLLMClient:
+    """An `AsyncLLM` running on event loop `loop` (another thread) as a VLLMWeightSyncClient.
+
+    Generation is paused (`pause_generation`) from start_weight_update to finish_weight_update,
+    so no request runs while the weights change.
+    """
+
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop, timeout: float = 600.0) -> None:
+        self.engine, self.loop, self.timeout = engine, loop, timeout
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.timeout)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._run(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)))
+
+    def start_weight_update(self) -> None:
+        self._run(self.engine.pause_generation())
+        try:
+            self._run(self.engine.start_weight_update())
+        except BaseException:
+            self._run(self.engine.resume_generation())
+            raise
+
+    def update_weights(self, update_info) -> None:
+        try:
+            self._run(self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info)))
+        except BaseException:
+            self._run(self.engine.resume_generation())
+            raise
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        try:
+            self._run(self.engine.finish_weight_update(weight_version))
+        finally:
+            self._run(self.engine.resume_generation())

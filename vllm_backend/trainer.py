@@ -1,0 +1,143 @@
+"""The trainer side of the `weightplan` backend: a TrainerWeightTransferEngine wrapping one rank's Sender."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    ModuleSource, ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine, WeightSource,
+)
+
+from weightplan.runtime import Rendezvous, Sender, load_plan
+
+from . import BACKEND
+
+log = logging.getLogger("weightplan.vllm_backend")
+
+
+class ShardSource(WeightSource):
+    """This trainer rank's local shards, as Sender takes them: a module (DTensor parameters) or {name: local shard}."""
+
+    def __init__(self, tensors) -> None:
+        self.tensors = tensors
+
+    def _items(self):
+        return self.tensors.named_parameters() if isinstance(self.tensors, torch.nn.Module) else self.tensors.items()
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self._items()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self._items()
+
+
+@dataclass
+class WeightplanTrainerInitInfo(TrainerInitInfo):
+    """One trainer rank's view of a weightplan job (`rank` is this trainer rank, keyword-only).
+
+    `plan`: this side's plan file; `inference_plan`: the path the inference workers read (default
+    the same). `address`/`job`: the rendezvous store and job id; rank 0 hosts the store when
+    `serve_store`. `timeout`: seconds for rendezvous, publish and release. `verify`: trainers
+    publish digests and receivers check every sync against them. `engine`: extra worker init
+    fields passed through (`mode`, `rank_offset`).
+    """
+
+    backend: ClassVar[str] = BACKEND
+
+    plan: str = ""
+    address: str = "127.0.0.1:29577"
+    job: str = "weightplan"
+    timeout: float = 60.0
+    verify: bool = False
+    serve_store: bool = True
+    inference_plan: str | None = None
+    engine: dict[str, Any] | None = None
+
+    def worker_init_info(self, fingerprint: str) -> dict[str, Any]:
+        """The JSON-native init info every inference worker gets."""
+        return {"plan": self.inference_plan or self.plan, "address": self.address, "job": self.job, "timeout": self.timeout,
+                "verify": self.verify, "fingerprint": fingerprint, **(self.engine or {})}
+
+
+class WeightplanTrainerEngine(TrainerWeightTransferEngine[WeightplanTrainerInitInfo]):
+    """Trainer rank `init_info.rank`'s Sender; rank 0 also drives the inference engine through `client`.
+
+    `send_weights(version=None)` publishes the next version (or `version`) on this rank; rank 0
+    then calls start_weight_update, update_weights({"version": v}) and finish_weight_update(
+    weight_version=str(v)) on the client; every rank finally releases v (waits for the inference
+    ranks' acknowledgements), after which its tensors may change again.
+    """
+
+    init_info_cls = WeightplanTrainerInitInfo
+
+    def __init__(self, *, client, source, is_sender: bool, sender: Sender, rendezvous: Rendezvous,
+                 init_info: WeightplanTrainerInitInfo) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.sender, self.rendezvous, self.init_info = sender, rendezvous, init_info
+        self.version = 0
+        self.last_release = None
+
+    @classmethod
+    def trainer_init(cls, init_info: WeightplanTrainerInitInfo, *, client, source: WeightSource | None = None):
+        if isinstance(source, ShardSource):
+            tensors = source.tensors
+        elif isinstance(source, ModuleSource):
+            tensors = source._module  # its DTensor parameters give the local shards Sender exposes
+        else:
+            raise TypeError("the weightplan trainer engine needs source=ShardSource(local shards or module) or "
+                            f"ModuleSource(module), got {type(source).__name__}")
+        plan = load_plan(init_info.plan)
+        serve = init_info.serve_store and init_info.is_sender
+        rendezvous = Rendezvous.connect(init_info.job, init_info.address, serve=serve, timeout=init_info.timeout)
+        if serve:
+            init_info.address = rendezvous.address  # port 0 picks a free one
+        sender = Sender(plan, init_info.rank, tensors, rendezvous=rendezvous, timeout=init_info.timeout,
+                        digests=init_info.verify)
+        sender.start()
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender, sender=sender, rendezvous=rendezvous,
+                     init_info=init_info)
+        if init_info.is_sender and client is not None:
+            client.init_weight_transfer_engine(init_info.worker_init_info(plan.fingerprint))
+        return engine
+
+    def send_weights(self, version: int | None = None) -> None:
+        """Publish the next version (or `version`) on this rank; rank 0 drives the engine; every rank releases it.
+
+        Rank 0 calls the client on a helper thread while this thread runs `release`: the receivers'
+        first READs from a trainer need its NIXL agent to make progress (UCX wire-up), and agents
+        here have no progress thread, so the publishing thread must keep polling while the client
+        call blocks.
+        """
+        v = self.version + 1 if version is None else version
+        self.sender.publish(v)
+        failure: list[BaseException] = []
+        driver = None
+        if self.is_sender and self.client is not None:
+            driver = threading.Thread(target=self._drive, args=(v, failure), name=f"weightplan-drive-v{v}", daemon=True)
+            driver.start()
+        try:
+            self.last_release = self.sender.release(v)
+        finally:
+            if driver is not None:
+                driver.join()
+        if failure:
+            raise failure[0]
+        self.version = v
+
+    def _drive(self, version: int, failure: list) -> None:
+        try:
+            self.client.start_weight_update()
+            self.client.update_weights({"version": version})  # a failure ends the update on the workers
+            self.client.finish_weight_update(weight_version=str(version))
+        except BaseException as exc:  # re-raised by send_weights on the caller's thread
+            failure.append(exc)
+
+    def shutdown(self) -> None:
+        sender, self.sender = self.sender, None
+        if sender is not None:
+            sender.close()
