@@ -169,3 +169,13 @@ def test_verify_on_chosen_inference_ranks(fp8_plan):
     assert result.mismatches == ()
     assert len(result.compared) == sum(1 for e in plan.dests if 1 in e.ranks)
     assert all(c.endswith("(inference rank 1)") for c in result.compared)
+
+
+def test_overlapping_post_load_zero_fills_count_once(plan_cache):
+    """tiny-glm's expert weights are padded by vLLM's fp8 post-load step with zero fills that overlap; the
+    coverage proof counts their union (it used to refuse the plan: "written twice ... by a constant")."""
+    from weightplan.compiler.frontend.fp8_trace import _union
+
+    assert _union([(0, 4), (2, 6), (8, 9), (6, 7)]) == ((0, 7), (8, 9))
+    path = plan_cache("tiny-glm", "stacked", "bf16", "fsdp=2", "dp=2,ep", quant="fp8_per_block")
+    assert verify_plan(path, model=str(config_dir("tiny-glm")), seed=1).mismatches == ()

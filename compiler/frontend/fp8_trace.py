@@ -105,7 +105,18 @@ def _traced_padding(module: torch.nn.Module, prefix: str) -> dict[str, tuple[tup
                                    f"{a.dest}; only zero padding is supported")
         starts, ends = a.geometry.intervals()
         out.setdefault(a.dest, []).extend(zip(starts.tolist(), ends.tolist()))
-    return {name: tuple(sorted(ranges)) for name, ranges in out.items()}
+    return {name: _union(ranges) for name, ranges in out.items()}
+
+
+def _union(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Sorted, disjoint [start, end) ranges covering `ranges` (row and column padding meet at the corner)."""
+    merged: list[list[int]] = []
+    for start, end in sorted(ranges):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return tuple((start, end) for start, end in merged)
 
 
 def _scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
