@@ -6,9 +6,11 @@ linear into a oneDNN / sgl-kernel handle captured by the `layer.cpu_linear` clos
 `layer.weight` with an empty parameter (layers/utils.py:dispatch_cpu_unquantized_gemm), keeps a
 packed copy of embeddings and the LM head beside `weight`, and repacks MoE experts
 (fused_moe/experts/cpu_moe.py). Writing loader-layout bytes into a live engine therefore changes
-nothing it computes. vLLM's own answer, layerwise reload, copies into the emptied `weight` and
-fails on CPU (model_loader/reload/layerwise.py:_copy_and_restore_kernel_tensors: "The size of
-tensor a (0) must match the size of tensor b (...)"), and a second MoE post-load takes its
+nothing it computes. vLLM's own answer, layerwise reload, copies into the emptied `weight`: on an
+AMX host it fails (model_loader/reload/layerwise.py:_copy_and_restore_kernel_tensors: "The size of
+tensor a (0) must match the size of tensor b (...)"), on a host without AMX it completes and the
+engine still computes with the old packed weights (benchmarks/bench_engine.py checks that by what
+the engine generates). A second MoE post-load takes its
 "weight update" branch, which copies loader-layout bytes into the prepacked storage without
 repacking them. So staged mode rebuilds a layer as a first load would:
 
