@@ -119,7 +119,8 @@ def test_explicit_layout_matches_vllm_on_every_rank(tmp_path):
     summary = summarize(plan)
     assert summary["dst_coverage"] == 1.0
     assert min(summary["bytes_per_src_rank"]) > 0
-    # Replicated tensors are served by all four holders, spread to balance the bytes each rank serves.
+    # Replicated tensors are split among their holders (passes/source_flow.py) so that, with the sharded
+    # bytes, every trainer rank serves the same bytes here; more than one holder serves them.
     replicated = [i for i, e in enumerate(plan.sources) if all(plan.shard_box(i, r) == plan.shard_box(i, 0) for r in range(4))]
     served = {int(r) for i in replicated for r in plan.runs["src_rank"][plan.runs["src"] == i]}
-    assert served == {0, 1, 2, 3}
+    assert len(served) > 1 and len(set(summary["bytes_per_src_rank"])) == 1

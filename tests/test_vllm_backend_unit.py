@@ -32,7 +32,7 @@ class Packed(torch.nn.Module):
 def fake_plan(entries) -> Plan:
     from types import SimpleNamespace
 
-    from weightplan.runtime.plan_format import TensorEntry
+    from weightplan.runtime.plan.schema import TensorEntry
 
     return SimpleNamespace(dests=tuple(TensorEntry(n, s, "float32") for n, s in entries))
 
