@@ -16,8 +16,7 @@ import urllib.request
 import pytest
 
 from tests.vllm_engine_support import (
-    CONFIGS, MAX_TOKENS, PROMPTS, ROOT, full_weights, local_shards, pin_no_amx, read_references, start_references,
-    write_checkpoint,
+    CONFIGS, MAX_TOKENS, PROMPTS, ROOT, first_reference, full_weights, local_shards, pin_no_amx, plan_and_first_reference,
 )
 
 pytestmark = pytest.mark.skipif(os.environ.get("WEIGHTPLAN_SLOW_ENGINE") != "1",
@@ -49,15 +48,10 @@ def served_tokens(base: str) -> list[list[int]]:
 def test_one_update_through_vllm_serve_http_routes(tmp_path):
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
 
-    from weightplan.compiler.compile import CompileOptions, compile_plan
-    from weightplan.runtime import load_plan
     from weightplan.vllm_backend.trainer import ShardSource, WeightplanTrainerEngine, WeightplanTrainerInitInfo
 
     unpin = pin_no_amx(tmp_path)
-    plan_path = compile_plan(CompileOptions(model=str(CONFIGS / MODEL), output=tmp_path / "p.plan")).path
-    plan = load_plan(plan_path)
-    refs = start_references({1: write_checkpoint(CONFIGS / MODEL, full_weights(plan, 0, 1), tmp_path / "ckpt")},
-                            tmp_path / "refs.json", tmp_path / "refs.log")
+    plan_path, plan, refs = plan_and_first_reference(MODEL, tmp_path)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
@@ -85,7 +79,7 @@ def test_one_update_through_vllm_serve_http_routes(tmp_path):
         trainer = WeightplanTrainerEngine.trainer_init(info, client=HTTPVLLMWeightSyncClient(base),
                                                        source=ShardSource(tensors))
         trainer.send_weights()
-        expected = [tokens for tokens, _ in read_references(refs, tmp_path / "refs.json", tmp_path / "refs.log")[1]]
+        expected = [tokens for tokens, _ in first_reference(refs, tmp_path)]
         assert cold != expected
         assert served_tokens(base) == expected
         with urllib.request.urlopen(f"{base}/weight_info", timeout=10) as response:

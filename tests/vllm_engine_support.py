@@ -104,6 +104,62 @@ def greedy(llm) -> list[tuple[list[int], list[float]]]:
     return result
 
 
+class AsyncEngine:
+    """An AsyncLLM on an event loop in a helper thread (as an RL framework's rollout server runs it); `run` waits."""
+
+    def __init__(self, model: Path | str, *, dummy: bool, backend: bool, **kw) -> None:
+        import asyncio
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="async-llm-loop", daemon=True)
+        self.thread.start()
+        self.engine = self.run(self._start(model, dummy, backend, kw))
+
+    @staticmethod
+    async def _start(model, dummy: bool, backend: bool, kw: dict):
+        from vllm.config import WeightTransferConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        engine_env()
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(
+            model=str(model), load_format="dummy" if dummy else "safetensors", skip_tokenizer_init=True,
+            enforce_eager=True, dtype="bfloat16", gpu_memory_utilization=0.03, max_model_len=128, max_num_seqs=4, seed=0,
+            weight_transfer_config=WeightTransferConfig(backend="weightplan") if backend else None, **kw))
+
+    def run(self, coro, timeout: float = 600):
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        """Shut the engine down and collect it now (at interpreter exit AsyncLLM.__del__ finds vLLM's globals gone)."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.shutdown()
+            del engine
+            gc.collect()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+
+
+async def async_greedy(engine, data_parallel_rank: int | None = None) -> list[tuple[list[int], list[float]]]:
+    """`greedy` for an AsyncLLM (optionally on one DP rank): tokens and logprobs of the fixed prompts, one at a time."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
+    result = []
+    for i, prompt in enumerate(PROMPTS):
+        final = None
+        async for out in engine.generate({"prompt_token_ids": prompt}, params, request_id=f"greedy-{id(params)}-{i}",
+                                         data_parallel_rank=data_parallel_rank):
+            final = out
+        c = final.outputs[0]
+        result.append((list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]))
+    return result
+
+
 def kernel_digests(worker) -> dict[str, str]:
     """SHA-256 of every tensor the live model's modules hold (parameters, buffers and tensor attributes like W_UK_T)."""
     import hashlib
@@ -148,6 +204,33 @@ def start_references(checkpoints: dict[int, Path], out: Path, log: Path) -> subp
     args = [f"{k}={v}" for k, v in checkpoints.items()]
     return subprocess.Popen([sys.executable, "-m", "tests.vllm_engine_support", str(out), *args], cwd=ROOT, env=env,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def plan_and_checkpoint(model: str, tmp: Path, inference: str = "tp=1"):
+    """A plan for tests/configs/`model` (one trainer rank, layout `inference`), weight set 1, and its checkpoint.
+
+    Returns (plan path, plan, the trainer's full tensors, checkpoint directory).
+    """
+    from weightplan.compiler.compile import CompileOptions, compile_plan
+    from weightplan.runtime import load_plan
+
+    plan_path = compile_plan(CompileOptions(model=str(CONFIGS / model), inference=inference, output=tmp / "p.plan")).path
+    plan = load_plan(plan_path)
+    full = full_weights(plan, 0, 1)
+    return plan_path, plan, full, write_checkpoint(CONFIGS / model, full, tmp / "ckpt")
+
+
+def plan_and_first_reference(model: str, tmp: Path):
+    """`plan_and_checkpoint` (tp=1) and a process computing weight set 1's reference on a fresh tp=1 engine.
+
+    Returns (plan path, plan, reference process); `first_reference(proc, tmp)` reads its outputs.
+    """
+    plan_path, plan, _, checkpoint = plan_and_checkpoint(model, tmp)
+    return plan_path, plan, start_references({1: checkpoint}, tmp / "refs.json", tmp / "refs.log")
+
+
+def first_reference(proc: subprocess.Popen, tmp: Path) -> list:
+    return read_references(proc, tmp / "refs.json", tmp / "refs.log")[1]
 
 
 def read_references(proc: subprocess.Popen, out: Path, log: Path, timeout: float = 600) -> dict[int, list]:
