@@ -186,9 +186,10 @@ def run_inference(args) -> int:
         flat = torch.empty(sum(e.numel for e in plan.sources), dtype=torch.bfloat16)
         wait([f"bench/info/{r}" for r in range(args.trainers)], "trainer staging info")
         info = [rendezvous.get_json(f"bench/info/{r}") for r in range(args.trainers)]
-        print(json.dumps({"event": "start", "trainers": args.trainers, "ep": args.ep, "masters": args.masters,
-                          "trainer_bytes": sum(e.nbytes for e in plan.sources), "trainer_bf16_bytes": 2 * sum(e.numel for e in plan.sources),
-                          "destination_bytes": receiver.bytes, "setup_s": round(time.perf_counter() - began, 1)}),
+        sizes = {"trainer_bytes": sum(e.nbytes for e in plan.sources),
+                 "trainer_bf16_bytes": 2 * sum(e.numel for e in plan.sources), "destination_bytes": receiver.bytes}
+        print(json.dumps({"event": "start", "trainers": args.trainers, "ep": args.ep, "masters": args.masters, **sizes,
+                          "setup_s": round(time.perf_counter() - began, 1)}),
               flush=True)
 
         def sync(version: int) -> tuple[float, float]:
@@ -248,7 +249,7 @@ def run_inference(args) -> int:
             "shard_bytes": worst["shard_bytes"], "staged_region_bytes": worst["staged_region_bytes"],
             "packing_bytes": worst["packing_bytes"],
             "staging_ratio": round(worst["staging_bytes"] / worst["shard_bf16_bytes"], 3),
-            "trainer_bytes": sum(e.nbytes for e in plan.sources), "trainer_bf16_bytes": 2 * sum(e.numel for e in plan.sources), "destination_bytes": receiver.bytes,
+            **sizes,
             "trainers": args.trainers, "ep": args.ep, "masters": args.masters, "steps": args.steps,
             "identical": synced_digests == loaded_digests, "digests": len(synced_digests),
             "seconds": round(time.perf_counter() - began, 1), "load": round(os.getloadavg()[0], 1),
