@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: plan test test-engine-slow bench-compile bench-runtime bench-cluster bench-engine sweep demo clean-venv
+.PHONY: plan test test-engine-slow bench-compile bench-runtime bench-cluster bench-engine bench-trainer sweep demo clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -38,6 +38,9 @@ bench-cluster: $(STAMP)
 
 bench-engine: $(STAMP)
 	$(BIN)/python benchmarks/bench_engine.py
+
+bench-trainer: $(STAMP)
+	$(BIN)/python benchmarks/bench_trainer.py
 
 sweep: $(STAMP)
 	$(BIN)/python benchmarks/sweep.py

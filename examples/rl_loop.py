@@ -317,12 +317,17 @@ def _check_alive(procs, workdir: Path) -> None:
             raise SystemExit(f"trainer {rank} exited with {proc.returncode}:\n{tail}")
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_trainer_options(p: argparse.ArgumentParser) -> None:
+    """--trainers, --ep, --masters (shared with benchmarks/bench_trainer.py)."""
     p.add_argument("--trainers", type=int, default=4, help="trainer processes (FSDP2 ranks)")
     p.add_argument("--ep", type=int, default=2, help="expert-parallel degree: experts Shard(0) over a (dp_shard, ep) mesh")
     p.add_argument("--masters", choices=DTYPES, default="fp32",
                    help="fp32: fp32 masters, MixedPrecisionPolicy(param_dtype=bf16), bf16 on the wire; bf16: bf16 masters")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_trainer_options(p)
     p.add_argument("--steps", type=int, default=5, help="publish/sync/generate rounds after the initial weights")
     p.add_argument("--train-steps", type=int, default=2, help="optimizer steps per round")
     p.add_argument("--lr", type=float, default=3e-4)
