@@ -148,6 +148,13 @@ class Constants:
         return Constants(self.dest[index], self.dst_off[index], self.length[index],
                          tuple(self.values[i] for i in np.asarray(index).tolist()))
 
+    @staticmethod
+    def concat(parts: list["Constants"]) -> "Constants":
+        if not parts:
+            return Constants.empty()
+        return Constants(*(np.concatenate([getattr(p, f) for p in parts]).astype(np.int64) for f in ("dest", "dst_off", "length")),
+                         tuple(v for p in parts for v in p.values))
+
 
 @dataclass(frozen=True)
 class Copy:

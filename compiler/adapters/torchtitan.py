@@ -48,7 +48,7 @@ class TorchtitanDeepSeekV3:
         )
         with torch.device("meta"):
             model = config.build()
-        self._tensors = {name: t.to(dtype) for name, t in model.state_dict().items()}
+        self._tensors = dict(model.state_dict())  # load_adapter casts to the trainer dtype
         self._adapter = DeepSeekV3StateDictAdapter(config, None)
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -34,7 +34,5 @@ def with_post_load_padding(program: Program) -> Program:
     if not rows:
         return program
     dest, off, length = (np.array(column, dtype=np.int64) for column in zip(*rows))
-    c = program.constants
-    extra = Constants(np.concatenate([c.dest, dest]), np.concatenate([c.dst_off, off]), np.concatenate([c.length, length]),
-                      c.values + (0.0,) * len(rows))
-    return dataclasses.replace(program, constants=extra)
+    padding = Constants(dest, off, length, (0.0,) * len(rows))
+    return dataclasses.replace(program, constants=Constants.concat([program.constants, padding]))

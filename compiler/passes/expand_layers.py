@@ -39,7 +39,7 @@ def expand_layers(program: Program) -> Program:
         for tail, d in dst_of[reuse.template].items():
             if program.dests[d].name in program.last_writes:
                 last_writes[program.dests[dst_of[reuse.member][tail]].name] = program.last_writes[program.dests[d].name]
-    return dataclasses.replace(program, runs=Runs.concat(run_parts), constants=_concat(constant_parts),
+    return dataclasses.replace(program, runs=Runs.concat(run_parts), constants=Constants.concat(constant_parts),
                                last_writes=last_writes, layer_reuse=())
 
 
@@ -62,7 +62,3 @@ def _renaming(n: int, by_layer: dict, template: int, member: int) -> np.ndarray:
         mapping[i] = target[key]  # layer_classes grouped these layers by equal names past the index
     return mapping
 
-
-def _concat(parts: list[Constants]) -> Constants:
-    return Constants(*(np.concatenate([getattr(p, f) for p in parts]).astype(np.int64) for f in ("dest", "dst_off", "length")),
-                     tuple(v for p in parts for v in p.values))

@@ -51,14 +51,7 @@ def merge_ranks(programs: list[Program], cast_chains: tuple) -> Program:
         constant_parts.append(dataclasses.replace(own, dest=remap[own.dest]))
     first = programs[0]
     return dataclasses.replace(first, dests=tuple(entries), runs=Runs.concat(parts), cast_chains=cast_chains,
-                               assignments=(), copies=(), constants=_concat(constant_parts), last_writes=last_writes)
-
-
-def _concat(parts: list[Constants]) -> Constants:
-    if not parts:
-        return Constants.empty()
-    return Constants(*(np.concatenate([getattr(p, f) for p in parts]).astype(np.int64) for f in ("dest", "dst_off", "length")),
-                     tuple(v for p in parts for v in p.values))
+                               assignments=(), copies=(), constants=Constants.concat(constant_parts), last_writes=last_writes)
 
 
 def _digest(runs: Runs, lo: int, hi: int) -> bytes:
