@@ -32,7 +32,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "benchmarks" / "configs" / "bench-deepseek-v3"
-MEMORY = 0.12  # of host memory for weights + KV cache (vLLM CPU reads gpu_memory_utilization so); weights are 1 GB
 sys.path.insert(0, str(ROOT))
 os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with functions (benchmark only)
 
@@ -81,7 +80,7 @@ def main() -> None:
     tensors = local_shards(plan, full_weights(plan, 0, 1), 0)
 
     began = time.perf_counter()
-    llm = make_llm(CONFIG, dummy=True, backend=True, memory=MEMORY)
+    llm = make_llm(CONFIG, dummy=True, backend=True)
     engine_start = time.perf_counter() - began
     info = WeightplanTrainerInitInfo(rank=0, plan=str(plan_path), address="127.0.0.1:0", job="bench-engine", timeout=300)
     trainer = WeightplanTrainerEngine.trainer_init(info, client=LLMClient(llm), source=ShardSource(tensors))
@@ -129,7 +128,7 @@ def main() -> None:
     write_s = time.perf_counter() - t
     del full
     t = time.perf_counter()
-    llm = make_llm(previous, dummy=False, backend=False, memory=MEMORY)  # serving version 1, as after a restart
+    llm = make_llm(previous, dummy=False, backend=False)  # serving version 1, as after a restart
     checkpoint_cold_start = time.perf_counter() - t
     first = greedy(llm)
     print(f"checkpoint: written in {write_s:.2f} s; an engine started on a checkpoint in {checkpoint_cold_start:.2f} s")

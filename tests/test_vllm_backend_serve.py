@@ -16,7 +16,8 @@ import urllib.request
 import pytest
 
 from tests.vllm_engine_support import (
-    CONFIGS, MAX_TOKENS, PROMPTS, ROOT, first_reference, full_weights, local_shards, pin_no_amx, plan_and_first_reference,
+    CONFIGS, KV_CACHE_BYTES, MAX_TOKENS, PROMPTS, ROOT, first_reference, full_weights, local_shards, pin_no_amx,
+    plan_and_first_reference,
 )
 
 pytestmark = pytest.mark.skipif(os.environ.get("WEIGHTPLAN_SLOW_ENGINE") != "1",
@@ -60,7 +61,7 @@ def test_one_update_through_vllm_serve_http_routes(tmp_path):
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(CONFIGS / MODEL), "--host", "127.0.0.1",
          "--port", str(port),
          "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
-         "--gpu-memory-utilization", "0.03", "--max-model-len", "128", "--max-num-seqs", "4", "--seed", "0",
+         "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--max-model-len", "128", "--max-num-seqs", "4", "--seed", "0",
          "--weight-transfer-config", json.dumps({"backend": "weightplan"})],
         cwd=ROOT, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, stdout=open(tmp_path / "serve.log", "w"),
         stderr=subprocess.STDOUT)

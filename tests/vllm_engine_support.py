@@ -77,13 +77,19 @@ def engine_env() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def make_llm(model: Path | str, *, dummy: bool, backend: bool, memory: float = 0.03, **kw):
+# An explicit KV cache: vLLM's CPU worker otherwise sizes it as gpu_memory_utilization x host memory minus
+# the worker's RSS at that moment, which fails ("requested memory for kv (-0.03/0.71 GiB)") whenever the
+# worker's resident set happens to exceed that fraction, and so depends on the host and its load.
+KV_CACHE_BYTES = 64 << 20
+
+
+def make_llm(model: Path | str, *, dummy: bool, backend: bool, **kw):
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
     engine_env()
     return LLM(model=str(model), load_format="dummy" if dummy else "safetensors", skip_tokenizer_init=True,
-               enforce_eager=True, dtype="bfloat16", gpu_memory_utilization=memory, max_model_len=128, max_num_seqs=4,
+               enforce_eager=True, dtype="bfloat16", kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=128, max_num_seqs=4,
                seed=0, weight_transfer_config=WeightTransferConfig(backend="weightplan") if backend else None, **kw)
 
 
@@ -125,7 +131,7 @@ class AsyncEngine:
         engine_env()
         return AsyncLLM.from_engine_args(AsyncEngineArgs(
             model=str(model), load_format="dummy" if dummy else "safetensors", skip_tokenizer_init=True,
-            enforce_eager=True, dtype="bfloat16", gpu_memory_utilization=0.03, max_model_len=128, max_num_seqs=4, seed=0,
+            enforce_eager=True, dtype="bfloat16", kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=128, max_num_seqs=4, seed=0,
             weight_transfer_config=WeightTransferConfig(backend="weightplan") if backend else None, **kw))
 
     def run(self, coro, timeout: float = 600):
