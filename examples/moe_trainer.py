@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "tiny-deepseek-v3"
+ENGINE_CONFIG = CONFIG.parent / "demo-deepseek-v3"  # MLA head dim 576: vLLM's CPU engine runs it
 PROMPTS = ((11, 42, 7, 99), (5, 6, 7, 8), (200, 3, 150, 64))
 TARGET = (17, 18, 19, 20, 21, 22)
 

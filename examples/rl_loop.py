@@ -1,35 +1,36 @@
-"""The whole RL weight-sync loop on one machine: FSDP2 trainers train, publish, and one inference side syncs and generates.
+"""The whole RL weight-sync loop on one machine: FSDP2 trainers train and publish, a vLLM engine updates and generates.
 
-    python examples/rl_loop.py                  # 4 trainer processes, experts on a (dp_shard=2, ep=2) mesh, 5 steps
+    python examples/rl_loop.py                  # 4 trainers, experts on a (dp_shard=2, ep=2) mesh, a vLLM engine, 5 steps
     python examples/rl_loop.py --trainers 2 --ep 1 --masters bf16 --steps 3 --check
+    python examples/rl_loop.py --inference receiver   # a Receiver into a vLLM model; any config size
 
 This process is the inference side and hosts the rendezvous store; it starts `--trainers`
 trainer processes (this same file with `--role trainer`). Then:
 
-1. The trainers build transformers' DeepseekV3ForCausalLM (tiny config, examples/configs/),
-   shard it with FSDP2 over gloo (examples/moe_trainer.py), and trainer 0 writes the live
-   module's trainer layout (`write_trainer_layout`).
+1. The trainers build transformers' DeepseekV3ForCausalLM (examples/configs/), shard it with
+   FSDP2 over gloo (examples/moe_trainer.py), and trainer 0 writes the live module's trainer
+   layout (`write_trainer_layout`). Meanwhile the inference side starts (examples/rl_inference.py).
 2. The inference side compiles a plan for exactly that layout (`compile_plan`, trainer format
    `stacked`, the masters' dtype) and announces its path.
 3. Every trainer serves its own shards with a `LiveSender`, which checks the plan against the live
    module before registering anything. Version 1 is the initial weights.
 4. Each step: the trainers take `--train-steps` optimizer steps on a toy objective (continue every
    prompt with a fixed phrase), `publish`, and `release` (wait for the inference side's ack); the
-   inference side `sync`s (one-sided NIXL READs), then generates greedily for a fixed prompt set
+   inference side updates (one-sided NIXL READs), then generates greedily for a fixed prompt set
    and prints one JSON line: step, loss, update seconds, bytes, the first generated tokens.
 
-The inference side is `ReceiverInference` (a `Receiver` on a vLLM model built as vLLM's loader
-builds it, while the trainers start). vLLM's CPU engine cannot run this tiny MLA config (its CPU MLA kernel needs head dim
-576) and does not compute from the loader's parameters after loading (docs/trainer.md), so
-generation runs transformers' model on the received bytes: after each sync the same plan, run
-backwards (destination element -> trainer element, no model-specific mapping), copies the vLLM
-parameters into a bf16 transformers model. Swap `ReceiverInference` for an engine-backed class
-with the same methods (`__init__(config)`, `connect(plan, rendezvous)`, `update(version)`,
-`generate(prompts, n)`) when the vLLM weight-transfer backend lands.
+`--inference engine` (default): a `vllm.LLM` CPU engine started with dummy weights and the
+weightplan weight-transfer backend; every version reaches it through vLLM's own weight-transfer
+API and the engine generates (config `examples/configs/demo-deepseek-v3`: MLA head dim 576, which
+vLLM's CPU MLA kernel needs). `--inference receiver`: a `Receiver` into a loader-built vLLM model,
+generation by transformers on the received bytes (config `examples/configs/tiny-deepseek-v3`).
 
 `--check`: trainer 0 also gathers the full state dict every step (`get_model_state_dict(...,
-full_state_dict=True)`) and the inference side compares its digests with vLLM's own
-`load_weights` of it, and its generated tokens with a fresh transformers load of it (tests).
+full_state_dict=True)`), the trainers publish digests and the inference side checks every update's
+bytes against them. Engine: after the last step a fresh engine loaded from a safetensors
+checkpoint of that state dict must generate the same tokens and logprobs. Receiver: every step,
+vLLM's own `load_weights` of it must give the same digests and a fresh transformers load the same
+tokens (tests/test_live_trainer.py).
 """
 
 from __future__ import annotations
@@ -50,9 +51,11 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from examples import moe_trainer as mt  # noqa: E402
-from weightplan.runtime import LiveSender, Receiver, Rendezvous, load_plan, write_trainer_layout  # noqa: E402
+from examples.rl_inference import EngineInference, ReceiverInference  # noqa: E402
+from weightplan.runtime import LiveSender, Rendezvous, load_plan, write_trainer_layout  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+INFERENCE = {"engine": (EngineInference, mt.ENGINE_CONFIG), "receiver": (ReceiverInference, mt.CONFIG)}
 
 
 # ---------------------------------------------------------------------------------------------- trainer
@@ -73,7 +76,7 @@ def run_trainer(args) -> None:
         rendezvous.put("demo/layout", b"1")
     rendezvous.wait(["demo/plan"], args.timeout * 4, "the plan from the inference side")
     plan = load_plan(rendezvous.get_bytes("demo/plan").decode())
-    sender = LiveSender(plan, args.rank, model, rendezvous=rendezvous, timeout=args.timeout).start()
+    sender = LiveSender(plan, args.rank, model, rendezvous=rendezvous, timeout=args.timeout, digests=args.check).start()
     loss = None
     for version in range(1, args.steps + 2):  # version 1: the initial weights
         if version > 1:
@@ -112,129 +115,6 @@ def _save_full(model, path: Path, rank: int) -> None:
         path.with_suffix(".tmp").rename(path)
 
 
-# ---------------------------------------------------------------------------------------------- inference
-
-
-class ReceiverInference:
-    """The inference side: a Receiver on a vLLM model (loader-built, bf16); generation by transformers on the received bytes.
-
-    `__init__(config)` builds the models while the trainers start (as an engine would start), `connect(plan,
-    rendezvous)` registers them for the plan, then `update(version)` and `generate(prompts, n)` every step.
-    """
-
-    def __init__(self, config: Path):
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        from weightplan.compiler.frontend.vllm_model import build_model, make_vllm_config
-
-        self.config = config
-        self.vllm_config = make_vllm_config(config)
-        self.model = build_model(self.vllm_config, "cpu")
-        hf_config = AutoConfig.from_pretrained(str(config))
-        hf_config._attn_implementation = "eager"
-        # Built on CPU (not meta + to_empty) so its non-persistent buffers (rotary inv_freq) are computed.
-        self.generator = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
-
-    def connect(self, plan, rendezvous, timeout: float = 120.0) -> None:
-        self.plan = plan
-        self.receiver = Receiver(plan, 0, self.model, rendezvous=rendezvous, timeout=timeout).start()
-        self._copies = _inverse_copies(plan, self.generator)
-
-    def update(self, version: int) -> dict:
-        report = self.receiver.sync(version)
-        params = dict(self.model.named_parameters())
-        targets = self.generator.state_dict()
-        with torch.no_grad():
-            for src, index, dest, start, stop in self._copies:
-                targets[src].view(-1)[index] = params[dest].detach().view(-1)[start:stop].to(targets[src].dtype)
-        return {"update_s": round(report.seconds, 4), "bytes": report.bytes}
-
-    def generate(self, prompts, n: int) -> list[list[int]]:
-        return greedy(self.generator, prompts, n)
-
-
-def greedy(model, prompts, n: int) -> list[list[int]]:
-    with torch.no_grad():
-        ids = torch.tensor(prompts)
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                             pad_token_id=0)
-    return out[:, ids.shape[1]:].tolist()
-
-
-def _inverse_copies(plan, model) -> list[tuple]:
-    """The plan run backwards for inference rank 0: (trainer tensor, its flat element indices, dest, start, stop) per run.
-
-    Every trainer element must land somewhere; the transformers model's own tensors are filled from the vLLM parameters.
-    """
-    import numpy as np
-
-    targets = model.state_dict()
-    runs, covered, copies = plan.runs, {}, []
-    index_maps: dict[tuple[int, int], torch.Tensor] = {}
-    for i in range(len(runs["src"])):
-        dest = plan.dests[int(runs["dest"][i])]
-        if 0 not in dest.ranks:
-            continue
-        src, rank = int(runs["src"][i]), int(runs["src_rank"][i])
-        entry = plan.sources[src]
-        if (src, rank) not in index_maps:
-            grid = torch.arange(entry.numel).view(entry.shape)
-            for d, (lo, hi) in enumerate(plan.shard_box(src, rank)):
-                grid = grid.narrow(d, lo, hi - lo)
-            index_maps[src, rank] = grid.reshape(-1)
-        off, length, dst_off = int(runs["src_off"][i]), int(runs["length"][i]), int(runs["dst_off"][i])
-        index = index_maps[src, rank][off:off + length]
-        copies.append((entry.name, index, dest.name, dst_off, dst_off + length))
-        covered.setdefault(entry.name, np.zeros(entry.numel, dtype=bool))[index.numpy()] = True
-    for name in targets:
-        if name not in covered or not covered[name].all():
-            raise SystemExit(f"the plan does not carry every element of {name!r} to inference rank 0; "
-                             "generation needs a model whose every trainer tensor reaches vLLM")
-    return copies
-
-
-# ---------------------------------------------------------------------------------------------- check
-
-
-class FreshLoad:
-    """Ground truth for --check: vLLM's own load_weights of the trainer's full state dict, and a fresh transformers load."""
-
-    def __init__(self, config: Path):
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        from weightplan.compiler.frontend.vllm_model import build_model, make_vllm_config
-
-        self.config = config
-        self.vllm_config = make_vllm_config(config)
-        self.reference = build_model(self.vllm_config, "cpu")
-        hf_config = AutoConfig.from_pretrained(str(config))
-        hf_config._attn_implementation = "eager"
-        self.build_hf = lambda: AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
-
-    def compare(self, full: dict[str, torch.Tensor], inference: ReceiverInference, tokens, n: int) -> dict:
-        from vllm.model_executor.layers.attention import is_deferred_attention_layer
-        from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
-
-        from weightplan.compiler.frontend.vllm_patches import parallel_rank
-        from weightplan.compiler.verify_plan import plan_conversion
-
-        plan = inference.plan
-        names = [e.name for e in plan.sources]
-        missing = sorted(set(names) - set(full))
-        with torch.no_grad(), parallel_rank(self.vllm_config, 0, 0):
-            self.reference.load_weights(plan_conversion(self.vllm_config, plan)((n_, full[n_]) for n_ in names if n_ in full))
-            for module in self.reference.modules():
-                if is_deferred_attention_layer(module):
-                    module.process_weights_after_loading(torch.bfloat16)
-        expected, actual = compute_tensor_digests(self.reference), compute_tensor_digests(inference.model)
-        differ = sorted(k for k in expected if expected[k] != actual.get(k))
-        fresh = self.build_hf()
-        fresh.load_state_dict({k: v.to(torch.bfloat16) for k, v in full.items()})
-        fresh_tokens = greedy(fresh, mt.PROMPTS, n)
-        return {"digests": len(expected), "digests_differ": differ[:5], "n_differ": len(differ),
-                "missing_in_full": missing[:5], "fresh_tokens_equal": fresh_tokens == tokens}
-
-
 # ---------------------------------------------------------------------------------------------- driver
 
 
@@ -249,23 +129,22 @@ def run_inference(args) -> int:
     forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                  if k not in ("role", "rank", "address", "workdir", "job") and v is not None and type(v) is not bool]
     forwarded += [f"--{k.replace('_', '-')}" for k, v in vars(args).items() if v is True]
-    procs = []
+    procs, inference = [], None
     try:
         for rank in range(args.trainers):
             log = open(workdir / f"trainer-{rank}.log", "w")
             procs.append(subprocess.Popen(
                 [sys.executable, __file__, "--role", "trainer", "--rank", str(rank), "--address", rendezvous.address,
                  "--job", args.job, "--workdir", str(workdir), *forwarded], stdout=log, stderr=subprocess.STDOUT))
-        inference = ReceiverInference(args.config)  # while the trainers start
-        check = FreshLoad(args.config) if args.check else None
+        inference = INFERENCE[args.inference][0](args.config, workdir)  # while the trainers start
         _wait(rendezvous, "demo/layout", procs, workdir, args.timeout * 4)
         plan_path = workdir / "rl-loop.plan"
         compile_plan(CompileOptions(str(args.config), trainer_format="stacked", trainer_dtype=args.masters,
                                     trainer_layout=workdir / "trainer-layout.json", output=plan_path))
         plan = load_plan(plan_path)
-        inference.connect(plan, rendezvous, timeout=args.timeout)
+        inference.connect(plan, plan_path, rendezvous, timeout=args.timeout, verify=args.check)
         rendezvous.put("demo/plan", str(plan_path).encode())
-        print(json.dumps({"event": "start", "trainers": args.trainers, "ep": args.ep, "masters": args.masters, "target": mt.TARGET,
+        print(json.dumps({"event": "start", "inference": args.inference, "trainers": args.trainers, "ep": args.ep, "masters": args.masters, "target": mt.TARGET,
                           "plan": plan.header["trainer"]["token"], "setup_s": round(time.perf_counter() - began, 1)}),
               flush=True)
         for version in range(1, args.steps + 2):
@@ -273,9 +152,9 @@ def run_inference(args) -> int:
             line = {"step": version - 1, "loss": rendezvous.get_json(f"demo/loss/{version}")["loss"]}
             line.update(inference.update(version))
             line["tokens"] = inference.generate(mt.PROMPTS, args.new_tokens)
-            if check is not None:
+            if args.check:
                 full = _wait_file(workdir / f"full-{version}.pt", procs, workdir, args.timeout)
-                line.update(check.compare(full, inference, line["tokens"], args.new_tokens))
+                line.update(inference.check(full, line["tokens"], args.new_tokens, last=version == args.steps + 1))
             _wait(rendezvous, f"demo/trainer/{version}", procs, workdir, args.timeout)
             line["reregistered"] = rendezvous.get_json(f"demo/trainer/{version}")["reregistered"]
             print(json.dumps(line), flush=True)
@@ -285,6 +164,8 @@ def run_inference(args) -> int:
         print(json.dumps({"event": "done", "seconds": round(time.perf_counter() - began, 1)}), flush=True)
         return 0
     finally:
+        if inference is not None:
+            inference.close()
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
@@ -332,7 +213,9 @@ def parse_args(argv=None):
     p.add_argument("--train-steps", type=int, default=2, help="optimizer steps per round")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--new-tokens", type=int, default=6)
-    p.add_argument("--config", type=Path, default=mt.CONFIG)
+    p.add_argument("--inference", choices=INFERENCE, default="engine",
+                   help="engine: a vLLM engine with the weightplan backend; receiver: a Receiver into a vLLM model")
+    p.add_argument("--config", type=Path, help="model config directory (default: the --inference side's)")
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--keep-unsharded", action="store_true", help="FSDP2 reshard_after_forward=False")
     p.add_argument("--checkpoint", action="store_true", help="activation checkpoint wrappers on every layer")
@@ -349,6 +232,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.config is None:
+        args.config = INFERENCE[args.inference][1]
     if args.role == "trainer":
         run_trainer(args)
         return 0

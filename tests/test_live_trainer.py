@@ -44,8 +44,8 @@ def _check_steps(lines: list[dict], steps: int) -> list[dict]:
 def test_two_fsdp2_ranks_fp32_masters_bf16_wire_with_wrappers(tmp_path):
     """fp32 masters under MixedPrecisionPolicy(param_dtype=bf16), reshard_after_forward=True, activation
     checkpoint and torch.compile wrappers (`_checkpoint_wrapped_module.`, `_orig_mod.` in the module's names)."""
-    lines = _rl_loop(tmp_path, "--trainers", "2", "--ep", "1", "--masters", "fp32", "--steps", "1",
-                     "--checkpoint", "--compile-wrapper")  # one round: two optimizer steps
+    lines = _rl_loop(tmp_path, "--inference", "receiver", "--trainers", "2", "--ep", "1", "--masters", "fp32",
+                     "--steps", "1", "--checkpoint", "--compile-wrapper")  # one round: two optimizer steps
     assert lines[0]["plan"].startswith("layout-")  # no shorthand: FSDP2 keeps buffers whole on every rank
     _check_steps(lines, 1)
     layout = json.loads((tmp_path / "trainer-layout.json").read_text())
@@ -58,14 +58,29 @@ def test_two_fsdp2_ranks_fp32_masters_bf16_wire_with_wrappers(tmp_path):
 def test_four_ranks_ep_2d_mesh_bf16_masters_checkpoint_reload(tmp_path):
     """A (dp_shard=2, ep=2) mesh with experts Shard(0) over ep, bf16 masters, reshard_after_forward=False, and a
     load_state_dict(assign=True) before version 2: its new storages are registered, never stale bytes."""
-    lines = _rl_loop(tmp_path, "--trainers", "4", "--ep", "2", "--masters", "bf16", "--steps", "1",
-                     "--keep-unsharded", "--reload-at", "2")
+    lines = _rl_loop(tmp_path, "--inference", "receiver", "--trainers", "4", "--ep", "2", "--masters", "bf16",
+                     "--steps", "1", "--keep-unsharded", "--reload-at", "2")
     rows = _check_steps(lines, 1)
     assert [r["reregistered"] for r in rows] == [0, 1]
     layout = json.loads((tmp_path / "trainer-layout.json").read_text())
     experts = layout["tensors"]["model.layers.1.mlp.experts.gate_up_proj"]
     assert experts["placements"] == ["_StridedShard(0, split_factor=2)", "Shard(0)"]
     assert layout["meshes"][experts["mesh"]] == {"shape": [2, 2], "ranks": [[0, 1], [2, 3]]}
+
+
+def test_rl_loop_through_a_vllm_engine_generates_what_a_fresh_engine_on_the_checkpoint_generates(tmp_path):
+    """The default demo: a vllm.LLM CPU engine with the weightplan backend starts on dummy weights, takes every version
+    from 2 FSDP2 trainers (fp32 masters, bf16 wire) through vLLM's weight-transfer API, with each update's bytes
+    checked against the trainers' digests; after the last step its greedy tokens and logprobs equal those of a
+    fresh engine loaded from a safetensors checkpoint of the trainers' gathered state dict."""
+    lines = _rl_loop(tmp_path, "--trainers", "2", "--ep", "1", "--masters", "fp32", "--steps", "2")
+    assert lines[0]["inference"] == "engine"
+    rows = [line for line in lines if "step" in line]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(r["bytes"] > 0 and r["update_s"] > 0 for r in rows), rows
+    assert rows[0]["tokens"] != rows[-1]["tokens"], "training, then the updates, visibly change what the engine generates"
+    assert rows[-1]["fresh_engine_tokens_equal"] and rows[-1]["fresh_engine_logprobs_equal"], rows[-1]
+    assert (tmp_path / "checkpoint-last" / "config.json").exists()
 
 
 def _fsdp_rank0(dtype=torch.float32, **kw):

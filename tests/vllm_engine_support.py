@@ -17,7 +17,6 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "tests" / "configs"
 PROMPTS = [[1, 2, 3, 4, 5], [17, 42, 99, 7], [250, 3, 3, 3, 3, 3, 8, 9]]
 MAX_TOKENS = 8
-NO_AMX_PIN = "import torch.cpu\ntorch.cpu._is_amx_tile_supported = lambda: False\n"
 
 
 def full_weights(plan, seed: int, version: int) -> dict[str, torch.Tensor]:
@@ -49,27 +48,10 @@ def write_checkpoint(config_dir: Path, full: dict[str, torch.Tensor], out: Path)
 
 
 def pin_no_amx(tmp: Path):
-    """Make every engine process (spawned ones via a sitecustomize on PYTHONPATH) see a CPU without AMX tiles.
+    """AMX off in every engine process (vllm_backend/cpu_host.py), with the repository importable by the workers."""
+    from weightplan.vllm_backend.cpu_host import pin_no_amx as pin
 
-    Returns a function undoing it (PYTHONPATH and this process's probe), for fixtures' teardown.
-    """
-    saved_path, saved_probe = os.environ.get("PYTHONPATH"), torch.cpu._is_amx_tile_supported
-
-    def undo() -> None:
-        torch.cpu._is_amx_tile_supported = saved_probe
-        if saved_path is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved_path
-
-    if os.environ.get("WEIGHTPLAN_TEST_AMX") == "1":  # run the host's own kernels
-        return undo
-    site = tmp / "no_amx_site"
-    site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(NO_AMX_PIN)
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT), *filter(None, [saved_path])])
-    torch.cpu._is_amx_tile_supported = lambda: False
-    return undo
+    return pin(tmp, extra_paths=(str(ROOT),))
 
 
 def engine_env() -> None:
