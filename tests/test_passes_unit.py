@@ -246,6 +246,25 @@ def test_lower_wire_indexes_distinct_cast_chains():
     assert [r[5] for r in runs_table(p)] == [0, 1]
 
 
+def test_elementwise_steps_join_the_cast_chain_and_are_never_collapsed():
+    """Mamba's A = -exp(A_log.float()): exp and neg commute with views, so they fold into the copy's chain
+    (the sender applies them); neg twice is two steps, not one; the chain ends with the wire dtype."""
+    p = lower_runs(fold_views(trace({"w": ((4,), "bfloat16")}, {"a": ((2,), "float32"), "b": ((4,), "float32")},
+                                    lambda w, d: (d["a"].copy_(-torch.exp(w["w"].float())[2:]),
+                                                  d["b"].copy_(-(-w["w"]))))))
+    assert p.cast_chains == (("bfloat16", "float32", "exp", "neg", "float32"), ("bfloat16", "neg", "neg", "float32"))
+    assert [r[1] for r in runs_table(p)] == [2, 0]
+
+
+def test_cast_along_applies_steps_in_order_as_eager_torch():
+    from weightplan.runtime.casts import cast_along
+
+    x = torch.randn(64, dtype=torch.float32).bfloat16()
+    got = cast_along(x, ("bfloat16", "float32", "exp", "neg", "float32"))
+    assert torch.equal(got, -torch.exp(x.float()))
+    assert torch.equal(cast_along(x, ("bfloat16", "neg", "neg", "float32")), x.float())
+
+
 def test_strided_runs_ignores_size_one_dims_and_handles_scalars():
     src_off, dst_off, length, count, *_ = strided_runs(Geometry(5, (3, 1, 2), (2, 99, 1)), Geometry(0, (3, 1, 2), (2, 7, 1)))
     assert (src_off.tolist(), dst_off.tolist(), length.tolist(), count.tolist()) == ([5], [0], [6], [1])

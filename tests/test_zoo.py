@@ -9,16 +9,17 @@ import pytest
 
 from weightplan.compiler.compile import CompileOptions, compile_plan
 from weightplan.compiler.verify_plan import verify_plan
-from weightplan.runtime import load_plan
+from weightplan.runtime import Receiver, Sender, load_plan
 from weightplan.runtime.errors import WeightplanError
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 from zoo_configs import write_config  # noqa: E402
 
-ZOO = {  # one shape per trainer-conversion family: renamed + merged experts, stacked experts with biases, Mamba hybrid
+ZOO = {  # one shape per trainer-conversion family: renamed + merged experts, stacked experts with biases, Mamba
     "mixtral": "MixtralForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
-    "falcon_h1": "FalconH1ForCausalLM",
+    "falcon_h1": "FalconH1ForCausalLM",  # Mamba2 mixers in a hybrid: A = -exp(A_log) by a composed weight loader
+    "mamba": "MambaForCausalLM",  # Mamba1 mixers: A = -exp(A_log) computed on the loaded tensor
 }
 
 
@@ -69,18 +70,37 @@ def test_stacked_is_an_alias_of_transformers(zoo_dir, tmp_path):
     assert a.sources == b.sources and a.dests == b.dests and a.header["trainer"]["format"] == "stacked"
 
 
-def test_mamba_hybrid_is_refused_naming_the_parameter_vllm_computes(zoo_dir, tmp_path):
-    """vLLM's Mamba loader writes A = -exp(A_log) into the parameter after the copy, on the parameter
-    itself: a computation, not a data movement. The tracer sees that write and refuses the model,
-    naming A, instead of writing a plan that would carry A_log's bytes into A.
-    """
-    from weightplan.compiler.frontend.errors import ConstantWriteError
+@pytest.mark.parametrize("model_type", ["falcon_h1", "mamba"])
+def test_mamba_a_is_computed_by_the_sender_equal_to_vllm_load_weights(zoo_dir, tmp_path, rendezvous, model_type):
+    """vLLM's Mamba loaders write A = -exp(A_log.float()) (Mamba1 on the loaded tensor, Mamba2 on the parameter
+    after the copy, via composed_weight_loader). The plan carries exp and neg in A's cast chain; the sender
+    applies them while staging, so the wire carries A's final fp32 values: digests equal vLLM's load_weights,
+    and a Sender/Receiver sync over NIXL lands what the host executor computes."""
+    from .runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
 
-    out = tmp_path / "p.plan"
-    with pytest.raises(ConstantWriteError, match=r"copy_ into parameter 'model\.layers\.0\.mamba\.mamba\.A' .*A_log") as info:
-        _compile(zoo_dir["falcon_h1"], "hf", out)
-    assert "cannot compute on loaded values" in str(info.value) and "\n" not in str(info.value)
-    assert not out.exists()
+    plan_path = _compile(zoo_dir[model_type], "hf", tmp_path / "p.plan")
+    plan = load_plan(plan_path)
+    runs = plan.runs
+    a_chains = {plan.cast_chains[int(w)] for d, w in zip(runs["dest"], runs["wire"]) if plan.dests[int(d)].name.endswith(".A")}
+    assert a_chains == {("bfloat16", "float32", "exp", "neg", "float32")}
+    result = verify_plan(plan_path, model=str(zoo_dir[model_type]), seed=5)
+    assert result.mismatches == () and result.tensors == len(plan.dests)
+
+    tensors = shard(plan, full_weights(plan, 0, 1), 0)
+    sender = Sender(plan, 0, tensors, rendezvous=rendezvous, timeout=10, progress_thread=True).start()
+    destination = plain_destination(plan, 0)
+    receiver = Receiver(plan, 0, destination, rendezvous=rendezvous, timeout=10, derived="caller").start()
+    try:
+        assert any(r.staged and len(plan.cast_chains[r.chain]) > 3 for r in sender.regions)
+        sender.publish(1)
+        receiver.sync(1)
+    finally:
+        receiver.close()
+        sender.close()
+    expected = host_reference(plan, full_weights(plan, 0, 1), 0)
+    assert all(byte_equal(t, destination[n]) for n, t in expected.items())
+    a = next(n for n in expected if n.endswith(".A"))
+    assert bool((destination[a] < 0).all())  # -exp(x) is negative: the steps ran, not a plain copy of A_log
 
 
 def test_verify_materializes_parameters_vllm_holds_twice(zoo_dir):

@@ -201,6 +201,14 @@ def _to_copy(tracer, func, args, kwargs):
     return _wrap(Op.CAST, (dtype_name(out.dtype),), (x.node,), out)
 
 
+def _elementwise(step: str):
+    """A handler recording an elementwise step (runtime/casts.py:ELEMENTWISE) that the sender applies while staging."""
+    def handler(tracer, func, args, kwargs):
+        return _wrap(Op.MAP, (step,), (args[0].node,), _run_shadow(func, args, kwargs))
+
+    return handler
+
+
 def _cat(tracer, func, args, kwargs):
     tensors = args[0]
     if not all(isinstance(t, LazyWeight) for t in tensors):
@@ -245,6 +253,8 @@ _HANDLERS = {
     aten.detach.default: _identity_view,
     aten.clone.default: _clone,
     aten._to_copy.default: _to_copy,
+    aten.exp.default: _elementwise("exp"),
+    aten.neg.default: _elementwise("neg"),
     aten.cat.default: _cat,
     aten.copy_.default: _copy,
 }

@@ -169,6 +169,38 @@ def expert_maps_on_cpu():
     return _replaced({"vllm.model_executor.layers.fused_moe.expert_map_manager:ExpertMapManager.__init__": init})
 
 
+_COMPOSED = ("vllm.model_executor.model_loader.weight_utils:composed_weight_loader",
+             "vllm.model_executor.layers.mamba.mamba_mixer2:composed_weight_loader")
+
+
+def elementwise_composed_loaders():
+    """Apply a composed weight loader's `fn` to the loaded LazyWeight before the loader, not to the parameter after.
+
+    `composed_weight_loader(loader, fn)` loads, then rewrites the parameter from itself
+    (`param.copy_(fn(param))`; Mamba2's `A = -exp(A_log.float())`), a value the trace cannot
+    follow. For an elementwise `fn` (vLLM 0.32's are: -exp, x*scale, x+offset), `loader(param,
+    fn(w.to(param.dtype)))` writes the same values, since the loader only slices and copies.
+    Real tensors (the verify reference) take vLLM's own path, so verify-plan checks the claim.
+    """
+    from vllm.model_executor.model_loader import weight_utils
+
+    from .lazy_weight import LazyWeight
+
+    original = weight_utils.composed_weight_loader
+
+    def composed(loader, fn):
+        vllm_loader = original(loader, fn)
+
+        def composed_loader(param, loaded_weight):
+            if isinstance(loaded_weight, LazyWeight):
+                return loader(param, fn(loaded_weight.to(param.dtype)))
+            return vllm_loader(param, loaded_weight)
+
+        return composed_loader
+
+    return _replaced({target: composed for target in _COMPOSED})
+
+
 @contextlib.contextmanager
 def parallel_rank(vllm_config, tp_rank: int = 0, dp_rank: int = 0):
     """Make vLLM's parallel state report this rank of the config's TP x DP (x EP) layout.
@@ -240,8 +272,8 @@ def host_independent() -> Iterator[None]:
 
 @contextlib.contextmanager
 def model_build() -> Iterator[None]:
-    """What building a model on meta for the trace needs: host independence and expert maps with values."""
-    with host_independent(), expert_maps_on_cpu():
+    """What building a model on meta for the trace needs: host independence, expert maps with values, traceable loaders."""
+    with host_independent(), expert_maps_on_cpu(), elementwise_composed_loaders():
         yield
 
 
@@ -255,6 +287,8 @@ PATCHES = (
               plain_cpu_gemm.__doc__, VLLM_VERSION, plain_cpu_gemm),
     VllmPatch("expert_maps_on_cpu", ("vllm.model_executor.layers.fused_moe.expert_map_manager:ExpertMapManager.__init__",),
               expert_maps_on_cpu.__doc__, VLLM_VERSION, expert_maps_on_cpu),
+    VllmPatch("elementwise_composed_loaders", _COMPOSED, elementwise_composed_loaders.__doc__, VLLM_VERSION,
+              elementwise_composed_loaders),
     VllmPatch("parallel_rank", ("vllm.distributed.parallel_state:_TP", "vllm.distributed.parallel_state:_DP",
                                 "vllm.distributed.parallel_state:_EP"),
               parallel_rank.__doc__, VLLM_VERSION, parallel_rank),

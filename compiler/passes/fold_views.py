@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from ...runtime.casts import ELEMENTWISE
 from ...runtime.errors import WeightplanError
 from ..ir import Assignment, Copy, Fill, Geometry, Node, Op, Program
 
@@ -56,9 +57,9 @@ def fold_assignment(assignment: Assignment, source_specs, dest_numel: int, memo:
 
 
 def _push(node: Node, dst: Geometry, casts: tuple[str, ...], a: Assignment, specs, dest_numel, out, memo) -> None:
-    # Rule: casts and copies are elementwise, so they move to the copy's cast list.
-    if node.op is Op.CAST:
-        return _push(node.inputs[0], dst, (node.dtype,) + casts, a, specs, dest_numel, out, memo)
+    # Rule: casts, elementwise steps and copies commute with views, so they move to the copy's cast chain.
+    if node.op in _STEPS:
+        return _push(node.inputs[0], dst, (_step(node),) + casts, a, specs, dest_numel, out, memo)
     if node.op is Op.CONTIGUOUS:
         return _push(node.inputs[0], dst, casts, a, specs, dest_numel, out, memo)
     # Rule: copy_(dst, cat(xs, d)) == copy_(dst.narrow(d, o_i, n_i), x_i) for each part.
@@ -78,12 +79,29 @@ def _push(node: Node, dst: Geometry, casts: tuple[str, ...], a: Assignment, spec
     out.extend(_replay(node, dst, casts, a, specs, dest_numel))
 
 
-def _cast_chain(source_dtype: str, casts: tuple[str, ...]) -> tuple[str, ...]:
-    """The dtype sequence a value passes through, starting at the source dtype, repeats collapsed."""
-    chain = [source_dtype]
-    for dtype in casts:
-        if dtype != chain[-1]:
-            chain.append(dtype)
+_STEPS = (Op.CAST, Op.MAP)
+
+
+def _step(node: Node) -> str:
+    """A CAST's dtype or a MAP's elementwise step name: one entry of a cast chain."""
+    return node.dtype if node.op is Op.CAST else node.args[0]
+
+
+def _cast_chain(source_dtype: str, steps: tuple[str, ...]) -> tuple[str, ...]:
+    """The dtypes and elementwise steps a value passes through, from the source dtype to the wire dtype.
+
+    Repeated dtypes collapse (a cast to the current dtype is no step); elementwise steps never do;
+    the chain ends with the dtype the last step left the value in.
+    """
+    chain, current = [source_dtype], source_dtype
+    for step in steps:
+        if step in ELEMENTWISE:
+            chain.append(step)
+        elif step != current:
+            chain.append(step)
+            current = step
+    if chain[-1] in ELEMENTWISE:
+        chain.append(current)
     return tuple(chain)
 
 
@@ -118,8 +136,8 @@ def _geometry_of(node: Node, memo: dict) -> tuple[str, Geometry, tuple[str, ...]
     if inner is None:
         return None
     source, g, casts = inner
-    if node.op is Op.CAST:
-        return source, g, casts + (node.dtype,)
+    if node.op in _STEPS:
+        return source, g, casts + (_step(node),)
     if node.op is Op.CONTIGUOUS:
         return source, g, casts
     folded = _VIEW_RULES[node.op](g, *node.args)
@@ -213,11 +231,11 @@ def _evaluate(node: Node, bases: dict[str, int], paths: list) -> torch.Tensor:
     x = values[0]
     if node.op is Op.CONTIGUOUS:
         return x
-    if node.op is Op.CAST:
+    if node.op in _STEPS:
         x = x.clone()
         extended = []
         for old in range(len(paths)):
-            chain = paths[old] + (node.dtype,)
+            chain = paths[old] + (_step(node),)
             if chain not in paths:
                 paths.append(chain)
             extended.append(paths.index(chain))

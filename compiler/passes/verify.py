@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...runtime.casts import ELEMENTWISE
 from ...runtime.errors import WeightplanError
 from ...runtime.plan import invariants
 from ..ir import Coverage, Program, Runs, itemsize
@@ -86,8 +87,9 @@ def _check_dtypes(program: Program, runs: Runs) -> None:
         s, d = program.sources[src], program.dests[dest]
         if chain[0] != s.dtype or chain[-1] != d.dtype:
             raise PlanInvariantError(f"cast chain {chain} does not lead from {s.name} ({s.dtype}) to {d.name} ({d.dtype})")
-        for dtype in chain:
-            itemsize(dtype)
+        for step in chain:
+            if step not in ELEMENTWISE:
+                itemsize(step)
 
 
 def _coverage(program: Program, runs: Runs) -> Coverage:

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..casts import ELEMENTWISE, is_chain
 from ..errors import PlanFormatError
 from .columns import Runs
 from .header import MAX_ELEMENTS
@@ -76,9 +77,9 @@ def check_runs(plan: Plan, origin: str) -> None:
             what = "source shard" if side == "source" else "destination tensor"
             raise PlanFormatError(f"{origin}: a run reaches outside its {what}")
     for chain in chains:
-        for dtype in chain:
-            if dtype not in DTYPE_SIZES:
-                raise PlanFormatError(f"{origin}: unknown dtype {dtype!r} in a cast chain")
+        if not is_chain(chain, DTYPE_SIZES):
+            raise PlanFormatError(f"{origin}: cast chain {list(chain)} is not known dtypes and elementwise steps "
+                                  f"({', '.join(ELEMENTWISE)}) from a source dtype to a wire dtype")
 
 
 def check_quant_tables(plan: Plan, origin: str) -> None:
