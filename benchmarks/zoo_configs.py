@@ -22,6 +22,11 @@ TINY = {
 }
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 
+# Where vLLM reads a config differently from transformers, the tiny config keeps the value published checkpoints use.
+PER_MODEL = {
+    "falcon": {"ffn_hidden_size": 4 * TINY["hidden_size"]},  # vLLM's Falcon MLP is 4 x hidden whatever ffn_hidden_size says
+}
+
 
 _BASE_ONLY = ("output_attentions", "transformers_version")  # PretrainedConfig fields sub-config classes refuse
 
@@ -32,7 +37,7 @@ def tiny_config(model_type: str, architecture: str, **overrides) -> dict:
 
     cls = CONFIG_MAPPING[model_type]
     defaults = cls().to_dict()
-    values = _shrink(defaults, overrides)
+    values = _shrink(defaults, {**PER_MODEL.get(model_type, {}), **overrides})
     for key in getattr(cls, "sub_configs", {}) or {}:  # nested configs (text_config, Dbrx's ffn_config): shrink them too
         if isinstance(defaults.get(key), dict):
             values[key] = _shrink(_clean(defaults[key]), {}, whole=True)

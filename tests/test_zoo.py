@@ -20,6 +20,8 @@ ZOO = {  # one shape per trainer-conversion family: renamed + merged experts, st
     "gpt_oss": "GptOssForCausalLM",
     "falcon_h1": "FalconH1ForCausalLM",  # Mamba2 mixers in a hybrid: A = -exp(A_log) by a composed weight loader
     "mamba": "MambaForCausalLM",  # Mamba1 mixers: A = -exp(A_log) computed on the loaded tensor
+    "bloom": "BloomForCausalLM",  # ALiBi slopes read back with .tolist() while the layer is built
+    "falcon": "FalconForCausalLM",  # the same, and vLLM's MLP is 4 x hidden whatever ffn_hidden_size says
 }
 
 
@@ -101,6 +103,15 @@ def test_mamba_a_is_computed_by_the_sender_equal_to_vllm_load_weights(zoo_dir, t
     assert all(byte_equal(t, destination[n]) for n, t in expected.items())
     a = next(n for n in expected if n.endswith(".A"))
     assert bool((destination[a] < 0).all())  # -exp(x) is negative: the steps ran, not a plain copy of A_log
+
+
+@pytest.mark.parametrize("model_type", ["bloom", "falcon"])
+def test_models_reading_constants_back_while_building_verify(zoo_dir, tmp_path, model_type):
+    """vLLM computes ALiBi slopes from the config and reads them back as Python floats in __init__; built on meta
+    they had no values ("Cannot copy out of meta tensor"); vllm_patches.constants_on_cpu computes them on the CPU."""
+    plan_path = _compile(zoo_dir[model_type], "hf", tmp_path / "p.plan")
+    result = verify_plan(plan_path, model=str(zoo_dir[model_type]), seed=6)
+    assert result.mismatches == () and result.tensors == len(load_plan(plan_path).dests)
 
 
 def test_verify_materializes_parameters_vllm_holds_twice(zoo_dir):

@@ -169,6 +169,42 @@ def expert_maps_on_cpu():
     return _replaced({"vllm.model_executor.layers.fused_moe.expert_map_manager:ExpertMapManager.__init__": init})
 
 
+_CPU_CONSTANTS = ("vllm.model_executor.models.bloom:_get_alibi_slopes",
+                  "vllm.model_executor.models.falcon:_get_alibi_slopes",
+                  "vllm.model_executor.layers.activation:XIELU.__init__")
+
+
+def constants_on_cpu():
+    """Compute the constants vLLM reads back as Python numbers while building a layer on the CPU, not on meta.
+
+    Bloom's and Falcon's ALiBi slopes (`_get_alibi_slopes(...).tolist()`) and xIELU's `beta`/`eps`
+    (`.item()`, Apertus) are computed from the config in `__init__`; under the meta device they
+    have no values to read. xIELU's two learned parameters (loaded from the checkpoint) are moved
+    back to meta, like every other parameter of the traced model.
+    """
+    from vllm.model_executor.layers.activation import XIELU
+
+    def on_cpu(function):
+        def run(*args, **kwargs):
+            with torch.device("cpu"):
+                return function(*args, **kwargs)
+        return run
+
+    original_init = XIELU.__init__
+
+    def xielu_init(self, *args, **kwargs):
+        on_meta = torch.empty(()).device.type == "meta"
+        on_cpu(original_init)(self, *args, **kwargs)
+        if on_meta:
+            for name, param in list(self._parameters.items()):
+                self._parameters[name] = torch.nn.Parameter(torch.empty_like(param, device="meta"),
+                                                            requires_grad=param.requires_grad)
+
+    replacements = {target: on_cpu(resolve(target)[0].__dict__[resolve(target)[1]]) for target in _CPU_CONSTANTS[:2]}
+    replacements[_CPU_CONSTANTS[2]] = xielu_init
+    return _replaced(replacements)
+
+
 _COMPOSED = ("vllm.model_executor.model_loader.weight_utils:composed_weight_loader",
              "vllm.model_executor.layers.mamba.mamba_mixer2:composed_weight_loader")
 
@@ -272,8 +308,9 @@ def host_independent() -> Iterator[None]:
 
 @contextlib.contextmanager
 def model_build() -> Iterator[None]:
-    """What building a model on meta for the trace needs: host independence, expert maps with values, traceable loaders."""
-    with host_independent(), expert_maps_on_cpu(), elementwise_composed_loaders():
+    """What building a model on meta for the trace needs: host independence, expert maps and constants with values,
+    traceable loaders."""
+    with host_independent(), expert_maps_on_cpu(), elementwise_composed_loaders(), constants_on_cpu():
         yield
 
 
@@ -289,6 +326,7 @@ PATCHES = (
               expert_maps_on_cpu.__doc__, VLLM_VERSION, expert_maps_on_cpu),
     VllmPatch("elementwise_composed_loaders", _COMPOSED, elementwise_composed_loaders.__doc__, VLLM_VERSION,
               elementwise_composed_loaders),
+    VllmPatch("constants_on_cpu", _CPU_CONSTANTS, constants_on_cpu.__doc__, VLLM_VERSION, constants_on_cpu),
     VllmPatch("parallel_rank", ("vllm.distributed.parallel_state:_TP", "vllm.distributed.parallel_state:_DP",
                                 "vllm.distributed.parallel_state:_EP"),
               parallel_rank.__doc__, VLLM_VERSION, parallel_rank),
