@@ -27,7 +27,7 @@ from .quant import ReceiverQuant
 
 log = logging.getLogger("weightplan.runtime")
 PROGRESS_EVERY = 5.0  # seconds between progress lines of a long sync
-_NO_READS = Reads(*(np.zeros(0, dtype=np.int64) for _ in range(6)))
+_NO_READS = Reads.empty()
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,8 @@ class SyncReport:
     verify_seconds: float | None
     quantize_seconds: float = 0.0  # receiver-side fp8 quantization, inside `seconds`
     derived_seconds: float = 0.0  # recomputing derived post-load state (runtime/receiver/derived.py), inside `seconds`
+    table_bytes: int = 0  # this rank's runtime tables (reads, groups, descriptors): O(stored runs + descriptors)
+    packed_bytes: int = 0  # of `bytes`, those read from the trainers' packed regions of small runs
 
     @property
     def gbps(self) -> float:
@@ -61,20 +63,39 @@ class _Descriptors(ColumnTable):
     group: np.ndarray
 
 
-def descriptor_table(reads: Reads, group: np.ndarray, packed_at: np.ndarray, local: np.ndarray) -> _Descriptors:
-    """Runs read in place keep one descriptor each; packed runs merge wherever both sides are contiguous."""
-    packed = packed_at[reads.run]
+def row_pieces(count: np.ndarray, nbytes: np.ndarray, whole: np.ndarray, *sides: tuple[np.ndarray, np.ndarray]):
+    """The descriptors of stored runs: one per run where `whole` (its rows continue each other on every side),
+    else one per row. Returns (run of each descriptor, its bytes, its start on each side given as (start, stride))."""
+    pieces = np.where(whole, 1, count)
+    run = np.repeat(np.arange(len(count)), pieces)
+    index = np.arange(len(run)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    size = np.where(whole, nbytes * count, nbytes)[run]
+    return run, size, [start[run] + index * stride[run] for start, stride in sides]
+
+
+def descriptor_table(reads: Reads, group: np.ndarray, packed: np.ndarray, local: np.ndarray) -> _Descriptors:
+    """Runs read in place: one descriptor per row (per run where contiguous on both sides); packed runs (`packed`:
+    offset in the packed region, -1 if read in place): one per run where the destination rows continue each
+    other, merged wherever both sides are contiguous."""
+    single = reads.count == 1
     direct = np.flatnonzero(packed < 0)
+    d = reads.take(direct)
+    run, size, (remote, lo) = row_pieces(d.count, d.nbytes, single[direct] | ((d.src_stride == d.nbytes) & (d.dst_stride == d.nbytes)),
+                                         (d.src_byte, d.src_stride), (local[direct], d.dst_stride))
+    direct_group = group[direct][run]
     rows = np.flatnonzero(packed >= 0)
     rows = rows[np.argsort(packed[rows], kind="stable")]
-    lo, po, n, g = local[rows], packed[rows], reads.nbytes[rows], group[rows]
-    first, merged = contiguous_starts(n, (lo, po), (g,))
+    p = reads.take(rows)
+    prun, n, (po, plo) = row_pieces(p.count, p.nbytes, single[rows] | (p.dst_stride == p.nbytes),
+                                    (packed[rows], p.nbytes), (local[rows], p.dst_stride))
+    g = group[rows][prun]
+    first, merged = contiguous_starts(n, (plo, po), (g,))
     return _Descriptors(
-        region=np.concatenate([reads.region[direct], np.full(len(first), RemoteRegion.PACKED, dtype=np.int64)]),
-        remote_off=np.concatenate([reads.src_byte[direct], po[first]]),
-        local=np.concatenate([local[direct], lo[first]]),
-        nbytes=np.concatenate([reads.nbytes[direct], merged]),
-        group=np.concatenate([group[direct], g[first]]),
+        region=np.concatenate([d.region[run], np.full(len(first), RemoteRegion.PACKED, dtype=np.int64)]),
+        remote_off=np.concatenate([remote, po[first]]),
+        local=np.concatenate([lo, plo[first]]),
+        nbytes=np.concatenate([size, merged]),
+        group=np.concatenate([direct_group, g[first]]),
     )
 
 
@@ -149,7 +170,12 @@ class Receiver(AgentOwner):
         self._seq = torch.zeros(plan.header["src_ranks"], dtype=torch.int64)
         packings = {src: packing(plan, src) for src in self.reads}
         self._packed_bytes = {src: p.nbytes for src, p in packings.items()}
-        self._tables = {src: self._descriptors(src, packings[src]) for src in self.reads}
+        packed_at = {src: packings[src].offsets_of(r.run) for src, r in self.reads.items()}
+        self._tables = {src: self._descriptors(src, packed_at[src]) for src in self.reads}
+        # Every table this rank built, the trainers' packings it derived included: none has a row dimension.
+        self.table_bytes = sum(r.footprint() + self._groups[s].nbytes + self._tables[s].footprint() + packings[s].footprint()
+                               + packed_at[s].nbytes for s, r in self.reads.items())
+        self.packed_read_bytes = sum(int(r.total()[packed_at[s] >= 0].sum()) for s, r in self.reads.items())
         self._peers: dict[int, _Peer] = {}
         self._version: int | None = None
         self.incarnation = uuid.uuid4().hex
@@ -200,7 +226,7 @@ class Receiver(AgentOwner):
     @property
     def bytes(self) -> int:
         """Bytes READ per sync: runs, plus with fp8 tables the fp8 values, scales and bf16 staging."""
-        return int(sum(int(r.nbytes.sum()) for r in self.reads.values())) + (self._quant.bytes if self._quant else 0)
+        return int(sum(int(r.total().sum()) for r in self.reads.values())) + (self._quant.bytes if self._quant else 0)
 
     @property
     def destination_bytes(self) -> int:
@@ -221,9 +247,9 @@ class Receiver(AgentOwner):
         base = np.array([self._dst[int(d)].data_ptr() for d in reads.dest.tolist()], dtype=np.int64)
         return base + reads.dst_byte
 
-    def _descriptors(self, src: int, packed) -> _Descriptors:
+    def _descriptors(self, src: int, packed_at: np.ndarray) -> _Descriptors:
         reads = self.reads[src]
-        table = descriptor_table(reads, self._groups[src], packed.offsets_by_run(self.plan.n_runs), self._local_addresses(reads))
+        table = descriptor_table(reads, self._groups[src], packed_at, self._local_addresses(reads))
         if self._quant is None or src not in self._quant.rows:
             return table
         quant = self._quant.descriptors(src)
@@ -270,7 +296,8 @@ class Receiver(AgentOwner):
         self._version = version
         report = SyncReport(version, self.rank, self.bytes, self.descriptors, len(sources), self.n_groups,
                             time.monotonic() - start, spent[0] if self.verify else None,
-                            self._quant.seconds if self._quant else 0.0, self._derived.seconds)
+                            self._quant.seconds if self._quant else 0.0, self._derived.seconds, self.table_bytes,
+                            self.packed_read_bytes)
         log.info("weightplan sync v%d inference rank %d: %.3f GB, %d descriptors from %d trainer ranks, %.3f s, %.2f GB/s%s%s",
                  version, self.rank, report.bytes / 1e9, report.descriptors, report.trainer_ranks, report.seconds,
                  report.gbps, f", verified in {report.verify_seconds:.3f} s" if self.verify else "",
@@ -378,7 +405,7 @@ class Receiver(AgentOwner):
             for rank, reads in self.reads.items():
                 rows = self._groups[rank] == group
                 part = reads.take(rows)
-                ours = {str(d): h for d, h in run_digests(buffers, part.dest, part.dst_byte, part).items()}
+                ours = {str(d): h for d, h in run_digests(buffers, part.dest, part.dst_byte, part.dst_stride, part).items()}
                 if self._quant and rank in self._quant.rows:
                     ours.update(self._quant.digests(rank, group))
                 bad += [f"{self._key_name(k)} (from trainer rank {rank})" for k, h in ours.items() if theirs[rank].get(k) != h]

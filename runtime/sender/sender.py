@@ -22,7 +22,7 @@ from ..transport.lifecycle import AgentOwner
 from ..transport.nixl_agent import NixlAgent
 from ..transport.region_digests import byte_view, run_digests
 from ..transport.rendezvous import INCARNATION, Rendezvous, inference_agent, trainer_agent
-from .gather import Gather
+from .pack import PackRuns
 from .quant import SenderQuant
 from .trainer_gather import TrainerGather, gathered_key, staged_key
 
@@ -40,6 +40,16 @@ class ReleaseReport:
     timed_out: tuple[int, ...]
     seconds: float
     gatherers_timed_out: tuple[int, ...] = ()  # peer trainer ranks that had not finished their gather-side READs
+
+
+@dataclass(frozen=True)
+class SenderStats:
+    """Memory a trainer rank holds for serving: runtime tables (proportional to its stored runs, not their rows),
+    its packed region of small runs, and everything it writes at publish (staging_bytes, packed region included)."""
+
+    table_bytes: int
+    packed_bytes: int
+    staging_bytes: int
 
 
 class Sender(AgentOwner):
@@ -84,12 +94,9 @@ class Sender(AgentOwner):
             for r, src in zip(self.regions, self._sources)
         ]
         self._served_runs = served_runs(plan, rank)
-        self.packing = packing(plan, rank)
+        self.packing = packing(plan, rank, self._served_runs)
         self._packed = torch.empty(self.packing.nbytes, dtype=torch.uint8)
-        served = self._served_runs
-        at = np.searchsorted(served.run, self.packing.run)
-        self._pack = Gather(self._exposed, self._packed, served.region[at], served.src_byte[at], served.nbytes[at],
-                            self.packing.packed_byte, self.packing.unit)
+        self._pack = PackRuns(self._exposed, self._packed, self.packing, self._served_runs)
         self._gather = TrainerGather(plan, rank, tables) if tables is not None and len(tables.gathered(rank)) else None
         self.gatherers = tables.gatherers(rank) if tables else ()  # peer trainer ranks reading this rank's bf16
         self._quant = (SenderQuant(plan, rank, tables, self.regions, self._exposed, flat,
@@ -146,6 +153,12 @@ class Sender(AgentOwner):
         self.agent.close()
 
     @property
+    def stats(self) -> SenderStats:
+        """What this rank keeps per sync: its runtime tables and the region it packs small runs into."""
+        return SenderStats(self._served_runs.footprint() + self.packing.footprint() + self._pack.table_bytes,
+                           self.packing.nbytes, self.staging_bytes)
+
+    @property
     def staging_bytes(self) -> int:
         """Bytes this rank writes at every publish: cast regions, packed small runs, and with fp8 tables the
         packed stage copies and the fp8 values and scales."""
@@ -185,7 +198,8 @@ class Sender(AgentOwner):
         if self.digests:
             began = time.perf_counter()
             served = self._served_runs
-            found = run_digests([byte_view(x) for x in self._exposed], served.region, served.src_byte, served)
+            found = run_digests([byte_view(x) for x in self._exposed], served.region, served.src_byte, served.src_stride,
+                                served)
             found = {str(k): v for k, v in found.items()}
             if self._quant is not None:
                 found.update(self._quant.digests(self._exposed))
