@@ -33,12 +33,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
+from synthetic_plans import RUN_ELEMS, many_runs_plan, tp_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "benchmarks" / "configs" / "glm-5.2-2gb"
-RUN_ELEMS = 64  # elements per synthetic descriptor (128 bytes of bf16)
 
 
 def memcpy_gbps(total: int, chunk: int = 256 << 20, repeats: int = 5) -> float:
@@ -59,34 +58,6 @@ def compile_bench_plan(out: Path, quant: str = "none") -> Path:
     from weightplan.compiler.compile import CompileOptions, compile_plan
 
     compile_plan(CompileOptions(str(CONFIG), "hf", "bf16", quant, out, trainer="fsdp=2", inference="dp=2,ep"))
-    return out
-
-
-def synthetic_plan(n: int, out: Path) -> Path:
-    """One bf16 tensor moved in n runs of RUN_ELEMS elements, read in reverse order so none coalesce."""
-    from weightplan.compiler.ir import PlanOrigin, Program, Runs, TensorEntry
-    from weightplan.compiler.plan_writer import write_program
-    from weightplan.runtime.layout.shards import TrainerLayout
-
-    numel = n * RUN_ELEMS
-    i = np.arange(n, dtype=np.int64)
-    zeros = np.zeros(n, dtype=np.int64)
-    runs = Runs(src=zeros, src_off=(n - 1 - i) * RUN_ELEMS, dest=zeros, dst_off=i * RUN_ELEMS,
-                length=np.full(n, RUN_ELEMS, dtype=np.int64), wire=zeros, src_rank=zeros,
-                count=np.ones(n, dtype=np.int64), src_stride=zeros, dst_stride=zeros)  # plain runs
-    sources = (TensorEntry("synthetic.weight", (numel,), "bfloat16"),)
-    layout = TrainerLayout().bind(sources)  # one trainer rank holding the whole tensor
-    program = Program(
-        sources=sources,
-        dests=(TensorEntry("synthetic.weight", (numel,), "bfloat16", ranks=(0,)),),
-        runs=runs, cast_chains=(("bfloat16",),),
-        origin=PlanOrigin(vllm_version="synthetic", model=f"synthetic-{n}", config_sha256="", architecture="none",
-                          trainer={"format": "hf", "dtype": "bf16", "token": layout.token, **layout.as_dict()},
-                          inference={"token": "tp1", "tp": 1, "dp": 1, "ep": False, "platform": "cpu"},
-                          quant="none", src_ranks=1, dst_ranks=1),
-        trainer_layout=layout,
-    )
-    write_program(program, out)
     return out
 
 
@@ -137,7 +108,7 @@ def host_overhead(repeats: int, bytes_per_s: float, tmp: Path) -> dict[int, dict
     reps = range(2, repeats + 1)
     out = {}
     for n in (10_000, 100_000):
-        synth = run_job(synthetic_plan(n, tmp / f"synthetic-{n}.plan"), 1, 1, repeats, f"overhead-{n}",
+        synth = run_job(many_runs_plan(n, tmp / f"synthetic-{n}.plan"), 1, 1, repeats, f"overhead-{n}",
                         model=False, gloo=False, tmp=tmp)
         # Host work of one sync: the trainer's publish (including packing small runs) plus the receiver's sync.
         publish = {e["rep"]: e["published"] - e["start"] for e in synth if e.get("round") == "sync" and e["role"] == "trainer"}

@@ -82,7 +82,8 @@ def run_trainer(args, plan) -> None:
         report = sender.release(version)
         emit(event="released", rank=args.rank, version=version, acked=list(report.acked), failed=list(report.failed),
              timed_out=list(report.timed_out), gatherers_timed_out=list(report.gatherers_timed_out), seconds=report.seconds,
-             gather_seconds=sender.gather_seconds, quantize_seconds=sender.quantize_seconds)
+             gather_seconds=sender.gather_seconds, quantize_seconds=sender.quantize_seconds,
+             table_bytes=sender.stats.table_bytes, packed_bytes=sender.stats.packed_bytes, stored_runs=sender.stats.stored_runs)
     if args.linger:
         time.sleep(args.linger)
 
@@ -183,7 +184,9 @@ def sync_versions(args, receiver, digests, extra=lambda report: {}) -> None:
         absorbed = sum(n.endswith((".W_UV", ".W_UK_T")) for n in expected)  # MLA state derived after loading
         emit(event="synced", rank=args.rank, version=version, reported=receiver.version, digests=len(expected), absorbed=absorbed,
              differ=differ[:5], n_differ=len(differ), bytes=report.bytes, descriptors=report.descriptors,
-             groups=report.groups, seconds=report.seconds, verify_seconds=report.verify_seconds, **extra(report))
+             groups=report.groups, seconds=report.seconds, verify_seconds=report.verify_seconds,
+             table_bytes=report.table_bytes, packed_bytes=report.packed_bytes,
+             stored_runs=sum(len(r) for r in receiver.reads.values()), **extra(report))
 
 
 class _Params:

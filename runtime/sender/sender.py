@@ -17,7 +17,7 @@ from ..errors import SyncError, WeightplanError
 from ..plan.format import Plan
 from ..plan.schema import RECEIVER
 from ..tables.quant import check_supported, exposed_regions, quant_readers, quant_tables
-from ..tables.ranks import check_src_rank, packing, readers, served_runs
+from ..tables.ranks import check_src_rank, packing_of, readers, served_runs
 from ..transport.lifecycle import AgentOwner
 from ..transport.nixl_agent import NixlAgent
 from ..transport.region_digests import byte_view, run_digests
@@ -50,6 +50,7 @@ class SenderStats:
     table_bytes: int
     packed_bytes: int
     staging_bytes: int
+    stored_runs: int  # the plan's stored runs this rank serves (each standing for `count` rows)
 
 
 class Sender(AgentOwner):
@@ -94,7 +95,7 @@ class Sender(AgentOwner):
             for r, src in zip(self.regions, self._sources)
         ]
         self._served_runs = served_runs(plan, rank)
-        self.packing = packing(plan, rank, self._served_runs)
+        self.packing = packing_of(self._served_runs)
         self._packed = torch.empty(self.packing.nbytes, dtype=torch.uint8)
         self._pack = PackRuns(self._exposed, self._packed, self.packing, self._served_runs)
         self._gather = TrainerGather(plan, rank, tables) if tables is not None and len(tables.gathered(rank)) else None
@@ -156,7 +157,7 @@ class Sender(AgentOwner):
     def stats(self) -> SenderStats:
         """What this rank keeps per sync: its runtime tables and the region it packs small runs into."""
         return SenderStats(self._served_runs.footprint() + self.packing.footprint() + self._pack.table_bytes,
-                           self.packing.nbytes, self.staging_bytes)
+                           self.packing.nbytes, self.staging_bytes, len(self._served_runs))
 
     @property
     def staging_bytes(self) -> int:

@@ -183,9 +183,13 @@ class Packing:
         return int(self.run.nbytes + self.packed_byte.nbytes + self.shape.nbytes)
 
 
-def packing(plan: Plan, rank: int, served: Reads | None = None) -> Packing:
+def packing(plan: Plan, rank: int) -> Packing:
     """Which of trainer `rank`'s stored runs are packed (rows under PACK_BELOW_BYTES) and where."""
-    served = served_runs(plan, rank) if served is None else served
+    return packing_of(served_runs(plan, rank))
+
+
+def packing_of(served: Reads) -> Packing:
+    """The packing of these served runs (one trainer rank's, in plan order)."""
     small = served.take(np.flatnonzero(served.nbytes < PACK_BELOW_BYTES))
     stride = np.where(small.count > 1, small.src_stride, 0)
     keys = (small.region, small.nbytes, small.count, stride)
