@@ -1,6 +1,6 @@
 """Benchmark: one weight sync between processes, against this machine's copy ceilings and the NCCL-style baseline.
 
-Usage: python benchmarks/bench_runtime.py [--repeats N] [--quant fp8_per_block]   (make bench-runtime)
+Usage: python benchmarks/bench_runtime.py [--repeats N] [--quant fp8_per_block] [--strided-only]   (make bench-runtime)
 
 A GLM-5.2-shaped model scaled to about 2 GB (benchmarks/configs/glm-5.2-2gb), bf16 masters,
 2 trainer processes (FSDP=2) and 2 inference processes (vLLM models, DP attention + EP=2):
@@ -12,6 +12,10 @@ A GLM-5.2-shaped model scaled to about 2 GB (benchmarks/configs/glm-5.2-2gb), bf
 Bytes are destination bytes. Medians over repetitions after the first (which sets up connections).
 Host overhead: publish + sync of synthetic plans with 10k and 100k small runs (128 B each),
 minus their bytes at the ceiling rate.
+tp-style case (benchmarks/synthetic_plans.py: tp_plan): 2 trainers (FSDP=2) and 2 tp ranks, 1.07 GB of
+destination bytes, half in 1 KiB rows of strided runs (column slices), half in contiguous row slices: its
+sync against its own process_vm_readv ceiling (one iovec per row), `strided_sync_vs_ceiling`, and the runtime
+tables both sides built, `strided_table_bytes`, in the JSON line.
 With --quant fp8_per_block, the same run then compiles the same model with --quant fp8_per_block
 and times its sync (publish with sender-side quantization, READs, receiver-side quantization) in
 the same processes layout, and prints seconds per GB of destination parameters next to the bf16
@@ -33,10 +37,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from synthetic_plans import RUN_ELEMS, many_runs_plan, tp_plan
 
 ROOT = Path(__file__).resolve().parent.parent
+# The tp-style case: 128 column-parallel matrices whose slices are 1024 rows of 1 KiB, as many row-parallel ones.
+STRIDED_PLAN = {"matrices": 128, "rows": 1024, "width": 512, "row_width": 1024}
 CONFIG = ROOT / "benchmarks" / "configs" / "glm-5.2-2gb"
 
 
@@ -62,7 +69,7 @@ def compile_bench_plan(out: Path, quant: str = "none") -> Path:
 
 
 def run_job(plan: Path, n_src: int, n_dst: int, repeats: int, job: str, *, model: bool, gloo: bool, tmp: Path,
-            verify: bool = False, threads: int = 0) -> list[dict]:
+            verify: bool = False, threads: int = 0, baseline: bool = True) -> list[dict]:
     from weightplan.runtime import Rendezvous
 
     rendezvous = Rendezvous.connect(job, "127.0.0.1:0", serve=True, timeout=900)
@@ -73,6 +80,8 @@ def run_job(plan: Path, n_src: int, n_dst: int, repeats: int, job: str, *, model
         common += ["--verify"]
     if threads:
         common += ["--threads", str(threads)]
+    if not baseline:
+        common += ["--no-baseline"]
     procs = []
     for role, n in (("trainer", n_src), ("inference", n_dst)):
         for rank in range(n):
@@ -120,6 +129,31 @@ def host_overhead(repeats: int, bytes_per_s: float, tmp: Path) -> dict[int, dict
     return out
 
 
+def strided_job(args, tmp: Path) -> dict:
+    """The tp-style case: sync of STRIDED_PLAN (half its bytes in 1 KiB rows of strided runs) against its readv ceiling."""
+    from weightplan.runtime import load_plan
+
+    path = tp_plan(tmp / "bench-strided.plan", **STRIDED_PLAN)
+    plan = load_plan(path)
+    events = run_job(path, 2, 2, args.repeats, "bench-runtime-strided", model=False, gloo=True, baseline=False, tmp=tmp,
+                     verify=args.verify)
+    reps = range(2, args.repeats + 1)
+    syncs = [e for e in events if e.get("round") == "sync" and e["rep"] == 1]
+    t = plan.table
+    row_bytes = t["length"] * plan.stored_itemsize()
+    holders = np.array([len(plan.dests[d].ranks) for d in t["dest"].tolist()])
+    return {
+        "bytes": sum(e["bytes"] for e in syncs if e["role"] == "inference"),
+        "small_row_bytes": int((row_bytes * t["count"] * holders)[row_bytes <= 1024].sum()),
+        "stored_runs": plan.n_stored_runs, "rows": plan.n_runs,
+        "descriptors": sum(e["descriptors"] for e in syncs if e["role"] == "inference"),
+        "table_bytes": sum(e["table_bytes"] for e in syncs),
+        "packed_bytes": sum(e["packed_bytes"] for e in syncs if e["role"] == "trainer"),
+        "ceiling": statistics.median(wall(events, "ceiling", r) for r in reps),
+        "sync": statistics.median(wall(events, "sync", r, "trainer", "inference") for r in reps),
+    }
+
+
 def fp8_job(args, tmp: Path) -> dict:
     """Time fp8_per_block syncs of the same model: medians of reps 2..N, wall from the trainers' publish to the last receiver."""
     plan = compile_bench_plan(tmp / "bench-fp8.plan", "fp8_per_block")
@@ -153,10 +187,35 @@ def fp8_job(args, tmp: Path) -> dict:
     }
 
 
+def strided_figures(strided: dict, contiguous_gbps: float | None = None) -> dict:
+    gb = strided["bytes"] / 1e9
+    out = {"strided_bytes": strided["bytes"], "strided_small_row_bytes": strided["small_row_bytes"],
+           "strided_sync_gbps": round(gb / strided["sync"], 3), "strided_ceiling_gbps": round(gb / strided["ceiling"], 3),
+           "strided_sync_vs_ceiling": round(strided["ceiling"] / strided["sync"], 3),
+           "strided_table_bytes": strided["table_bytes"], "strided_packed_bytes": strided["packed_bytes"],
+           "strided_stored_runs": strided["stored_runs"], "strided_rows": strided["rows"],
+           "strided_descriptors": strided["descriptors"]}
+    if contiguous_gbps is not None:
+        out["strided_vs_contiguous_sync"] = round(gb / strided["sync"] / contiguous_gbps, 3)
+    return out
+
+
+def print_strided(strided: dict, repeats: int) -> None:
+    gb = strided["bytes"] / 1e9
+    print(f"tp-style strided case ({STRIDED_PLAN}), 2 trainer -> 2 inference processes (tp=2), bf16, {gb:.3f} GB destination "
+          f"bytes, {strided['small_row_bytes'] / strided['bytes']:.0%} in rows <= 1 KiB; {strided['stored_runs']} stored runs "
+          f"standing for {strided['rows']} rows, {strided['descriptors']} descriptors; medians of reps 2..{repeats}")
+    print(f"  (a') process_vm_readv ceiling (one iovec per row) {gb / strided['ceiling']:7.2f} GB/s  {strided['ceiling']:.3f} s")
+    print(f"  (b)  weightplan sync (publish packs, NIXL READ)   {gb / strided['sync']:7.2f} GB/s  {strided['sync']:.3f} s   "
+          f"b / a' = {strided['ceiling'] / strided['sync']:.3f}")
+    print(f"  runtime tables, both sides: {strided['table_bytes']} bytes; trainers' packed regions {strided['packed_bytes'] / 1e6:.1f} MB")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--overhead-only", action="store_true", help="only the host-overhead rows (quick)")
+    parser.add_argument("--strided-only", action="store_true", help="only the tp-style strided case")
     parser.add_argument("--verify", action="store_true", help="syncs also hash and compare every region (measures its cost)")
     parser.add_argument("--quant", choices=("none", "fp8_per_block"), default="none",
                         help="also time an fp8_per_block sync of the same model in this run and compare per GB")
@@ -170,6 +229,11 @@ def main() -> None:
             rate = memcpy_gbps(1 << 30) * 1e9  # faster than the ceiling: overstates the overhead, never hides it
             for n, o in host_overhead(args.repeats, rate, tmp).items():
                 print(f"host overhead, {n:>7,} descriptors: sync {o['sync_s'] * 1e3:.1f} ms, overhead {o['overhead_ms']:.1f} ms")
+            return
+        if args.strided_only:
+            strided = strided_job(args, tmp)
+            print_strided(strided, args.repeats)
+            print(json.dumps(strided_figures(strided)))
             return
         plan = compile_bench_plan(tmp / "bench.plan")
         events = run_job(plan, 2, 2, args.repeats, "bench-runtime", model=True, gloo=True, tmp=tmp, verify=args.verify)
@@ -190,6 +254,7 @@ def main() -> None:
         memcpy = memcpy_gbps(nbytes)
         overhead = host_overhead(args.repeats, nbytes / ceiling, tmp)
         fp8 = fp8_job(args, tmp) if args.quant == "fp8_per_block" else None
+        strided = strided_job(args, tmp)
 
     gb = nbytes / 1e9
     figures = {
@@ -205,6 +270,7 @@ def main() -> None:
         "host_overhead_ms_100k": round(overhead[100_000]["overhead_ms"], 2),
         "verify": args.verify,
     }
+    figures.update(strided_figures(strided, gb / sync))
     cores = len(os.sched_getaffinity(0))
     figures["cores"] = cores
     figures["sync_cpu_busy"] = round(sync_cpu / (cores * sync), 3)
@@ -242,6 +308,7 @@ def main() -> None:
           f"(of which outside gloo on the slowest inference rank, i.e. load_weights: {loading:.3f} s)")
     print(f"  b / a' = {figures['sync_vs_ceiling']:.3f}   b / a = {figures['sync_vs_memcpy']:.3f}   c / b time = {figures['speedup_vs_baseline']:.2f}x")
     print(f"  digests after our sync == after vLLM load_weights of the same weights: {identical}")
+    print_strided(strided, args.repeats)
     for n, o in overhead.items():
         print(f"  host overhead, {n:>7,} descriptors of {RUN_ELEMS * 2} B: sync {o['sync_s'] * 1e3:.1f} ms, "
               f"readv {o['readv_s'] * 1e3:.1f} ms, overhead {o['overhead_ms']:.1f} ms")

@@ -16,7 +16,8 @@ from ..errors import PlanMismatchError, SyncError, WeightplanError
 from ..plan.columns import ColumnTable
 from ..plan.format import Plan
 from ..tables.quant import check_supported, quant_tables, stage_packing
-from ..tables.ranks import Reads, RemoteRegion, held_entries, packing, pipeline_groups, reads_of, region_addresses
+from ..tables.ranks import (Reads, RemoteRegion, held_entries, packing, pipeline_groups, reads_of, region_addresses,
+                            row_pieces)
 from ..transport.lifecycle import AgentOwner
 from ..transport.nixl_agent import NixlAgent, contiguous_starts
 from ..transport.peer_check import checked_regions, checked_word
@@ -63,16 +64,6 @@ class _Descriptors(ColumnTable):
     group: np.ndarray
 
 
-def row_pieces(count: np.ndarray, nbytes: np.ndarray, whole: np.ndarray, *sides: tuple[np.ndarray, np.ndarray]):
-    """The descriptors of stored runs: one per run where `whole` (its rows continue each other on every side),
-    else one per row. Returns (run of each descriptor, its bytes, its start on each side given as (start, stride))."""
-    pieces = np.where(whole, 1, count)
-    run = np.repeat(np.arange(len(count)), pieces)
-    index = np.arange(len(run)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-    size = np.where(whole, nbytes * count, nbytes)[run]
-    return run, size, [start[run] + index * stride[run] for start, stride in sides]
-
-
 def descriptor_table(reads: Reads, group: np.ndarray, packed: np.ndarray, local: np.ndarray) -> _Descriptors:
     """Runs read in place: one descriptor per row (per run where contiguous on both sides); packed runs (`packed`:
     offset in the packed region, -1 if read in place): one per run where the destination rows continue each
@@ -80,8 +71,8 @@ def descriptor_table(reads: Reads, group: np.ndarray, packed: np.ndarray, local:
     single = reads.count == 1
     direct = np.flatnonzero(packed < 0)
     d = reads.take(direct)
-    run, size, (remote, lo) = row_pieces(d.count, d.nbytes, single[direct] | ((d.src_stride == d.nbytes) & (d.dst_stride == d.nbytes)),
-                                         (d.src_byte, d.src_stride), (local[direct], d.dst_stride))
+    run, size, (remote, lo) = row_pieces(d.count, d.nbytes, d.contiguous(), (d.src_byte, d.src_stride),
+                                         (local[direct], d.dst_stride))
     direct_group = group[direct][run]
     rows = np.flatnonzero(packed >= 0)
     rows = rows[np.argsort(packed[rows], kind="stable")]

@@ -87,6 +87,20 @@ class Reads(ColumnTable):
         """Bytes of each stored run, all its rows."""
         return self.nbytes * self.count
 
+    def contiguous(self) -> np.ndarray:
+        """Whether each run's rows continue each other on both sides (one byte range each side)."""
+        return (self.count == 1) | ((self.src_stride == self.nbytes) & (self.dst_stride == self.nbytes))
+
+
+def row_pieces(count: np.ndarray, nbytes: np.ndarray, whole: np.ndarray, *sides: tuple[np.ndarray, np.ndarray]):
+    """The descriptors of stored runs: one per run where `whole` (its rows continue each other on every side),
+    else one per row. Returns (run of each descriptor, its bytes, its start on each side given as (start, stride))."""
+    pieces = np.where(whole, 1, count)
+    run = np.repeat(np.arange(len(count)), pieces)
+    index = np.arange(len(run)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    size = np.where(whole, nbytes * count, nbytes)[run]
+    return run, size, [start[run] + index * stride[run] for start, stride in sides]
+
 
 def check_src_rank(plan: Plan, rank: int) -> None:
     check_rank(rank, plan.header["src_ranks"], "trainer")
