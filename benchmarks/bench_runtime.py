@@ -135,8 +135,10 @@ def strided_job(args, tmp: Path) -> dict:
 
     path = tp_plan(tmp / "bench-strided.plan", **STRIDED_PLAN)
     plan = load_plan(path)
+    # One torch thread per process, as in the fp8 job: four processes share this host's cores, and intra-op threads
+    # of the trainers' packing copies then wait on each other (measured 20x slower under load).
     events = run_job(path, 2, 2, args.repeats, "bench-runtime-strided", model=False, gloo=True, baseline=False, tmp=tmp,
-                     verify=args.verify)
+                     verify=args.verify, threads=args.strided_threads)
     reps = range(2, args.repeats + 1)
     syncs = [e for e in events if e.get("round") == "sync" and e["rep"] == 1]
     t = plan.table
@@ -216,6 +218,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--overhead-only", action="store_true", help="only the host-overhead rows (quick)")
     parser.add_argument("--strided-only", action="store_true", help="only the tp-style strided case")
+    parser.add_argument("--strided-threads", type=int, default=1, help="torch threads per process in the strided case")
     parser.add_argument("--verify", action="store_true", help="syncs also hash and compare every region (measures its cost)")
     parser.add_argument("--quant", choices=("none", "fp8_per_block"), default="none",
                         help="also time an fp8_per_block sync of the same model in this run and compare per GB")
