@@ -8,7 +8,6 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ..casts import cast_along

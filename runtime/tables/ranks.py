@@ -187,10 +187,10 @@ class Packing:
 
     def offsets_of(self, runs: np.ndarray) -> np.ndarray:
         """packed_byte of each of these stored plan runs, -1 where one is not packed."""
-        order = np.argsort(self.run)
-        at = np.minimum(np.searchsorted(self.run[order], runs), max(len(order) - 1, 0))
-        if not len(order):
+        if not len(self.run):
             return np.full(len(runs), -1, dtype=np.int64)
+        order = np.argsort(self.run)
+        at = np.minimum(np.searchsorted(self.run[order], runs), len(order) - 1)
         return np.where(self.run[order][at] == runs, self.packed_byte[order][at], -1)
 
     def footprint(self) -> int:
