@@ -4,21 +4,25 @@ multi-process NIXL syncs of tp=2 MoE plans whose expert down_proj column slices 
 from __future__ import annotations
 
 import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from unittest import mock
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks.synthetic_plans import tp_plan
-from weightplan.runtime import Receiver, Sender, load_plan
+from weightplan.runtime import Receiver, Rendezvous, Sender, WeightplanError, load_plan
 from weightplan.runtime.receiver.receiver import descriptor_table
 from weightplan.runtime.sender.pack import PackRuns
 from weightplan.runtime.tables import ranks
 from weightplan.runtime.tables.ranks import (Reads, RemoteRegion, packing, packing_of, pipeline_groups, reads_of,
                                               served_runs)
+from weightplan.runtime.tables.ring import DEFAULT_RING_BYTES
 
 from .conftest import config_dir
 from .runtime_harness import Job
@@ -117,22 +121,25 @@ def test_a_sync_of_1000_rows_per_stored_run_builds_no_table_with_a_row_dimension
             endpoint.close()
 
 
-def test_tp2_moe_syncs_over_nixl_match_vllm_load_of_fp32_and_bf16_masters(plan_cache, tmp_path):
-    """tiny-qwen3-moe with tp=2: every expert's down_proj column slice is a strided run read from two FSDP trainers."""
+@pytest.mark.parametrize("ring_bytes", [DEFAULT_RING_BYTES, 32 << 10])
+def test_tp2_moe_syncs_over_nixl_match_vllm_load_of_fp32_and_bf16_masters(plan_cache, tmp_path, ring_bytes):
+    """tiny-qwen3-moe with tp=2: every expert's down_proj column slice is a strided run read from two FSDP trainers;
+    with a 32 KiB ring each trainer serves its 240 KB of packed runs in about 8 chunks."""
     cases = [plan_cache("tiny-qwen3-moe", "stacked", "fp32", "fsdp=2", "tp=2"),
              plan_cache("tiny-qwen3-moe", "hf", "bf16", "fsdp=2", "tp=2")]
     for path in cases:
         plan = load_plan(path)
         strided = plan.table["count"] > 1
         assert any("w2_weight" in plan.dests[d].name for d in plan.table["dest"][strided].tolist())
-    names = ["strided-fp32", "strided-bf16"]
+    names = [f"strided-fp32-{ring_bytes}", f"strided-bf16-{ring_bytes}"]
     model = str(config_dir("tiny-qwen3-moe"))
     with Job(tmp_path, ",".join(map(str, cases)), ",".join(names)) as job:
         for k in range(2):
             job.start(f"inf{k}", "inference", k, "--versions", "1,2", "--model", f"{model},{model}", "--verify",
-                      "--timeout", "60")
+                      "--timeout", "60", "--ring-bytes", str(ring_bytes))
         for r in range(2):
-            job.start(f"tr{r}", "trainer", r, "--versions", "1,2", "--digests", "--wait-joined", "--timeout", "60")
+            job.start(f"tr{r}", "trainer", r, "--versions", "1,2", "--digests", "--wait-joined", "--timeout", "60",
+                      "--ring-bytes", str(ring_bytes))
         for name in names:
             for version in (1, 2):
                 for k in range(2):
@@ -143,6 +150,7 @@ def test_tp2_moe_syncs_over_nixl_match_vllm_load_of_fp32_and_bf16_masters(plan_c
                     released = job.event(f"tr{r}", "released", version, job=name)
                     assert released["timed_out"] == [] and released["failed"] == [] and released["acked"]
                     assert released["table_bytes"] <= 400 * released["stored_runs"], released
+                    assert released["packed_bytes"] <= ring_bytes, released  # the ring, not all packed runs
         job.assert_clean_exit()
 
 
@@ -166,3 +174,57 @@ def test_full_scale_tp8_tables_of_one_trainer_and_one_inference_rank_stay_per_st
     assert descriptors <= stored and table_bytes <= 400 * stored
     assert sum(int(r.count.sum()) for r in reads.values()) > 500 * stored
     assert time.monotonic() - began < 60
+
+
+def _sync_pair_of_pairs(plan, full, ring_bytes: int, version: int = 1):
+    """Both trainer ranks and both tp ranks of a tp_plan in this process, each on its own thread (a ring needs
+    every reader of a chunk to acknowledge it before the trainer packs the next one)."""
+    rendezvous = Rendezvous.connect(f"ring-{uuid.uuid4().hex[:12]}", "127.0.0.1:0", serve=True)
+    senders = [Sender(plan, r, shard(plan, full, r), rendezvous=rendezvous, timeout=20, progress_thread=True,
+                      ring_bytes=ring_bytes).start() for r in range(2)]
+    destinations = [plain_destination(plan, k) for k in range(2)]
+    receivers = [Receiver(plan, k, destinations[k], rendezvous=rendezvous, timeout=20, derived="caller",
+                          ring_bytes=ring_bytes).start() for k in range(2)]
+    try:
+        for sender in senders:
+            sender.publish(version)
+        with ThreadPoolExecutor(4) as pool:
+            released = [pool.submit(sender.release, version) for sender in senders]
+            synced = [pool.submit(receiver.sync, version) for receiver in receivers]
+            reports = [f.result() for f in synced]
+            releases = [f.result() for f in released]
+        assert all(r.acked == (0, 1) and not r.timed_out for r in releases)
+        return destinations, reports, [sender.stats for sender in senders], [sender.ring for sender in senders]
+    finally:
+        for endpoint in [*receivers, *senders]:
+            endpoint.close()
+
+
+@pytest.fixture(scope="module")
+def ring_case(tmp_path_factory):
+    plan = load_plan(tp_plan(tmp_path_factory.mktemp("ring") / "tp.plan", matrices=4, rows=1000, width=8, row_width=64))
+    full = full_weights(plan, 0, 1)
+    unbounded, _, stats, rings = _sync_pair_of_pairs(plan, full, DEFAULT_RING_BYTES)
+    assert rings == [None, None]
+    return plan, full, unbounded, stats
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.integers(16_000, 128_000))
+def test_ring_buffered_serving_equals_unbounded_serving_byte_for_byte(ring_case, ring_bytes):
+    plan, full, unbounded, unbounded_stats = ring_case
+    destinations, reports, stats, rings = _sync_pair_of_pairs(plan, full, ring_bytes)
+    for k in range(2):
+        assert all(byte_equal(t, unbounded[k][n]) for n, t in destinations[k].items())
+    for ring, s, u in zip(rings, stats, unbounded_stats):
+        assert ring is not None and len(ring) >= 2 and s.packed_bytes == ring.slot_bytes <= ring_bytes < u.packed_bytes
+    assert reports[0].packed_bytes == sum(e.nbytes for e in plan.dests if 0 in e.ranks and ".col." in e.name)
+
+
+def test_a_ring_smaller_than_one_packed_run_is_refused_in_one_line(ring_case, rendezvous):
+    plan, full, _, _ = ring_case
+    with pytest.raises(WeightplanError, match=r"^trainer rank 0: a packed run of 16000 bytes does not fit a ring of "
+                                              r"1000 bytes; raise ring_bytes$"):
+        Sender(plan, 0, shard(plan, full, 0), rendezvous=rendezvous, ring_bytes=1000)
+    with pytest.raises(WeightplanError, match=r"^inference rank 1: a packed run"):
+        Receiver(plan, 1, plain_destination(plan, 1), rendezvous=rendezvous, derived="caller", ring_bytes=1000)
