@@ -15,7 +15,8 @@ minus their bytes at the ceiling rate.
 tp-style case (benchmarks/synthetic_plans.py: tp_plan): 2 trainers (FSDP=2) and 2 tp ranks, 1.07 GB of
 destination bytes, half in 1 KiB rows of strided runs (column slices), half in contiguous row slices: its
 sync against its own process_vm_readv ceiling (one iovec per row), `strided_sync_vs_ceiling`, and the runtime
-tables both sides built, `strided_table_bytes`, in the JSON line.
+tables both sides built, `strided_table_bytes`, in the JSON line; then the same case with each
+trainer serving its packed runs through a 64 MiB ring (`strided_ring_*`).
 With --quant fp8_per_block, the same run then compiles the same model with --quant fp8_per_block
 and times its sync (publish with sender-side quantization, READs, receiver-side quantization) in
 the same processes layout, and prints seconds per GB of destination parameters next to the bf16
@@ -44,6 +45,7 @@ from synthetic_plans import RUN_ELEMS, many_runs_plan, tp_plan
 ROOT = Path(__file__).resolve().parent.parent
 # The tp-style case: 128 column-parallel matrices whose slices are 1024 rows of 1 KiB, as many row-parallel ones.
 STRIDED_PLAN = {"matrices": 128, "rows": 1024, "width": 512, "row_width": 1024}
+STRIDED_RING_BYTES = 64 << 20  # the same case again through a ring: each trainer packs 268 MB in 4 chunks
 CONFIG = ROOT / "benchmarks" / "configs" / "glm-5.2-2gb"
 
 
@@ -69,7 +71,7 @@ def compile_bench_plan(out: Path, quant: str = "none") -> Path:
 
 
 def run_job(plan: Path, n_src: int, n_dst: int, repeats: int, job: str, *, model: bool, gloo: bool, tmp: Path,
-            verify: bool = False, threads: int = 0, baseline: bool = True) -> list[dict]:
+            verify: bool = False, threads: int = 0, baseline: bool = True, ring_bytes: int = 0) -> list[dict]:
     from weightplan.runtime import Rendezvous
 
     rendezvous = Rendezvous.connect(job, "127.0.0.1:0", serve=True, timeout=900)
@@ -82,6 +84,8 @@ def run_job(plan: Path, n_src: int, n_dst: int, repeats: int, job: str, *, model
         common += ["--threads", str(threads)]
     if not baseline:
         common += ["--no-baseline"]
+    if ring_bytes:
+        common += ["--ring-bytes", str(ring_bytes)]
     procs = []
     for role, n in (("trainer", n_src), ("inference", n_dst)):
         for rank in range(n):
@@ -129,16 +133,17 @@ def host_overhead(repeats: int, bytes_per_s: float, tmp: Path) -> dict[int, dict
     return out
 
 
-def strided_job(args, tmp: Path) -> dict:
-    """The tp-style case: sync of STRIDED_PLAN (half its bytes in 1 KiB rows of strided runs) against its readv ceiling."""
+def strided_job(args, tmp: Path, ring_bytes: int = 0) -> dict:
+    """The tp-style case: sync of STRIDED_PLAN (half its bytes in 1 KiB rows of strided runs) against its readv ceiling;
+    with `ring_bytes`, the trainers serve their packed runs through a ring of that size."""
     from weightplan.runtime import load_plan
 
     path = tp_plan(tmp / "bench-strided.plan", **STRIDED_PLAN)
     plan = load_plan(path)
     # One torch thread per process, as in the fp8 job: four processes share this host's cores, and intra-op threads
     # of the trainers' packing copies then wait on each other (measured 20x slower under load).
-    events = run_job(path, 2, 2, args.repeats, "bench-runtime-strided", model=False, gloo=True, baseline=False, tmp=tmp,
-                     verify=args.verify, threads=args.strided_threads)
+    events = run_job(path, 2, 2, args.repeats, f"bench-runtime-strided-{ring_bytes}", model=False, gloo=True,
+                     baseline=False, tmp=tmp, verify=args.verify, threads=args.strided_threads, ring_bytes=ring_bytes)
     reps = range(2, args.repeats + 1)
     syncs = [e for e in events if e.get("round") == "sync" and e["rep"] == 1]
     t = plan.table
@@ -189,20 +194,23 @@ def fp8_job(args, tmp: Path) -> dict:
     }
 
 
-def strided_figures(strided: dict, contiguous_gbps: float | None = None) -> dict:
+def strided_figures(strided: dict, ring: dict, contiguous_gbps: float | None = None) -> dict:
     gb = strided["bytes"] / 1e9
     out = {"strided_bytes": strided["bytes"], "strided_small_row_bytes": strided["small_row_bytes"],
            "strided_sync_gbps": round(gb / strided["sync"], 3), "strided_ceiling_gbps": round(gb / strided["ceiling"], 3),
            "strided_sync_vs_ceiling": round(strided["ceiling"] / strided["sync"], 3),
            "strided_table_bytes": strided["table_bytes"], "strided_packed_bytes": strided["packed_bytes"],
            "strided_stored_runs": strided["stored_runs"], "strided_rows": strided["rows"],
-           "strided_descriptors": strided["descriptors"]}
+           "strided_descriptors": strided["descriptors"],
+           "strided_ring_bytes": STRIDED_RING_BYTES, "strided_ring_sync_gbps": round(gb / ring["sync"], 3),
+           "strided_ring_sync_vs_ceiling": round(ring["ceiling"] / ring["sync"], 3),
+           "strided_ring_packed_bytes": ring["packed_bytes"]}
     if contiguous_gbps is not None:
         out["strided_vs_contiguous_sync"] = round(gb / strided["sync"] / contiguous_gbps, 3)
     return out
 
 
-def print_strided(strided: dict, repeats: int) -> None:
+def print_strided(strided: dict, ring: dict, repeats: int) -> None:
     gb = strided["bytes"] / 1e9
     print(f"tp-style strided case ({STRIDED_PLAN}), 2 trainer -> 2 inference processes (tp=2), bf16, {gb:.3f} GB destination "
           f"bytes, {strided['small_row_bytes'] / strided['bytes']:.0%} in rows <= 1 KiB; {strided['stored_runs']} stored runs "
@@ -211,6 +219,9 @@ def print_strided(strided: dict, repeats: int) -> None:
     print(f"  (b)  weightplan sync (publish packs, NIXL READ)   {gb / strided['sync']:7.2f} GB/s  {strided['sync']:.3f} s   "
           f"b / a' = {strided['ceiling'] / strided['sync']:.3f}")
     print(f"  runtime tables, both sides: {strided['table_bytes']} bytes; trainers' packed regions {strided['packed_bytes'] / 1e6:.1f} MB")
+    print(f"  (b') the same through a {STRIDED_RING_BYTES >> 20} MiB ring per trainer      {gb / ring['sync']:7.2f} GB/s  "
+          f"{ring['sync']:.3f} s   b' / a' = {ring['ceiling'] / ring['sync']:.3f} (its own run's ceiling {gb / ring['ceiling']:.2f} GB/s); "
+          f"rings {ring['packed_bytes'] / 1e6:.1f} MB")
 
 
 def main() -> None:
@@ -234,9 +245,9 @@ def main() -> None:
                 print(f"host overhead, {n:>7,} descriptors: sync {o['sync_s'] * 1e3:.1f} ms, overhead {o['overhead_ms']:.1f} ms")
             return
         if args.strided_only:
-            strided = strided_job(args, tmp)
-            print_strided(strided, args.repeats)
-            print(json.dumps(strided_figures(strided)))
+            strided, ring = strided_job(args, tmp), strided_job(args, tmp, STRIDED_RING_BYTES)
+            print_strided(strided, ring, args.repeats)
+            print(json.dumps(strided_figures(strided, ring)))
             return
         plan = compile_bench_plan(tmp / "bench.plan")
         events = run_job(plan, 2, 2, args.repeats, "bench-runtime", model=True, gloo=True, tmp=tmp, verify=args.verify)
@@ -257,7 +268,7 @@ def main() -> None:
         memcpy = memcpy_gbps(nbytes)
         overhead = host_overhead(args.repeats, nbytes / ceiling, tmp)
         fp8 = fp8_job(args, tmp) if args.quant == "fp8_per_block" else None
-        strided = strided_job(args, tmp)
+        strided, ring = strided_job(args, tmp), strided_job(args, tmp, STRIDED_RING_BYTES)
 
     gb = nbytes / 1e9
     figures = {
@@ -273,7 +284,7 @@ def main() -> None:
         "host_overhead_ms_100k": round(overhead[100_000]["overhead_ms"], 2),
         "verify": args.verify,
     }
-    figures.update(strided_figures(strided, gb / sync))
+    figures.update(strided_figures(strided, ring, gb / sync))
     cores = len(os.sched_getaffinity(0))
     figures["cores"] = cores
     figures["sync_cpu_busy"] = round(sync_cpu / (cores * sync), 3)
@@ -311,7 +322,7 @@ def main() -> None:
           f"(of which outside gloo on the slowest inference rank, i.e. load_weights: {loading:.3f} s)")
     print(f"  b / a' = {figures['sync_vs_ceiling']:.3f}   b / a = {figures['sync_vs_memcpy']:.3f}   c / b time = {figures['speedup_vs_baseline']:.2f}x")
     print(f"  digests after our sync == after vLLM load_weights of the same weights: {identical}")
-    print_strided(strided, args.repeats)
+    print_strided(strided, ring, args.repeats)
     for n, o in overhead.items():
         print(f"  host overhead, {n:>7,} descriptors of {RUN_ELEMS * 2} B: sync {o['sync_s'] * 1e3:.1f} ms, "
               f"readv {o['readv_s'] * 1e3:.1f} ms, overhead {o['overhead_ms']:.1f} ms")

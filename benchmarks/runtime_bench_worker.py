@@ -126,6 +126,7 @@ def main() -> None:
     parser.add_argument("--verify", action="store_true", help="receivers check digests (trainers publish them)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--no-baseline", action="store_true", help="with --gloo, only the ceiling and sync rounds")
+    parser.add_argument("--ring-bytes", type=int, default=512 << 20, help="Sender/Receiver ring_bytes")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -148,7 +149,8 @@ def main() -> None:
     if args.role == "trainer":
         tensors = trainer_shards(plan, args.rank, seed=1)
         rendezvous.put(f"bench/pid/{args.rank}", str(os.getpid()).encode())
-        sender = Sender(plan, args.rank, tensors, rendezvous=rendezvous, timeout=120, digests=args.verify).start()
+        sender = Sender(plan, args.rank, tensors, rendezvous=rendezvous, timeout=120, digests=args.verify,
+                        ring_bytes=args.ring_bytes).start()
         model = None
     else:
         if args.model and not quantized:
@@ -165,7 +167,8 @@ def main() -> None:
             destination = {e.name: torch.zeros(e.shape, dtype=getattr(torch, e.dtype)) for e in plan.dests if args.rank in e.ranks}
         # A vLLM model gets its derived MLA state recomputed after every sync; plain tensors have none to recompute.
         receiver = Receiver(plan, args.rank, model if model is not None else destination, rendezvous=rendezvous,
-                            timeout=120, verify=args.verify, derived="refresh" if model is not None else "caller").start()
+                            timeout=120, verify=args.verify, derived="refresh" if model is not None else "caller",
+                            ring_bytes=args.ring_bytes).start()
         emit(event="joined", rank=args.rank, bytes=receiver.bytes, descriptors=receiver.descriptors,
              destination_bytes=receiver.destination_bytes, staging_bytes=receiver.staging_bytes)
     rendezvous.put(f"bench/ready/{args.role}/{args.rank}", b"1")
