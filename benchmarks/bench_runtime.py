@@ -1,6 +1,6 @@
 """Benchmark: one weight sync between processes, against this machine's copy ceilings and the NCCL-style baseline.
 
-Usage: python benchmarks/bench_runtime.py [--repeats N] [--quant fp8_per_block]   (make bench-runtime)
+Usage: python benchmarks/bench_runtime.py [--repeats N] [--quant fp8_per_block] [--strided-only]   (make bench-runtime)
 
 A GLM-5.2-shaped model scaled to about 2 GB (benchmarks/configs/glm-5.2-2gb), bf16 masters,
 2 trainer processes (FSDP=2) and 2 inference processes (vLLM models, DP attention + EP=2):
@@ -12,6 +12,11 @@ A GLM-5.2-shaped model scaled to about 2 GB (benchmarks/configs/glm-5.2-2gb), bf
 Bytes are destination bytes. Medians over repetitions after the first (which sets up connections).
 Host overhead: publish + sync of synthetic plans with 10k and 100k small runs (128 B each),
 minus their bytes at the ceiling rate.
+tp-style case (benchmarks/synthetic_plans.py: tp_plan): 2 trainers (FSDP=2) and 2 tp ranks, 1.07 GB of
+destination bytes, half in 1 KiB rows of strided runs (column slices), half in contiguous row slices: its
+sync against its own process_vm_readv ceiling (one iovec per row), `strided_sync_vs_ceiling`, and the runtime
+tables both sides built, `strided_table_bytes`, in the JSON line; then the same case with each
+trainer serving its packed runs through a 64 MiB ring (`strided_ring_*`).
 With --quant fp8_per_block, the same run then compiles the same model with --quant fp8_per_block
 and times its sync (publish with sender-side quantization, READs, receiver-side quantization) in
 the same processes layout, and prints seconds per GB of destination parameters next to the bf16
@@ -35,10 +40,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from synthetic_plans import RUN_ELEMS, many_runs_plan, tp_plan
 
 ROOT = Path(__file__).resolve().parent.parent
+# The tp-style case: 128 column-parallel matrices whose slices are 1024 rows of 1 KiB, as many row-parallel ones.
+STRIDED_PLAN = {"matrices": 128, "rows": 1024, "width": 512, "row_width": 1024}
+STRIDED_RING_BYTES = 64 << 20  # the same case again through a ring: each trainer packs 268 MB in 4 chunks
 CONFIG = ROOT / "benchmarks" / "configs" / "glm-5.2-2gb"
-RUN_ELEMS = 64  # elements per synthetic descriptor (128 bytes of bf16)
 
 
 def memcpy_gbps(total: int, chunk: int = 256 << 20, repeats: int = 5) -> float:
@@ -62,36 +70,8 @@ def compile_bench_plan(out: Path, quant: str = "none") -> Path:
     return out
 
 
-def synthetic_plan(n: int, out: Path) -> Path:
-    """One bf16 tensor moved in n runs of RUN_ELEMS elements, read in reverse order so none coalesce."""
-    from weightplan.compiler.ir import PlanOrigin, Program, Runs, TensorEntry
-    from weightplan.compiler.plan_writer import write_program
-    from weightplan.runtime.layout.shards import TrainerLayout
-
-    numel = n * RUN_ELEMS
-    i = np.arange(n, dtype=np.int64)
-    zeros = np.zeros(n, dtype=np.int64)
-    runs = Runs(src=zeros, src_off=(n - 1 - i) * RUN_ELEMS, dest=zeros, dst_off=i * RUN_ELEMS,
-                length=np.full(n, RUN_ELEMS, dtype=np.int64), wire=zeros, src_rank=zeros,
-                count=np.ones(n, dtype=np.int64), src_stride=zeros, dst_stride=zeros)  # plain runs
-    sources = (TensorEntry("synthetic.weight", (numel,), "bfloat16"),)
-    layout = TrainerLayout().bind(sources)  # one trainer rank holding the whole tensor
-    program = Program(
-        sources=sources,
-        dests=(TensorEntry("synthetic.weight", (numel,), "bfloat16", ranks=(0,)),),
-        runs=runs, cast_chains=(("bfloat16",),),
-        origin=PlanOrigin(vllm_version="synthetic", model=f"synthetic-{n}", config_sha256="", architecture="none",
-                          trainer={"format": "hf", "dtype": "bf16", "token": layout.token, **layout.as_dict()},
-                          inference={"token": "tp1", "tp": 1, "dp": 1, "ep": False, "platform": "cpu"},
-                          quant="none", src_ranks=1, dst_ranks=1),
-        trainer_layout=layout,
-    )
-    write_program(program, out)
-    return out
-
-
 def run_job(plan: Path, n_src: int, n_dst: int, repeats: int, job: str, *, model: bool, gloo: bool, tmp: Path,
-            verify: bool = False, threads: int = 0) -> list[dict]:
+            verify: bool = False, threads: int = 0, baseline: bool = True, ring_bytes: int = 0) -> list[dict]:
     from weightplan.runtime import Rendezvous
 
     rendezvous = Rendezvous.connect(job, "127.0.0.1:0", serve=True, timeout=900)
@@ -102,6 +82,10 @@ def run_job(plan: Path, n_src: int, n_dst: int, repeats: int, job: str, *, model
         common += ["--verify"]
     if threads:
         common += ["--threads", str(threads)]
+    if not baseline:
+        common += ["--no-baseline"]
+    if ring_bytes:
+        common += ["--ring-bytes", str(ring_bytes)]
     procs = []
     for role, n in (("trainer", n_src), ("inference", n_dst)):
         for rank in range(n):
@@ -137,7 +121,7 @@ def host_overhead(repeats: int, bytes_per_s: float, tmp: Path) -> dict[int, dict
     reps = range(2, repeats + 1)
     out = {}
     for n in (10_000, 100_000):
-        synth = run_job(synthetic_plan(n, tmp / f"synthetic-{n}.plan"), 1, 1, repeats, f"overhead-{n}",
+        synth = run_job(many_runs_plan(n, tmp / f"synthetic-{n}.plan"), 1, 1, repeats, f"overhead-{n}",
                         model=False, gloo=False, tmp=tmp)
         # Host work of one sync: the trainer's publish (including packing small runs) plus the receiver's sync.
         publish = {e["rep"]: e["published"] - e["start"] for e in synth if e.get("round") == "sync" and e["role"] == "trainer"}
@@ -147,6 +131,34 @@ def host_overhead(repeats: int, bytes_per_s: float, tmp: Path) -> dict[int, dict
         moved = n * RUN_ELEMS * 2
         out[n] = {"sync_s": seconds, "readv_s": readv, "overhead_ms": 1e3 * (seconds - moved / bytes_per_s)}
     return out
+
+
+def strided_job(args, tmp: Path, ring_bytes: int = 0) -> dict:
+    """The tp-style case: sync of STRIDED_PLAN (half its bytes in 1 KiB rows of strided runs) against its readv ceiling;
+    with `ring_bytes`, the trainers serve their packed runs through a ring of that size."""
+    from weightplan.runtime import load_plan
+
+    path = tp_plan(tmp / "bench-strided.plan", **STRIDED_PLAN)
+    plan = load_plan(path)
+    # One torch thread per process, as in the fp8 job: four processes share this host's cores, and intra-op threads
+    # of the trainers' packing copies then wait on each other (measured 20x slower under load).
+    events = run_job(path, 2, 2, args.repeats, f"bench-runtime-strided-{ring_bytes}", model=False, gloo=True,
+                     baseline=False, tmp=tmp, verify=args.verify, threads=args.strided_threads, ring_bytes=ring_bytes)
+    reps = range(2, args.repeats + 1)
+    syncs = [e for e in events if e.get("round") == "sync" and e["rep"] == 1]
+    t = plan.table
+    row_bytes = t["length"] * plan.stored_itemsize()
+    holders = np.array([len(plan.dests[d].ranks) for d in t["dest"].tolist()])
+    return {
+        "bytes": sum(e["bytes"] for e in syncs if e["role"] == "inference"),
+        "small_row_bytes": int((row_bytes * t["count"] * holders)[row_bytes <= 1024].sum()),
+        "stored_runs": plan.n_stored_runs, "rows": plan.n_runs,
+        "descriptors": sum(e["descriptors"] for e in syncs if e["role"] == "inference"),
+        "table_bytes": sum(e["table_bytes"] for e in syncs),
+        "packed_bytes": sum(e["packed_bytes"] for e in syncs if e["role"] == "trainer"),
+        "ceiling": statistics.median(wall(events, "ceiling", r) for r in reps),
+        "sync": statistics.median(wall(events, "sync", r, "trainer", "inference") for r in reps),
+    }
 
 
 def fp8_job(args, tmp: Path) -> dict:
@@ -182,10 +194,42 @@ def fp8_job(args, tmp: Path) -> dict:
     }
 
 
+def strided_figures(strided: dict, ring: dict, contiguous_gbps: float | None = None) -> dict:
+    gb = strided["bytes"] / 1e9
+    out = {"strided_bytes": strided["bytes"], "strided_small_row_bytes": strided["small_row_bytes"],
+           "strided_sync_gbps": round(gb / strided["sync"], 3), "strided_ceiling_gbps": round(gb / strided["ceiling"], 3),
+           "strided_sync_vs_ceiling": round(strided["ceiling"] / strided["sync"], 3),
+           "strided_table_bytes": strided["table_bytes"], "strided_packed_bytes": strided["packed_bytes"],
+           "strided_stored_runs": strided["stored_runs"], "strided_rows": strided["rows"],
+           "strided_descriptors": strided["descriptors"],
+           "strided_ring_bytes": STRIDED_RING_BYTES, "strided_ring_sync_gbps": round(gb / ring["sync"], 3),
+           "strided_ring_sync_vs_ceiling": round(ring["ceiling"] / ring["sync"], 3),
+           "strided_ring_packed_bytes": ring["packed_bytes"]}
+    if contiguous_gbps is not None:
+        out["strided_vs_contiguous_sync"] = round(gb / strided["sync"] / contiguous_gbps, 3)
+    return out
+
+
+def print_strided(strided: dict, ring: dict, repeats: int) -> None:
+    gb = strided["bytes"] / 1e9
+    print(f"tp-style strided case ({STRIDED_PLAN}), 2 trainer -> 2 inference processes (tp=2), bf16, {gb:.3f} GB destination "
+          f"bytes, {strided['small_row_bytes'] / strided['bytes']:.0%} in rows <= 1 KiB; {strided['stored_runs']} stored runs "
+          f"standing for {strided['rows']} rows, {strided['descriptors']} descriptors; medians of reps 2..{repeats}")
+    print(f"  (a') process_vm_readv ceiling (one iovec per row) {gb / strided['ceiling']:7.2f} GB/s  {strided['ceiling']:.3f} s")
+    print(f"  (b)  weightplan sync (publish packs, NIXL READ)   {gb / strided['sync']:7.2f} GB/s  {strided['sync']:.3f} s   "
+          f"b / a' = {strided['ceiling'] / strided['sync']:.3f}")
+    print(f"  runtime tables, both sides: {strided['table_bytes']} bytes; trainers' packed regions {strided['packed_bytes'] / 1e6:.1f} MB")
+    print(f"  (b') the same through a {STRIDED_RING_BYTES >> 20} MiB ring per trainer      {gb / ring['sync']:7.2f} GB/s  "
+          f"{ring['sync']:.3f} s   b' / a' = {ring['ceiling'] / ring['sync']:.3f} (its own run's ceiling {gb / ring['ceiling']:.2f} GB/s); "
+          f"rings {ring['packed_bytes'] / 1e6:.1f} MB")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--overhead-only", action="store_true", help="only the host-overhead rows (quick)")
+    parser.add_argument("--strided-only", action="store_true", help="only the tp-style strided case")
+    parser.add_argument("--strided-threads", type=int, default=1, help="torch threads per process in the strided case")
     parser.add_argument("--verify", action="store_true", help="syncs also hash and compare every region (measures its cost)")
     parser.add_argument("--quant", choices=("none", "fp8_per_block"), default="none",
                         help="also time an fp8_per_block sync of the same model in this run and compare per GB")
@@ -199,6 +243,11 @@ def main() -> None:
             rate = memcpy_gbps(1 << 30) * 1e9  # faster than the ceiling: overstates the overhead, never hides it
             for n, o in host_overhead(args.repeats, rate, tmp).items():
                 print(f"host overhead, {n:>7,} descriptors: sync {o['sync_s'] * 1e3:.1f} ms, overhead {o['overhead_ms']:.1f} ms")
+            return
+        if args.strided_only:
+            strided, ring = strided_job(args, tmp), strided_job(args, tmp, STRIDED_RING_BYTES)
+            print_strided(strided, ring, args.repeats)
+            print(json.dumps(strided_figures(strided, ring)))
             return
         plan = compile_bench_plan(tmp / "bench.plan")
         events = run_job(plan, 2, 2, args.repeats, "bench-runtime", model=True, gloo=True, tmp=tmp, verify=args.verify)
@@ -219,6 +268,7 @@ def main() -> None:
         memcpy = memcpy_gbps(nbytes)
         overhead = host_overhead(args.repeats, nbytes / ceiling, tmp)
         fp8 = fp8_job(args, tmp) if args.quant == "fp8_per_block" else None
+        strided, ring = strided_job(args, tmp), strided_job(args, tmp, STRIDED_RING_BYTES)
 
     gb = nbytes / 1e9
     figures = {
@@ -234,6 +284,7 @@ def main() -> None:
         "host_overhead_ms_100k": round(overhead[100_000]["overhead_ms"], 2),
         "verify": args.verify,
     }
+    figures.update(strided_figures(strided, ring, gb / sync))
     cores = len(os.sched_getaffinity(0))
     figures["cores"] = cores
     figures["sync_cpu_busy"] = round(sync_cpu / (cores * sync), 3)
@@ -271,6 +322,7 @@ def main() -> None:
           f"(of which outside gloo on the slowest inference rank, i.e. load_weights: {loading:.3f} s)")
     print(f"  b / a' = {figures['sync_vs_ceiling']:.3f}   b / a = {figures['sync_vs_memcpy']:.3f}   c / b time = {figures['speedup_vs_baseline']:.2f}x")
     print(f"  digests after our sync == after vLLM load_weights of the same weights: {identical}")
+    print_strided(strided, ring, args.repeats)
     for n, o in overhead.items():
         print(f"  host overhead, {n:>7,} descriptors of {RUN_ELEMS * 2} B: sync {o['sync_s'] * 1e3:.1f} ms, "
               f"readv {o['readv_s'] * 1e3:.1f} ms, overhead {o['overhead_ms']:.1f} ms")

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from weightplan.runtime import Receiver, Rendezvous, Sender, load_plan
-from weightplan.runtime.tables.ranks import reads_of
+from weightplan.runtime.tables.ranks import reads_of, row_pieces
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 IOV_MAX = 1024
@@ -90,17 +90,20 @@ class _Params:
 
 
 def read_ceiling(plan, rank: int, rendezvous: Rendezvous, destination: dict[str, torch.Tensor]) -> int:
-    """process_vm_readv of exactly the bytes this rank's descriptors move, into the same destinations."""
+    """process_vm_readv of exactly the bytes this rank's reads move, into the same destinations: one iovec per
+    row of a strided run (per run where its rows are contiguous on both sides)."""
     total = 0
     for src, reads in reads_of(plan, rank).items():
         info = rendezvous.get_json(f"trainer/{src}/info")
         pid = int(rendezvous.get_bytes(f"bench/pid/{src}"))
-        addr = np.array([a for _, _, a, _ in info["regions"]], dtype=np.uint64)[reads.region] + reads.src_byte.astype(np.uint64)
-        base = np.array([destination[plan.dests[d].name].data_ptr() for d in reads.dest.tolist()], dtype=np.uint64)
-        local = np.stack([base + reads.dst_byte.astype(np.uint64), reads.nbytes.astype(np.uint64)], axis=1).copy()
-        remote = np.stack([addr, reads.nbytes.astype(np.uint64)], axis=1).copy()
-        for lo in range(0, len(reads), IOV_MAX):
-            n = min(IOV_MAX, len(reads) - lo)
+        region = np.array([a for _, _, a, _ in info["regions"]], dtype=np.int64)[reads.region]
+        base = np.array([destination[plan.dests[d].name].data_ptr() for d in reads.dest.tolist()], dtype=np.int64)
+        _, size, (addr, dst) = row_pieces(reads.count, reads.nbytes, reads.contiguous(),
+                                          (region + reads.src_byte, reads.src_stride), (base + reads.dst_byte, reads.dst_stride))
+        local = np.stack([dst, size], axis=1).astype(np.uint64)
+        remote = np.stack([addr, size], axis=1).astype(np.uint64)
+        for lo in range(0, len(size), IOV_MAX):
+            n = min(IOV_MAX, len(size) - lo)
             want = int(local[lo : lo + n, 1].sum())
             got = _LIBC.process_vm_readv(pid, ctypes.c_void_p(local[lo:].ctypes.data), n,
                                          ctypes.c_void_p(remote[lo:].ctypes.data), n, 0)
@@ -122,6 +125,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--verify", action="store_true", help="receivers check digests (trainers publish them)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--no-baseline", action="store_true", help="with --gloo, only the ceiling and sync rounds")
+    parser.add_argument("--ring-bytes", type=int, default=512 << 20, help="Sender/Receiver ring_bytes")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -144,7 +149,8 @@ def main() -> None:
     if args.role == "trainer":
         tensors = trainer_shards(plan, args.rank, seed=1)
         rendezvous.put(f"bench/pid/{args.rank}", str(os.getpid()).encode())
-        sender = Sender(plan, args.rank, tensors, rendezvous=rendezvous, timeout=120, digests=args.verify).start()
+        sender = Sender(plan, args.rank, tensors, rendezvous=rendezvous, timeout=120, digests=args.verify,
+                        ring_bytes=args.ring_bytes).start()
         model = None
     else:
         if args.model and not quantized:
@@ -161,7 +167,8 @@ def main() -> None:
             destination = {e.name: torch.zeros(e.shape, dtype=getattr(torch, e.dtype)) for e in plan.dests if args.rank in e.ranks}
         # A vLLM model gets its derived MLA state recomputed after every sync; plain tensors have none to recompute.
         receiver = Receiver(plan, args.rank, model if model is not None else destination, rendezvous=rendezvous,
-                            timeout=120, verify=args.verify, derived="refresh" if model is not None else "caller").start()
+                            timeout=120, verify=args.verify, derived="refresh" if model is not None else "caller",
+                            ring_bytes=args.ring_bytes).start()
         emit(event="joined", rank=args.rank, bytes=receiver.bytes, descriptors=receiver.descriptors,
              destination_bytes=receiver.destination_bytes, staging_bytes=receiver.staging_bytes)
     rendezvous.put(f"bench/ready/{args.role}/{args.rank}", b"1")
@@ -188,7 +195,8 @@ def main() -> None:
                  cpu_seconds=time.process_time() - cpu, publish_cpu_seconds=publish_cpu,
                  acked=list(report.acked), digest_seconds=sender.digest_seconds, staging_bytes=sender.staging_bytes,
                  quantize_seconds=sender.quantize_seconds, gather_seconds=sender.gather_seconds,
-                 gather_wait_seconds=sender._gather.wait_seconds if sender._gather else 0.0)
+                 gather_wait_seconds=sender._gather.wait_seconds if sender._gather else 0.0,
+                 table_bytes=sender.stats.table_bytes, packed_bytes=sender.stats.packed_bytes)
         else:
             if not args.gloo:  # measure the sync alone, not the wait for the trainer to publish
                 rendezvous.wait([f"trainer/{src}/version/{rep}" for src in receiver.reads], 600, "publication")
@@ -199,13 +207,14 @@ def main() -> None:
                  cpu_seconds=time.process_time() - cpu,
                  bytes=report.bytes, descriptors=report.descriptors, seconds=report.seconds,
                  verify_seconds=report.verify_seconds, quantize_seconds=report.quantize_seconds,
-                 derived_seconds=report.derived_seconds, destination_bytes=receiver.destination_bytes)
+                 derived_seconds=report.derived_seconds, destination_bytes=receiver.destination_bytes,
+                 table_bytes=report.table_bytes, packed_bytes=report.packed_bytes)
             if model is not None and rep == args.repeats:
                 from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
 
                 synced_digests = compute_tensor_digests(model)
         barrier()
-        if not args.gloo or quantized:
+        if not args.gloo or quantized or args.no_baseline:
             continue
         # baseline: all-gather shards, broadcast full tensors from trainer 0, vLLM load_weights
         barrier()

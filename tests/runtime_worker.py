@@ -64,7 +64,8 @@ def byte_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 def run_trainer(args, plan) -> None:
     tensors = shard(plan, full_weights(plan, args.seed, args.versions[0]), args.rank)
     rendezvous = Rendezvous.connect(args.job, args.address, timeout=args.timeout)
-    sender = Sender(plan, args.rank, tensors, rendezvous=rendezvous, timeout=args.timeout, digests=args.digests).start()
+    sender = Sender(plan, args.rank, tensors, rendezvous=rendezvous, timeout=args.timeout, digests=args.digests,
+                    ring_bytes=args.ring_bytes).start()
     emit(event="ready", rank=args.rank)
     deadline = time.monotonic() + args.join_timeout
     while args.wait_joined and not all(rendezvous.exists(f"inference/{k}/joined") for k in sender.readers):
@@ -82,7 +83,8 @@ def run_trainer(args, plan) -> None:
         report = sender.release(version)
         emit(event="released", rank=args.rank, version=version, acked=list(report.acked), failed=list(report.failed),
              timed_out=list(report.timed_out), gatherers_timed_out=list(report.gatherers_timed_out), seconds=report.seconds,
-             gather_seconds=sender.gather_seconds, quantize_seconds=sender.quantize_seconds)
+             gather_seconds=sender.gather_seconds, quantize_seconds=sender.quantize_seconds,
+             table_bytes=sender.stats.table_bytes, packed_bytes=sender.stats.packed_bytes, stored_runs=sender.stats.stored_runs)
     if args.linger:
         time.sleep(args.linger)
 
@@ -102,7 +104,7 @@ def run_plain_inference(args, plan) -> None:
 
     receiver = Receiver(plan, args.rank, destination, rendezvous=rendezvous, timeout=args.timeout, verify=args.verify,
                         derived="caller",  # plain tensors: no modules whose derived state could go stale
-                        group_bytes=args.group_bytes, post_op=hold).start()
+                        group_bytes=args.group_bytes, post_op=hold, ring_bytes=args.ring_bytes).start()
     emit(event="joined", rank=args.rank)
     for version in args.versions:
         if args.gate:
@@ -148,7 +150,7 @@ def run_inference(args, plan) -> None:
         param.data.fill_(float("nan") if param.dtype.is_floating_point else 0)
     rendezvous = Rendezvous.connect(args.job, args.address, timeout=args.timeout)
     receiver = Receiver(plan, args.rank, model, rendezvous=rendezvous, timeout=args.timeout, verify=args.verify,
-                        group_bytes=args.group_bytes).start()
+                        group_bytes=args.group_bytes, ring_bytes=args.ring_bytes).start()
     emit(event="joined", rank=args.rank)
     ref_config, reference = model_for_rank()
     conversion = plan_conversion(ref_config, plan)
@@ -183,7 +185,9 @@ def sync_versions(args, receiver, digests, extra=lambda report: {}) -> None:
         absorbed = sum(n.endswith((".W_UV", ".W_UK_T")) for n in expected)  # MLA state derived after loading
         emit(event="synced", rank=args.rank, version=version, reported=receiver.version, digests=len(expected), absorbed=absorbed,
              differ=differ[:5], n_differ=len(differ), bytes=report.bytes, descriptors=report.descriptors,
-             groups=report.groups, seconds=report.seconds, verify_seconds=report.verify_seconds, **extra(report))
+             groups=report.groups, seconds=report.seconds, verify_seconds=report.verify_seconds,
+             table_bytes=report.table_bytes, packed_bytes=report.packed_bytes,
+             stored_runs=sum(len(r) for r in receiver.reads.values()), **extra(report))
 
 
 class _Params:
@@ -223,7 +227,7 @@ def run_quantized_inference(args, plan) -> None:
     # fp8 MLA layers cannot be processed on CPU with the Triton stub: derived state is not recomputed here.
     receiver = Receiver(plan, args.rank, params, rendezvous=rendezvous, timeout=args.timeout, verify=args.verify,
                         derived="caller",
-                        group_bytes=args.group_bytes).start()
+                        group_bytes=args.group_bytes, ring_bytes=args.ring_bytes).start()
     emit(event="joined", rank=args.rank)
     sync_versions(
         args, receiver,
@@ -253,6 +257,7 @@ def main(argv=None) -> None:
     parser.add_argument("--gate", action="store_true", help="publish (trainer) or sync (inference) version v once the key test/go/v exists")
     parser.add_argument("--hold-at", type=int, default=-1, help="inference pauses mid-sync of this version until test/resume/v")
     parser.add_argument("--group-bytes", type=int, default=256 << 20)
+    parser.add_argument("--ring-bytes", type=int, default=512 << 20, help="Sender/Receiver ring_bytes (bounded packed region)")
     parser.add_argument("--linger", type=float, default=0.0, help="trainer stays alive this long after the last version")
     args = parser.parse_args(argv)
     plans, jobs = args.plan.split(","), args.job.split(",")

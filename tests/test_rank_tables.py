@@ -18,8 +18,8 @@ def plan(plan_cache):
 
 def test_reads_of_all_inference_ranks_are_the_plan_runs_times_their_holders(plan):
     total = sum(len(r) for k in range(plan.header["dst_ranks"]) for r in reads_of(plan, k).values())
-    assert total == sum(len(plan.dests[d].ranks) for d in plan.runs["dest"].tolist())
-    nbytes = sum(int(r.nbytes.sum()) for k in range(plan.header["dst_ranks"]) for r in reads_of(plan, k).values())
+    assert total == sum(len(plan.dests[d].ranks) for d in plan.table["dest"].tolist())
+    nbytes = sum(int(r.total().sum()) for k in range(plan.header["dst_ranks"]) for r in reads_of(plan, k).values())
     assert nbytes == sum(e.nbytes * len(e.ranks) for e in plan.dests)
 
 
@@ -28,15 +28,17 @@ def test_reads_stay_inside_the_served_regions_and_destinations(plan):
         for src, reads in reads_of(plan, k).items():
             regions = served_regions(plan, src)
             limit = np.array([r.nbytes for r in regions])[reads.region]
-            assert (reads.src_byte >= 0).all() and (reads.src_byte + reads.nbytes <= limit).all()
-            assert (reads.dst_byte + reads.nbytes <= np.array([plan.dests[d].nbytes for d in reads.dest])).all()
+            last = reads.count - 1
+            assert (reads.src_byte >= 0).all() and (reads.src_byte + last * reads.src_stride + reads.nbytes <= limit).all()
+            assert (reads.dst_byte + last * reads.dst_stride + reads.nbytes
+                    <= np.array([plan.dests[d].nbytes for d in reads.dest])).all()
             assert all(k in plan.dests[d].ranks for d in set(reads.dest.tolist()))
 
 
 def test_readers_and_served_runs_agree(plan):
     for r in range(plan.header["src_ranks"]):
         served = served_runs(plan, r)
-        assert len(served) == int((plan.runs["src_rank"] == r).sum())
+        assert len(served) == int((plan.table["src_rank"] == r).sum())
         assert set(readers(plan, r)) == {k for d in served.dest.tolist() for k in plan.dests[d].ranks}
 
 
@@ -56,7 +58,7 @@ def test_pipeline_groups_follow_entry_order_and_keep_entries_whole(tables, group
         dest = np.array([d for d, _ in rows], dtype=np.int64)
         n = np.array([b for _, b in rows], dtype=np.int64)
         zeros = np.zeros(len(rows), dtype=np.int64)
-        reads[src] = Reads(zeros, zeros, zeros, dest, zeros, n)
+        reads[src] = Reads(zeros, zeros, zeros, dest, zeros, n, np.ones(len(rows), dtype=np.int64), zeros, zeros)
     groups = pipeline_groups(reads, group_bytes)
     group_of: dict[int, int] = {}
     for src, r in reads.items():

@@ -47,6 +47,10 @@ class ColumnTable:
     def take(self, rows):
         return type(self)(**{name: getattr(self, name)[rows] for name in self.column_names()})
 
+    def footprint(self) -> int:
+        """Bytes of memory its columns hold."""
+        return sum(int(getattr(self, name).nbytes) for name in self.column_names())
+
 
 @dataclass(frozen=True)
 class Runs(ColumnTable):

@@ -43,7 +43,8 @@ def slot_buffer(slot):
 
 def _empty_reads(dest: np.ndarray, nbytes: np.ndarray) -> Reads:
     zeros = np.zeros(len(dest), dtype=np.int64)
-    return Reads(run=zeros, region=zeros, src_byte=zeros, dest=dest, dst_byte=zeros, nbytes=nbytes)
+    return Reads(run=zeros, region=zeros, src_byte=zeros, dest=dest, dst_byte=zeros, nbytes=nbytes,
+                 count=np.ones(len(dest), dtype=np.int64), src_stride=zeros, dst_stride=zeros)
 
 
 class ReceiverQuant:

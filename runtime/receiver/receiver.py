@@ -16,7 +16,9 @@ from ..errors import PlanMismatchError, SyncError, WeightplanError
 from ..plan.columns import ColumnTable
 from ..plan.format import Plan
 from ..tables.quant import check_supported, quant_tables, stage_packing
-from ..tables.ranks import Reads, RemoteRegion, held_entries, packing, pipeline_groups, reads_of, region_addresses
+from ..tables.ring import DEFAULT_RING_BYTES, ring_chunks
+from ..tables.ranks import (Reads, RemoteRegion, held_entries, packing, pipeline_groups, reads_of, region_addresses,
+                            row_pieces)
 from ..transport.lifecycle import AgentOwner
 from ..transport.nixl_agent import NixlAgent, contiguous_starts
 from ..transport.peer_check import checked_regions, checked_word
@@ -27,7 +29,7 @@ from .quant import ReceiverQuant
 
 log = logging.getLogger("weightplan.runtime")
 PROGRESS_EVERY = 5.0  # seconds between progress lines of a long sync
-_NO_READS = Reads(*(np.zeros(0, dtype=np.int64) for _ in range(6)))
+_NO_READS = Reads.empty()
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,8 @@ class SyncReport:
     verify_seconds: float | None
     quantize_seconds: float = 0.0  # receiver-side fp8 quantization, inside `seconds`
     derived_seconds: float = 0.0  # recomputing derived post-load state (runtime/receiver/derived.py), inside `seconds`
+    table_bytes: int = 0  # this rank's runtime tables (reads, groups, descriptors): O(stored runs + descriptors)
+    packed_bytes: int = 0  # of `bytes`, those read from the trainers' packed regions of small runs
 
     @property
     def gbps(self) -> float:
@@ -59,22 +63,35 @@ class _Descriptors(ColumnTable):
     local: np.ndarray
     nbytes: np.ndarray
     group: np.ndarray
+    chunk: np.ndarray  # ring chunk of a packed READ when the trainer serves them through a ring, else -1
 
 
-def descriptor_table(reads: Reads, group: np.ndarray, packed_at: np.ndarray, local: np.ndarray) -> _Descriptors:
-    """Runs read in place keep one descriptor each; packed runs merge wherever both sides are contiguous."""
-    packed = packed_at[reads.run]
+def descriptor_table(reads: Reads, group: np.ndarray, packed: np.ndarray, local: np.ndarray,
+                     chunk: np.ndarray | None = None) -> _Descriptors:
+    """Runs read in place: one descriptor per row (per run where contiguous on both sides); packed runs (`packed`:
+    offset in the packed region or ring, -1 if read in place; `chunk`: their ring chunk): one per run where the
+    destination rows continue each other, merged wherever both sides are contiguous within one chunk."""
+    chunk = np.full(len(reads), -1, dtype=np.int64) if chunk is None else chunk
+    single = reads.count == 1
     direct = np.flatnonzero(packed < 0)
+    d = reads.take(direct)
+    run, size, (remote, lo) = row_pieces(d.count, d.nbytes, d.contiguous(), (d.src_byte, d.src_stride),
+                                         (local[direct], d.dst_stride))
+    direct_group = group[direct][run]
     rows = np.flatnonzero(packed >= 0)
     rows = rows[np.argsort(packed[rows], kind="stable")]
-    lo, po, n, g = local[rows], packed[rows], reads.nbytes[rows], group[rows]
-    first, merged = contiguous_starts(n, (lo, po), (g,))
+    p = reads.take(rows)
+    prun, n, (po, plo) = row_pieces(p.count, p.nbytes, single[rows] | (p.dst_stride == p.nbytes),
+                                    (packed[rows], p.nbytes), (local[rows], p.dst_stride))
+    g, c = group[rows][prun], chunk[rows][prun]
+    first, merged = contiguous_starts(n, (plo, po), (g, c))
     return _Descriptors(
-        region=np.concatenate([reads.region[direct], np.full(len(first), RemoteRegion.PACKED, dtype=np.int64)]),
-        remote_off=np.concatenate([reads.src_byte[direct], po[first]]),
-        local=np.concatenate([local[direct], lo[first]]),
-        nbytes=np.concatenate([reads.nbytes[direct], merged]),
-        group=np.concatenate([group[direct], g[first]]),
+        region=np.concatenate([d.region[run], np.full(len(first), RemoteRegion.PACKED, dtype=np.int64)]),
+        remote_off=np.concatenate([remote, po[first]]),
+        local=np.concatenate([lo, plo[first]]),
+        nbytes=np.concatenate([size, merged]),
+        group=np.concatenate([direct_group, g[first]]),
+        chunk=np.concatenate([np.full(len(run), -1, dtype=np.int64), c[first]]),
     )
 
 
@@ -86,7 +103,9 @@ class _Peer:
     incarnation: str
     agent: str
     seq_read: object
+    ring_word_read: object
     group_reads: dict[int, list] = field(default_factory=dict)
+    ring_reads: dict[int, list] = field(default_factory=dict)  # READs of each ring chunk, when it serves through a ring
     remote_lists: list = field(default_factory=list)
 
 
@@ -103,6 +122,10 @@ class Receiver(AgentOwner):
     `process_weights_after_loading(act_dtype)` (runtime/receiver/derived.py); `derived="caller"` leaves
     that to the caller, and is required when `destination` is a dict of tensors.
 
+    A trainer whose small runs exceed `ring_bytes` (default 512 MiB; give its Sender the same value)
+    serves them through a bounded ring, chunk by chunk: they are read first, each chunk as soon as
+    its trainer's ring word says it is in the ring, and acknowledged so the trainer packs the next.
+
     The plan's constants (vLLM's zero padding rows) are written once, at `start()`, before any sync: no
     READ touches their bytes, so a sync, failed or not, leaves them intact. The destination is the
     caller's memory, though: a caller that writes it itself (vLLM's own `load_weights`, a dummy
@@ -115,7 +138,7 @@ class Receiver(AgentOwner):
 
     def __init__(self, plan: Plan, rank: int, destination, *, rendezvous: Rendezvous, timeout: float = 60.0,
                  verify: bool = False, group_bytes: int = 256 << 20, post_op=None, progress_thread: bool = False,
-                 derived: str = "refresh", act_dtype: torch.dtype = torch.bfloat16):
+                 derived: str = "refresh", act_dtype: torch.dtype = torch.bfloat16, ring_bytes: int = DEFAULT_RING_BYTES):
         held = held_entries(plan, rank)
         if plan.staging:
             check_supported(plan)
@@ -147,9 +170,20 @@ class Receiver(AgentOwner):
                 names[stage_group[stage]] |= {plan.dests[entry.weight].name, plan.dests[entry.scale].name}
         self._group_names = [sorted(n) for n in names]
         self._seq = torch.zeros(plan.header["src_ranks"], dtype=torch.int64)
+        self._ring_word = torch.zeros((plan.header["src_ranks"], 2), dtype=torch.int64)
         packings = {src: packing(plan, src) for src in self.reads}
         self._packed_bytes = {src: p.nbytes for src, p in packings.items()}
-        self._tables = {src: self._descriptors(src, packings[src]) for src in self.reads}
+        packed_at = {src: packings[src].offsets_of(r.run) for src, r in self.reads.items()}
+        try:
+            rings = {src: ring_chunks(packings[src], ring_bytes) for src in self.reads}
+        except ValueError as exc:
+            raise WeightplanError(f"inference rank {rank}: {exc}") from None
+        self._slot_bytes = {src: p.nbytes if rings[src] is None else rings[src].slot_bytes for src, p in packings.items()}
+        self._tables = {src: self._descriptors(src, packed_at[src], rings[src]) for src in self.reads}
+        # Every table this rank built, the trainers' packings it derived included: none has a row dimension.
+        self.table_bytes = sum(r.footprint() + self._groups[s].nbytes + self._tables[s].footprint() + packings[s].footprint()
+                               + packed_at[s].nbytes for s, r in self.reads.items())
+        self.packed_read_bytes = sum(int(r.total()[packed_at[s] >= 0].sum()) for s, r in self.reads.items())
         self._peers: dict[int, _Peer] = {}
         self._version: int | None = None
         self.incarnation = uuid.uuid4().hex
@@ -165,9 +199,10 @@ class Receiver(AgentOwner):
         if self.agent is not None:
             raise WeightplanError(f"inference rank {self.rank}: this Receiver was started already")
         self.agent = NixlAgent(inference_agent(self.rendezvous.job, self.rank), self._progress_thread)
-        self.agent.register(list(self._dst.values()) + [self._seq] + (self._quant.slots if self._quant else []))
+        self.agent.register(list(self._dst.values()) + [self._seq, self._ring_word] + (self._quant.slots if self._quant else []))
         self._local = {src: self.agent.prepare(None, np.stack([t.local, t.nbytes], axis=1)) for src, t in self._tables.items()}
         self._seq_local = {src: self.agent.prepare(None, np.array([[self._seq.data_ptr() + 8 * src, 8]])) for src in self.reads}
+        self._ring_local = {src: self.agent.prepare(None, np.array([[self._ring_word[src].data_ptr(), 16]])) for src in self.reads}
         self.write_constants()  # with the destinations registered, before this rank says it joined
         self.rendezvous.put(f"inference/{self.rank}/joined", {"incarnation": self.incarnation, "agent": self.agent.name})
         return self
@@ -180,7 +215,7 @@ class Receiver(AgentOwner):
         if not self.running:
             return
         self._drop_peers()
-        for prepared in [*self._local.values(), *self._seq_local.values()]:
+        for prepared in [*self._local.values(), *self._seq_local.values(), *self._ring_local.values()]:
             self.agent.release_list(prepared)
         self.agent.close()
 
@@ -200,7 +235,7 @@ class Receiver(AgentOwner):
     @property
     def bytes(self) -> int:
         """Bytes READ per sync: runs, plus with fp8 tables the fp8 values, scales and bf16 staging."""
-        return int(sum(int(r.nbytes.sum()) for r in self.reads.values())) + (self._quant.bytes if self._quant else 0)
+        return int(sum(int(r.total().sum()) for r in self.reads.values())) + (self._quant.bytes if self._quant else 0)
 
     @property
     def destination_bytes(self) -> int:
@@ -221,14 +256,18 @@ class Receiver(AgentOwner):
         base = np.array([self._dst[int(d)].data_ptr() for d in reads.dest.tolist()], dtype=np.int64)
         return base + reads.dst_byte
 
-    def _descriptors(self, src: int, packed) -> _Descriptors:
+    def _descriptors(self, src: int, packed_at: np.ndarray, ring) -> _Descriptors:
         reads = self.reads[src]
-        table = descriptor_table(reads, self._groups[src], packed.offsets_by_run(self.plan.n_runs), self._local_addresses(reads))
+        chunk = None
+        if ring is not None:  # packed offsets count from the start of their chunk in the ring
+            chunk = np.where(packed_at >= 0, ring.chunk_of(np.maximum(packed_at, 0)), -1)
+            packed_at = np.where(packed_at >= 0, packed_at - ring.start[np.maximum(chunk, 0)], -1)
+        table = descriptor_table(reads, self._groups[src], packed_at, self._local_addresses(reads), chunk)
         if self._quant is None or src not in self._quant.rows:
             return table
         quant = self._quant.descriptors(src)
-        return _Descriptors(*(np.concatenate([getattr(table, f), q]) for f, q in
-                              zip(("region", "remote_off", "local", "nbytes", "group"), quant)))
+        quant = (*quant, np.full(len(quant[0]), -1, dtype=np.int64))
+        return _Descriptors(*(np.concatenate([getattr(table, f), q]) for f, q in zip(_Descriptors.column_names(), quant)))
 
     def sync(self, version: int) -> SyncReport:
         """Receive `version` from every trainer rank this rank reads; raise SyncError (weights incomplete) on failure."""
@@ -260,6 +299,7 @@ class Receiver(AgentOwner):
         self._check_sequence(version, deadline, "before reading")
         if self._quant:
             self._quant.begin()
+        self._ring_phase(version, deadline)
         self._transfer(version, start, deadline, self._post_ops(check))
         if self._quant:
             self._quant.end()
@@ -270,7 +310,8 @@ class Receiver(AgentOwner):
         self._version = version
         report = SyncReport(version, self.rank, self.bytes, self.descriptors, len(sources), self.n_groups,
                             time.monotonic() - start, spent[0] if self.verify else None,
-                            self._quant.seconds if self._quant else 0.0, self._derived.seconds)
+                            self._quant.seconds if self._quant else 0.0, self._derived.seconds, self.table_bytes,
+                            self.packed_read_bytes)
         log.info("weightplan sync v%d inference rank %d: %.3f GB, %d descriptors from %d trainer ranks, %.3f s, %.2f GB/s%s%s",
                  version, self.rank, report.bytes / 1e9, report.descriptors, report.trainer_ranks, report.seconds,
                  report.gbps, f", verified in {report.verify_seconds:.3f} s" if self.verify else "",
@@ -290,6 +331,10 @@ class Receiver(AgentOwner):
         if packed_bytes != self._packed_bytes[rank]:
             raise PlanMismatchError(f"trainer rank {rank} packs {packed_bytes} bytes of small runs, this rank expects "
                                     f"{self._packed_bytes[rank]}: run the same weightplan version on both sides")
+        ring_addr, slot_bytes = checked_word(rank, info, "ring", 2)
+        if slot_bytes != self._slot_bytes[rank]:
+            raise PlanMismatchError(f"trainer rank {rank} serves its small runs from a region of {slot_bytes} bytes, this "
+                                    f"rank expects {self._slot_bytes[rank]}: give its Sender and this Receiver the same ring_bytes")
         quant = self._quant_regions(rank, info)
         name = trainer_agent(self.rendezvous.job, rank)
         self.agent.add_peer(self.rendezvous.get_bytes(f"trainer/{rank}/metadata/{incarnation}"), name)
@@ -297,11 +342,15 @@ class Receiver(AgentOwner):
         bases = region_addresses(table.region, regions, {RemoteRegion.PACKED: packed_addr, **quant})
         remote = self.agent.prepare(name, np.stack([bases + table.remote_off, table.nbytes], axis=1))
         seq_remote = self.agent.prepare(name, np.array([[checked_word(rank, info, "seq")[0], 8]]))
-        peer = _Peer(rank, incarnation, name, self.agent.make_read(self._seq_local[rank], seq_remote, np.zeros(1)))
-        peer.remote_lists += [remote, seq_remote]
-        for g in np.unique(table.group).tolist():
-            rows = np.flatnonzero(table.group == g)
+        ring_remote = self.agent.prepare(name, np.array([[ring_addr, 16]]))
+        peer = _Peer(rank, incarnation, name, self.agent.make_read(self._seq_local[rank], seq_remote, np.zeros(1)),
+                     self.agent.make_read(self._ring_local[rank], ring_remote, np.zeros(1)))
+        peer.remote_lists += [remote, seq_remote, ring_remote]
+        for g in np.unique(table.group[table.chunk < 0]).tolist():
+            rows = np.flatnonzero((table.group == g) & (table.chunk < 0))
             peer.group_reads[g] = self.agent.make_reads(self._local[rank], remote, rows)
+        for c in np.unique(table.chunk[table.chunk >= 0]).tolist():
+            peer.ring_reads[c] = self.agent.make_reads(self._local[rank], remote, np.flatnonzero(table.chunk == c))
         self._peers[rank] = peer
 
     def _quant_regions(self, rank: int, info: dict) -> dict[RemoteRegion, int]:
@@ -328,6 +377,48 @@ class Receiver(AgentOwner):
             if seq != 2 * version:
                 state = "is staging or retired it" if seq == 2 * version + 1 else f"holds version {seq // 2}"
                 raise SyncError(f"trainer rank {rank} {when}: expected stable version {version}, the trainer {state}")
+
+    def _ring_phase(self, version: int, deadline: float) -> None:
+        """READ every ring chunk this rank reads, from every trainer serving through a ring, as each becomes ready.
+
+        A chunk is read once the trainer's ring word says it is stable for `version`, checked again after
+        the READ (the trainer refills the ring only after this rank's `ring:v:c`, unless it gave up on
+        it), then acknowledged. No wait blocks on one trainer, so rings of several trainers cannot deadlock.
+        """
+        pending = {rank: sorted(peer.ring_reads) for rank, peer in self._peers.items() if peer.ring_reads}
+        pause = 1e-5
+        while pending:
+            moved = False
+            for rank in list(pending):
+                peer, chunk = self._peers[rank], pending[rank][0]
+                what = f"trainer rank {rank}"
+                if self._ring_state(peer, version, chunk, deadline) != "ready":
+                    continue
+                self.agent.read_now([(h, what) for h in peer.ring_reads[chunk]], deadline,
+                                    f"version {version} ring chunk {chunk + 1} of {what}")
+                if self._ring_state(peer, version, chunk, deadline) != "ready":
+                    raise SyncError(f"{what} refilled its ring while this rank read chunk {chunk + 1} of version {version}")
+                self.agent.notify(peer.agent, f"ring:{version}:{chunk}")
+                pending[rank].pop(0)
+                if not pending[rank]:
+                    del pending[rank]
+                moved = True
+            if not moved:
+                if time.monotonic() > deadline:
+                    raise SyncError(f"version {version}: timed out waiting for ring chunks of trainer ranks {sorted(pending)}")
+                time.sleep(pause)
+                pause = min(2 * pause, 1e-3)
+
+    def _ring_state(self, peer: _Peer, version: int, chunk: int, deadline: float) -> str:
+        """'ready' when trainer `peer`'s ring holds `chunk` of `version`, 'wait' before; SyncError once past it."""
+        self.agent.read_now([(peer.ring_word_read, f"trainer rank {peer.rank}")], deadline, "reading a trainer's ring word")
+        held, state = self._ring_word[peer.rank].tolist()
+        if held == version and state == 2 * chunk:
+            return "ready"
+        if held != version or state > 2 * chunk:
+            raise SyncError(f"trainer rank {peer.rank} moved its ring past chunk {chunk + 1} of version {version} "
+                            f"(it holds version {held}): it gave up waiting for this rank")
+        return "wait"
 
     def _transfer(self, version: int, start: float, deadline: float, post_op=None) -> None:
         """Move every group; with a post-op, at most two groups are in flight and group g's post-op overlaps g+1."""
@@ -378,7 +469,7 @@ class Receiver(AgentOwner):
             for rank, reads in self.reads.items():
                 rows = self._groups[rank] == group
                 part = reads.take(rows)
-                ours = {str(d): h for d, h in run_digests(buffers, part.dest, part.dst_byte, part).items()}
+                ours = {str(d): h for d, h in run_digests(buffers, part.dest, part.dst_byte, part.dst_stride, part).items()}
                 if self._quant and rank in self._quant.rows:
                     ours.update(self._quant.digests(rank, group))
                 bad += [f"{self._key_name(k)} (from trainer rank {rank})" for k, h in ours.items() if theirs[rank].get(k) != h]
@@ -392,7 +483,8 @@ class Receiver(AgentOwner):
         return self.plan.dests[int(key)].name if key.isdigit() else self._quant.key_name(key)
 
     def _drop_peer(self, peer: _Peer) -> None:
-        for handle in [peer.seq_read, *(h for chunk in peer.group_reads.values() for h in chunk)]:
+        for handle in [peer.seq_read, peer.ring_word_read, *(h for reads in [*peer.group_reads.values(),
+                                                                              *peer.ring_reads.values()] for h in reads)]:
             self.agent.release(handle)
         for prepared in peer.remote_lists:
             self.agent.release_list(prepared)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-_UNIT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+UNIT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 def index_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -29,7 +29,7 @@ class Gather:
                  nbytes: np.ndarray, out_byte: np.ndarray, unit: int):
         while unit > 1 and any(t.data_ptr() % unit for t in [*tensors, out]):
             unit //= 2
-        self.dtype = _UNIT_DTYPES[unit]
+        self.dtype = UNIT_DTYPES[unit]
         self.tensors, self.out = tensors, out
         self.steps = []
         for i in np.unique(source).tolist():

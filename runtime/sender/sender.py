@@ -17,17 +17,18 @@ from ..errors import SyncError, WeightplanError
 from ..plan.format import Plan
 from ..plan.schema import RECEIVER
 from ..tables.quant import check_supported, exposed_regions, quant_readers, quant_tables
-from ..tables.ranks import check_src_rank, packing, readers, served_runs
+from ..tables.ranks import check_src_rank, packing_of, readers, served_runs
+from ..tables.ring import DEFAULT_RING_BYTES, ring_chunks
 from ..transport.lifecycle import AgentOwner
 from ..transport.nixl_agent import NixlAgent
 from ..transport.region_digests import byte_view, run_digests
 from ..transport.rendezvous import INCARNATION, Rendezvous, inference_agent, trainer_agent
-from .gather import Gather
+from .pack import PackRuns
 from .quant import SenderQuant
 from .trainer_gather import TrainerGather, gathered_key, staged_key
 
 log = logging.getLogger("weightplan.runtime")
-_MESSAGE = re.compile(r"^(begin|ack|fail):(\d+)$")
+_MESSAGE = re.compile(r"^(begin|ack|fail):(\d+)$|^(ring):(\d+):(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,17 @@ class ReleaseReport:
     gatherers_timed_out: tuple[int, ...] = ()  # peer trainer ranks that had not finished their gather-side READs
 
 
+@dataclass(frozen=True)
+class SenderStats:
+    """Memory a trainer rank holds for serving: runtime tables (proportional to its stored runs, not their rows),
+    its packed region of small runs, and everything it writes at publish (staging_bytes, packed region included)."""
+
+    table_bytes: int
+    packed_bytes: int
+    staging_bytes: int
+    stored_runs: int  # the plan's stored runs this rank serves (each standing for `count` rows)
+
+
 class Sender(AgentOwner):
     """Serve trainer `rank`'s bytes of `plan` to every inference rank that reads them.
 
@@ -54,13 +66,19 @@ class Sender(AgentOwner):
     for the peers it gathers from. A sequence word in registered memory lets receivers and gathering
     peers detect bytes that changed while they read (seqlock: 2v while v is stable, odd otherwise).
 
+    Small runs are packed into one region at publish (runtime/sender/pack.py). When they exceed
+    `ring_bytes` (default 512 MiB), the region is a ring the size of the largest chunk of them
+    (runtime/tables/ring.py): `publish` packs chunk 0 and `release` packs chunk c + 1 once every live
+    reader of chunk c acknowledged it (receivers need the same `ring_bytes`). A ring word in registered
+    memory ((version, 2c) while chunk c is stable, 2c - 1 while packing it) lets readers check each chunk.
+
     The constructor only checks the tensors against the plan and allocates staging; `start()` registers
     the memory with NIXL and publishes this rank's info, `close()` deregisters it and releases the
     agent. `with Sender(...) as sender:` does both.
     """
 
     def __init__(self, plan: Plan, rank: int, tensors, *, rendezvous: Rendezvous, timeout: float = 60.0,
-                 digests: bool = False, progress_thread: bool = False):
+                 digests: bool = False, progress_thread: bool = False, ring_bytes: int = DEFAULT_RING_BYTES):
         check_src_rank(plan, rank)
         if plan.staging:
             check_supported(plan)
@@ -84,12 +102,20 @@ class Sender(AgentOwner):
             for r, src in zip(self.regions, self._sources)
         ]
         self._served_runs = served_runs(plan, rank)
-        self.packing = packing(plan, rank)
-        self._packed = torch.empty(self.packing.nbytes, dtype=torch.uint8)
-        served = self._served_runs
-        at = np.searchsorted(served.run, self.packing.run)
-        self._pack = Gather(self._exposed, self._packed, served.region[at], served.src_byte[at], served.nbytes[at],
-                            self.packing.packed_byte, self.packing.unit)
+        self.packing = packing_of(self._served_runs)
+        try:
+            self.ring = ring_chunks(self.packing, ring_bytes)
+        except ValueError as exc:
+            raise WeightplanError(f"trainer rank {rank}: {exc}") from None
+        parts = [self.packing] if self.ring is None else [self.ring.part(self.packing, c) for c in range(len(self.ring))]
+        self._packed = torch.empty(max(p.nbytes for p in parts), dtype=torch.uint8)
+        self._packs = [PackRuns(self._exposed, self._packed, p, self._served_runs) for p in parts]
+        at = np.searchsorted(self._served_runs.run, self.packing.run) if self.ring is not None else []
+        self._chunk_readers = [] if self.ring is None else [
+            {k for d in set(self._served_runs.dest[at[lo:hi]].tolist()) for k in plan.dests[d].ranks}
+            for lo, hi in zip(self.ring.first[:-1].tolist(), self.ring.first[1:].tolist())]
+        self._ring_word = torch.zeros(2, dtype=torch.int64)  # (version, 2c: chunk c in the ring, 2c - 1: packing it)
+        self._ring_next = len(self._packs)  # the next chunk to pack: all packed
         self._gather = TrainerGather(plan, rank, tables) if tables is not None and len(tables.gathered(rank)) else None
         self.gatherers = tables.gatherers(rank) if tables else ()  # peer trainer ranks reading this rank's bf16
         self._quant = (SenderQuant(plan, rank, tables, self.regions, self._exposed, flat,
@@ -103,7 +129,7 @@ class Sender(AgentOwner):
         self._live: set[int] = set()  # inference ranks whose acknowledgement release() waits for
         self._joined: dict[int, str] = {}
         self._given_up: dict[int, str | None] = {}
-        self._inbox: list[tuple[int, str, int]] = []
+        self._inbox: list[tuple[int, str, int, int]] = []  # (rank, kind, version, ring chunk or -1)
         self._pending: int | None = None
         self.digest_seconds = 0.0
         self.quantize_seconds = 0.0
@@ -119,7 +145,8 @@ class Sender(AgentOwner):
             raise WeightplanError(f"trainer rank {self.rank}: this Sender was started already")
         rank, rendezvous = self.rank, self.rendezvous
         self.agent = NixlAgent(trainer_agent(rendezvous.job, rank), self._progress_thread)
-        self.agent.register(self._exposed + [self._packed, self._seq] + (self._quant.registered if self._quant else [])
+        self.agent.register(self._exposed + [self._packed, self._seq, self._ring_word]
+                            + (self._quant.registered if self._quant else [])
                             + (self._gather.registered if self._gather else []))
         plan = self.plan
         rendezvous.put(f"trainer/{rank}/metadata/{self.incarnation}", self.agent.metadata())
@@ -129,6 +156,7 @@ class Sender(AgentOwner):
             "agent": self.agent.name,
             "seq": self._seq.data_ptr(),
             "packed": [self._packed.data_ptr(), self.packing.nbytes],
+            "ring": [self._ring_word.data_ptr(), self._packed.numel()],
             "regions": [[r.source, r.chain, t.data_ptr(), r.nbytes] for r, t in zip(self.regions, self._exposed)],
             **({"quant": self._quant.info()} if self._quant else {}),
         })
@@ -146,11 +174,18 @@ class Sender(AgentOwner):
         self.agent.close()
 
     @property
+    def stats(self) -> SenderStats:
+        """What this rank keeps per sync: its runtime tables and the region it packs small runs into."""
+        tables = sum(p.table_bytes for p in self._packs) + (self.ring.first.nbytes + self.ring.start.nbytes if self.ring else 0)
+        return SenderStats(self._served_runs.footprint() + self.packing.footprint() + tables, self._packed.numel(),
+                           self.staging_bytes, len(self._served_runs))
+
+    @property
     def staging_bytes(self) -> int:
         """Bytes this rank writes at every publish: cast regions, packed small runs, and with fp8 tables the
         packed stage copies and the fp8 values and scales."""
         quant = sum(t.numel() * t.element_size() for t in self._quant.registered) if self._quant else 0
-        return sum(r.nbytes for r in self.regions if r.staged) + self.packing.nbytes + quant
+        return sum(r.nbytes for r in self.regions if r.staged) + self._packed.numel() + quant
 
     def publish(self, version: int) -> None:
         """Stage this rank's bytes for `version` and announce it. Releases the previous version first.
@@ -163,11 +198,14 @@ class Sender(AgentOwner):
         if self._pending is not None:
             self.release(self._pending)
         self._seq.fill_(2 * version + 1)
+        self._ring_word.copy_(torch.tensor([version, -1]))
         with torch.no_grad():
             for region, src, out in zip(self.regions, self._sources, self._exposed):
                 if region.staged:
                     out.copy_(cast_along(src, self.plan.cast_chains[region.chain]))
-            self._pack()
+            self._packs[0]()
+        self._ring_word[1] = 0
+        self._ring_next = 1
         # The exposed bf16 is final for this version; receivers still wait for the version key below,
         # and fp8 regions rewritten from here on are read only after it.
         self._seq.fill_(2 * version)
@@ -185,7 +223,8 @@ class Sender(AgentOwner):
         if self.digests:
             began = time.perf_counter()
             served = self._served_runs
-            found = run_digests([byte_view(x) for x in self._exposed], served.region, served.src_byte, served)
+            found = run_digests([byte_view(x) for x in self._exposed], served.region, served.src_byte, served.src_stride,
+                                served)
             found = {str(k): v for k, v in found.items()}
             if self._quant is not None:
                 found.update(self._quant.digests(self._exposed))
@@ -210,10 +249,11 @@ class Sender(AgentOwner):
         gathering = set(self.gatherers)
         while True:
             self._inbox += list(self._messages())
-            for rank, kind, v in self._inbox:
+            for rank, kind, v, _ in self._inbox:
                 if v == version and kind in ("ack", "fail"):
                     done[rank] = kind
-            self._inbox = [m for m in self._inbox if m[2] > version]
+            self._advance_ring(version, set(done))
+            self._inbox = [m for m in self._inbox if m[2] > version or (m[2] == version and m[1] == "ring")]
             waiting = self._live - set(done)
             gathering -= {g for g in gathering if self.rendezvous.exists(gathered_key(g, version))}
             if (not waiting and not gathering) or time.monotonic() > deadline:
@@ -235,6 +275,19 @@ class Sender(AgentOwner):
             log.warning("trainer rank %d: trainer ranks %s had not gathered version %d within the timeout; they will "
                         "fail that version", self.rank, list(report.gatherers_timed_out), version)
         return report
+
+    def _advance_ring(self, version: int, done: set[int]) -> None:
+        """Pack the next ring chunks whose predecessor every live reader that is not done acknowledged."""
+        while self._pending == version and self._ring_next < len(self._packs):
+            chunk = self._ring_next - 1
+            acked = {m[0] for m in self._inbox if m[1] == "ring" and m[2] == version and m[3] == chunk}
+            if (self._chunk_readers[chunk] & self._live) - acked - done:
+                return
+            self._ring_word[1] = 2 * self._ring_next - 1
+            with torch.no_grad():
+                self._packs[self._ring_next]()
+            self._ring_word[1] = 2 * self._ring_next
+            self._ring_next += 1
 
     def _started(self) -> None:
         if not self.running:
@@ -277,4 +330,7 @@ class Sender(AgentOwner):
                     continue
                 self._live.add(rank)
                 self._given_up.pop(rank, None)
-                yield rank, match[1], int(match[2])
+                if match[3]:
+                    yield rank, "ring", int(match[4]), int(match[5])
+                else:
+                    yield rank, match[1], int(match[2]), -1

@@ -67,14 +67,39 @@ PACK_BELOW_BYTES = 64 << 10
 
 @dataclass(frozen=True)
 class Reads(ColumnTable):
-    """One inference rank's reads from one trainer rank, one row per plan run, in plan order."""
+    """One inference rank's reads from one trainer rank, one row per stored plan run, in plan order.
 
-    run: np.ndarray  # index into plan.runs (rows)
+    A row stands for `count` equally long rows of bytes (a strided run), row i at src_byte + i*src_stride
+    and dst_byte + i*dst_stride: tables stay proportional to stored runs, never to the rows they stand for.
+    """
+
+    run: np.ndarray  # index into plan.table (stored runs)
     region: np.ndarray  # index into that trainer rank's served regions
-    src_byte: np.ndarray  # byte offset inside the region
+    src_byte: np.ndarray  # byte offset of the first row inside the region
     dest: np.ndarray  # index into plan.dests
-    dst_byte: np.ndarray  # byte offset inside the destination tensor
-    nbytes: np.ndarray
+    dst_byte: np.ndarray  # byte offset of the first row inside the destination tensor
+    nbytes: np.ndarray  # bytes per row
+    count: np.ndarray
+    src_stride: np.ndarray  # bytes between rows
+    dst_stride: np.ndarray
+
+    def total(self) -> np.ndarray:
+        """Bytes of each stored run, all its rows."""
+        return self.nbytes * self.count
+
+    def contiguous(self) -> np.ndarray:
+        """Whether each run's rows continue each other on both sides (one byte range each side)."""
+        return (self.count == 1) | ((self.src_stride == self.nbytes) & (self.dst_stride == self.nbytes))
+
+
+def row_pieces(count: np.ndarray, nbytes: np.ndarray, whole: np.ndarray, *sides: tuple[np.ndarray, np.ndarray]):
+    """The descriptors of stored runs: one per run where `whole` (its rows continue each other on every side),
+    else one per row. Returns (run of each descriptor, its bytes, its start on each side given as (start, stride))."""
+    pieces = np.where(whole, 1, count)
+    run = np.repeat(np.arange(len(count)), pieces)
+    index = np.arange(len(run)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    size = np.where(whole, nbytes * count, nbytes)[run]
+    return run, size, [start[run] + index * stride[run] for start, stride in sides]
 
 
 def check_src_rank(plan: Plan, rank: int) -> None:
@@ -117,8 +142,8 @@ def _reads(plan: Plan, sel: np.ndarray, src_rank: int) -> Reads:
     width = len(plan.cast_chains) + 1
     regions = served_regions(plan, src_rank)
     region_keys = np.array([r.source * width + r.chain for r in regions], dtype=np.int64)  # sorted
-    runs = plan.runs
-    size = plan.wire_itemsize()[sel]
+    runs = plan.table
+    size = plan.stored_itemsize()[sel]
     return Reads(
         run=np.flatnonzero(sel),
         region=np.searchsorted(region_keys, runs["src"][sel] * width + runs["wire"][sel]),
@@ -126,12 +151,15 @@ def _reads(plan: Plan, sel: np.ndarray, src_rank: int) -> Reads:
         dest=runs["dest"][sel],
         dst_byte=runs["dst_off"][sel] * size,
         nbytes=runs["length"][sel] * size,
+        count=runs["count"][sel],
+        src_stride=runs["src_stride"][sel] * size,
+        dst_stride=runs["dst_stride"][sel] * size,
     )
 
 
 def reads_of(plan: Plan, rank: int) -> dict[int, Reads]:
     """Inference `rank`'s descriptors, grouped by the trainer rank they read from."""
-    runs = plan.runs
+    runs = plan.table
     mask = held_entries(plan, rank)[runs["dest"]]
     return {src: _reads(plan, mask & (runs["src_rank"] == src), src) for src in sorted(set(runs["src_rank"][mask].tolist()))}
 
@@ -139,38 +167,54 @@ def reads_of(plan: Plan, rank: int) -> dict[int, Reads]:
 def served_runs(plan: Plan, rank: int) -> Reads:
     """Every run trainer `rank` serves (into entries of any inference rank), in plan order."""
     check_src_rank(plan, rank)
-    return _reads(plan, plan.runs["src_rank"] == rank, rank)
+    return _reads(plan, plan.table["src_rank"] == rank, rank)
 
 
 @dataclass(frozen=True)
 class Packing:
-    """The runs a trainer rank gathers into its packed region: ordered by (destination, offset), back to back."""
+    """The stored runs a trainer rank gathers into its packed region, back to back in (destination, offset)
+    order, each run's rows in order, so a receiver's descriptors merge where destinations continue each other.
 
-    run: np.ndarray  # plan run indices, in packed order
+    `shape` cuts that order into spans of consecutive runs of one shape (region, row bytes, count, source
+    stride): the sender copies each span with one gather (runtime/sender/pack.py).
+    """
+
+    run: np.ndarray  # stored plan runs, in packed order
     packed_byte: np.ndarray  # offset of each in the packed region
-    unit: int  # bytes per gathered element: the largest of 8, 4, 2, 1 dividing every offset and length
+    shape: np.ndarray  # first packed position of each span of one shape, then len(run)
+    unit: int  # bytes per gathered element: the largest of 8, 4, 2, 1 dividing every offset, stride and length
     nbytes: int
 
-    def offsets_by_run(self, n_runs: int) -> np.ndarray:
-        """packed_byte per plan run, -1 where the run is not packed."""
-        out = np.full(n_runs, -1, dtype=np.int64)
-        out[self.run] = self.packed_byte
-        return out
+    def offsets_of(self, runs: np.ndarray) -> np.ndarray:
+        """packed_byte of each of these stored plan runs, -1 where one is not packed."""
+        if not len(self.run):
+            return np.full(len(runs), -1, dtype=np.int64)
+        order = np.argsort(self.run)
+        at = np.minimum(np.searchsorted(self.run[order], runs), len(order) - 1)
+        return np.where(self.run[order][at] == runs, self.packed_byte[order][at], -1)
+
+    def footprint(self) -> int:
+        return int(self.run.nbytes + self.packed_byte.nbytes + self.shape.nbytes)
 
 
 def packing(plan: Plan, rank: int) -> Packing:
-    """Which of trainer `rank`'s runs are packed (those under PACK_BELOW_BYTES) and where."""
-    check_src_rank(plan, rank)
-    runs = plan.runs
-    mine = np.flatnonzero(runs["src_rank"] == rank)
-    nbytes = runs["length"][mine] * plan.wire_itemsize()[mine]
-    small = mine[nbytes < PACK_BELOW_BYTES]
-    run = small[np.lexsort((runs["dst_off"][small], runs["dest"][small]))]
-    size = runs["length"][run] * plan.wire_itemsize()[run]
-    src_byte = runs["src_off"][run] * plan.wire_itemsize()[run]
+    """Which of trainer `rank`'s stored runs are packed (rows under PACK_BELOW_BYTES) and where."""
+    return packing_of(served_runs(plan, rank))
+
+
+def packing_of(served: Reads) -> Packing:
+    """The packing of these served runs (one trainer rank's, in plan order)."""
+    small = served.take(np.flatnonzero(served.nbytes < PACK_BELOW_BYTES))
+    stride = np.where(small.count > 1, small.src_stride, 0)
+    keys = (small.region, small.nbytes, small.count, stride)
+    order = np.lexsort((small.dst_byte, small.dest))
+    size = small.total()[order]
     packed_byte = np.cumsum(size) - size
-    unit = next(u for u in (8, 4, 2, 1) if not (np.any(size % u) or np.any(src_byte % u)))
-    return Packing(run, packed_byte, unit, int(size.sum()))
+    changes = np.flatnonzero(np.any([np.diff(k[order]) != 0 for k in keys], axis=0)) + 1 if len(order) > 1 else []
+    shape = np.concatenate([[0], changes, [len(order)]]).astype(np.int64) if len(order) else np.zeros(1, dtype=np.int64)
+    spans = np.concatenate([small.nbytes, small.src_byte, stride])
+    unit = next(u for u in (8, 4, 2, 1) if not np.any(spans % u))
+    return Packing(small.run[order], packed_byte, shape, unit, int(size.sum()))
 
 
 def pipeline_groups(reads: dict[int, Reads], group_bytes: int) -> dict[int, np.ndarray]:
@@ -186,7 +230,7 @@ def pipeline_groups(reads: dict[int, Reads], group_bytes: int) -> dict[int, np.n
     dests = np.unique(np.concatenate([r.dest for r in reads.values()]))
     per_dest = np.zeros(int(dests.max()) + 1, dtype=np.int64)
     for r in reads.values():
-        np.add.at(per_dest, r.dest, r.nbytes)
+        np.add.at(per_dest, r.dest, r.total())
     # An entry starts a new group when the bytes before it cross a multiple of group_bytes.
     before = np.cumsum(per_dest[dests]) - per_dest[dests]
     group_of = np.zeros_like(per_dest)

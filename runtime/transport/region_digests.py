@@ -20,17 +20,26 @@ def byte_view(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().reshape(-1).view(torch.uint8).numpy()
 
 
-def run_digests(buffers, buffer_of: np.ndarray, offsets: np.ndarray, reads: Reads) -> dict[int, str]:
-    """{destination index: hex digest} of the runs in `reads`, reading run i at buffers[buffer_of[i]][offsets[i]:]."""
-    return digests(buffers, buffer_of, offsets, reads.nbytes, reads.dest.tolist())
+def run_digests(buffers, buffer_of: np.ndarray, offsets: np.ndarray, strides: np.ndarray, reads: Reads) -> dict[int, str]:
+    """{destination index: hex digest} of the runs in `reads`, reading run i's rows at buffers[buffer_of[i]][offsets[i]:]
+    `strides[i]` bytes apart."""
+    return digests(buffers, buffer_of, offsets, reads.nbytes, reads.dest.tolist(), reads.count, strides)
 
 
-def digests(buffers, buffer_of: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray, keys: list) -> dict:
-    """{key: hex digest} of byte ranges, each key's ranges hashed in the given order."""
+def digests(buffers, buffer_of: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray, keys: list,
+            counts: np.ndarray | None = None, strides: np.ndarray | None = None) -> dict:
+    """{key: hex digest} of byte ranges (each `counts[i]` rows `strides[i]` apart), each key's ranges hashed in the given order."""
+    counts = np.ones(len(nbytes), dtype=np.int64) if counts is None else counts
+    strides = np.zeros(len(nbytes), dtype=np.int64) if strides is None else strides
     hashers: dict = {}
-    for buf, off, n, key in zip(buffer_of.tolist(), offsets.tolist(), nbytes.tolist(), keys):
+    for buf, off, n, key, count, stride in zip(buffer_of.tolist(), offsets.tolist(), nbytes.tolist(), keys,
+                                               counts.tolist(), strides.tolist()):
         hasher = hashers.get(key)
         if hasher is None:
             hasher = hashers[key] = hashlib.sha256()
-        hasher.update(buffers[buf][off : off + n])
+        if count == 1 or stride == n:
+            hasher.update(buffers[buf][off : off + n * count])
+        else:
+            rows = np.lib.stride_tricks.as_strided(buffers[buf][off:], (count, n), (stride, 1), writeable=False)
+            hasher.update(np.ascontiguousarray(rows))
     return {key: h.hexdigest() for key, h in hashers.items()}
