@@ -125,3 +125,16 @@ def test_a_failed_rebuild_restores_every_layer_already_rebuilt():
     assert first.cpu_linear is old_closure and first.weight is old_weight and torch.equal(second.weight, torch.ones(2, 2))
     rebuild(first, {"weight": torch.full((2, 2), 3.0)})
     assert torch.equal(first.cpu_linear(torch.eye(2)), torch.full((2, 2), 3.0)) and first.weight.numel() == 0
+
+
+def test_trainer_engine_takes_a_draft_source_exactly_with_a_draft_plan():
+    from weightplan.vllm_backend.trainer import ShardSource, WeightplanTrainerEngine, WeightplanTrainerInitInfo
+
+    info = WeightplanTrainerInitInfo(rank=0, plan="p.plan", job="run", draft_plan="d.plan")
+    assert info.worker_init_info("f")["draft_plan"] == "d.plan"
+    assert "draft_plan" not in WeightplanTrainerInitInfo(rank=0, plan="p.plan").worker_init_info("f")
+    with pytest.raises(TypeError, match="draft_source"):
+        WeightplanTrainerEngine.trainer_init(info, client=None, source=ShardSource({}))
+    with pytest.raises(TypeError, match="draft_source"):
+        WeightplanTrainerEngine.trainer_init(WeightplanTrainerInitInfo(rank=0, plan="p.plan"), client=None,
+                                             source=ShardSource({}), draft_source=ShardSource({}))
