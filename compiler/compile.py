@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .frontend.draft import DRAFT_METHOD, check_draft, draft_trainer
+from .frontend.draft import DRAFT_METHOD, check_draft, check_draft_architecture, draft_trainer
 from .frontend.errors import ModelConfigError
 from .frontend.rank_models import RankTracer
 from .frontend.trainer_adapter import ADAPTER_FORMAT, check_adapter_spec, load_adapter
@@ -140,6 +140,7 @@ def _compile(opts: CompileOptions, inputs: _Inputs, log) -> CompileResult:
     trainer_model = trainer_tensors(config_dir, opts.trainer_dtype, fmt, opts.trainer_adapter)
     draft_meta = {}
     if opts.draft:  # the trainer's MTP tensors; the draft's own tensors are read off vLLM's one-rank draft
+        check_draft_architecture(draft_config(base).architectures[0], config_dir / "config.json")
         one_rank = build_model(base)
         trainer_model = draft_trainer(trainer_model, load_config_json(config_dir), one_rank,
                                       getattr(torch, TRAINER_DTYPES[opts.trainer_dtype]))

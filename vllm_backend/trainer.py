@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -136,6 +137,7 @@ class WeightplanTrainerEngine(TrainerWeightTransferEngine[WeightplanTrainerInitI
         try:
             self.last_release = self.sender.release(v)
             if self.draft_sender is not None:  # the engine takes the draft's update after the target's
+                self._await_joins(self.draft_sender, driver)
                 self.draft_sender.release(v)
         finally:
             if driver is not None:
@@ -143,6 +145,20 @@ class WeightplanTrainerEngine(TrainerWeightTransferEngine[WeightplanTrainerInitI
         if failure:
             raise failure[0]
         self.version = v
+
+    def _await_joins(self, sender: Sender, driver: threading.Thread | None) -> None:
+        """Wait until the inference ranks reading `sender` have joined (or the driver ended, or the timeout).
+
+        The engine's draft side joins at its first draft update, after the target's; a release
+        waits only for the ranks joined when it starts, so releasing earlier would retire the
+        version under the joining receivers' first READs.
+        """
+        keys = [f"inference/{rank}/joined" for rank in sender.readers]  # what Receiver.start() publishes
+        deadline = time.monotonic() + self.init_info.timeout
+        while not all(sender.rendezvous.exists(key) for key in keys):
+            if (driver is not None and not driver.is_alive()) or time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
 
     def _drive(self, version: int, failure: list) -> None:
         try:

@@ -1,15 +1,4 @@
-"""The speculative-decoding (MTP) draft's trainer tensors: the checkpoint tensors `model.layers.{L+i}.*` vLLM's draft loads.
-
-transformers' DeepSeek-V3 / GLM model classes have no MTP module, so the trainer table of the
-main plan has no MTP tensors. A trainer that trains MTP layers holds them under their checkpoint
-names (what torchtitan's `to_hf` produces for its `mtp_layers`): MTP layer i of a model with L
-decoder layers is `model.layers.{L+i}.*`. Its transformer block is a decoder layer like the
-model's last one (the same checkpoint names and shapes, index L+i: vLLM builds it as
-`DeepseekV2DecoderLayer`), and the layer's own tensors (`enorm`, `hnorm`, `eh_proj`,
-`shared_head.norm`) are read off vLLM's draft model built with one rank. The embedding and LM
-head the draft uses are the target's in a serving engine (vllm_patches.share_with_target): the
-trainer's `model.embed_tokens.weight` and `lm_head.weight` feed the target's plan only.
-"""
+"""The speculative-decoding (MTP) draft's trainer tensors: the checkpoint tensors `model.layers.{L+i}.*` vLLM's draft loads."""
 
 from __future__ import annotations
 
@@ -25,6 +14,8 @@ from .errors import ModelConfigError
 from .lazy_weight import dtype_name
 
 DRAFT_METHOD = "mtp"
+# vLLM's draft classes whose loading and sharing this module and vllm_patches.share_with_target follow (models/deepseek_mtp.py).
+DRAFT_ARCHITECTURES = ("DeepSeekMTPModel", "DeepseekV32MTPModel")
 
 
 def mtp_layers(config: dict) -> int:
@@ -45,9 +36,27 @@ def check_draft(config: dict, config_path, *, fmt: str, adapter: str | None, qua
         raise ModelConfigError(f"--draft compiles bf16 draft plans only; got --quant {quant}")
 
 
+def check_draft_architecture(architecture: str, config_path) -> None:
+    """Refuse a draft class other than vLLM's DeepSeek MTP (whose checkpoint names and sharing this compiler follows)."""
+    if architecture not in DRAFT_ARCHITECTURES:
+        raise ModelConfigError(f"--draft compiles vLLM's DeepSeek MTP drafts ({', '.join(DRAFT_ARCHITECTURES)}: DeepSeek-V3, "
+                               f"GLM-5.x); for {config_path} vLLM builds {architecture}")
+
+
 @dataclass(frozen=True)
 class DraftTrainer:
-    """The trainer's MTP tensors under their checkpoint names; vLLM's draft load_weights reads them as they are."""
+    """The trainer's MTP tensors under their checkpoint names; vLLM's draft load_weights reads them as they are.
+
+    transformers' DeepSeek-V3 / GLM classes have no MTP module, so the main trainer table has no
+    MTP tensors. A trainer that trains MTP layers holds them under their checkpoint names (what
+    torchtitan's `to_hf` produces for its `mtp_layers`): MTP layer i of a model with L decoder
+    layers is `model.layers.{L+i}.*`. Its block is a decoder layer like the model's last one (same
+    checkpoint names and shapes; vLLM builds it as `DeepseekV2DecoderLayer`), and the layer's own
+    tensors (`enorm`, `hnorm`, `eh_proj`, `shared_head.norm`) are read off vLLM's one-rank draft.
+    The embedding and LM head the draft uses are the target's in a serving engine
+    (vllm_patches.share_with_target): the trainer's `model.embed_tokens.weight` and
+    `lm_head.weight` feed the target's plan only.
+    """
 
     checkpoint: tuple[TensorEntry, ...]
 
