@@ -25,7 +25,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 test-engine-slow: $(STAMP)
-	WEIGHTPLAN_SLOW_ENGINE=1 $(BIN)/python -m pytest -q tests/test_vllm_backend_serve.py tests/test_vllm_backend_async.py tests/test_vllm_backend_tp2.py tests/test_vllm_backend_dp2.py
+	WEIGHTPLAN_SLOW_ENGINE=1 $(BIN)/python -m pytest -q tests/test_vllm_backend_serve.py tests/test_vllm_backend_async.py tests/test_vllm_backend_tp2.py tests/test_vllm_backend_dp2.py tests/test_vllm_backend_draft.py
 
 bench-compile: $(STAMP)
 	$(BIN)/python benchmarks/bench_compile.py

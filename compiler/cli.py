@@ -40,6 +40,9 @@ def compile_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trainer-adapter", metavar="MODULE:CALLABLE",
                         help="a trainer that is not a transformers model: a factory(config_dir, dtype) whose object has "
                              "state_dict() and to_hf(state_dict), e.g. weightplan.compiler.adapters.torchtitan:TorchtitanDeepSeekV3")
+    parser.add_argument("--draft", action="store_true",
+                        help="compile the plan of the MTP speculative-decoding draft model vLLM builds for this model "
+                             "(trainer tensors model.layers.{num_hidden_layers}.* under checkpoint names; see docs/vllm.md)")
     parser.add_argument("--check-passes", action="store_true",
                         help="verify the program after every compiler pass and name the pass that breaks an invariant (slower)")
     args = parser.parse_args(argv)
@@ -50,7 +53,7 @@ def compile_main(argv: list[str] | None = None) -> int:
         result = compile_plan(
             CompileOptions(args.model, args.trainer_format, args.trainer_dtype, args.quant, args.output,
                            trainer=args.trainer, inference=args.inference, trainer_layout=args.trainer_layout,
-                           check_passes=args.check_passes, trainer_adapter=args.trainer_adapter),
+                           check_passes=args.check_passes, trainer_adapter=args.trainer_adapter, draft=args.draft),
             log=_log,
         )
     except WeightplanError as exc:

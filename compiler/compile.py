@@ -14,11 +14,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .frontend.draft import DRAFT_METHOD, check_draft, check_draft_architecture, draft_trainer
 from .frontend.errors import ModelConfigError
 from .frontend.rank_models import RankTracer
 from .frontend.trainer_adapter import ADAPTER_FORMAT, check_adapter_spec, load_adapter
 from .frontend.trainer_formats import Conversion, canonical_format, load_trainer_model
-from .frontend.vllm_model import current_platform_name, make_vllm_config
+from .frontend.vllm_model import build_model, current_platform_name, draft_config, make_vllm_config
 from .frontend.vllm_patches import HOST_PROFILE, host_independent
 from .layouts import check_trainer_experts, parse_inference, parse_trainer
 from .ir import PlanOrigin, Program
@@ -45,6 +46,7 @@ class CompileOptions:
     trainer_layout: Path | None = None
     check_passes: bool = False  # verify the program after every pass, not only the coverage proof at the end
     trainer_adapter: str | None = None  # module:callable mapping a non-transformers trainer's tensors to checkpoint ones
+    draft: bool = False  # the MTP speculative-decoding draft model's plan (frontend/draft.py), not the target's
 
 
 @dataclass
@@ -57,8 +59,9 @@ class CompileResult:
 
 
 def default_plan_path(model: str, trainer: dict, inference: dict, quant: str) -> Path:
-    """plans/<model>/<format>-<dtype>-<trainer layout>__<inference layout>__<quant>.plan"""
-    return Path("plans") / model / f"{trainer['format']}-{trainer['dtype']}-{trainer['token']}__{inference['token']}__{quant}.plan"
+    """plans/<model>/[mtp-]<format>-<dtype>-<trainer layout>__<inference layout>__<quant>.plan (mtp-: a draft plan)"""
+    draft = f"{inference['draft']['method']}-" if "draft" in inference else ""
+    return Path("plans") / model / f"{draft}{trainer['format']}-{trainer['dtype']}-{trainer['token']}__{inference['token']}__{quant}.plan"
 
 
 def check_options(opts: CompileOptions) -> None:
@@ -108,6 +111,9 @@ def check_inputs(opts: CompileOptions) -> _Inputs:
     config = load_config_json(config_dir)
     inference.check(config)
     check_trainer_experts(trainer_layout, config)
+    if opts.draft:
+        check_draft(config, config_dir / "config.json", fmt=canonical_format(opts.trainer_format), adapter=opts.trainer_adapter,
+                    quant=opts.quant)
     return _Inputs(trainer_layout, inference, name, config_dir)
 
 
@@ -126,11 +132,20 @@ def _compile(opts: CompileOptions, inputs: _Inputs, log) -> CompileResult:
     import vllm
 
     quantization = quant_compile.vllm_quantization(opts.quant)
-    base = make_vllm_config(config_dir, quantization=quantization)
-    vllm_config = (make_vllm_config(config_dir, tp=inference.tp, dp=inference.dp, ep=inference.ep, quantization=quantization)
+    base = make_vllm_config(config_dir, quantization=quantization, draft=opts.draft)
+    vllm_config = (make_vllm_config(config_dir, tp=inference.tp, dp=inference.dp, ep=inference.ep, quantization=quantization,
+                                    draft=opts.draft)
                    if inference.ranks > 1 else base)
     fmt = trainer_format(opts)
     trainer_model = trainer_tensors(config_dir, opts.trainer_dtype, fmt, opts.trainer_adapter)
+    draft_meta = {}
+    if opts.draft:  # the trainer's MTP tensors; the draft's own tensors are read off vLLM's one-rank draft
+        check_draft_architecture(draft_config(base).architectures[0], config_dir / "config.json")
+        one_rank = build_model(base)
+        trainer_model = draft_trainer(trainer_model, load_config_json(config_dir), one_rank,
+                                      getattr(torch, TRAINER_DTYPES[opts.trainer_dtype]))
+        draft_meta = {"draft": {"method": DRAFT_METHOD, "shared_with_target": list(one_rank.shared_with_target)}}
+        del one_rank
     sources = trainer_model.specs(fmt)
     trainer_layout = trainer_layout.bind(sources)
     add(timings, "setup", (start, start_cpu))  # importing vLLM, the engine configs, the trainer table
@@ -155,9 +170,9 @@ def _compile(opts: CompileOptions, inputs: _Inputs, log) -> CompileResult:
     trainer = {"format": fmt, "dtype": opts.trainer_dtype, "token": trainer_layout.token, **trainer_layout.as_dict(),
                **({"adapter": opts.trainer_adapter} if opts.trainer_adapter else {})}
     inference_meta = {"token": inference.token, **inference.as_dict(), "platform": current_platform_name(),
-                      "vllm_host": HOST_PROFILE}
+                      "vllm_host": HOST_PROFILE, **draft_meta}
     origin = PlanOrigin(vllm_version=vllm.__version__, model=name, config_sha256=config_hash(config_dir),
-                        architecture=base.model_config.architectures[0], trainer=trainer, inference=inference_meta,
+                        architecture=(draft_config(base) or base.model_config).architectures[0], trainer=trainer, inference=inference_meta,
                         quant=opts.quant, src_ranks=trainer_layout.ranks, dst_ranks=inference.ranks)
     quant_targets = quant_compile.quant_targets(opts.quant, quant_hooks)
     program = dataclasses.replace(

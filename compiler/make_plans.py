@@ -19,6 +19,9 @@ CHECKED_IN = (
     # The seed topology with vLLM's online fp8_per_block quantization (issue 5).
     CompileOptions("glm-5.2", trainer_format="stacked", trainer_dtype="bf16", trainer="fsdp=64,ep=8", inference="dp=32,ep",
                    quant="fp8_per_block"),
+    # The MTP speculative-decoding draft's plan for the seed inference layout (issue 16): the trainer's
+    # MTP tensors under checkpoint names, FSDP=64 -> DP-attention + EP=32 (compile-plan --draft).
+    CompileOptions("glm-5.2", trainer_format="hf", trainer_dtype="bf16", trainer="fsdp=64", inference="dp=32,ep", draft=True),
 )
 
 

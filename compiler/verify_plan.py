@@ -187,8 +187,9 @@ def verify_plan(
     info = plan.header["inference"]
     quant = plan.header["quant"]
     quantization = None if quant == "none" else quant
-    base = make_vllm_config(config_dir, quantization=quantization)
-    vllm_config = (make_vllm_config(config_dir, tp=info["tp"], dp=info["dp"], ep=info["ep"], quantization=quantization)
+    draft = "draft" in info  # a draft plan (compile-plan --draft): vLLM's MTP draft model is the reference
+    base = make_vllm_config(config_dir, quantization=quantization, draft=draft)
+    vllm_config = (make_vllm_config(config_dir, tp=info["tp"], dp=info["dp"], ep=info["ep"], quantization=quantization, draft=draft)
                    if plan.header["dst_ranks"] > 1 else base)
 
     from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests

@@ -22,7 +22,8 @@ def fresh_plans(tmp_path_factory):
     root = tmp_path_factory.mktemp("glm")
     out = {}
     for options in CHECKED_IN:
-        path = root / f"{options.trainer_format}-{options.trainer_dtype}-{options.trainer}-{options.inference}-{options.quant}.plan"
+        draft = "mtp-" if options.draft else ""
+        path = root / f"{draft}{options.trainer_format}-{options.trainer_dtype}-{options.trainer}-{options.inference}-{options.quant}.plan"
         result = compile_plan(options.__class__(**{**options.__dict__, "output": path}))
         out[options] = (path, result)
     return out
@@ -52,7 +53,8 @@ def test_full_glm_plan_is_complete_and_minimal(fresh_plans, index):
 # Seed 1 samples, in the tp=8 plan, a row-parallel o_proj and shared-expert down_proj: column
 # slices stored as strided runs, cut at the 64 FSDP row boundaries (512 strided runs each).
 # (Seed 5 adds a routed w2_weight, 256 experts' strided runs; it passes too, but needs 11.7 GB.)
-@pytest.mark.parametrize("index,seed", [(0, 3), (1, 1), (2, 3)])
+# Index 5 is the MTP draft's plan (compile-plan --draft), verified against vLLM's own draft model.
+@pytest.mark.parametrize("index,seed", [(0, 3), (1, 1), (2, 3), (5, 2)])
 def test_full_glm_sampled_verify_matches_vllm(fresh_plans, index, seed):
     path, _ = fresh_plans[CHECKED_IN[index]]
     result = verify_plan(path, sample=4, seed=seed)

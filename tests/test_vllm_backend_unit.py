@@ -50,7 +50,8 @@ def test_registration_is_idempotent_and_lazy():
 
 @pytest.mark.parametrize("field,value", [("plan", 3), ("plan", []), ("address", "host"), ("job", ""), ("timeout", 0),
                                          ("timeout", True), ("verify", 1), ("rank_offset", -1), ("mode", "fast"),
-                                         ("fingerprint", 5), ("extra", 1)])
+                                         ("fingerprint", 5), ("extra", 1), ("draft_plan", 3), ("draft_plan", []),
+                                         ("draft_plan", ""), ("draft_plan", ["d.plan", 1])])
 def test_bad_init_info_names_the_field(field, value):
     from weightplan.vllm_backend.init_info import InitInfoError, WeightplanInitInfo
 
@@ -60,6 +61,17 @@ def test_bad_init_info_names_the_field(field, value):
         WeightplanInitInfo.from_dict({**good, field: value})
     with pytest.raises(InitInfoError, match="field 'job' is required"):
         WeightplanInitInfo.from_dict({"plan": "p", "address": "h:1"})
+
+
+def test_draft_plan_is_optional_and_syncs_in_its_own_job():
+    from weightplan.vllm_backend.init_info import InitInfoError, WeightplanInitInfo
+
+    good = {"plan": "p.plan", "address": "127.0.0.1:1", "job": "run-1"}
+    assert WeightplanInitInfo.from_dict(good).draft_plans == []
+    info = WeightplanInitInfo.from_dict({**good, "draft_plan": "d.plan"})
+    assert info.draft_plans == ["d.plan"] and info.draft_job == "run-1.draft"
+    with pytest.raises(InitInfoError, match="field 'draft_plan' syncs in job .* shorten field 'job'"):
+        WeightplanInitInfo.from_dict({**good, "job": "j" * 60, "draft_plan": "d.plan"})
 
 
 def test_update_info_is_one_positive_version():
@@ -113,3 +125,16 @@ def test_a_failed_rebuild_restores_every_layer_already_rebuilt():
     assert first.cpu_linear is old_closure and first.weight is old_weight and torch.equal(second.weight, torch.ones(2, 2))
     rebuild(first, {"weight": torch.full((2, 2), 3.0)})
     assert torch.equal(first.cpu_linear(torch.eye(2)), torch.full((2, 2), 3.0)) and first.weight.numel() == 0
+
+
+def test_trainer_engine_takes_a_draft_source_exactly_with_a_draft_plan():
+    from weightplan.vllm_backend.trainer import ShardSource, WeightplanTrainerEngine, WeightplanTrainerInitInfo
+
+    info = WeightplanTrainerInitInfo(rank=0, plan="p.plan", job="run", draft_plan="d.plan")
+    assert info.worker_init_info("f")["draft_plan"] == "d.plan"
+    assert "draft_plan" not in WeightplanTrainerInitInfo(rank=0, plan="p.plan").worker_init_info("f")
+    with pytest.raises(TypeError, match="draft_source"):
+        WeightplanTrainerEngine.trainer_init(info, client=None, source=ShardSource({}))
+    with pytest.raises(TypeError, match="draft_source"):
+        WeightplanTrainerEngine.trainer_init(WeightplanTrainerInitInfo(rank=0, plan="p.plan"), client=None,
+                                             source=ShardSource({}), draft_source=ShardSource({}))

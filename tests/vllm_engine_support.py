@@ -150,6 +150,16 @@ async def async_greedy(engine, data_parallel_rank: int | None = None) -> list[tu
 
 def kernel_digests(worker) -> dict[str, str]:
     """SHA-256 of every tensor the live model's modules hold (parameters, buffers and tensor attributes like W_UK_T)."""
+    return model_digests(worker.model_runner.get_model())
+
+
+def draft_kernel_digests(worker) -> dict[str, str]:
+    """kernel_digests of the speculative draft model."""
+    return model_digests(worker.get_draft_model())
+
+
+def model_digests(model) -> dict[str, str]:
+    """SHA-256 of every tensor `model`'s modules hold (parameters, buffers, quant method and MoE kernel attributes, cpu_linear closures)."""
     import hashlib
 
     out = {}
@@ -159,7 +169,7 @@ def kernel_digests(worker) -> dict[str, str]:
             data = t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
             out[key] = hashlib.sha256(data).hexdigest()[:16]
 
-    for name, module in worker.model_runner.get_model().named_modules():
+    for name, module in model.named_modules():
         for attr, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
             add(f"{name}.{attr}", t)
         holders = {"": module, "impl.": getattr(module, "impl", None), "qm.": getattr(module, "quant_method", None)}

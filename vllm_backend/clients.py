@@ -20,6 +20,9 @@ class LLMClient:
     def start_weight_update(self) -> None:
         self.llm.start_weight_update()
 
+    def start_draft_weight_update(self) -> None:
+        self.llm.start_draft_weight_update()
+
     def update_weights(self, update_info) -> None:
         self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
 
@@ -44,9 +47,15 @@ class AsyncLLMClient:
         self._run(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)))
 
     def start_weight_update(self) -> None:
+        self._start(self.engine.start_weight_update)
+
+    def start_draft_weight_update(self) -> None:
+        self._start(self.engine.start_draft_weight_update)
+
+    def _start(self, start) -> None:
         self._run(self.engine.pause_generation())
         try:
-            self._run(self.engine.start_weight_update())
+            self._run(start())
         except BaseException:
             self._run(self.engine.resume_generation())
             raise

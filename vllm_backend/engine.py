@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from weightplan.runtime import PlanMismatchError, Receiver, Rendezvous, load_plan
+from weightplan.runtime import Plan, PlanMismatchError, Receiver, Rendezvous, load_plan
 from weightplan.runtime.plan.schema import DerivedItem
 
 from .engine_check import check_engine, plan_rank
@@ -26,6 +27,21 @@ def _tp_rank() -> int:
     return get_tensor_model_parallel_rank() if model_parallel_is_initialized() else 0
 
 
+@dataclass(frozen=True)
+class Side:
+    """One model this worker updates, the target or the speculative draft: its plan, where READs land, its Receiver."""
+
+    model: torch.nn.Module
+    plan: Plan
+    receiver: Receiver
+    rendezvous: Rendezvous
+    destination: Destination
+    derived: tuple[torch.nn.Module, ...]  # modules whose derived post-load state (MLA absorption) is recomputed
+
+    def close(self) -> None:
+        self.receiver.close()
+
+
 class WeightplanWeightTransferEngine(WeightTransferEngine[WeightplanInitInfo, WeightplanUpdateInfo]):
     """One vLLM worker's end of a weightplan job: a Receiver for its plan rank, in direct or staged mode.
 
@@ -33,20 +49,48 @@ class WeightplanWeightTransferEngine(WeightTransferEngine[WeightplanInitInfo, We
     refuses a mismatch before registering memory, chooses the mode and joins the job.
     `update_weights({"version": v})` syncs version v; in staged mode the engine keeps serving its
     previous weights until the whole sync has landed and been applied.
+
+    With `draft_plan` in the init info, `supports_draft_weight_update` is True: vLLM's
+    `start_draft_weight_update` retargets the engine at the speculative draft model
+    (`set_weight_update_target`), and the updates until `finish_weight_update` sync the draft
+    plan (job `job + ".draft"`) into it. The draft side is checked against the live draft and
+    joins its job at the first draft update, the first time the engine sees the draft model.
     """
 
     init_info_cls = WeightplanInitInfo
     update_info_cls = WeightplanUpdateInfo
-    supports_draft_weight_update = False  # draft (MTP) plans are not handled by this backend yet
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.receiver: Receiver | None = None
-        self.rendezvous: Rendezvous | None = None
-        self.destination: Destination | None = None
-        self.plan = None
+        self.target: Side | None = None
+        self.draft: Side | None = None
+        self.draft_plans: list[Plan] = []
+        self.init_info: WeightplanInitInfo | None = None
         self.rank: int | None = None
         self.last: dict[str, Any] = {}
+        self.last_draft: dict[str, Any] = {}
+
+    @property
+    def supports_draft_weight_update(self) -> bool:  # vLLM's worker asks before start_draft_weight_update
+        return bool(self.draft_plans)
+
+    @property
+    def side(self) -> Side | None:
+        """The side the current weight update targets (vLLM's set_weight_update_target decides)."""
+        return self.target if self.model is self._default_model else self.draft
+
+    # Reports of the target side (what `info()` and the tests read).
+    @property
+    def receiver(self) -> Receiver | None:
+        return self.target.receiver if self.target else None
+
+    @property
+    def destination(self) -> Destination | None:
+        return self.target.destination if self.target else None
+
+    @property
+    def plan(self) -> Plan | None:
+        return self.target.plan if self.target else None
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> WeightplanInitInfo:
         return WeightplanInitInfo.from_dict(init_dict)
@@ -59,46 +103,60 @@ class WeightplanWeightTransferEngine(WeightTransferEngine[WeightplanInitInfo, We
         return torch.device(self.device).type
 
     def init_transfer_engine(self, init_info: WeightplanInitInfo) -> None:
-        if self.receiver is not None:
+        if self.target is not None:
             raise RuntimeError("the weightplan engine is already initialized; call shutdown_weight_transfer_engine first")
         rank = plan_rank(self.parallel_config, _tp_rank(), init_info.rank_offset)
+        draft_plans = [load_plan(path) for path in init_info.draft_plans]  # unreadable files refused before joining
+        self.target = self._join(init_info, rank, [(path, load_plan(path)) for path in init_info.plans], self.model,
+                                 self.model_config, None, init_info.job)
+        self.init_info, self.rank, self.draft_plans = init_info, rank, draft_plans
+
+    def _join(self, init_info: WeightplanInitInfo, rank: int, plans: list[tuple[str, Plan]], model: torch.nn.Module,
+              model_config, target: torch.nn.Module | None, job: str) -> Side:
+        """Pick the first plan that fits `model` (the draft when `target` is given), choose the mode and join `job`."""
         plan, names, errors = None, None, []
-        for path in init_info.plans:
-            candidate = load_plan(path)
-            if init_info.fingerprint is not None and candidate.fingerprint != init_info.fingerprint:
+        for path, candidate in plans:
+            if target is None and init_info.fingerprint is not None and candidate.fingerprint != init_info.fingerprint:
                 errors.append(f"{path}: fingerprint {candidate.fingerprint[:12]} is not the trainer's {init_info.fingerprint[:12]}")
                 continue
             try:
-                names = check_engine(candidate, rank, self.model, self.vllm_config, self.platform)
+                names = check_engine(candidate, rank, model, self.vllm_config, self.platform, model_config=model_config,
+                                     target=target)
             except PlanMismatchError as exc:
                 errors.append(str(exc))
                 continue
             plan = candidate
             break
+        what = "draft plan" if target is not None else "plan"
         if plan is None:
-            raise PlanMismatchError("no plan given to the weightplan backend fits this engine: " + " | ".join(errors))
-        destination = choose(plan, names, self.model, self.platform, init_info.mode)
+            raise PlanMismatchError(f"no {what} given to the weightplan backend fits this engine: " + " | ".join(errors))
+        destination = choose(plan, names, model, self.platform, init_info.mode)
         derived = [d for d in plan.derived if d.where == DerivedItem.RECEIVER and set(d.reads) <= set(names)]
-        self.derived = [self.model.get_submodule(d.module) for d in derived]
-        rendezvous = Rendezvous.connect(init_info.job, init_info.address, timeout=init_info.timeout)
-        self.receiver = Receiver(plan, rank, destination.tensors, rendezvous=rendezvous, timeout=init_info.timeout,
-                                 verify=init_info.verify, derived="caller")
-        self.receiver.start()
-        self.plan, self.rank, self.rendezvous, self.destination = plan, rank, rendezvous, destination
-        log.info("weightplan backend: inference rank %d, plan %s (%s), %s mode (%s), %.1f MB staged",
-                 rank, plan.header.get("model"), plan.fingerprint[:12], destination.mode, destination.reason,
+        rendezvous = Rendezvous.connect(job, init_info.address, timeout=init_info.timeout)
+        receiver = Receiver(plan, rank, destination.tensors, rendezvous=rendezvous, timeout=init_info.timeout,
+                            verify=init_info.verify, derived="caller")
+        receiver.start()
+        log.info("weightplan backend: inference rank %d, %s %s (%s), %s mode (%s), %.1f MB staged", rank, what,
+                 plan.header.get("model"), plan.fingerprint[:12], destination.mode, destination.reason,
                  destination.staging_bytes / 1e6)
+        return Side(model, plan, receiver, rendezvous, destination, tuple(model.get_submodule(d.module) for d in derived))
 
     def info(self) -> dict[str, Any]:
         """What this worker runs: rank, mode and why, plan, last update's timings (for collective_rpc reports)."""
-        d = self.destination
-        return {"rank": self.rank, "mode": d.mode if d else None, "reason": d.reason if d else None,
-                "plan": self.plan.fingerprint if self.plan else None, "staging_bytes": d.staging_bytes if d else 0,
-                "version": self.receiver.version if self.receiver else None, **self.last}
+        report = {"rank": self.rank, **_side_info(self.target), **self.last}
+        if self.draft_plans:
+            report["draft"] = {**_side_info(self.draft), **self.last_draft}
+        return report
 
     def start_weight_update(self) -> None:
-        if self.receiver is None:
+        if self.target is None:
             raise RuntimeError("weightplan backend: init_weight_transfer_engine must be called before a weight update")
+        if self.model is self._default_model or self.draft is not None:
+            return
+        if not self.draft_plans:  # vLLM checks supports_draft_weight_update first; a direct caller may not
+            raise RuntimeError("weightplan backend: a draft-model update needs init_info field 'draft_plan'")
+        self.draft = self._join(self.init_info, self.rank, [(p.header.get("model"), p) for p in self.draft_plans], self.model,
+                                self.model_config, self._default_model, self.init_info.draft_job)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class calls torch.accelerator.synchronize(), which raises on CPU torch; READs are complete here.
@@ -107,37 +165,50 @@ class WeightplanWeightTransferEngine(WeightTransferEngine[WeightplanInitInfo, We
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: WeightplanUpdateInfo) -> None:
-        if self.receiver is None:
+        if self.target is None:
             raise RuntimeError("weightplan backend: init_weight_transfer_engine must be called before update_weights")
-        if self.model is not self._default_model:
-            raise RuntimeError("weightplan backend: draft-model updates are not supported")
+        side = self.side
+        if side is None:
+            raise RuntimeError("weightplan backend: start_draft_weight_update must be called before a draft update")
         began = time.perf_counter()
         try:
-            report = self.receiver.sync(update_info.version)
+            report = side.receiver.sync(update_info.version)
         except Exception as exc:
-            if self.destination.mode == "direct":  # the live weights are incomplete: refuse to serve them
-                refuse_forward(self.model, f"version {update_info.version}: {str(exc)[:200]}")
+            if side.destination.mode == "direct":  # the live weights are incomplete: refuse to serve them
+                refuse_forward(side.model, f"version {update_info.version}: {str(exc)[:200]}")
             raise  # staged: the buffers are incomplete, the engine still serves the previous weights whole
-        allow_forward(self.model)
+        allow_forward(side.model)
         transferred = time.perf_counter()
-        self.destination.apply()
+        side.destination.apply()
         with torch.no_grad():
-            for module in self.derived:
+            for module in side.derived:
                 module.process_weights_after_loading(self.model_config.dtype)
         done = time.perf_counter()
-        self.last = {"version": update_info.version, "transfer_s": transferred - began, "post_process_s": done - transferred,
-                     "bytes": report.bytes, "descriptors": report.descriptors}
-        log.info("weightplan backend: version %d on inference rank %d: %.3f s transfer, %.3f s post-process (%s mode)",
-                 update_info.version, self.rank, self.last["transfer_s"], self.last["post_process_s"], self.destination.mode)
+        last = {"version": update_info.version, "transfer_s": transferred - began, "post_process_s": done - transferred,
+                "bytes": report.bytes, "descriptors": report.descriptors}
+        if side is self.target:
+            self.last = last
+        else:
+            self.last_draft = last
+        log.info("weightplan backend: %sversion %d on inference rank %d: %.3f s transfer, %.3f s post-process (%s mode)",
+                 "draft " if side is self.draft else "", update_info.version, self.rank, last["transfer_s"],
+                 last["post_process_s"], side.destination.mode)
 
     def finish_weight_update(self) -> None:
         pass
 
     def shutdown(self) -> None:
-        receiver, self.receiver = self.receiver, None
-        if receiver is not None:
-            receiver.close()
-        self.rendezvous = self.destination = self.plan = None
+        sides, self.target, self.draft = (self.target, self.draft), None, None
+        for side in sides:
+            if side is not None:
+                side.close()
+        self.draft_plans = []
+
+
+def _side_info(side: Side | None) -> dict[str, Any]:
+    d = side.destination if side else None
+    return {"mode": d.mode if d else None, "reason": d.reason if d else None, "plan": side.plan.fingerprint if side else None,
+            "staging_bytes": d.staging_bytes if d else 0, "version": side.receiver.version if side else None}
 
 
 __all__ = ["InitInfoError", "WeightplanWeightTransferEngine"]

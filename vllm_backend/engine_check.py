@@ -41,11 +41,18 @@ def loader_shape(module: torch.nn.Module, attr: str, live: torch.Tensor) -> tupl
     return tuple(live.shape) if live.numel() else None
 
 
-def check_engine(plan: Plan, rank: int, model: torch.nn.Module, vllm_config, platform: str) -> list[str]:
-    """Raise PlanMismatchError naming what differs between the plan and this live engine; return the held names."""
+def check_engine(plan: Plan, rank: int, model: torch.nn.Module, vllm_config, platform: str, *, model_config=None,
+                 target: torch.nn.Module | None = None) -> list[str]:
+    """Raise PlanMismatchError naming what differs between the plan and this live engine; return the held names.
+
+    For the speculative draft, `model_config` is its config and `target` the target model: a draft
+    plan must be one (`compile-plan --draft`), and the parameters it leaves to the target's plan
+    (`inference.draft.shared_with_target`) must be the target's in the live draft.
+    """
     header = plan.header
+    model_config = model_config or vllm_config.model_config
     problems = []
-    arch = list(getattr(vllm_config.model_config.hf_config, "architectures", None) or [])
+    arch = list(getattr(model_config.hf_config, "architectures", None) or [])
     if header.get("architecture") not in arch:
         problems.append(f"architecture: plan {header.get('architecture')!r}, engine {arch}")
     inference = header.get("inference", {})
@@ -56,6 +63,7 @@ def check_engine(plan: Plan, rank: int, model: torch.nn.Module, vllm_config, pla
         problems.append(f"inference rank: this worker is rank {rank}, the plan has ranks 0..{plan.header['dst_ranks'] - 1}")
     if inference.get("platform") not in (None, platform):
         problems.append(f"platform: plan {inference.get('platform')!r}, engine {platform!r}")
+    problems += _draft_problems(inference.get("draft"), model, target)
     import vllm
 
     if header.get("vllm_version") != vllm.__version__:
@@ -79,5 +87,18 @@ def check_engine(plan: Plan, rank: int, model: torch.nn.Module, vllm_config, pla
         problems.append(f"{len(wrong)} parameters differ, e.g. {'; '.join(wrong[:3])}")
     if problems:
         raise PlanMismatchError(f"plan {header.get('model')!r} ({header.get('fingerprint', '')[:12]}) does not match this "
-                                f"engine ({vllm_config.model_config.model}, inference rank {rank}): " + "; ".join(problems))
+                                f"engine ({model_config.model}{' draft' if target is not None else ''}, inference rank {rank}): " + "; ".join(problems))
     return [e.name for e in held]
+
+
+def _draft_problems(draft: dict | None, model: torch.nn.Module, target: torch.nn.Module | None) -> list[str]:
+    """Why a plan cannot update this model as the target (a draft plan) or as the draft (not one, or unshared tensors)."""
+    if target is None:
+        return ["this is a draft plan (compile-plan --draft): give it as init_info field 'draft_plan'"] if draft else []
+    if not draft:
+        return ["this is not a draft plan: compile the draft's with compile-plan --draft"]
+    targets = {id(p) for p in target.parameters()}
+    own = [name for name in draft.get("shared_with_target", ())
+           if (found := owner(model, name)) is not None and id(found[0]._parameters[found[1]]) not in targets]
+    return [f"the live draft's {', '.join(own[:3])} are its own, not the target's; the draft plan leaves them to the "
+            "target's plan (vLLM shares them with one pipeline stage)"] if own else []

@@ -8,6 +8,8 @@ from typing import Any
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
 MODES = ("auto", "staged", "direct")
+DRAFT_JOB_SUFFIX = ".draft"  # the draft plan's job id is the target's job id plus this
+MAX_JOB = 64  # runtime/transport/rendezvous.py: job ids are 1-64 characters
 
 
 class InitInfoError(ValueError):
@@ -48,7 +50,9 @@ class WeightplanInitInfo(WeightTransferInitInfo):
     each sync's landed bytes with the trainers' digests. `rank_offset`: added to the rank vLLM's
     parallel config gives, for independent engine replicas sharing one plan. `mode`: "auto"
     (chosen from the live engine and reported), "staged" or "direct". `fingerprint`: if given,
-    the plan's fingerprint must equal it (the trainer passes its own plan's).
+    the plan's fingerprint must equal it (the trainer passes its own plan's). `draft_plan`: the
+    speculative-decoding draft's plan file(s) (`compile-plan --draft`); with it the engine takes
+    draft updates (`start_draft_weight_update`), synced in job `job + ".draft"`.
     """
 
     plan: str | list[str]
@@ -59,10 +63,19 @@ class WeightplanInitInfo(WeightTransferInitInfo):
     rank_offset: int = 0
     mode: str = "auto"
     fingerprint: str | None = None
+    draft_plan: str | list[str] | None = None
 
     @property
     def plans(self) -> list[str]:
-        return [self.plan] if isinstance(self.plan, str) else list(self.plan)
+        return _paths(self.plan)
+
+    @property
+    def draft_plans(self) -> list[str]:
+        return [] if self.draft_plan is None else _paths(self.draft_plan)
+
+    @property
+    def draft_job(self) -> str:
+        return self.job + DRAFT_JOB_SUFFIX
 
     @classmethod
     def from_dict(cls, info: Any) -> "WeightplanInitInfo":
@@ -76,13 +89,12 @@ class WeightplanInitInfo(WeightTransferInitInfo):
         missing = [name for name in ("plan", "address", "job") if name not in info]
         if missing:
             raise InitInfoError(f"weightplan init_info field {missing[0]!r} is required")
-        plan = info["plan"]
-        if isinstance(plan, list):
-            if not plan:
-                raise InitInfoError("weightplan init_info field 'plan' is an empty list")
-            plan = [_str("plan", p) for p in plan]
-        else:
-            plan = _str("plan", plan)
+        plan = _plan_field("plan", info["plan"])
+        draft_plan = None if info.get("draft_plan") is None else _plan_field("draft_plan", info["draft_plan"])
+        job = _str("job", info["job"])
+        if draft_plan is not None and len(job) + len(DRAFT_JOB_SUFFIX) > MAX_JOB:
+            raise InitInfoError(f"weightplan init_info field 'draft_plan' syncs in job {job + DRAFT_JOB_SUFFIX!r}, longer than "
+                                f"{MAX_JOB} characters: shorten field 'job'")
         address = _str("address", info["address"])
         if ":" not in address or not address.rpartition(":")[2].isdigit():
             raise InitInfoError(f"weightplan init_info field 'address' must be HOST:PORT, got {address!r}")
@@ -92,10 +104,24 @@ class WeightplanInitInfo(WeightTransferInitInfo):
         fingerprint = info.get("fingerprint")
         if fingerprint is not None:
             _str("fingerprint", fingerprint)
-        return cls(plan=plan, address=address, job=_str("job", info["job"]),
+        return cls(plan=plan, address=address, job=job,
                    timeout=_number("timeout", info.get("timeout", 60.0), 0, 86400),
                    verify=_bool("verify", info.get("verify", False)),
-                   rank_offset=_int("rank_offset", info.get("rank_offset", 0), 0), mode=mode, fingerprint=fingerprint)
+                   rank_offset=_int("rank_offset", info.get("rank_offset", 0), 0), mode=mode, fingerprint=fingerprint,
+                   draft_plan=draft_plan)
+
+
+def _plan_field(name: str, value: Any) -> str | list[str]:
+    """A plan path or a non-empty list of plan paths."""
+    if isinstance(value, list):
+        if not value:
+            raise InitInfoError(f"weightplan init_info field {name!r} is an empty list")
+        return [_str(name, p) for p in value]
+    return _str(name, value)
+
+
+def _paths(value: str | list[str]) -> list[str]:
+    return [value] if isinstance(value, str) else list(value)
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -16,6 +17,7 @@ from vllm.distributed.weight_transfer.base import (
 from weightplan.runtime import Rendezvous, Sender, load_plan
 
 from . import BACKEND
+from .init_info import DRAFT_JOB_SUFFIX
 
 log = logging.getLogger("weightplan.vllm_backend")
 
@@ -44,7 +46,9 @@ class WeightplanTrainerInitInfo(TrainerInitInfo):
     the same). `address`/`job`: the rendezvous store and job id; rank 0 hosts the store when
     `serve_store`. `timeout`: seconds for rendezvous, publish and release. `verify`: trainers
     publish digests and receivers check every sync against them. `engine`: extra worker init
-    fields passed through (`mode`, `rank_offset`).
+    fields passed through (`mode`, `rank_offset`). `draft_plan`: the speculative draft's plan
+    (`compile-plan --draft`); with it `trainer_init` takes `draft_source` (this rank's MTP shards)
+    and every `send_weights` also updates the engine's draft, in job `job + ".draft"`.
     """
 
     backend: ClassVar[str] = BACKEND
@@ -57,11 +61,13 @@ class WeightplanTrainerInitInfo(TrainerInitInfo):
     serve_store: bool = True
     inference_plan: str | None = None
     engine: dict[str, Any] | None = None
+    draft_plan: str | None = None
 
     def worker_init_info(self, fingerprint: str) -> dict[str, Any]:
         """The JSON-native init info every inference worker gets."""
+        draft = {"draft_plan": self.draft_plan} if self.draft_plan else {}
         return {"plan": self.inference_plan or self.plan, "address": self.address, "job": self.job, "timeout": self.timeout,
-                "verify": self.verify, "fingerprint": fingerprint, **(self.engine or {})}
+                "verify": self.verify, "fingerprint": fingerprint, **draft, **(self.engine or {})}
 
 
 class WeightplanTrainerEngine(TrainerWeightTransferEngine[WeightplanTrainerInitInfo]):
@@ -76,21 +82,20 @@ class WeightplanTrainerEngine(TrainerWeightTransferEngine[WeightplanTrainerInitI
     init_info_cls = WeightplanTrainerInitInfo
 
     def __init__(self, *, client, source, is_sender: bool, sender: Sender, rendezvous: Rendezvous,
-                 init_info: WeightplanTrainerInitInfo) -> None:
+                 init_info: WeightplanTrainerInitInfo, draft_sender: Sender | None = None) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.sender, self.rendezvous, self.init_info = sender, rendezvous, init_info
+        self.draft_sender = draft_sender
         self.version = 0
         self.last_release = None
 
     @classmethod
-    def trainer_init(cls, init_info: WeightplanTrainerInitInfo, *, client, source: WeightSource | None = None):
-        if isinstance(source, ShardSource):
-            tensors = source.tensors
-        elif isinstance(source, ModuleSource):
-            tensors = source._module  # its DTensor parameters give the local shards Sender exposes
-        else:
-            raise TypeError("the weightplan trainer engine needs source=ShardSource(local shards or module) or "
-                            f"ModuleSource(module), got {type(source).__name__}")
+    def trainer_init(cls, init_info: WeightplanTrainerInitInfo, *, client, source: WeightSource | None = None,
+                     draft_source: WeightSource | None = None):
+        tensors = _shards(source, "source")
+        if (draft_source is None) != (init_info.draft_plan is None):
+            raise TypeError("the weightplan trainer engine needs draft_source (this rank's MTP shards) exactly when "
+                            "init_info.draft_plan is given")
         plan = load_plan(init_info.plan)
         serve = init_info.serve_store and init_info.is_sender
         rendezvous = Rendezvous.connect(init_info.job, init_info.address, serve=serve, timeout=init_info.timeout)
@@ -99,8 +104,15 @@ class WeightplanTrainerEngine(TrainerWeightTransferEngine[WeightplanTrainerInitI
         sender = Sender(plan, init_info.rank, tensors, rendezvous=rendezvous, timeout=init_info.timeout,
                         digests=init_info.verify)
         sender.start()
+        draft_sender = None
+        if init_info.draft_plan is not None:
+            draft_sender = Sender(load_plan(init_info.draft_plan), init_info.rank, _shards(draft_source, "draft_source"),
+                                  rendezvous=Rendezvous.connect(init_info.job + DRAFT_JOB_SUFFIX, init_info.address,
+                                                                timeout=init_info.timeout),
+                                  timeout=init_info.timeout, digests=init_info.verify)
+            draft_sender.start()
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, sender=sender, rendezvous=rendezvous,
-                     init_info=init_info)
+                     init_info=init_info, draft_sender=draft_sender)
         if init_info.is_sender and client is not None:
             client.init_weight_transfer_engine(init_info.worker_init_info(plan.fingerprint))
         return engine
@@ -115,6 +127,8 @@ class WeightplanTrainerEngine(TrainerWeightTransferEngine[WeightplanTrainerInitI
         """
         v = self.version + 1 if version is None else version
         self.sender.publish(v)
+        if self.draft_sender is not None:
+            self.draft_sender.publish(v)
         failure: list[BaseException] = []
         driver = None
         if self.is_sender and self.client is not None:
@@ -122,6 +136,9 @@ class WeightplanTrainerEngine(TrainerWeightTransferEngine[WeightplanTrainerInitI
             driver.start()
         try:
             self.last_release = self.sender.release(v)
+            if self.draft_sender is not None:  # the engine takes the draft's update after the target's
+                self._await_joins(self.draft_sender, driver)
+                self.draft_sender.release(v)
         finally:
             if driver is not None:
                 driver.join()
@@ -129,15 +146,44 @@ class WeightplanTrainerEngine(TrainerWeightTransferEngine[WeightplanTrainerInitI
             raise failure[0]
         self.version = v
 
+    def _await_joins(self, sender: Sender, driver: threading.Thread | None) -> None:
+        """Wait until the inference ranks reading `sender` have joined (or the driver ended, or the timeout).
+
+        The engine's draft side joins at its first draft update, after the target's; a release
+        waits only for the ranks joined when it starts, so releasing earlier would retire the
+        version under the joining receivers' first READs.
+        """
+        keys = [f"inference/{rank}/joined" for rank in sender.readers]  # what Receiver.start() publishes
+        deadline = time.monotonic() + self.init_info.timeout
+        while not all(sender.rendezvous.exists(key) for key in keys):
+            if (driver is not None and not driver.is_alive()) or time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
+
     def _drive(self, version: int, failure: list) -> None:
         try:
             self.client.start_weight_update()
             self.client.update_weights({"version": version})  # a failure ends the update on the workers
             self.client.finish_weight_update(weight_version=str(version))
+            if self.draft_sender is not None:
+                self.client.start_draft_weight_update()
+                self.client.update_weights({"version": version})
+                self.client.finish_weight_update(weight_version=str(version))
         except BaseException as exc:  # re-raised by send_weights on the caller's thread
             failure.append(exc)
 
     def shutdown(self) -> None:
-        sender, self.sender = self.sender, None
-        if sender is not None:
-            sender.close()
+        senders, self.sender, self.draft_sender = (self.sender, self.draft_sender), None, None
+        for sender in senders:
+            if sender is not None:
+                sender.close()
+
+
+def _shards(source: WeightSource | None, argument: str):
+    """The local shards Sender takes, from a ShardSource or a ModuleSource (its DTensor parameters)."""
+    if isinstance(source, ShardSource):
+        return source.tensors
+    if isinstance(source, ModuleSource):
+        return source._module
+    raise TypeError(f"the weightplan trainer engine needs {argument}=ShardSource(local shards or module) or "
+                    f"ModuleSource(module), got {type(source).__name__}")

@@ -10,11 +10,20 @@ from pathlib import Path
 import torch
 
 from .errors import ModelConfigError
-from .vllm_patches import clear_layer_registry, host_independent, model_build, parallel_rank
+from .vllm_patches import clear_layer_registry, host_independent, model_build, parallel_rank, share_with_target
+
+# vLLM's MTP speculative decoding, as `--speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'` asks.
+MTP_SPECULATIVE_CONFIG = {"method": "mtp", "num_speculative_tokens": 1}
 
 
-def make_vllm_config(config_dir: Path, *, tp: int = 1, dp: int = 1, ep: bool = False, quantization: str | None = None):
-    """A VllmConfig exactly as `vllm serve` would derive it from this config (no tokenizer, no weights)."""
+def make_vllm_config(config_dir: Path, *, tp: int = 1, dp: int = 1, ep: bool = False, quantization: str | None = None,
+                     draft: bool = False):
+    """A VllmConfig exactly as `vllm serve` would derive it from this config (no tokenizer, no weights).
+
+    With `draft`, MTP speculative decoding is on: `speculative_config.draft_model_config` is the
+    draft model vLLM builds (`SpeculativeConfig.hf_config_override` picks its class), and
+    `build_model` builds that draft.
+    """
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(
@@ -27,6 +36,7 @@ def make_vllm_config(config_dir: Path, *, tp: int = 1, dp: int = 1, ep: bool = F
         tensor_parallel_size=tp,
         data_parallel_size=dp,
         enable_expert_parallel=ep,
+        speculative_config=dict(MTP_SPECULATIVE_CONFIG) if draft else None,
     )
     try:
         with host_independent():  # the CPU platform adjusts the config from CPU features
@@ -60,26 +70,39 @@ def build_model(vllm_config, device: str = "meta", *, tp_rank: int = 0, dp_rank:
     """Instantiate the vLLM model class with the config's parameter dtype, as vLLM's loader does.
 
     `base_config` is a one-rank config of the same model used to set up the process's parallel
-    groups; `tp_rank`/`dp_rank` select which rank of `vllm_config`'s layout is built.
+    groups; `tp_rank`/`dp_rank` select which rank of `vllm_config`'s layout is built. A config
+    with speculative decoding (`make_vllm_config(draft=True)`) gives the draft model as vLLM's
+    proposer builds it (`get_model(vllm_config, model_config=draft_model_config)`), without the
+    modules it shares with the target (`vllm_patches.share_with_target`).
     """
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     ensure_single_process_distributed(base_config or vllm_config)
     clear_layer_registry(vllm_config)
+    model_config = draft_config(vllm_config) or vllm_config.model_config
     try:
         with (
             parallel_rank(vllm_config, tp_rank, dp_rank),
             model_build(),
-            set_default_torch_dtype(vllm_config.model_config.dtype),
+            set_default_torch_dtype(model_config.dtype),
             torch.device(device),
         ):
-            return initialize_model(vllm_config=vllm_config)
+            model = initialize_model(vllm_config=vllm_config, model_config=model_config)
+            if model_config is not vllm_config.model_config:
+                model.shared_with_target = share_with_target(model)
+            return model
     except (ValueError, TypeError, AttributeError, KeyError, AssertionError, NotImplementedError) as exc:
         raise ModelConfigError(
             f"vLLM cannot build {vllm_config.model_config.architecture} from {vllm_config.model_config.model}: "
             f"{type(exc).__name__}: {exc}"
         ) from None
+
+
+def draft_config(vllm_config):
+    """The speculative draft's ModelConfig when the config enables speculative decoding, else None."""
+    speculative = vllm_config.speculative_config
+    return speculative.draft_model_config if speculative is not None else None
 
 
 def current_platform_name() -> str:

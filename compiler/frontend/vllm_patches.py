@@ -299,6 +299,31 @@ def clear_layer_registry(vllm_config) -> None:
     vllm_config.compilation_config.static_forward_context.clear()
 
 
+def share_with_target(draft: torch.nn.Module) -> tuple[str, ...]:
+    """Drop the modules an MTP draft shares with its target model; return the parameter names they held.
+
+    vLLM's proposer (`SpecDecodeBaseProposer._maybe_share_embeddings` / `_maybe_share_lm_head`,
+    MTP branch, one pipeline stage) replaces the draft's `model.embed_tokens` and every MTP
+    layer's `shared_head.head` by the target's embedding and LM head after loading. In a serving
+    engine those are the target's parameters, written by the target's plan; the draft plan
+    describes what is the draft's own.
+    """
+    shared = []
+    inner = getattr(draft, "model", None)
+    holders = [(inner, "embed_tokens")] if hasattr(inner, "embed_tokens") else []
+    layers = getattr(inner, "layers", None)
+    for layer in (layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers or ()):
+        head = getattr(layer, "shared_head", None)
+        if head is not None and getattr(head, "head", None) is not None:
+            holders.append((head, "head"))
+    prefix = {id(module): name for name, module in draft.named_modules()}
+    for owner, attribute in holders:
+        module = getattr(owner, attribute)
+        shared += [f"{prefix[id(module)]}.{name}" for name, _ in module.named_parameters()]
+        delattr(owner, attribute)
+    return tuple(shared)
+
+
 @contextlib.contextmanager
 def host_independent() -> Iterator[None]:
     """Every host-dependent choice vLLM makes while configuring, building, loading or post-processing, pinned."""
@@ -334,6 +359,9 @@ PATCHES = (
                                      "vllm.model_executor.layers.fused_moe.oracle.fp8:make_fp8_moe_kernel",
                                      "vllm.model_executor.kernels.linear.scaled_mm.triton:TritonFp8BlockScaledMMKernel"),
               triton_fp8_kernels.__doc__, VLLM_VERSION, triton_fp8_kernels),
+    VllmPatch("share_with_target", ("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer._maybe_share_embeddings",
+                                    "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer._maybe_share_lm_head"),
+              share_with_target.__doc__, VLLM_VERSION, lambda draft: contextlib.nullcontext(share_with_target(draft))),
     VllmPatch("clear_layer_registry", ("vllm.config:CompilationConfig",), clear_layer_registry.__doc__, VLLM_VERSION,
               lambda vllm_config: contextlib.nullcontext(clear_layer_registry(vllm_config))),
 )
