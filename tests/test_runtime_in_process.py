@@ -57,6 +57,8 @@ def test_sync_equals_the_host_executor(request, rendezvous, plan_name):
         assert 0.99 * served < cast < served
     # Runs under 64 KiB (all of them in this tiny model) arrive packed: one descriptor per destination tensor.
     assert sender.packing.nbytes == served
+    # No run is read in place, so cast regions are cast straight into the packed region: staged once.
+    assert sender.staging_bytes == sender.packing.nbytes
     assert receiver.descriptors == len(destination) < len(receiver.reads[0])
 
 

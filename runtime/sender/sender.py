@@ -23,7 +23,7 @@ from ..transport.lifecycle import AgentOwner
 from ..transport.nixl_agent import NixlAgent
 from ..transport.region_digests import byte_view, run_digests
 from ..transport.rendezvous import INCARNATION, Rendezvous, inference_agent, trainer_agent
-from .pack import PackRuns
+from .pack import CastSource, PackRuns
 from .quant import SenderQuant
 from .trainer_gather import TrainerGather, gathered_key, staged_key
 
@@ -96,20 +96,22 @@ class Sender(AgentOwner):
         flat = {s: flat_view(plan.sources[s].name, given[plan.sources[s].name], *expected[plan.sources[s].name],
                              f"trainer rank {rank}") for s in [r.source for r in self.regions] + local}
         self._sources = [flat[r.source] for r in self.regions]
-        # Memory is allocated and registered only after every check passed.
-        self._exposed = [
-            torch.empty(r.numel, dtype=getattr(torch, r.wire_dtype)) if r.staged else src
-            for r, src in zip(self.regions, self._sources)
-        ]
         self._served_runs = served_runs(plan, rank)
         self.packing = packing_of(self._served_runs)
+        # Cast regions no receiver reads in place are cast straight into the packed region: no staging copy.
+        casts = {} if tables is not None else self._packed_only_casts()
+        # Memory is allocated and registered only after every check passed.
+        self._exposed = [
+            None if i in casts else torch.empty(r.numel, dtype=getattr(torch, r.wire_dtype)) if r.staged else src
+            for i, (r, src) in enumerate(zip(self.regions, self._sources))
+        ]
         try:
             self.ring = ring_chunks(self.packing, ring_bytes)
         except ValueError as exc:
             raise WeightplanError(f"trainer rank {rank}: {exc}") from None
         parts = [self.packing] if self.ring is None else [self.ring.part(self.packing, c) for c in range(len(self.ring))]
         self._packed = torch.empty(max(p.nbytes for p in parts), dtype=torch.uint8)
-        self._packs = [PackRuns(self._exposed, self._packed, p, self._served_runs) for p in parts]
+        self._packs = [PackRuns(self._exposed, self._packed, p, self._served_runs, casts) for p in parts]
         at = np.searchsorted(self._served_runs.run, self.packing.run) if self.ring is not None else []
         self._chunk_readers = [] if self.ring is None else [
             {k for d in set(self._served_runs.dest[at[lo:hi]].tolist()) for k in plan.dests[d].ranks}
@@ -135,6 +137,25 @@ class Sender(AgentOwner):
         self.quantize_seconds = 0.0
         self.gather_seconds = 0.0
 
+    def _packed_only_casts(self) -> dict[int, CastSource]:
+        """Cast regions whose every served run is packed (none read in place), at wire-aligned packed offsets."""
+        served, packing = self._served_runs, self.packing
+        packed_at = packing.offsets_of(served.run)
+        in_place = set(served.region[packed_at < 0].tolist())
+        out = {}
+        for i, region in enumerate(self.regions):
+            if not region.staged or i in in_place:
+                continue
+            wire = getattr(torch, region.wire_dtype)
+            if np.all(packed_at[served.region == i] % wire.itemsize == 0):
+                out[i] = CastSource(self._sources[i], self.plan.cast_chains[region.chain], wire)
+        return out
+
+    def _exposed_bytes(self) -> list[torch.Tensor]:
+        """Every region's wire bytes as served (cast-into-packed regions cast again here, for digests only)."""
+        return [byte_view(x if x is not None else cast_along(src, self.plan.cast_chains[r.chain]))
+                for r, src, x in zip(self.regions, self._sources, self._exposed)]
+
     def start(self) -> "Sender":
         """Register this rank's memory with a new NIXL agent and publish its info for readers; returns self.
 
@@ -145,7 +166,7 @@ class Sender(AgentOwner):
             raise WeightplanError(f"trainer rank {self.rank}: this Sender was started already")
         rank, rendezvous = self.rank, self.rendezvous
         self.agent = NixlAgent(trainer_agent(rendezvous.job, rank), self._progress_thread)
-        self.agent.register(self._exposed + [self._packed, self._seq, self._ring_word]
+        self.agent.register([t for t in self._exposed if t is not None] + [self._packed, self._seq, self._ring_word]
                             + (self._quant.registered if self._quant else [])
                             + (self._gather.registered if self._gather else []))
         plan = self.plan
@@ -157,7 +178,8 @@ class Sender(AgentOwner):
             "seq": self._seq.data_ptr(),
             "packed": [self._packed.data_ptr(), self.packing.nbytes],
             "ring": [self._ring_word.data_ptr(), self._packed.numel()],
-            "regions": [[r.source, r.chain, t.data_ptr(), r.nbytes] for r, t in zip(self.regions, self._exposed)],
+            # address 0: a region served only through the packed region (never read in place)
+            "regions": [[r.source, r.chain, 0 if t is None else t.data_ptr(), r.nbytes] for r, t in zip(self.regions, self._exposed)],
             **({"quant": self._quant.info()} if self._quant else {}),
         })
         log.info("trainer rank %d serves %d regions (%d staged) to inference ranks %s",
@@ -185,7 +207,8 @@ class Sender(AgentOwner):
         """Bytes this rank writes at every publish: cast regions, packed small runs, and with fp8 tables the
         packed stage copies and the fp8 values and scales."""
         quant = sum(t.numel() * t.element_size() for t in self._quant.registered) if self._quant else 0
-        return sum(r.nbytes for r in self.regions if r.staged) + self._packed.numel() + quant
+        staged = sum(r.nbytes for r, t in zip(self.regions, self._exposed) if r.staged and t is not None)
+        return staged + self._packed.numel() + quant
 
     def publish(self, version: int) -> None:
         """Stage this rank's bytes for `version` and announce it. Releases the previous version first.
@@ -201,7 +224,7 @@ class Sender(AgentOwner):
         self._ring_word.copy_(torch.tensor([version, -1]))
         with torch.no_grad():
             for region, src, out in zip(self.regions, self._sources, self._exposed):
-                if region.staged:
+                if region.staged and out is not None:
                     out.copy_(cast_along(src, self.plan.cast_chains[region.chain]))
             self._packs[0]()
         self._ring_word[1] = 0
@@ -223,8 +246,7 @@ class Sender(AgentOwner):
         if self.digests:
             began = time.perf_counter()
             served = self._served_runs
-            found = run_digests([byte_view(x) for x in self._exposed], served.region, served.src_byte, served.src_stride,
-                                served)
+            found = run_digests(self._exposed_bytes(), served.region, served.src_byte, served.src_stride, served)
             found = {str(k): v for k, v in found.items()}
             if self._quant is not None:
                 found.update(self._quant.digests(self._exposed))
