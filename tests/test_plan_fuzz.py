@@ -149,7 +149,7 @@ def test_a_zlib_bomb_is_refused_before_it_is_inflated(base_plans):
     (lambda h: dict(h, dst_ranks=0), "'dst_ranks' is 0, not an integer in 1..4096"),
     (lambda h: dict(h, dst_ranks=-3), "'dst_ranks' is -3"),
     (lambda h: dict(h, quant="int4"), "'quant' is 'int4', not one of none, fp8_per_block"),
-    (lambda h: dict(h, cast_chains=[[]]), r"'cast_chains\[0\]' is not a non-empty list of known dtypes"),
+    (lambda h: dict(h, cast_chains=[[]]), r"'cast_chains\[0\]' is not a list of known dtypes and elementwise steps"),
     (lambda h: dict(h, dests=[[d[0], d[1], d[2], [-1]] for d in h["dests"]]), r"lists inference ranks \[-1\]"),
     (lambda h: dict(h, dests=[[d[0], d[1], d[2], []] for d in h["dests"]]), r"lists inference ranks \[\]"),
     (lambda h: dict(h, dests=[[d[0], d[1], d[2], [0, 0]] for d in h["dests"]]), r"lists inference ranks \[0, 0\]"),
