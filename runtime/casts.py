@@ -11,9 +11,13 @@ import torch
 ELEMENTWISE = {"exp": torch.exp, "neg": torch.neg}
 
 
+CHAIN_RULE = f"a list of known dtypes and elementwise steps ({', '.join(ELEMENTWISE)}) from a source dtype to a wire dtype"
+
+
 def is_chain(chain, dtype_names) -> bool:
-    """A chain is a source dtype, then dtypes and elementwise steps, ending with the wire dtype."""
-    return (isinstance(chain, (list, tuple)) and len(chain) > 0 and chain[0] in dtype_names and chain[-1] in dtype_names
+    """A chain (CHAIN_RULE) is a source dtype, then dtypes and elementwise steps, ending with the wire dtype."""
+    return (isinstance(chain, (list, tuple)) and len(chain) > 0 and all(isinstance(step, str) for step in chain)
+            and chain[0] in dtype_names and chain[-1] in dtype_names
             and all(step in dtype_names or step in ELEMENTWISE for step in chain))
 
 

@@ -200,7 +200,7 @@ def constants_on_cpu():
                 self._parameters[name] = torch.nn.Parameter(torch.empty_like(param, device="meta"),
                                                             requires_grad=param.requires_grad)
 
-    replacements = {target: on_cpu(resolve(target)[0].__dict__[resolve(target)[1]]) for target in _CPU_CONSTANTS[:2]}
+    replacements = {target: on_cpu(getattr(*resolve(target))) for target in _CPU_CONSTANTS[:2]}
     replacements[_CPU_CONSTANTS[2]] = xielu_init
     return _replaced(replacements)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..casts import ELEMENTWISE, is_chain
+from ..casts import CHAIN_RULE, is_chain
 from ..errors import PlanFormatError
 from ..layout.shards import MAX_RANKS
 
@@ -52,9 +52,8 @@ def check_header(header, origin: str, dtype_sizes: dict) -> None:
 
     chains = _list(header, "cast_chains", fail)
     for i, chain in enumerate(chains):
-        if not isinstance(chain, list) or not all(isinstance(step, str) for step in chain) or not is_chain(chain, dtype_sizes):
-            fail(f"cast_chains[{i}]", "is not a list of known dtypes and elementwise steps "
-                 f"({', '.join(ELEMENTWISE)}) from a source dtype to a wire dtype")
+        if not isinstance(chain, list) or not is_chain(chain, dtype_sizes):
+            fail(f"cast_chains[{i}]", f"is not {CHAIN_RULE}")
     for i, entry in enumerate(_list(header, "sources", fail)):
         where = f"sources[{i}]"
         if not isinstance(entry, list) or len(entry) != 4 or not isinstance(entry[0], str) or not _dtype(entry[2], dtype_sizes) \

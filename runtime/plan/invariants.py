@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..casts import ELEMENTWISE, is_chain
+from ..casts import CHAIN_RULE, is_chain
 from ..errors import PlanFormatError
 from .columns import Runs
 from .header import MAX_ELEMENTS
@@ -78,8 +78,7 @@ def check_runs(plan: Plan, origin: str) -> None:
             raise PlanFormatError(f"{origin}: a run reaches outside its {what}")
     for chain in chains:
         if not is_chain(chain, DTYPE_SIZES):
-            raise PlanFormatError(f"{origin}: cast chain {list(chain)} is not known dtypes and elementwise steps "
-                                  f"({', '.join(ELEMENTWISE)}) from a source dtype to a wire dtype")
+            raise PlanFormatError(f"{origin}: cast chain {list(chain)} is not {CHAIN_RULE}")
 
 
 def check_quant_tables(plan: Plan, origin: str) -> None:
