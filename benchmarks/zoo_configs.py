@@ -19,12 +19,27 @@ TINY = {
     "state_size": 16, "mamba_d_state": 16, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 1,
     "mamba_expand": 2, "mamba_d_conv": 4, "mamba_d_ssm": 128, "n_groups": 1, "num_heads": 8, "ssm_state_size": 16,
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    "vocab_size_per_layer_input": 256, "hidden_size_per_layer_input": 16, "laurel_rank": 8, "hc_lowrank": 16,
 }
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 
-# Where vLLM reads a config differently from transformers, the tiny config keeps the value published checkpoints use.
+# Per model type, values set whether or not the class declares the field (a dict value for a sub-config key,
+# e.g. "text_config", is applied inside that sub-config): where vLLM reads a config differently from transformers,
+# or where the class's defaults do not build a model, the values published checkpoints use.
+_QWEN4_EXP_TEXT = {  # the defaults leave QSA's indexer fields None, which transformers' model cannot build
+    "indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 64, "indexer_compress_ratio": 4,
+}
 PER_MODEL = {
     "falcon": {"ffn_hidden_size": 4 * TINY["hidden_size"]},  # vLLM's Falcon MLP is 4 x hidden whatever ffn_hidden_size says
+    "dbrx": {"attn_config": {"rope_theta": 500000}},  # both sides read attn_config.rope_theta, which the class omits
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # default None: no layer builds
+    "gemma3n_text": {  # the last num_kv_shared_layers layers reuse the KV of the last earlier layer of their type
+        "num_hidden_layers": 4, "num_kv_shared_layers": 2,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    },
+    "gemma4_text": {"global_head_dim": 32},  # head_dim of the full-attention layers (default 512)
+    "qwen4_exp_text": _QWEN4_EXP_TEXT,
+    "qwen4_exp": {"text_config": _QWEN4_EXP_TEXT},
 }
 
 
@@ -37,11 +52,12 @@ def tiny_config(model_type: str, architecture: str, **overrides) -> dict:
 
     cls = CONFIG_MAPPING[model_type]
     defaults = cls().to_dict()
-    values = _shrink(defaults, {**PER_MODEL.get(model_type, {}), **overrides})
-    for key in getattr(cls, "sub_configs", {}) or {}:  # nested configs (text_config, Dbrx's ffn_config): shrink them too
-        if isinstance(defaults.get(key), dict):
-            values[key] = _shrink(_clean(defaults[key]), {}, whole=True)
-    config = cls(**{**defaults, **values}).to_dict()
+    subs = [k for k in getattr(cls, "sub_configs", {}) or {} if isinstance(defaults.get(k), dict)]
+    wanted = {**PER_MODEL.get(model_type, {}), **overrides}
+    values = _shrink(defaults, {k: v for k, v in wanted.items() if k not in subs})
+    for key in subs:  # nested configs (text_config, Dbrx's ffn_config): shrink them too
+        values[key] = _shrink(_clean(defaults[key]), wanted.get(key, {}), whole=True)
+    config = cls(**_rederive({**defaults, **values}, defaults)).to_dict()
     for key in getattr(cls, "sub_configs", {}) or {}:
         if isinstance(config.get(key), dict):
             config[key] = _clean(config[key])
@@ -53,9 +69,9 @@ def tiny_config(model_type: str, architecture: str, **overrides) -> dict:
 
 
 def _shrink(defaults: dict, overrides: dict, whole: bool = False) -> dict:
-    """TINY values for the fields `defaults` has, per-layer lists cut to the new layer count (every kind kept)."""
+    """TINY values for the fields `defaults` has, then `overrides`; per-layer lists cut to the new layer count (every kind kept)."""
     layers = next((defaults[k] for k in _LAYER_KEYS if isinstance(defaults.get(k), int)), None)
-    values = {k: v for k, v in {**TINY, **overrides}.items() if k in defaults}
+    values = {**{k: v for k, v in TINY.items() if k in defaults}, **overrides}
     new_layers = next((values[k] for k in _LAYER_KEYS if k in values), layers)
     for key, value in defaults.items():
         if isinstance(value, list) and layers and len(value) == layers and key not in values:
@@ -65,6 +81,15 @@ def _shrink(defaults: dict, overrides: dict, whole: bool = False) -> dict:
         elif key.endswith("_token_id") and isinstance(value, int) and value >= TINY["vocab_size"]:
             values[key] = 1
     return {**defaults, **values} if whole else values
+
+
+def _rederive(kwargs: dict, defaults: dict) -> dict:
+    """Drop per-layer dicts keyed by layer index (Gemma4's per_layer_config) once the layer count changed: the class
+    derives them again from the cut per-layer lists."""
+    layers = next((kwargs[k] for k in _LAYER_KEYS if isinstance(kwargs.get(k), int)), None)
+    return {k: v for k, v in kwargs.items()
+            if not (isinstance(v, dict) and v and v is defaults.get(k) and all(str(i).isdigit() for i in v)
+                    and any(int(i) >= (layers or 0) for i in v))}
 
 
 def _clean(config: dict) -> dict:

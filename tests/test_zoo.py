@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from weightplan.compiler.compile import CompileOptions, compile_plan
 from weightplan.compiler.verify_plan import verify_plan
@@ -22,6 +23,8 @@ ZOO = {  # one shape per trainer-conversion family: renamed + merged experts, st
     "mamba": "MambaForCausalLM",  # Mamba1 mixers: A = -exp(A_log) computed on the loaded tensor
     "bloom": "BloomForCausalLM",  # ALiBi slopes read back with .tolist() while the layer is built
     "falcon": "FalconForCausalLM",  # the same, and vLLM's MLP is 4 x hidden whatever ffn_hidden_size says
+    "gemma3n_text": "Gemma3nForCausalLM",  # GeluAndMulSparse reads its std multiplier back with .item(); KV-shared layers
+    "lfm2_moe": "Lfm2MoeForCausalLM",  # the class's default layer_types (None) builds nothing: zoo_configs.PER_MODEL
 }
 
 
@@ -36,7 +39,7 @@ def _compile(config_dir: Path, fmt: str, out: Path, **layouts) -> Path:
     return out
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss", "lfm2_moe"])
 @pytest.mark.parametrize("fmt", ["hf", "transformers"])
 def test_moe_plans_match_vllm_load_weights(zoo_dir, tmp_path, model_type, fmt):
     plan_path = _compile(zoo_dir[model_type], fmt, tmp_path / "p.plan")
@@ -105,10 +108,11 @@ def test_mamba_a_is_computed_by_the_sender_equal_to_vllm_load_weights(zoo_dir, t
     assert bool((destination[a] < 0).all())  # -exp(x) is negative: the steps ran, not a plain copy of A_log
 
 
-@pytest.mark.parametrize("model_type", ["bloom", "falcon"])
+@pytest.mark.parametrize("model_type", ["bloom", "falcon", "gemma3n_text"])
 def test_models_reading_constants_back_while_building_verify(zoo_dir, tmp_path, model_type):
-    """vLLM computes ALiBi slopes from the config and reads them back as Python floats in __init__; built on meta
-    they had no values ("Cannot copy out of meta tensor"); vllm_patches.constants_on_cpu computes them on the CPU."""
+    """vLLM computes ALiBi slopes (Gemma3n: GeluAndMulSparse's std multiplier) from the config and reads them back as
+    Python numbers in __init__; built on meta they had no values ("Cannot copy out of meta tensor", "Tensor.item()
+    cannot be called on meta tensors"); vllm_patches.constants_on_cpu computes them on the CPU."""
     plan_path = _compile(zoo_dir[model_type], "hf", tmp_path / "p.plan")
     result = verify_plan(plan_path, model=str(zoo_dir[model_type]), seed=6)
     assert result.mismatches == () and result.tensors == len(load_plan(plan_path).dests)
@@ -139,3 +143,16 @@ def test_loader_refusal_is_one_line(tmp_path):
     with pytest.raises(WeightplanError) as info:
         _compile(config_dir, "hf", tmp_path / "p.plan")
     assert "\n" not in str(info.value) and "load_weights" in str(info.value)
+
+
+@pytest.mark.parametrize("model_type, architecture", [
+    ("dbrx", "DbrxForCausalLM"), ("gemma3n_text", "Gemma3nForCausalLM"), ("gemma4_text", "Gemma4ForCausalLM"),
+    ("lfm2_moe", "Lfm2MoeForCausalLM"), ("qwen4_exp", "Qwen4ExpForCausalLM"), ("qwen4_exp_text", "Qwen4ExpForCausalLM"),
+])
+def test_tiny_configs_build_the_trainer_model(tmp_path, model_type, architecture):
+    """Config classes whose defaults (or shrunk values) transformers' model refuses get per-model values (PER_MODEL);
+    Gemma4's per_layer_config, keyed by layer index, is derived again for the cut layer list."""
+    from weightplan.compiler.frontend.trainer_formats import load_trainer_model
+
+    config_dir = write_config(tmp_path / model_type, model_type, architecture)
+    assert load_trainer_model(config_dir, torch.bfloat16).specs("hf")

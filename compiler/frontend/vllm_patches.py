@@ -171,15 +171,16 @@ def expert_maps_on_cpu():
 
 _CPU_CONSTANTS = ("vllm.model_executor.models.bloom:_get_alibi_slopes",
                   "vllm.model_executor.models.falcon:_get_alibi_slopes",
-                  "vllm.model_executor.layers.activation:XIELU.__init__")
+                  "vllm.model_executor.layers.activation:XIELU.__init__",
+                  "vllm.model_executor.layers.activation:GeluAndMulSparse.__init__")
 
 
 def constants_on_cpu():
     """Compute the constants vLLM reads back as Python numbers while building a layer on the CPU, not on meta.
 
-    Bloom's and Falcon's ALiBi slopes (`_get_alibi_slopes(...).tolist()`) and xIELU's `beta`/`eps`
-    (`.item()`, Apertus) are computed from the config in `__init__`; under the meta device they
-    have no values to read. xIELU's two learned parameters (loaded from the checkpoint) are moved
+    Bloom's and Falcon's ALiBi slopes (`_get_alibi_slopes(...).tolist()`), xIELU's `beta`/`eps`
+    (`.item()`, Apertus) and GeluAndMulSparse's `std_multiplier` (`.item()`, Gemma3n) are computed
+    from the config in `__init__`; under the meta device they have no values to read. xIELU's two learned parameters (loaded from the checkpoint) are moved
     back to meta, like every other parameter of the traced model.
     """
     from vllm.model_executor.layers.activation import XIELU
@@ -200,7 +201,7 @@ def constants_on_cpu():
                 self._parameters[name] = torch.nn.Parameter(torch.empty_like(param, device="meta"),
                                                             requires_grad=param.requires_grad)
 
-    replacements = {target: on_cpu(getattr(*resolve(target))) for target in _CPU_CONSTANTS[:2]}
+    replacements = {target: on_cpu(getattr(*resolve(target))) for target in _CPU_CONSTANTS if target != _CPU_CONSTANTS[2]}
     replacements[_CPU_CONSTANTS[2]] = xielu_init
     return _replaced(replacements)
 
