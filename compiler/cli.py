@@ -139,7 +139,8 @@ def verify_main(argv: list[str] | None = None) -> int:
     if result.mismatches:
         print(f"MISMATCH: {result.mismatches[0]} differs from vLLM's load_weights ({len(result.mismatches)} tensors differ)")
         return 1
-    print(f"verified: {result.tensors} tensors, {result.bytes} bytes identical to vLLM")
+    untouched = f"; {result.unloaded} parameters vLLM's load never writes, untouched by it too" if result.unloaded else ""
+    print(f"verified: {result.tensors} tensors, {result.bytes} bytes identical to vLLM{untouched}")
     return 0
 
 

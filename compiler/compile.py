@@ -22,7 +22,7 @@ from .frontend.trainer_formats import Conversion, canonical_format, load_trainer
 from .frontend.vllm_model import build_model, current_platform_name, draft_config, make_vllm_config
 from .frontend.vllm_patches import HOST_PROFILE, host_independent
 from .layouts import check_trainer_experts, parse_inference, parse_trainer
-from .ir import PlanOrigin, Program
+from .ir import PlanOrigin, Program, TensorEntry
 from .models import config_hash, load_config_json, resolve_model
 from .passes.pipeline import Stage, join_ranks, run_stage
 from .passes.verify import descriptors_lower_bound, descriptors_posted
@@ -155,8 +155,11 @@ def _compile(opts: CompileOptions, inputs: _Inputs, log) -> CompileResult:
     assignments_total = 0
     quant_hooks = quant_compile.hooks(opts.quant)
     ranks = RankTracer(vllm_config, base, inference, sources, Conversion(trainer_model, fmt), timings, quant_hooks=quant_hooks)
+    unloaded: dict[tuple, list[int]] = {}  # (name, shape, dtype) -> the inference ranks where vLLM's load never writes it
     for rank in range(inference.ranks):
         load = ranks.trace(rank, _progress(log, name, rank, inference.ranks))
+        for entry in load.unloaded:
+            unloaded.setdefault((entry.name, entry.shape, entry.dtype), []).append(rank)
         with phase(timings, "passes"):
             traced = Program(tuple(sources), tuple(load.dests), tuple(load.assignments), cast_chains=chains,
                              layer_reuse=load.layer_reuse, quant_targets=quant_hooks.targets() if quant_hooks else ())
@@ -178,6 +181,7 @@ def _compile(opts: CompileOptions, inputs: _Inputs, log) -> CompileResult:
     program = dataclasses.replace(
         join_ranks(per_rank, chains, check_each=opts.check_passes), origin=origin, trainer_layout=trainer_layout, quant_targets=quant_targets,
         derived=tuple(quant_hooks.derived if quant_hooks else ranks.derived or ()),
+        unloaded=tuple(TensorEntry(n, shape, dtype, ranks=tuple(r)) for (n, shape, dtype), r in sorted(unloaded.items())),
         kernel_layout=quant_compile.kernel_layout(opts.quant))
     before_coalesce = {}
     compiled = run_stage(Stage.WHOLE_PLAN, program, check_each=opts.check_passes, observe=_before_coalesce(before_coalesce))

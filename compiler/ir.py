@@ -259,6 +259,7 @@ class Program:
     quant_placement: QuantPlacement | None = field(default=None, compare=False)  # set by place_quant
     kernel_layout: dict = field(default_factory=dict, compare=False)  # how vLLM's fp8 kernels want weights and scales
     derived: tuple[DerivedItem, ...] = ()  # post-load state the receiver derives
+    unloaded: tuple[TensorEntry, ...] = ()  # parameters vLLM's load never writes (frontend/unloaded.py), not in dests
     coverage: Coverage | None = field(default=None, compare=False)  # set by check_coverage
     source_choice: SourceChoice | None = field(default=None, compare=False)  # set by split_shards
     stats: dict = field(default_factory=dict, compare=False)  # compile statistics the header records

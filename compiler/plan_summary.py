@@ -24,6 +24,7 @@ weightplan plan (format {{ s.format_version }})
   wire           {{ s.wire_bytes }} bytes{% if s.gather_bytes %} ({{ s.gather_bytes }} between trainer ranks){% endif %}
 {% if s.constant_runs %}  constants      {{ s.constant_bytes }} bytes in {{ s.constant_runs }} runs, written by the inference ranks, never on the wire
 {% endif %}{% if s.quantized_blocks %}  fp8 blocks     {{ s.quantized_blocks }} in {{ s.quantized_tensors }} tensors, {{ "%.4f" | format(s.sender_quantized_fraction) }} quantized on the sender, {{ "%.4f" | format(s.gather_quantized_fraction) }} gathered on a trainer; {{ s.derived }} derived post-load items
+{% endif %}{% if s.unloaded %}  not loaded     {{ s.unloaded | length }} parameters vLLM's load_weights never writes (they keep vLLM's initial values; the plan leaves them alone): {{ s.unloaded | join(", ") }}
 {% endif %}  descriptors    {{ s.descriptors }} posted, {{ s.descriptors_stored }} stored (lower bound {{ s.descriptors_lower_bound }})
   balance        trainer ranks {{ "%.3f" | format(s.src_balance) }}, inference ranks {{ "%.3f" | format(s.dst_balance) }} (max/mean bytes)
 {% if s.source_choice %}{% set c = s.source_choice %}  replicas       {{ c.shared_bytes }} bytes held by several trainer ranks; busiest trainer rank {{ c.greedy_max }} bytes greedy (max/mean {{ "%.4f" | format(c.greedy_max / c.greedy_mean) }}), {{ c.chosen_max }} kept (max/mean {{ "%.4f" | format(c.chosen_max / c.chosen_mean) }}, {{ c.method }})
@@ -117,6 +118,7 @@ def summarize(plan: Plan) -> dict:
         "sender_quantized_fraction": quant.sender_fraction,
         "gather_quantized_fraction": quant.gathered_fraction,
         "derived": len(h.get("derived", [])),
+        "unloaded": [f"{e.name} {e.dtype}{list(e.shape)} (inference ranks {list(e.ranks)})" for e in plan.unloaded],
         "bytes_per_dst_rank": bytes_dst,
         "bytes_per_src_rank": bytes_src,
         "src_balance": _balance(bytes_src),

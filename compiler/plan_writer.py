@@ -21,7 +21,7 @@ def plan_header(program: Program) -> dict:
         "config_sha256": origin.config_sha256,
         "architecture": origin.architecture,
         "trainer": origin.trainer,
-        "inference": origin.inference,
+        "inference": {**origin.inference, **({"unloaded": [d.dest_row() for d in program.unloaded]} if program.unloaded else {})},
         "quant": origin.quant,
         "src_ranks": origin.src_ranks,
         "dst_ranks": origin.dst_ranks,

@@ -28,6 +28,7 @@ class VerifyResult:
     bytes: int
     mismatches: tuple[str, ...]
     compared: tuple[str, ...] = ()  # "name (inference rank k)" of every tensor compared
+    unloaded: int = 0  # parameters the plan lists as never written that vLLM's load was seen to leave untouched
 
 
 class _Params:
@@ -194,14 +195,17 @@ def verify_plan(
 
     from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
 
-    tensors, nbytes, mismatches, compared = 0, 0, [], []
+    tensors, nbytes, mismatches, compared, unloaded = 0, 0, [], [], 0
     for rank in sorted(ranks):
         names = {plan.dests[i].name for i in entries if rank in plan.dests[i].ranks}
         if not names:
             continue
         tp_rank, dp_rank = rank % info["tp"], rank // info["tp"]
         if quantization is None:
-            reference = _vllm_load(vllm_config, base, plan, full, names, tp_rank, dp_rank)
+            untouched = {e.name for e in plan.unloaded if rank in e.ranks}
+            reference, written = _vllm_load(vllm_config, base, plan, full, names, tp_rank, dp_rank, untouched)
+            mismatches += [f"{name} (inference rank {rank}, listed as never written)" for name in sorted(written)]
+            unloaded += len(untouched) - len(written)
             planned = _materialize(build_model(vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=base), names, float("nan"))
         else:
             reference = vllm_load_quantized(vllm_config, base, plan, full, names, tp_rank, dp_rank)
@@ -216,7 +220,7 @@ def verify_plan(
         log(f"inference rank {rank}: {len(expected)} tensors compared")
     if not tensors:
         raise PlanMismatchError(f"nothing was compared: inference ranks {sorted(ranks)} hold none of the chosen tensors")
-    return VerifyResult(tensors, nbytes, tuple(mismatches), tuple(compared))
+    return VerifyResult(tensors, nbytes, tuple(mismatches), tuple(compared), unloaded)
 
 
 def whole_modules(plan: Plan, entries: list[int], ranks: Collection[int]) -> list[int]:
@@ -341,10 +345,14 @@ def _materialize(model: torch.nn.Module, names: set[str], fill: float) -> dict[s
 
 
 @host_independent()
-def _vllm_load(vllm_config, base, plan: Plan, full: dict[str, torch.Tensor], chosen: set[str], tp_rank: int, dp_rank: int):
-    """vLLM's own load_weights of the trainer's full weights into this rank's model (ground truth)."""
+def _vllm_load(vllm_config, base, plan: Plan, full: dict[str, torch.Tensor], chosen: set[str], tp_rank: int, dp_rank: int,
+               untouched: set[str] = frozenset()):
+    """vLLM's own load_weights of the trainer's full weights into this rank's model (ground truth): the chosen
+    parameters, and those of `untouched` (the plan's unloaded parameters) that the load wrote (it should write none)."""
     model = build_model(vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=base)
     params = _materialize(model, chosen, fill=0.0)
+    sentinels = _materialize(model, set(untouched), fill=float("nan"))
+    before = {name: _bytes(t).clone() for name, t in sentinels.items()}
 
     def stream():
         for entry in plan.sources:
@@ -355,4 +363,10 @@ def _vllm_load(vllm_config, base, plan: Plan, full: dict[str, torch.Tensor], cho
 
     with torch.no_grad(), parallel_rank(vllm_config, tp_rank, dp_rank):
         model.load_weights(plan_conversion(vllm_config, plan)(stream()))
-    return params
+    held = dict(model.named_parameters())  # a loader that replaces a parameter wrote it too
+    written = {n for n, t in sentinels.items() if held.get(n) is not t or not torch.equal(_bytes(t), before[n])}
+    return params, written
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().reshape(-1).view(torch.uint8)

@@ -156,3 +156,69 @@ def test_tiny_configs_build_the_trainer_model(tmp_path, model_type, architecture
 
     config_dir = write_config(tmp_path / model_type, model_type, architecture)
     assert load_trainer_model(config_dir, torch.bfloat16).specs("hf")
+
+
+@pytest.fixture(scope="module")
+def laguna_plan(tmp_path_factory):
+    config_dir = write_config(tmp_path_factory.mktemp("laguna"), "laguna", "LagunaForCausalLM")
+    return config_dir, _compile(config_dir, "hf", config_dir / "p.plan")
+
+
+BIAS = "model.layers.1.mlp.experts.routed_experts.e_score_correction_bias"
+
+
+def test_parameters_vllm_never_loads_are_listed_and_verified(laguna_plan):
+    """Laguna's checkpoint bias never reaches vLLM's routed_experts.e_score_correction_bias (vLLM's AutoWeightsLoader
+    skips it; vLLM's own loader accepts that: the MoE module has a quant method). vLLM serves it at its initial value,
+    so the plan does not write it: it is listed in the header (inference.unloaded), shown by inspect-plan, and
+    verify-plan checks that vLLM's own load leaves it untouched too."""
+    from weightplan.compiler.plan_summary import render_text, summarize
+
+    config_dir, plan_path = laguna_plan
+    plan = load_plan(plan_path)
+    assert [(e.name, e.ranks) for e in plan.unloaded] == [(BIAS, (0,))]
+    assert BIAS not in {e.name for e in plan.dests}
+    assert BIAS in render_text(plan, summarize(plan)) and "never writes" in render_text(plan, summarize(plan))
+    result = verify_plan(plan_path, model=str(config_dir), seed=7)
+    assert result.mismatches == () and result.tensors == len(plan.dests) and result.unloaded == 1
+
+
+def test_verify_refuses_a_parameter_listed_unloaded_that_vllm_writes(laguna_plan, monkeypatch):
+    """The differential check is not weakened: a parameter the plan lists as never written but vLLM's load writes
+    is a mismatch."""
+    from weightplan.runtime.plan.format import Plan
+    from weightplan.runtime.plan.schema import TensorEntry
+
+    config_dir, plan_path = laguna_plan
+    monkeypatch.setattr(Plan, "unloaded", property(lambda self: (TensorEntry("model.norm.weight", (64,), "bfloat16", ranks=(0,)),)))
+    result = verify_plan(plan_path, model=str(config_dir), seed=7)
+    assert result.mismatches == ("model.norm.weight (inference rank 0, listed as never written)",)
+
+
+def test_parameters_vllm_refuses_to_leave_unwritten_are_refused_in_one_line(tmp_path):
+    """AXK1's dense layer 0 has a post_mlp_layernorm in vLLM that transformers' checkpoint does not hold; vLLM's own
+    loader refuses that checkpoint ("weights were not initialized from checkpoint"), and so does the compiler."""
+    from weightplan.compiler.frontend.errors import UnloadedParameterError
+
+    config_dir = write_config(tmp_path / "axk1", "axk1", "AXK1ForCausalLM")
+    with pytest.raises(UnloadedParameterError) as info:
+        _compile(config_dir, "hf", tmp_path / "p.plan")
+    assert "\n" not in str(info.value) and "model.layers.0.post_mlp_layernorm.weight" in str(info.value)
+    assert not (tmp_path / "p.plan").exists()
+
+
+def test_unloaded_header_rows_are_checked(laguna_plan):
+    """The reader refuses an `inference.unloaded` row that is malformed or names a destination of the same rank."""
+    import json
+
+    from weightplan.runtime.errors import PlanFormatError
+    from weightplan.runtime.plan.format import decode_plan, encode_plan
+
+    plan = load_plan(laguna_plan[1])
+    columns = plan.table.columns()
+    for rows, message in (([["x", [4], "float32"]], "is not [name, shape, dtype, inference ranks]"),
+                          ([plan.header["dests"][0]], "a destination of the plan on the same inference rank")):
+        header = json.loads(json.dumps(plan.header))
+        header["inference"]["unloaded"] = rows
+        with pytest.raises(PlanFormatError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            decode_plan(encode_plan(header, columns))

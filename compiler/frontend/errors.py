@@ -46,3 +46,7 @@ class ModelConfigError(WeightplanError):
 
 class TrainerLayoutError(WeightplanError):
     """The trainer's tensors do not match what the plan or the model expects."""
+
+
+class UnloadedParameterError(TraceError):
+    """A parameter no checkpoint tensor reaches, which vLLM's own loader would refuse to leave unwritten."""

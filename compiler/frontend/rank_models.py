@@ -30,6 +30,7 @@ from ..timing import phase
 from .fp8_trace import derived_state
 from .layer_classes import layer_classes
 from .trace import TracedLoad, trace_load
+from .unloaded import split_unloaded
 from .vllm_model import build_model, nonlocal_experts, place_experts
 from .vllm_patches import parallel_rank
 
@@ -145,6 +146,8 @@ class RankTracer:
             absent = nonlocal_experts(model) if shared else None
             traced = trace_load(model, self.sources, self.fmt, progress,
                                 skip=None if absent is None else functools.partial(self._skip, absent))
+            if self.hooks is None:  # with --quant, the post-load step writes what load_weights does not
+                traced = split_unloaded(model, self.vllm_config, traced, dp_rank * self.layout.tp + tp_rank)
             dests = traced.dests
             post = None
             if self.hooks is None and self.derived is None:

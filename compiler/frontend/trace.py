@@ -26,6 +26,8 @@ class TracedLoad:
     dests: list[TensorEntry]
     layer_reuse: tuple[LayerReuse, ...] = ()
     reused_assignments: int = 0  # assignments the reused layers stand for
+    claimed: frozenset[str] = frozenset()  # the names load_weights reported as loaded (if it reports any)
+    unloaded: tuple[TensorEntry, ...] = ()  # parameters vLLM's load never writes (frontend/unloaded.py), not in dests
 
     def expanded(self) -> list[Assignment]:
         """Every assignment, the reused layers' renamed from their template's (in member order)."""
@@ -58,9 +60,10 @@ def trace_load(
     dests = [TensorEntry(name, tuple(p.shape), dtype_name(p.dtype)) for name, p in params.items()]
     classes = layer_classes(sources, dests) if reuse_layers else None
     fed = [spec for spec in sources if classes is None or classes.traced(spec.name)]
-    traced = _trace(model, params, fed, conversion, progress, skip)
+    claimed: set[str] = set()
+    traced = _trace(model, params, fed, conversion, progress, skip, claimed)
     if classes is None or not classes.template_of:
-        return TracedLoad(traced, dests)
+        return TracedLoad(traced, dests, claimed=frozenset(claimed))
 
     by_layer: dict[int | None, list[Assignment]] = defaultdict(list)
     for a in traced:
@@ -71,13 +74,15 @@ def trace_load(
             untrusted.add(template)
     if untrusted:  # a layer class loads differently per index: trace all of its layers for real
         retrace = [s for s in sources if classes.template_of.get(layer_of(s.name)) in untrusted]
-        traced += _trace(model, params, retrace, conversion, None, skip)
+        traced += _trace(model, params, retrace, conversion, None, skip, claimed)
     reuse = tuple(LayerReuse(template, index) for index, template in sorted(classes.template_of.items())
                   if template not in untrusted)
-    return TracedLoad(traced, dests, reuse, sum(len(by_layer[r.template]) for r in reuse))
+    return TracedLoad(traced, dests, reuse, sum(len(by_layer[r.template]) for r in reuse), claimed=frozenset(claimed))
 
 
-def _trace(model, params, sources: list[TensorEntry], conversion: Conversion, progress, skip=None) -> list[Assignment]:
+def _trace(model, params, sources: list[TensorEntry], conversion: Conversion, progress, skip=None,
+           claimed: set[str] | None = None) -> list[Assignment]:
+    """The assignments of loading `sources`; the names load_weights reports as loaded go into `claimed`."""
     tracer = Tracer(params)
     lazy = {spec.name: LazyWeight.source(spec.name, spec.shape, getattr(torch, spec.dtype)) for spec in sources}
     index = {name: i for i, name in enumerate(lazy)}
@@ -93,11 +98,13 @@ def _trace(model, params, sources: list[TensorEntry], conversion: Conversion, pr
 
     with tracing(tracer), torch.no_grad():
         try:
-            model.load_weights(stream())
+            reported = model.load_weights(stream())
         except WeightplanError:
             raise
         except Exception as exc:  # vLLM's loader refused a checkpoint name or shape: one line, naming it
             raise TraceError(f"vLLM's {type(model).__name__}.load_weights failed while loading checkpoint tensor "
                              f"{tracer.loading!r}: {type(exc).__name__}: {exc}; check --trainer-format and that "
                              "transformers and vLLM agree on this architecture's checkpoint names") from None
+    if claimed is not None and reported is not None:
+        claimed.update(reported)
     return tracer.assignments

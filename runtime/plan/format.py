@@ -123,6 +123,11 @@ class Plan:
     def _sizes(self) -> np.ndarray:
         return np.array([DTYPE_SIZES[chain[-1]] for chain in self.cast_chains] or [0], dtype=np.int64)
 
+    @cached_property
+    def unloaded(self) -> tuple[TensorEntry, ...]:
+        """Parameters vLLM's load_weights never writes (header `inference.unloaded`): the plan leaves them alone."""
+        return tuple(TensorEntry.from_dest_row(row) for row in self.header["inference"].get("unloaded", ()))
+
 
 def fingerprint(header: dict) -> str:
     subset = {key: header[key] for key in FINGERPRINT_KEYS}

@@ -60,17 +60,26 @@ def check_header(header, origin: str, dtype_sizes: dict) -> None:
                 or not _count(entry[3], len(header["trainer"]["boxes"])):
             fail(where, "is not [name, shape, dtype, layout class]")
         _shape(entry[1], where, fail)
-    names = set()
-    for i, entry in enumerate(_list(header, "dests", fail)):
-        where = f"dests[{i}]"
+
+    def dest_row(entry, where: str) -> set:
+        """(name, rank) pairs of a [name, shape, dtype, inference ranks] row."""
         if not isinstance(entry, list) or len(entry) != 4 or not isinstance(entry[0], str) or not _dtype(entry[2], dtype_sizes):
             fail(where, "is not [name, shape, dtype, inference ranks]")
         _shape(entry[1], where, fail)
         _ranks(entry[3], dst_ranks, where, fail)
-        held = {(entry[0], rank) for rank in entry[3]}
+        return {(entry[0], rank) for rank in entry[3]}
+
+    names = set()
+    for i, entry in enumerate(_list(header, "dests", fail)):
+        where = f"dests[{i}]"
+        held = dest_row(entry, where)
         if held & names:  # one name has one entry per rank (entries of other ranks may share the name)
             fail(where, f"gives destination {entry[0]!r} a second entry on inference rank {min(held & names)[1]}")
         names |= held
+    for i, entry in enumerate(_list(inference, "unloaded", lambda f, w: fail(f"inference.{f}", w))):
+        where = f"inference.unloaded[{i}]"  # parameters vLLM's load never writes: never a destination on the same rank
+        if dest_row(entry, where) & names:
+            fail(where, f"lists {entry[0]!r}, a destination of the plan on the same inference rank, as never written")
     n_dests = len(header["dests"])
     staging = _list(header, "staging", fail)
     block = header.get("quant_layout", {}).get("block")
