@@ -37,7 +37,8 @@ PER_MODEL = {
         "num_hidden_layers": 4, "num_kv_shared_layers": 2,
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
     },
-    "gemma4_text": {"global_head_dim": 32},  # head_dim of the full-attention layers (default 512)
+    "gemma4_text": {"global_head_dim": 32,  # head_dim of the full-attention layers (default 512)
+                    "enable_moe_block": True, "top_k_experts": 2},  # vLLM builds MoE blocks whenever num_experts is set
     "qwen4_exp_text": _QWEN4_EXP_TEXT,
     "qwen4_exp": {"text_config": _QWEN4_EXP_TEXT},
 }

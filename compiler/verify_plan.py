@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ..runtime import execute_local, load_plan
+from ..runtime.checks import named_tensors, persistent_buffers
 from ..runtime.errors import PlanMismatchError
 from ..runtime.host.executor import rows_view
 from ..runtime.plan.format import Plan
@@ -328,6 +329,11 @@ def _materialize(model: torch.nn.Module, names: set[str], fill: float) -> dict[s
             if param is not None:
                 owners.setdefault(id(param), []).append((module, attr))
     out = {}
+    for name, buffer in persistent_buffers(model):  # buffers vLLM loads (plans write them too): new CPU tensors
+        if name in names:
+            owner, _, attr = name.rpartition(".")
+            real = torch.full(buffer.shape, fill if buffer.dtype.is_floating_point else (0 if fill == 0 else 1), dtype=buffer.dtype)
+            model.get_submodule(owner)._buffers[attr] = out[name] = real
     for name, param in model.named_parameters():
         if name in names:
             value = fill if param.dtype.is_floating_point else (0 if fill == 0 else 1)
@@ -363,8 +369,9 @@ def _vllm_load(vllm_config, base, plan: Plan, full: dict[str, torch.Tensor], cho
 
     with torch.no_grad(), parallel_rank(vllm_config, tp_rank, dp_rank):
         model.load_weights(plan_conversion(vllm_config, plan)(stream()))
-    held = dict(model.named_parameters())  # a loader that replaces a parameter wrote it too
-    written = {n for n, t in sentinels.items() if held.get(n) is not t or not torch.equal(_bytes(t), before[n])}
+    held = named_tensors(model)  # a loader that replaces a parameter wrote it too
+    written = {n for n, t in sentinels.items()
+               if n not in held or held[n].data_ptr() != t.data_ptr() or not torch.equal(_bytes(t), before[n])}
     return params, written
 
 

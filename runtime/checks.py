@@ -11,12 +11,25 @@ from .plan.schema import dtype_name
 
 
 def named_tensors(holder) -> dict[str, torch.Tensor]:
-    """A module's parameters (DTensors give their local shard) or a {name: tensor} mapping, as plain tensors."""
-    items = holder.named_parameters() if isinstance(holder, torch.nn.Module) else dict(holder).items()
+    """A module's parameters and persistent buffers (DTensors give their local shard) or a {name: tensor} mapping, as
+    plain tensors. vLLM loads persistent buffers from checkpoint tensors too, so plans may write them."""
+    items = ([*holder.named_parameters(), *persistent_buffers(holder)] if isinstance(holder, torch.nn.Module)
+             else dict(holder).items())
     out = {}
     for name, tensor in items:
         local = getattr(tensor, "to_local", None)  # torch.distributed.tensor.DTensor
         out[name] = (local() if callable(local) else tensor).detach()
+    return out
+
+
+def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, buffer) of every persistent buffer (what state_dict() holds besides parameters), each object once."""
+    out, seen = [], set()
+    for prefix, owner in module.named_modules():
+        for name, buffer in owner.named_buffers(recurse=False):
+            if name not in owner._non_persistent_buffers_set and id(buffer) not in seen:
+                seen.add(id(buffer))
+                out.append((f"{prefix}.{name}" if prefix else name, buffer))
     return out
 
 

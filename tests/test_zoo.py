@@ -25,6 +25,8 @@ ZOO = {  # one shape per trainer-conversion family: renamed + merged experts, st
     "falcon": "FalconForCausalLM",  # the same, and vLLM's MLP is 4 x hidden whatever ffn_hidden_size says
     "gemma3n_text": "Gemma3nForCausalLM",  # GeluAndMulSparse reads its std multiplier back with .item(); KV-shared layers
     "lfm2_moe": "Lfm2MoeForCausalLM",  # the class's default layer_types (None) builds nothing: zoo_configs.PER_MODEL
+    "apertus": "ApertusForCausalLM",  # xIELU's beta/eps: checkpoint tensors vLLM loads into persistent buffers
+    "gemma4_text": "Gemma4ForCausalLM",  # layer_scalar: a persistent buffer vLLM loads
 }
 
 
@@ -222,3 +224,21 @@ def test_unloaded_header_rows_are_checked(laguna_plan):
         header["inference"]["unloaded"] = rows
         with pytest.raises(PlanFormatError, match=message.replace("[", r"\[").replace("]", r"\]")):
             decode_plan(encode_plan(header, columns))
+
+
+@pytest.mark.parametrize("model_type, buffer", [("apertus", "model.layers.1.mlp.act_fn.beta"),
+                                                ("gemma4_text", "model.layers.1.layer_scalar")])
+def test_persistent_buffers_vllm_loads_are_destinations(zoo_dir, tmp_path, model_type, buffer):
+    """vLLM's AutoWeightsLoader copies checkpoint tensors into persistent buffers (xIELU's beta/eps, Gemma4's
+    layer_scalar) as into parameters: the plan writes them too (layer 1 through its template layer 0), and
+    verify-plan compares their digests with vLLM's own load like every parameter's."""
+    from weightplan.compiler.frontend.vllm_model import build_model, make_vllm_config
+    from weightplan.runtime.checks import named_tensors
+
+    plan_path = _compile(zoo_dir[model_type], "hf", tmp_path / "p.plan")
+    plan = load_plan(plan_path)
+    assert buffer in {e.name for e in plan.dests}
+    result = verify_plan(plan_path, model=str(zoo_dir[model_type]), seed=8)
+    assert result.mismatches == () and result.tensors == len(plan.dests)
+    assert f"{buffer} (inference rank 0)" in result.compared
+    assert buffer in named_tensors(build_model(make_vllm_config(zoo_dir[model_type])))  # what a Receiver writes into

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from ..ir import Assignment, LayerReuse, TensorEntry
-from ..layer_names import layer_of
+from ..layer_names import layer_of, rename
 from .layer_classes import layer_classes, rename_assignments
+from ...runtime.checks import persistent_buffers
 from ...runtime.errors import WeightplanError
 from .errors import TraceError
 from .lazy_weight import LazyWeight, Tracer, dtype_name, tracing
@@ -61,9 +63,11 @@ def trace_load(
     classes = layer_classes(sources, dests) if reuse_layers else None
     fed = [spec for spec in sources if classes is None or classes.traced(spec.name)]
     claimed: set[str] = set()
+    buffers = loaded_buffers(model, params)
+    params = {**params, **buffers}
     traced = _trace(model, params, fed, conversion, progress, skip, claimed)
     if classes is None or not classes.template_of:
-        return TracedLoad(traced, dests, claimed=frozenset(claimed))
+        return _with_buffers(TracedLoad(traced, dests, claimed=frozenset(claimed)), buffers)
 
     by_layer: dict[int | None, list[Assignment]] = defaultdict(list)
     for a in traced:
@@ -77,7 +81,29 @@ def trace_load(
         traced += _trace(model, params, retrace, conversion, None, skip, claimed)
     reuse = tuple(LayerReuse(template, index) for index, template in sorted(classes.template_of.items())
                   if template not in untrusted)
-    return TracedLoad(traced, dests, reuse, sum(len(by_layer[r.template]) for r in reuse), claimed=frozenset(claimed))
+    return _with_buffers(TracedLoad(traced, dests, reuse, sum(len(by_layer[r.template]) for r in reuse), claimed=frozenset(claimed)),
+                         buffers)
+
+
+def loaded_buffers(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's persistent buffers, which vLLM's AutoWeightsLoader loads from checkpoint tensors like parameters
+    (xIELU's beta/eps, Gemma4's layer_scalar); buffers sharing storage with another destination are left out."""
+    taken = {p.untyped_storage()._cdata for p in params.values()}
+    out = {}
+    for name, buffer in persistent_buffers(model):
+        key = buffer.untyped_storage()._cdata
+        if key not in taken:
+            taken.add(key)
+            out[name] = buffer
+    return out
+
+
+def _with_buffers(load: TracedLoad, buffers: dict[str, torch.Tensor]) -> TracedLoad:
+    """`load` with the buffers it writes (in its traced or reused layers) as destinations, after the parameters."""
+    written = {a.dest for a in load.assignments if a.dest in buffers}
+    written |= {rename(n, r.template, r.member) for r in load.layer_reuse for n in list(written)}
+    entries = [TensorEntry(n, tuple(b.shape), dtype_name(b.dtype)) for n, b in buffers.items() if n in written]
+    return dataclasses.replace(load, dests=load.dests + entries) if entries else load
 
 
 def _trace(model, params, sources: list[TensorEntry], conversion: Conversion, progress, skip=None,
