@@ -369,7 +369,7 @@ def _vllm_load(vllm_config, base, plan: Plan, full: dict[str, torch.Tensor], cho
 
     with torch.no_grad(), parallel_rank(vllm_config, tp_rank, dp_rank):
         model.load_weights(plan_conversion(vllm_config, plan)(stream()))
-    held = named_tensors(model)  # a loader that replaces a parameter wrote it too
+    held = named_tensors(model, sentinels)  # a loader that replaces a parameter wrote it too
     written = {n for n, t in sentinels.items()
                if n not in held or held[n].data_ptr() != t.data_ptr() or not torch.equal(_bytes(t), before[n])}
     return params, written

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 
@@ -10,16 +10,22 @@ from .errors import PlanMismatchError
 from .plan.schema import dtype_name
 
 
-def named_tensors(holder) -> dict[str, torch.Tensor]:
-    """A module's parameters and persistent buffers (DTensors give their local shard) or a {name: tensor} mapping, as
-    plain tensors. vLLM loads persistent buffers from checkpoint tensors too, so plans may write them."""
-    items = ([*holder.named_parameters(), *persistent_buffers(holder)] if isinstance(holder, torch.nn.Module)
-             else dict(holder).items())
+def named_tensors(holder, buffers: Collection[str] = ()) -> dict[str, torch.Tensor]:
+    """A module's parameters, and its persistent buffers named in `buffers` (vLLM loads persistent buffers from
+    checkpoint tensors too, so plans may write them), or a {name: tensor} mapping, as plain tensors (DTensors give
+    their local shard)."""
+    items = ([*holder.named_parameters(), *((n, b) for n, b in persistent_buffers(holder) if n in buffers)]
+             if isinstance(holder, torch.nn.Module) else dict(holder).items())
     out = {}
     for name, tensor in items:
         local = getattr(tensor, "to_local", None)  # torch.distributed.tensor.DTensor
         out[name] = (local() if callable(local) else tensor).detach()
     return out
+
+
+def inference_names(plan, rank: int) -> set[str]:
+    """Every name the plan has for inference `rank`: its destinations and the parameters vLLM's load never writes."""
+    return {e.name for e in (*plan.dests, *plan.unloaded) if rank in e.ranks}
 
 
 def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

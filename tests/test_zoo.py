@@ -185,6 +185,21 @@ def test_parameters_vllm_never_loads_are_listed_and_verified(laguna_plan):
     assert result.mismatches == () and result.tensors == len(plan.dests) and result.unloaded == 1
 
 
+def test_a_model_with_unloaded_parameters_is_a_valid_destination(laguna_plan):
+    """Executing the plan into vLLM's model itself: the parameter the plan leaves alone is known, not "not in the plan"."""
+    from weightplan.compiler.frontend.vllm_model import build_model, make_vllm_config
+    from weightplan.runtime import execute_local
+
+    from .runtime_worker import full_weights, shard
+
+    config_dir, plan_path = laguna_plan
+    plan = load_plan(plan_path)
+    model = build_model(make_vllm_config(config_dir), "cpu")
+    before = dict(model.named_parameters())[BIAS].clone()
+    assert execute_local(plan, {0: shard(plan, full_weights(plan, 0, 1), 0)}, {0: model}) > 0
+    assert torch.equal(dict(model.named_parameters())[BIAS], before)
+
+
 def test_verify_refuses_a_parameter_listed_unloaded_that_vllm_writes(laguna_plan, monkeypatch):
     """The differential check is not weakened: a parameter the plan lists as never written but vLLM's load writes
     is a mismatch."""
@@ -233,7 +248,10 @@ def test_persistent_buffers_vllm_loads_are_destinations(zoo_dir, tmp_path, model
     layer_scalar) as into parameters: the plan writes them too (layer 1 through its template layer 0), and
     verify-plan compares their digests with vLLM's own load like every parameter's."""
     from weightplan.compiler.frontend.vllm_model import build_model, make_vllm_config
+    from weightplan.runtime import execute_local
     from weightplan.runtime.checks import named_tensors
+
+    from .runtime_worker import byte_equal, full_weights, host_reference, shard
 
     plan_path = _compile(zoo_dir[model_type], "hf", tmp_path / "p.plan")
     plan = load_plan(plan_path)
@@ -241,4 +259,8 @@ def test_persistent_buffers_vllm_loads_are_destinations(zoo_dir, tmp_path, model
     result = verify_plan(plan_path, model=str(zoo_dir[model_type]), seed=8)
     assert result.mismatches == () and result.tensors == len(plan.dests)
     assert f"{buffer} (inference rank 0)" in result.compared
-    assert buffer in named_tensors(build_model(make_vllm_config(zoo_dir[model_type])))  # what a Receiver writes into
+    model = build_model(make_vllm_config(zoo_dir[model_type]), "cpu")  # vLLM's model itself as the destination
+    full = full_weights(plan, 0, 1)
+    assert execute_local(plan, {0: shard(plan, full, 0)}, {0: model}) > 0
+    expected = host_reference(plan, full, 0)[buffer]
+    assert byte_equal(named_tensors(model, {buffer})[buffer], expected) and not byte_equal(expected, torch.zeros_like(expected))

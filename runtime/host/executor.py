@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from ..casts import cast_along
-from ..checks import check_tensors, named_tensors
+from ..checks import check_tensors, inference_names, named_tensors
 from ..constant_writes import write_constants
 from ..errors import PlanMismatchError
 from ..plan.format import Plan
@@ -32,7 +32,7 @@ def execute_local(
     call. Returns the destination bytes written (runs and constants).
     """
     runs = plan.table
-    dst_tensors = {rank: named_tensors(d) for rank, d in destinations.items()}
+    dst_tensors = {rank: named_tensors(d, {e.name for e in plan.dests}) for rank, d in destinations.items()}
     # Runs each given inference rank executes: those into entries that rank holds.
     entries_of = {rank: [i for i, e in enumerate(plan.dests) if rank in e.ranks and (only is None or e.name in only)]
                   for rank in dst_tensors}
@@ -45,7 +45,7 @@ def execute_local(
         wanted[entries] = True
         masks[rank] = wanted[runs["dest"]]
         expected = {plan.dests[i].name: (plan.dests[i].shape, plan.dests[i].dtype) for i in entries}
-        known = {e.name for e in plan.dests if rank in e.ranks}
+        known = inference_names(plan, rank)
         check_tensors(dst_tensors[rank], expected, known, f"inference rank {rank}")
     any_mask = np.zeros(plan.n_stored_runs, dtype=bool)
     for mask in masks.values():

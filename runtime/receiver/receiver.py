@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..checks import check_no_aliases, check_tensors, check_version, flat_view, named_tensors
+from ..checks import check_no_aliases, check_tensors, check_version, flat_view, inference_names, named_tensors
 from ..constant_writes import write_constants
 from ..errors import PlanMismatchError, SyncError, WeightplanError
 from ..plan.columns import ColumnTable
@@ -144,9 +144,9 @@ class Receiver(AgentOwner):
             check_supported(plan)
         self.plan, self.rank, self.rendezvous, self.timeout, self.verify = plan, rank, rendezvous, timeout, verify
         self.post_op = post_op
-        given = named_tensors(destination)
         expected = {plan.dests[i].name: (plan.dests[i].shape, plan.dests[i].dtype) for i in np.flatnonzero(held)}
-        check_tensors(given, expected, set(expected), f"inference rank {rank}")
+        given = named_tensors(destination, set(expected))
+        check_tensors(given, expected, set(expected) | inference_names(plan, rank), f"inference rank {rank}")
         self._dst = {int(i): flat_view(plan.dests[i].name, given[plan.dests[i].name], plan.dests[i].shape,
                                        plan.dests[i].dtype, f"inference rank {rank}") for i in np.flatnonzero(held)}
         check_no_aliases({plan.dests[i].name: view for i, view in self._dst.items()}, f"inference rank {rank}")
