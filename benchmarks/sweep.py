@@ -1,7 +1,10 @@
 """`make sweep`: compile and verify a tiny config of every architecture vLLM and transformers share, per trainer format.
 
 One line per architecture and format (compiled, verified, seconds, and why not), then a last
-line of JSON: {"attempted", "compiled", "verified", "failures", "vllm_cpu_cannot_build"}.
+line of JSON: {"attempted", "compiled", "verified", "failures", "vllm_cpu_cannot_build", "vllm_cannot_load"}.
+A format that does not compile is loaded once more by vLLM itself, from real tensors (its own
+load_weights and DefaultModelLoader's check); if vLLM refuses them too, the line says so and is
+counted under vllm_cannot_load, not attempted.
 Each architecture runs in its own process (a crash or hang costs that line only).
 Usage: python benchmarks/sweep.py [--only TYPE,TYPE] [--timeout S] [--workdir DIR]
 """
@@ -50,7 +53,10 @@ def run_one(model_type: str, architecture: str, workdir: Path) -> None:
         try:
             compile_plan(CompileOptions(str(config_dir), fmt, "bf16", "none", plan))
         except Exception as exc:
-            emit(label, compiled=False, verified=False, seconds=round(time.perf_counter() - start, 1), reason=_line(exc))
+            refused = vllm_refuses(config_dir, trainer, fmt)
+            emit(label, compiled=False, verified=False, seconds=round(time.perf_counter() - start, 1), reason=_line(exc)
+                 + (f"; vLLM's own load of these checkpoint tensors fails too: {refused}" if refused else ""),
+                 **({"vllm_refuses": True} if refused else {}))
             continue
         try:
             result = verify_plan(plan, model=str(config_dir), seed=1)
@@ -58,6 +64,28 @@ def run_one(model_type: str, architecture: str, workdir: Path) -> None:
         except Exception as exc:
             reason = f"verify-plan: {_line(exc)}"
         emit(label, compiled=True, verified=not reason, seconds=round(time.perf_counter() - start, 1), reason=reason)
+
+
+def vllm_refuses(config_dir: Path, trainer, fmt: str) -> str:
+    """Why vLLM's own loading of this format's checkpoint tensors (random values) fails, or "": DefaultModelLoader's
+    steps on a CPU-built model (load_weights, then its check that every parameter was initialized)."""
+    import torch
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    from weightplan.compiler.frontend.vllm_model import build_model, make_vllm_config
+    from weightplan.compiler.frontend.vllm_patches import host_independent
+
+    vllm_config = make_vllm_config(config_dir)
+    try:
+        with host_independent(), torch.no_grad():
+            model = build_model(vllm_config, "cpu")
+            tensors = ((s.name, torch.randn(s.shape).to(getattr(torch, s.dtype))) for s in trainer.specs(fmt))
+            loaded = model.load_weights(trainer.checkpoint_tensors(fmt, tensors))
+            if loaded is not None:
+                DefaultModelLoader(vllm_config.load_config).track_weights_loading(model, set(loaded))
+    except Exception as exc:
+        return _line(exc)
+    return ""
 
 
 def _line(exc: BaseException) -> str:
@@ -97,10 +125,13 @@ def main() -> int:
             print(f"{row['architecture']:<32} {row['format']:<16} compiled={'yes' if row['compiled'] else 'no ':<3} "
                   f"verified={'yes' if row['verified'] else 'no ':<3} {row['seconds']:6.1f}s  {row.get('reason', '')}", flush=True)
     unbuildable = [r for r in rows if r.get("unbuildable")]
-    failures = [f"{r['architecture']}/{r['format']}: {r['reason']}" for r in rows if not r["verified"] and not r.get("unbuildable")]
-    print(json.dumps({"attempted": len(rows) - len(unbuildable), "compiled": sum(r["compiled"] for r in rows),
+    refused = [r for r in rows if r.get("vllm_refuses")]
+    failures = [f"{r['architecture']}/{r['format']}: {r['reason']}" for r in rows
+                if not r["verified"] and not r.get("unbuildable") and not r.get("vllm_refuses")]
+    print(json.dumps({"attempted": len(rows) - len(unbuildable) - len(refused), "compiled": sum(r["compiled"] for r in rows),
                       "verified": sum(r["verified"] for r in rows), "failures": failures,
-                      "vllm_cpu_cannot_build": [f"{r['architecture']}: {r['reason']}" for r in unbuildable]}))
+                      "vllm_cpu_cannot_build": [f"{r['architecture']}: {r['reason']}" for r in unbuildable],
+                      "vllm_cannot_load": [f"{r['architecture']}/{r['format']}: {r['reason']}" for r in refused]}))
     return 0
 
 
