@@ -6,7 +6,7 @@ vLLM's own load as after any weight update; a plan cannot change it either. vLLM
 unwritten: parameters of modules with a quantization method (every linear and MoE layer) may,
 any other parameter makes vLLM refuse the checkpoint ("Following weights were not initialized
 from checkpoint"). The compiler applies the same rule with vLLM's own code: such a parameter is
-taken out of the plan's destinations and listed in the header's `unloaded` table (verify-plan
+taken out of the plan's destinations and listed in the header's `inference.unloaded` (verify-plan
 checks that vLLM's load leaves it untouched); any other wholly unwritten parameter is refused.
 """
 
