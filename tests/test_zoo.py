@@ -264,3 +264,12 @@ def test_persistent_buffers_vllm_loads_are_destinations(zoo_dir, tmp_path, model
     assert execute_local(plan, {0: shard(plan, full, 0)}, {0: model}) > 0
     expected = host_reference(plan, full, 0)[buffer]
     assert byte_equal(named_tensors(model, {buffer})[buffer], expected) and not byte_equal(expected, torch.zeros_like(expected))
+
+
+def test_unloaded_parameters_merge_over_ranks(laguna_plan, tmp_path):
+    """fsdp=2 (in-memory format) -> dp=2 with EP: the bias is unloaded on both inference ranks, one header row."""
+    config_dir, _ = laguna_plan
+    plan_path = _compile(config_dir, "transformers", tmp_path / "p.plan", trainer="fsdp=2", inference="dp=2,ep")
+    assert [(e.name, e.ranks) for e in load_plan(plan_path).unloaded] == [(BIAS, (0, 1))]
+    result = verify_plan(plan_path, model=str(config_dir), seed=9)
+    assert result.mismatches == () and result.unloaded == 2
