@@ -82,6 +82,7 @@ class Sender(AgentOwner):
         check_src_rank(plan, rank)
         if plan.staging:
             check_supported(plan)
+        plan = plan.pulling  # with fan-out, each replicated entry is read from this rank by one inference rank per node
         self.plan, self.rank, self.rendezvous, self.timeout, self.digests = plan, rank, rendezvous, timeout, digests
         tables = quant_tables(plan) if plan.staging else None
         self.regions = exposed_regions(plan, tables, rank)
