@@ -25,7 +25,7 @@ import torch
 from ..errors import PlanMismatchError, SyncError
 from ..plan.format import Plan
 from ..tables.fanout import second_hops, served_entries, served_hops
-from ..transport.nixl_agent import NixlAgent
+from ..transport.nixl_agent import NixlAgent, peer_notifications
 from ..transport.peer_check import checked_word
 from ..transport.rendezvous import INCARNATION, Rendezvous, inference_agent
 
@@ -147,19 +147,10 @@ class SecondHops:
         return incarnation if isinstance(incarnation, str) and INCARNATION.fullmatch(incarnation) else None
 
     def _collect(self) -> None:
-        for agent, messages in self.agent.notifications().items():
-            peer = self._peers.get(agent)
-            if peer is None:
-                log.warning("inference rank %d: ignoring notifications from unknown agent %r", self.rank, agent)
-                continue
-            for text in messages:
-                match = _DONE.fullmatch(text)
-                if match is None:
-                    log.warning("inference rank %d: ignoring malformed notification from %s", self.rank, agent)
-                    continue
-                self._given_up.pop(peer, None)
-                if int(match[1]) == self._landed:
-                    self._done.add(peer)
+        for peer, match in peer_notifications(self.agent, self._peers, _DONE, f"inference rank {self.rank}"):
+            self._given_up.pop(peer, None)
+            if int(match[1]) == self._landed:
+                self._done.add(peer)
 
     def failed(self, version: int) -> None:
         """Tell peers this rank's first hop of `version` will not land (unless it already did: they may read it).
