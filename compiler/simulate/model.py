@@ -87,7 +87,8 @@ def predict(transfers: PlanTransfers, cluster: Cluster) -> Prediction:
     its quantizer), then every trainer -> inference read once its trainer published, then each
     inference rank's own quantization once all its reads landed; with fan-out, then every second hop
     (a peer reading whole entries from its node's puller, over the node's link) once that puller's
-    reads and quantization all finished (the runtime's per-sync "landed" flag)."""
+    reads and quantization all finished (the runtime's per-sync "landed" flag) and so did the peer's own
+    (the runtime reads second hops after its own first hop landed)."""
     n_src, n_dst = transfers.read_bytes.shape
     trainer_nodes, inference_nodes = cluster.nodes_of(n_src, n_dst)
     resources: list[Resource] = []
@@ -139,7 +140,7 @@ def predict(transfers: PlanTransfers, cluster: Cluster) -> Prediction:
     if hops is not None:  # over the node's link (the NICs if the cluster puts puller and peer on different nodes)
         for p, i in zip(*np.nonzero(hops)):
             move("second-hop", f"inference {p}", inference_nodes[p], f"inference {i}", inference_nodes[i], float(hops[p, i]),
-                 float(transfers.second_hop_descriptors[p, i]), first_hops_done[int(p)])
+                 float(transfers.second_hop_descriptors[p, i]), first_hops_done[int(p)] + first_hops_done[int(i)])
     schedule = simulate(resources, tasks)
     sync = schedule.makespan
     nic_busy = {r.name: (float(schedule.busy[k] / sync) if sync else 0.0)
