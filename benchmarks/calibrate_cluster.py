@@ -53,7 +53,8 @@ def newest_bench_output() -> Path:
 def local_rows(figures: dict, loopback: Path) -> list[dict]:
     """(plan, measured, predicted) for the bench plan and the synthetic plans of one bench_runtime.py run."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_runtime import RUN_ELEMS, compile_bench_plan, synthetic_plan
+    from bench_runtime import compile_bench_plan
+    from synthetic_plans import RUN_ELEMS, many_runs_plan
 
     from weightplan.compiler.simulate.cluster import load_cluster
     from weightplan.compiler.simulate.model import predict
@@ -77,7 +78,7 @@ def local_rows(figures: dict, loopback: Path) -> list[dict]:
             moved = n * RUN_ELEMS * 2
             # bench_runtime reports overhead = sync - moved / (bytes / ceiling): undo it.
             measured = figures[f"host_overhead_ms_{n // 1000}k"] / 1e3 + moved / (figures["ceiling_gbps"] * 1e9)
-            synth = plan_transfers(load_plan(synthetic_plan(n, tmp / f"synthetic-{n}.plan")))
+            synth = plan_transfers(load_plan(many_runs_plan(n, tmp / f"synthetic-{n}.plan")))
             rows.append({"plan": f"synthetic {n:,} runs of {RUN_ELEMS * 2} B", "measured_s": measured,
                          "predicted_s": predict(synth, cluster).sync_s})
         # A check of the model's form rather than of its inputs: the descriptor cost fitted on the 10k

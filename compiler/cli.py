@@ -35,7 +35,7 @@ def compile_main(argv: list[str] | None = None) -> int:
     trainer.add_argument("--trainer", default="fsdp=1", help="trainer layout: fsdp=N[,ep=M][,replicas=R]")
     trainer.add_argument("--trainer-layout", type=Path, metavar="FILE",
                          help="explicit trainer layout (JSON: per tensor shape, dtype, mesh, DTensor placements)")
-    parser.add_argument("--inference", default="tp=1", help="vLLM layout: tp=T[,dp=D][,ep]")
+    parser.add_argument("--inference", default="tp=1", help="vLLM layout: tp=T[,dp=D][,ep][,gpus-per-node=G]")
     parser.add_argument("-o", "--output", type=_output_path, help="plan file (default plans/<model>/<trainer>__<inference>__<quant>.plan)")
     parser.add_argument("--trainer-adapter", metavar="MODULE:CALLABLE",
                         help="a trainer that is not a transformers model: a factory(config_dir, dtype) whose object has "

@@ -186,6 +186,8 @@ def _compile(opts: CompileOptions, inputs: _Inputs, log) -> CompileResult:
     before_coalesce = {}
     compiled = run_stage(Stage.WHOLE_PLAN, program, check_each=opts.check_passes, observe=_before_coalesce(before_coalesce))
     compiled = run_stage(Stage.QUANT, compiled, check_each=opts.check_passes)
+    compiled = run_stage(Stage.FANOUT, dataclasses.replace(compiled, gpus_per_node=inference.gpus_per_node),
+                         check_each=opts.check_passes)
     header_stats = {"assignments": assignments_total, "runs_before_coalesce": before_coalesce["runs"]}
     if compiled.source_choice is not None and compiled.source_choice.shared_bytes:  # absent: other plans keep their bytes
         header_stats["source_choice"] = compiled.source_choice.as_dict()

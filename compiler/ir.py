@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..runtime.plan.columns import Runs
-from ..runtime.plan.schema import DTYPE_SIZES, DerivedItem, TensorEntry
+from ..runtime.plan.schema import DTYPE_SIZES, DerivedItem, Fanout, TensorEntry
 
 
 class Op(str, enum.Enum):
@@ -262,6 +262,8 @@ class Program:
     unloaded: tuple[TensorEntry, ...] = ()  # parameters vLLM's load never writes (frontend/unloaded.py), not in dests
     coverage: Coverage | None = field(default=None, compare=False)  # set by check_coverage
     source_choice: SourceChoice | None = field(default=None, compare=False)  # set by split_shards
+    gpus_per_node: int = 0  # --inference gpus-per-node (0: no node-local fan-out)
+    fanout: Fanout | None = field(default=None, compare=False)  # set by place_fanout
     stats: dict = field(default_factory=dict, compare=False)  # compile statistics the header records
 
     def source_index(self) -> dict[str, int]:

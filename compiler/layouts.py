@@ -17,11 +17,13 @@ __all__ = ["ExplicitTrainer", "InferenceLayout", "TrainerLayout", "parse_trainer
 
 @dataclass(frozen=True)
 class InferenceLayout:
-    """vLLM serving layout: TP within a replica, `dp` replicas, optional expert parallelism."""
+    """vLLM serving layout: TP within a replica, `dp` replicas, optional expert parallelism, and the GPUs per node
+    (0: no grouping) that node-local fan-out of replicated weights groups ranks by."""
 
     tp: int = 1
     dp: int = 1
     ep: bool = False
+    gpus_per_node: int = 0
 
     @property
     def ranks(self) -> int:
@@ -33,10 +35,12 @@ class InferenceLayout:
 
     @property
     def token(self) -> str:
-        return f"tp{self.tp}" + (f"-dp{self.dp}" if self.dp > 1 else "") + ("-ep" if self.ep else "")
+        return (f"tp{self.tp}" + (f"-dp{self.dp}" if self.dp > 1 else "") + ("-ep" if self.ep else "")
+                + (f"-node{self.gpus_per_node}" if self.gpus_per_node else ""))
 
     def as_dict(self) -> dict:
-        return {"tp": self.tp, "dp": self.dp, "ep": self.ep}
+        """The plan header's layout fields (gpus_per_node only when given, so other plans keep their fingerprints)."""
+        return {"tp": self.tp, "dp": self.dp, "ep": self.ep, **({"gpus_per_node": self.gpus_per_node} if self.gpus_per_node else {})}
 
     def check(self, config: dict) -> None:
         """Refuse layouts vLLM cannot build, naming the constraint, before any tracing."""
@@ -121,13 +125,17 @@ class ExplicitTrainer:
 
 
 def parse_inference(text: str) -> InferenceLayout:
-    """Parse `tp=T[,dp=D][,ep]`; pipeline parallelism is refused."""
+    """Parse `tp=T[,dp=D][,ep][,gpus-per-node=G]`; pipeline parallelism is refused."""
     if isinstance(text, str) and any(p.strip().partition("=")[0] == "pp" for p in text.split(",")):
         raise ModelConfigError("pipeline parallel inference layouts are not supported: plans address whole-model ranks")
     try:
-        layout = InferenceLayout(**layout_items(text, "--inference", "tp=T[,dp=D][,ep]", ("tp", "dp"), ("ep",)))
+        items = layout_items(text, "--inference", "tp=T[,dp=D][,ep][,gpus-per-node=G]", ("tp", "dp", "gpus-per-node"), ("ep",))
     except ValueError as exc:
         raise ModelConfigError(str(exc)) from None
+    layout = InferenceLayout(**{k.replace("-", "_"): v for k, v in items.items()})
+    if layout.gpus_per_node == 1:
+        raise ModelConfigError("--inference gpus-per-node=1 leaves no peer on a node to fan out to; give the GPUs per "
+                               "node (e.g. 8) or leave it out")
     if layout.ranks > MAX_RANKS:
         raise ModelConfigError(f"--inference {text!r} has {layout.ranks} ranks; plans support at most {MAX_RANKS} per side")
     return layout

@@ -11,6 +11,7 @@ from ..runtime.plan.schema import DTYPE_SIZES, GATHER, RECEIVER
 from .ir import Constants, Program
 from .passes.verify import descriptors_lower_bound, descriptors_posted, verify
 from .passes.verify_quant import verify_quant
+from .simulate.transfers import second_hop_matrix
 
 TEXT = jinja2.Template(
     """\
@@ -21,9 +22,10 @@ weightplan plan (format {{ s.format_version }})
   inference      {{ s.inference.token }} ({{ s.dst_ranks }} ranks), quant {{ s.quant }}
   sources        {{ h.sources | length }} trainer tensors
   destinations   {{ s.dst_tensors }} tensors ({{ s.dst_entries }} distinct), {{ s.dst_bytes }} bytes, coverage {{ "%.6f" | format(s.dst_coverage) }}
-  wire           {{ s.wire_bytes }} bytes{% if s.gather_bytes %} ({{ s.gather_bytes }} between trainer ranks){% endif %}
+  wire           {{ s.wire_bytes }} bytes{% if s.gather_bytes %} ({{ s.gather_bytes }} between trainer ranks){% endif %}{% if s.fanout %}, first hops only (second hops: fan-out){% endif %}
 {% if s.constant_runs %}  constants      {{ s.constant_bytes }} bytes in {{ s.constant_runs }} runs, written by the inference ranks, never on the wire
 {% endif %}{% if s.quantized_blocks %}  fp8 blocks     {{ s.quantized_blocks }} in {{ s.quantized_tensors }} tensors, {{ "%.4f" | format(s.sender_quantized_fraction) }} quantized on the sender, {{ "%.4f" | format(s.gather_quantized_fraction) }} gathered on a trainer; {{ s.derived }} derived post-load items
+{% endif %}{% if s.fanout %}{% set f = s.fanout %}  fan-out        gpus-per-node {{ f.gpus_per_node }}: {{ f.entries }} replicated entries pulled once per node; per inference rank from the trainers max {{ "%.3f" | format(f.first_hop_max / 1e9) }} GB, mean {{ "%.3f" | format(f.first_hop_mean / 1e9) }} GB (without fan-out {{ "%.3f" | format(f.without_fanout_max / 1e9) }} / {{ "%.3f" | format(f.without_fanout_mean / 1e9) }} GB), second hops from its node's pullers max {{ "%.3f" | format(f.second_hop_max / 1e9) }} GB, mean {{ "%.3f" | format(f.second_hop_mean / 1e9) }} GB
 {% endif %}{% if s.unloaded %}  not loaded     {{ s.unloaded | length }} parameters vLLM's load_weights never writes (they keep vLLM's initial values; the plan leaves them alone): {{ s.unloaded | join(", ") }}
 {% endif %}  descriptors    {{ s.descriptors }} posted, {{ s.descriptors_stored }} stored (lower bound {{ s.descriptors_lower_bound }})
   balance        trainer ranks {{ "%.3f" | format(s.src_balance) }}, inference ranks {{ "%.3f" | format(s.dst_balance) }} (max/mean bytes)
@@ -87,13 +89,37 @@ def _balance(values: list[int]) -> float:
     return max(values) / mean if mean else 1.0
 
 
+def fanout_figures(plan: Plan, first_hop: list[int]) -> dict | None:
+    """A fan-out plan's node size, fanned-out entries, bytes per inference rank from the trainers (`first_hop`) against
+    the same plan without fan-out, and second-hop bytes each rank reads from (and serves to) its node's peers."""
+    if plan.fanout is None:
+        return None
+    without, _, _ = per_rank_bytes(plan)  # every holder pulling every entry from the trainers
+    hops, hop_descriptors = second_hop_matrix(plan)
+    read, served = hops.sum(axis=0), hops.sum(axis=1)
+    return {
+        "gpus_per_node": plan.fanout.gpus_per_node,
+        "entries": len(plan.fanout.first_hops),
+        "first_hop_max": max(first_hop), "first_hop_mean": sum(first_hop) / len(first_hop),
+        "without_fanout_max": max(without), "without_fanout_mean": sum(without) / len(without),
+        "second_hop_max": int(read.max()), "second_hop_mean": float(read.mean()),
+        "second_hop_bytes": int(hops.sum()), "second_hop_descriptors": int(hop_descriptors.sum()),
+        "second_hop_per_dst_rank": [int(x) for x in read], "served_per_dst_rank": [int(x) for x in served],
+    }
+
+
 def summarize(plan: Plan) -> dict:
+    """inspect-plan's figures. With fan-out, bytes and descriptors per inference rank are the first hops (what the trainers
+    serve, `Plan.pulling`); `fanout` has the second hops and the figures without fan-out."""
     h = plan.header
     program = as_program(plan)
     coverage = verify(program, require_full_coverage=False)
     quant = verify_quant([e.shape for e in plan.staging], [len(e.ranks) for e in plan.staging], plan.stage, plan.spans)
     quant_bytes = sum((plan.dests[e.weight].nbytes + plan.dests[e.scale].nbytes) * len(e.ranks) for e in plan.staging)
-    bytes_dst, bytes_src, gather_bytes = per_rank_bytes(plan)
+    bytes_dst, bytes_src, gather_bytes = per_rank_bytes(plan.pulling)
+    fanout = fanout_figures(plan, bytes_dst)
+    hop_descriptors = fanout["second_hop_descriptors"] if fanout else 0
+    pulling_dests = plan.pulling.dests
     return {
         "format_version": h["format_version"],
         "model": h["model"],
@@ -109,9 +135,9 @@ def summarize(plan: Plan) -> dict:
         "constant_bytes": coverage.constant_bytes,
         "constant_runs": len(plan.constants),
         "gather_bytes": gather_bytes,
-        "descriptors": descriptors_posted(program.runs, program.dests),
+        "descriptors": descriptors_posted(program.runs, pulling_dests) + hop_descriptors,
         "descriptors_stored": plan.n_stored_runs,
-        "descriptors_lower_bound": descriptors_lower_bound(program.runs, program.dests),
+        "descriptors_lower_bound": descriptors_lower_bound(program.runs, pulling_dests) + hop_descriptors,
         "dst_coverage": (coverage.written_once_bytes + quant_bytes) / coverage.dst_bytes if coverage.dst_bytes else 1.0,
         "quantized_tensors": sum(len(e.ranks) for e in plan.staging),
         "quantized_blocks": quant.blocks,
@@ -123,6 +149,7 @@ def summarize(plan: Plan) -> dict:
         "bytes_per_src_rank": bytes_src,
         "src_balance": _balance(bytes_src),
         "dst_balance": _balance(bytes_dst),
+        "fanout": fanout,
         "source_choice": h.get("stats", {}).get("source_choice"),  # compile's greedy vs max-flow figures, when replicated
         "fingerprint": plan.fingerprint,
     }

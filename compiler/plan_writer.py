@@ -34,6 +34,7 @@ def plan_header(program: Program) -> dict:
         "quant_layout": program.kernel_layout,
         "derived": [d.row() for d in program.derived],
         **_constants(program),
+        **({"fanout": program.fanout.row()} if program.fanout is not None else {}),
     }
 
 

@@ -15,6 +15,7 @@ from ..runtime.checks import named_tensors, persistent_buffers
 from ..runtime.errors import PlanMismatchError
 from ..runtime.host.executor import rows_view
 from ..runtime.plan.format import Plan
+from ..runtime.tables.fanout import second_hops
 from ..runtime.layout.shards import box_segments
 from .frontend.trainer_formats import Conversion
 from .frontend.errors import ModelConfigError
@@ -197,31 +198,53 @@ def verify_plan(
     from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
 
     tensors, nbytes, mismatches, compared, unloaded = 0, 0, [], [], 0
-    for rank in sorted(ranks):
-        names = {plan.dests[i].name for i in entries if rank in plan.dests[i].ranks}
-        if not names:
-            continue
-        tp_rank, dp_rank = rank % info["tp"], rank // info["tp"]
-        if quantization is None:
-            untouched = {e.name for e in plan.unloaded if rank in e.ranks}
-            reference, written = _vllm_load(vllm_config, base, plan, full, names, tp_rank, dp_rank, untouched)
-            mismatches += [f"{name} (inference rank {rank}, listed as never written)" for name in sorted(written)]
-            unloaded += len(untouched) - len(written)
-            planned = _materialize(build_model(vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=base), names, float("nan"))
-        else:
-            reference = vllm_load_quantized(vllm_config, base, plan, full, names, tp_rank, dp_rank)
-            planned = {e.name: _poisoned(e) for e in plan.dests if rank in e.ranks and e.name in names}
-        execute_local(plan, shards, {rank: planned}, only=names)
-        expected = compute_tensor_digests(_Params(reference))
-        actual = compute_tensor_digests(_Params(planned))
-        mismatches += [f"{name} (inference rank {rank})" for name in sorted(expected) if expected[name] != actual.get(name)]
-        compared += [f"{name} (inference rank {rank})" for name in sorted(expected)]
-        tensors += len(expected)
-        nbytes += sum(t.numel() * t.element_size() for t in planned.values())
-        log(f"inference rank {rank}: {len(expected)} tensors compared")
+    for group in execution_groups(plan, ranks):
+        chosen_names = {plan.dests[i].name for i in entries if set(plan.dests[i].ranks) & set(group)}
+        planned_of = {}
+        for rank in group:
+            names = {e.name for e in plan.dests if rank in e.ranks and e.name in chosen_names}
+            if not names:
+                continue
+            tp_rank, dp_rank = rank % info["tp"], rank // info["tp"]
+            if quantization is None:
+                planned_of[rank] = _materialize(build_model(vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=base),
+                                                names, float("nan"))
+            else:
+                planned_of[rank] = {e.name: _poisoned(e) for e in plan.dests if rank in e.ranks and e.name in names}
+        execute_local(plan, shards, planned_of, only=chosen_names)
+        for rank, planned in planned_of.items():
+            if rank not in ranks:  # a puller executed only for the peers of its node it serves
+                continue
+            tp_rank, dp_rank = rank % info["tp"], rank // info["tp"]
+            if quantization is None:
+                untouched = {e.name for e in plan.unloaded if rank in e.ranks}
+                reference, written = _vllm_load(vllm_config, base, plan, full, set(planned), tp_rank, dp_rank, untouched)
+                mismatches += [f"{name} (inference rank {rank}, listed as never written)" for name in sorted(written)]
+                unloaded += len(untouched) - len(written)
+            else:
+                reference = vllm_load_quantized(vllm_config, base, plan, full, set(planned), tp_rank, dp_rank)
+            expected = compute_tensor_digests(_Params(reference))
+            actual = compute_tensor_digests(_Params(planned))
+            mismatches += [f"{name} (inference rank {rank})" for name in sorted(expected) if expected[name] != actual.get(name)]
+            compared += [f"{name} (inference rank {rank})" for name in sorted(expected)]
+            tensors += len(expected)
+            nbytes += sum(t.numel() * t.element_size() for t in planned.values())
+            log(f"inference rank {rank}: {len(expected)} tensors compared")
     if not tensors:
         raise PlanMismatchError(f"nothing was compared: inference ranks {sorted(ranks)} hold none of the chosen tensors")
     return VerifyResult(tensors, nbytes, tuple(mismatches), tuple(compared), unloaded)
+
+
+def execution_groups(plan: Plan, ranks: Collection[int]) -> list[tuple[int, ...]]:
+    """The inference ranks to execute together: each rank alone, or with fan-out each node's ranks among `ranks`
+    plus the pullers their second hops read from (which execute with them)."""
+    ordered = sorted(ranks)
+    if plan.fanout is None:
+        return [(rank,) for rank in ordered]
+    nodes: dict[int, set[int]] = {}
+    for rank in ordered:
+        nodes.setdefault(plan.fanout.node_of(rank), set()).update({rank, *second_hops(plan, rank)})
+    return [tuple(sorted(group)) for _, group in sorted(nodes.items())]
 
 
 def whole_modules(plan: Plan, entries: list[int], ranks: Collection[int]) -> list[int]:

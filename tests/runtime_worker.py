@@ -23,6 +23,7 @@ import torch
 
 from weightplan.compiler.verify_plan import shard_sources
 from weightplan.runtime import Receiver, Rendezvous, Sender, SyncError, execute_local, load_plan
+from weightplan.runtime.tables.fanout import second_hops
 
 
 def full_weights(plan, seed: int, version: int) -> dict[str, torch.Tensor]:
@@ -52,9 +53,9 @@ def plain_destination(plan, rank: int) -> dict[str, torch.Tensor]:
 
 def host_reference(plan, full: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
     """The in-process host executor's result: the reference for plain (non-vLLM) destinations."""
-    out = plain_destination(plan, rank)
-    execute_local(plan, {r: shard(plan, full, r) for r in range(plan.header["src_ranks"])}, {rank: out})
-    return out
+    out = {r: plain_destination(plan, r) for r in {rank, *second_hops(plan, rank)}}  # and its node's pullers (fan-out)
+    execute_local(plan, {r: shard(plan, full, r) for r in range(plan.header["src_ranks"])}, out)
+    return out[rank]
 
 
 def byte_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -121,7 +122,9 @@ def run_plain_inference(args, plan) -> None:
         differ = sorted(n for n, t in expected.items() if not byte_equal(t, destination[n]))
         emit(event="synced", rank=args.rank, version=version, reported=receiver.version, tensors=len(expected),
              differ=differ[:5], n_differ=len(differ), bytes=report.bytes, descriptors=report.descriptors,
-             groups=report.groups, seconds=report.seconds, verify_seconds=report.verify_seconds)
+             groups=report.groups, seconds=report.seconds, verify_seconds=report.verify_seconds,
+             second_hop_bytes=report.second_hop_bytes)
+    receiver.close()  # with fan-out, after this node's peers finished reading its last version
 
 
 def run_inference(args, plan) -> None:
@@ -167,6 +170,7 @@ def run_inference(args, plan) -> None:
         return compute_tensor_digests(reference), compute_tensor_digests(model)
 
     sync_versions(args, receiver, digests)
+    receiver.close()
 
 
 def sync_versions(args, receiver, digests, extra=lambda report: {}) -> None:
@@ -187,7 +191,8 @@ def sync_versions(args, receiver, digests, extra=lambda report: {}) -> None:
              differ=differ[:5], n_differ=len(differ), bytes=report.bytes, descriptors=report.descriptors,
              groups=report.groups, seconds=report.seconds, verify_seconds=report.verify_seconds,
              table_bytes=report.table_bytes, packed_bytes=report.packed_bytes,
-             stored_runs=sum(len(r) for r in receiver.reads.values()), **extra(report))
+             stored_runs=sum(len(r) for r in receiver.reads.values()), second_hop_bytes=report.second_hop_bytes,
+             **extra(report))
 
 
 class _Params:
@@ -236,6 +241,7 @@ def run_quantized_inference(args, plan) -> None:
         lambda report: dict(quantize_seconds=report.quantize_seconds, staging_bytes=receiver.staging_bytes,
                             fp8=sum(t.dtype == torch.float8_e4m3fn for t in params.values())),
     )
+    receiver.close()
 
 
 def main(argv=None) -> None:

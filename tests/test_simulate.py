@@ -32,14 +32,16 @@ def cluster(**over) -> dict:
     return {**base, **over}
 
 
-def transfers(read, gather=None, sender=None, receiver=None, descriptors=None) -> PlanTransfers:
+def transfers(read, gather=None, sender=None, receiver=None, descriptors=None, second_hops=None) -> PlanTransfers:
     read = np.array(read, dtype=np.float64)
     n_src, n_dst = read.shape
+    hops = None if second_hops is None else np.array(second_hops, dtype=np.float64)
     return PlanTransfers(read, np.zeros_like(read) if descriptors is None else np.array(descriptors, dtype=np.float64),
                          np.zeros((n_src, n_src)) if gather is None else np.array(gather, dtype=np.float64),
                          np.zeros((n_src, n_src)) if gather is None else (np.array(gather) > 0).astype(np.float64),
                          np.zeros(n_src) if sender is None else np.array(sender, dtype=np.float64),
-                         np.zeros(n_dst) if receiver is None else np.array(receiver, dtype=np.float64))
+                         np.zeros(n_dst) if receiver is None else np.array(receiver, dtype=np.float64),
+                         hops, None if hops is None else (hops > 0).astype(np.float64))
 
 
 def test_one_transfer_takes_its_bytes_over_the_nic_rate_plus_its_descriptors():
@@ -76,6 +78,45 @@ def test_a_chain_of_hops_adds_up():
     assert [s["phase"] for s in p.critical_path] == ["gather", "sender-quantize", "read", "receiver-quantize"]
     assert p.critical_path[0]["limited_by"] == "trainer 0 link in"  # a tie names the receiving end
     assert p.phase_end_s["read"] == pytest.approx(0.21, rel=1e-12)
+
+
+def one_inference_node(gpus: int, **over) -> dict:
+    """One trainer GPU, and `gpus` inference GPUs on one node (their links: 400 GB/s per direction)."""
+    return cluster(nodes={"t": {"count": 1, "gpus_per_node": 1}, "i": {"count": 1, "gpus_per_node": gpus}}, **over)
+
+
+def test_a_second_hop_starts_when_its_pullers_reads_and_quantization_ended():
+    # trainer 0 -> inference 0 (the puller) 10 GB over the NICs (50 GB/s): 0.2 s; inference 0 quantizes 2 GB
+    # (200 GB/s): 0.01 s; then inference 1 reads 4 GB from it over the node's link (400 GB/s): 0.01 s.
+    p = predict(transfers([[10 * GB, 0]], receiver=[2 * GB, 0], second_hops=[[0, 4 * GB], [0, 0]]),
+                parse_cluster(one_inference_node(2)))
+    assert p.sync_s == pytest.approx(0.2 + 0.01 + 0.01, rel=1e-12)
+    assert [s["phase"] for s in p.critical_path] == ["read", "receiver-quantize", "second-hop"]
+    assert p.critical_path[-1]["task"] == "inference 0 -> inference 1"
+    assert p.critical_path[-1]["limited_by"] == "inference 1 link in"  # a tie names the receiving end
+    assert p.phase_end_s["second-hop"] == pytest.approx(0.22, rel=1e-12)
+    d = p.as_dict()
+    assert d["inference_nic_bytes"]["max"] == 10 * GB  # first hops only
+    assert d["second_hop_bytes"] == {"max": 4 * GB, "mean": 2 * GB, "served_max": 4 * GB, "total": 4 * GB}
+    assert p.nic_busy["inference 0 link out"] == pytest.approx(0.01 / 0.22)
+
+
+def test_two_peers_reading_one_puller_share_its_link():
+    # The puller's 10 GB first hop ends at 0.2 s. Peers 1 (2 GB) and 2 (4 GB) share its link out (400 GB/s):
+    # 200 GB/s each until peer 1's lands at 0.21 s, then peer 2's last 2 GB at 400 GB/s: 0.005 s more.
+    p = predict(transfers([[10 * GB, 0, 0]], second_hops=[[0, 2 * GB, 4 * GB], [0, 0, 0], [0, 0, 0]]),
+                parse_cluster(one_inference_node(3)))
+    finish = {t.name: float(p.schedule.finish[k]) for k, t in enumerate(p.tasks)}
+    assert finish["inference 0 -> inference 1"] == pytest.approx(0.21, rel=1e-12)
+    assert finish["inference 0 -> inference 2"] == pytest.approx(0.215, rel=1e-12)
+    assert p.sync_s == pytest.approx(0.215, rel=1e-12)
+    assert p.critical_path[-1]["limited_by"] == "inference 0 link out"
+    assert p.nic_busy["inference 0 link out"] == pytest.approx((6 / 400) / 0.215)
+
+
+def test_a_plan_without_fanout_has_no_second_hop_phase():
+    p = predict(transfers([[10 * GB]]), parse_cluster(cluster()))
+    assert "second-hop" not in p.phase_end_s and "second_hop_bytes" not in p.as_dict()
 
 
 @settings(max_examples=100, deadline=None)
@@ -194,3 +235,68 @@ def test_transfers_agree_with_inspect_plans_bytes(plan_cache):
     assert (t.read_bytes.sum(axis=1) + t.gather_bytes.sum(axis=1)).tolist() == src
     assert t.gather_bytes.sum() == gathered
     assert t.sender_quant_bytes.sum() > 0
+
+
+FANOUT = "dp=4,ep,gpus-per-node=2"
+
+
+def test_fanout_plan_moves_fewer_bytes_over_the_nics_and_reports_its_second_hops(plan_cache, tmp_path, capsys):
+    """tiny Qwen3-MoE, fsdp=2 -> dp=4,ep on 2 nodes of 2: the replicated entries cross the NICs once per node."""
+    fan = plan_cache("tiny-qwen3-moe", "hf", "bf16", "fsdp=2", FANOUT)
+    flat = plan_cache("tiny-qwen3-moe", "hf", "bf16", "fsdp=2", "dp=4,ep")
+    plan = load_plan(fan)
+    assert plan.fanout is not None and plan.fanout.gpus_per_node == 2
+    t, t_flat = plan_transfers(plan), plan_transfers(load_plan(flat))
+    first, without = t.read_bytes.sum(axis=0), t_flat.read_bytes.sum(axis=0)
+    assert first.max() < without.max() and first.sum() < without.sum()
+    # bf16 without casts: what a rank no longer pulls from the trainers it reads whole from its node's puller
+    assert (first + t.second_hop_bytes.sum(axis=0)).tolist() == without.tolist()
+    assert all(plan.fanout.node_of(p) == plan.fanout.node_of(i) for p, i in zip(*np.nonzero(t.second_hop_bytes)))
+    dst, _, _ = per_rank_bytes(plan.pulling)
+    assert first.tolist() == dst
+
+    cfile = tmp_path / "c.json"
+    cfile.write_text(json.dumps(cluster(nodes={"t": {"count": 1, "gpus_per_node": 2}, "i": {"count": 2, "gpus_per_node": 2}})))
+    p = predict(t, parse_cluster(json.loads(cfile.read_text())))
+    hops = [k for k, task in enumerate(p.tasks) if task.phase == "second-hop"]
+    assert hops and all(" link " in p.resources[r].name for k in hops for r in p.tasks[k].resources)
+    for k in hops:  # each second hop starts once every read into its puller landed
+        puller = p.tasks[k].name.split(" -> ")[0]
+        reads = [j for j, task in enumerate(p.tasks) if task.phase == "read" and task.rank == puller]
+        assert p.schedule.start[k] >= max(p.schedule.finish[j] for j in reads)
+
+    assert inspect_main([str(fan), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    f = summary["fanout"]
+    assert f["gpus_per_node"] == 2 and f["entries"] == len(plan.fanout.first_hops)
+    assert f["first_hop_max"] == first.max() < f["without_fanout_max"] == without.max()
+    assert f["second_hop_per_dst_rank"] == t.second_hop_bytes.sum(axis=0).tolist()
+    assert summary["wire_bytes"] == first.sum()
+    assert inspect_main([str(fan)]) == 0
+    text = capsys.readouterr().out
+    assert "fan-out        gpus-per-node 2:" in text and "without fan-out" in text
+    assert inspect_main([str(flat), "--json"]) == 0 and json.loads(capsys.readouterr().out)["fanout"] is None
+
+    assert inspect_main([str(fan), "--html", str(tmp_path / "inspect.html")]) == 0
+    assert simulate_main([str(fan), "--cluster", str(cfile), "--html", str(tmp_path / "sim.html")]) == 0
+    text = capsys.readouterr().out
+    assert "second hops" in text and "second-hop" in text
+    for name, timeline in (("inspect.html", False), ("sim.html", True)):
+        parser = _Tags()
+        parser.feed((tmp_path / name).read_text())
+        svgs = [a for tag, a in parser.tags if tag == "svg"]
+        assert any(a.get("id") == "second-hop-matrix" for a in svgs)
+        assert sum(a.get("class") == "rank-bars" for a in svgs) == 3  # trainers, inference first + second hops, served
+        rects = [a.get("class") for tag, a in parser.tags if tag == "rect"]
+        assert rects.count("first-hop") == 2 + 4 and rects.count("second-hop") >= 4 + 4 + (4 if timeline else 0)
+
+
+def test_fp8_fanout_second_hops_wait_for_the_pullers_quantization(plan_cache):
+    plan = load_plan(plan_cache("fp8-glm", "hf", "bf16", "fsdp=3", FANOUT, "fp8_per_block"))  # experts: receiver side
+    t = plan_transfers(plan)
+    assert t.receiver_quant_bytes.sum() > 0 and t.second_hop_bytes.sum() > 0
+    p = predict(t, parse_cluster(cluster(nodes={"t": {"count": 1, "gpus_per_node": 3}, "i": {"count": 2, "gpus_per_node": 2}})))
+    quantized = {task.rank: float(p.schedule.finish[k]) for k, task in enumerate(p.tasks) if task.phase == "receiver-quantize"}
+    hops = [(task.name.split(" -> ")[0], float(p.schedule.start[k])) for k, task in enumerate(p.tasks) if task.phase == "second-hop"]
+    assert any(puller in quantized for puller, _ in hops)
+    assert all(start >= quantized[puller] for puller, start in hops if puller in quantized)

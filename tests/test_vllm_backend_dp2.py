@@ -28,7 +28,10 @@ def per_rank(served: AsyncEngine) -> list:
     return [served.run(async_greedy(served.engine, data_parallel_rank=r)) for r in (0, 1)]
 
 
-def test_one_update_of_a_dp2_cpu_engine(tmp_path, monkeypatch):
+@pytest.mark.parametrize("inference", ["tp=1,dp=2", "tp=1,dp=2,gpus-per-node=2"], ids=["plain", "fanout"])
+def test_one_update_of_a_dp2_cpu_engine(tmp_path, monkeypatch, inference):
+    """With `gpus-per-node=2` both DP ranks share a node: each replicated entry is pulled by one engine worker and read
+    from it by the other (second hops between the two engine cores' receivers)."""
     from weightplan.vllm_backend.clients import AsyncLLMClient
     from weightplan.vllm_backend.trainer import ShardSource, WeightplanTrainerEngine, WeightplanTrainerInitInfo
 
@@ -36,7 +39,7 @@ def test_one_update_of_a_dp2_cpu_engine(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("WEIGHTPLAN_TP2_BIND", "0|1"))
     unpin = pin_no_amx(tmp_path)
     try:
-        plan_path, plan, full, checkpoint = plan_and_checkpoint(MODEL, tmp_path, "tp=1,dp=2")
+        plan_path, plan, full, checkpoint = plan_and_checkpoint(MODEL, tmp_path, inference)
         served = AsyncEngine(CONFIGS / MODEL, dummy=True, backend=True, data_parallel_size=2)
         trainer = None
         try:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ...runtime.errors import WeightplanError
+from ...runtime.plan.invariants import fanout_problem
 from ..ir import Program
 from .check_coverage import check_coverage, with_post_load_padding
 from .coalesce import coalesce
@@ -19,6 +20,7 @@ from .fold_views import fold_views
 from .lower_constants import lower_constants
 from .lower_runs import lower_runs
 from .merge_ranks import merge_ranks
+from .place_fanout import place_fanout
 from .place_quant import place_quant
 from .split_shards import split_shards
 from .verify import verify
@@ -30,6 +32,7 @@ class Stage(enum.Enum):
     JOIN = "join"  # the per-rank programs -> one program for all ranks
     WHOLE_PLAN = "whole-plan"  # trainer shards, fewest rows, the coverage proof
     QUANT = "quant"  # fp8_per_block: where each 128x128 block is quantized
+    FANOUT = "fanout"  # gpus-per-node: which rank of each node pulls each replicated entry
 
 
 class Fact(enum.Enum):
@@ -45,6 +48,7 @@ class Fact(enum.Enum):
     COALESCED = "coalesced"  # runs continuing each other merged
     COVERED = "covered"  # every destination byte written exactly once (proved)
     QUANT_PLACED = "quant-placed"  # quantized tensors replaced by fp8 weight + scale, every block placed
+    FANNED_OUT = "fanned-out"  # replicated entries pulled once per node, read by the node's other holders from the puller
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,8 @@ PIPELINE: tuple[Pass, ...] = (
     Pass(check_coverage, Stage.WHOLE_PLAN, _facts(Fact.COALESCED), _facts(Fact.COVERED)),
     Pass(place_quant, Stage.QUANT, _facts(Fact.COVERED), _facts(Fact.QUANT_PLACED),
          applies=lambda program: bool(program.quant_targets), checked=True),
+    Pass(place_fanout, Stage.FANOUT, _facts(Fact.COVERED), _facts(Fact.FANNED_OUT),
+         applies=lambda program: program.gpus_per_node > 0, checked=True),
 )
 
 
@@ -103,7 +109,7 @@ def run_stage(stage: Stage, program: Program, *, check_each: bool = False, facts
     if stage is Stage.JOIN:
         raise ValueError("the join stage takes the per-rank programs: use join_ranks")
     steps = passes(stage, pipeline)
-    held = set(_entry_facts(stage, pipeline) if facts is None else facts)
+    held = set(_entry_facts(stage, pipeline, program) if facts is None else facts)
     for step in steps:
         if not step.applies(program):
             continue
@@ -126,7 +132,8 @@ def run_all(program: Program, *, check_each: bool = False, observe: Observer | N
     program = run_stage(Stage.PER_RANK, program, check_each=check_each, observe=observe, pipeline=pipeline)
     program = join_ranks([program], program.cast_chains, check_each=check_each, observe=observe, pipeline=pipeline)
     program = run_stage(Stage.WHOLE_PLAN, program, check_each=check_each, observe=observe, pipeline=pipeline)
-    return run_stage(Stage.QUANT, program, check_each=check_each, observe=observe, pipeline=pipeline)
+    program = run_stage(Stage.QUANT, program, check_each=check_each, observe=observe, pipeline=pipeline)
+    return run_stage(Stage.FANOUT, program, check_each=check_each, observe=observe, pipeline=pipeline)
 
 
 def timer(timings: dict[str, float]) -> Observer:
@@ -138,10 +145,11 @@ def timer(timings: dict[str, float]) -> Observer:
     return observe
 
 
-def _entry_facts(stage: Stage, pipeline) -> frozenset[Fact]:
-    """What a program entering `stage` satisfies: it was traced, and every earlier stage ran."""
+def _entry_facts(stage: Stage, pipeline, program: Program) -> frozenset[Fact]:
+    """What a program entering `stage` satisfies: it was traced, and every earlier stage ran (its passes that apply
+    to this program: what decides whether a pass applies, e.g. the quant targets, does not change along the pipeline)."""
     earlier = list(Stage)[: list(Stage).index(stage)]
-    return frozenset({Fact.TRACED}).union(*(p.ensures for s in earlier for p in passes(s, pipeline)))
+    return frozenset({Fact.TRACED}).union(*(p.ensures for s in earlier for p in passes(s, pipeline) if p.applies(program)))
 
 
 def _run(step: Pass, program: Program, held: set[Fact], check_each: bool, observe) -> Program:
@@ -171,8 +179,8 @@ def _finish(step: Pass, program: Program, seconds: float, check_each: bool, obse
 
 def check(program: Program, held: frozenset[Fact] = frozenset()) -> None:
     """Verify what `program` must satisfy given the facts `held`: once runs exist their invariants, once
-    every layer has its runs and constants every destination byte written exactly once, and the fp8 block
-    placement."""
+    every layer has its runs and constants every destination byte written exactly once, the fp8 block
+    placement, and that node-local fan-out keeps every holder's bytes written exactly once."""
     if program.runs is not None:
         full = {Fact.CONSTANTS, Fact.ALL_LAYERS} <= held and Fact.QUANT_PLACED not in held  # placed fp8: by quantizers
         verify(with_post_load_padding(program) if full else program, require_full_coverage=full)
@@ -184,6 +192,11 @@ def check(program: Program, held: frozenset[Fact] = frozenset()) -> None:
             raise PassCheckError("no fp8 block placement was recorded")
         verify_quant([shape for _, shape, _, _, _ in q.staging], [len(ranks) for _, _, ranks, _, _ in q.staging],
                      q.stage, q.spans)
+    if Fact.FANNED_OUT in held:
+        pairs = [(w, s) for *_, w, s in (program.quant_placement.staging if program.quant_placement else ())]
+        problem = "no fan-out was recorded" if program.fanout is None else fanout_problem(program.dests, pairs, program.fanout)
+        if problem:
+            raise PassCheckError(f"fan-out: {problem}")
 
 
 def _dump(name: str, program: Program, seconds: float) -> None:

@@ -13,7 +13,9 @@ from ...runtime.plan.format import Plan
 from .model import Prediction
 from .transfers import PlanTransfers
 
-PHASE_COLOURS = {"gather": "#8e6c8a", "sender-quantize": "#d08c3a", "read": "#3a78b5", "receiver-quantize": "#5a9e5a"}
+PHASE_COLOURS = {"gather": "#8e6c8a", "sender-quantize": "#d08c3a", "read": "#3a78b5", "receiver-quantize": "#5a9e5a",
+                 "second-hop": "#c0504d"}
+FIRST_HOP, SECOND_HOP = PHASE_COLOURS["read"], PHASE_COLOURS["second-hop"]
 
 PAGE = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined).from_string(
     """<!DOCTYPE html>
@@ -29,23 +31,25 @@ svg text { font: 11px system-ui, sans-serif; fill: #333; }
 <h1>{{ title }}</h1>
 <table class="summary">{% for k, v in summary %}<tr><td>{{ k }}</td><td>{{ v }}</td></tr>{% endfor %}</table>
 
-<h2>Bytes from each trainer rank (rows) to each inference rank (columns)</h2>
+{% for matrix in matrices %}<h2>{{ matrix.title }}</h2>
 <p class="note">Darker is more; maximum cell {{ matrix.max_label }}. Hover a cell for its bytes.</p>
-<svg id="byte-matrix" xmlns="http://www.w3.org/2000/svg" width="{{ matrix.width }}" height="{{ matrix.height }}">
+<svg id="{{ matrix.id }}" xmlns="http://www.w3.org/2000/svg" width="{{ matrix.width }}" height="{{ matrix.height }}">
 {% for c in matrix.cells %}<rect x="{{ c.x }}" y="{{ c.y }}" width="{{ c.w }}" height="{{ c.h }}" fill="{{ c.fill }}"><title>{{ c.title }}</title></rect>
 {% endfor %}{% for t in matrix.labels %}<text x="{{ t.x }}" y="{{ t.y }}" text-anchor="{{ t.anchor }}">{{ t.text }}</text>
 {% endfor %}</svg>
+{% endfor %}
 
 {% for chart in bars %}<h2>{{ chart.title }}</h2>
+{% if chart.note %}<p class="note">{{ chart.note }}</p>{% endif %}
 <svg class="rank-bars" xmlns="http://www.w3.org/2000/svg" width="{{ chart.width }}" height="{{ chart.height }}">
-{% for b in chart.bars %}<rect x="{{ b.x }}" y="{{ b.y }}" width="{{ b.w }}" height="{{ b.h }}" fill="#3a78b5"><title>{{ b.title }}</title></rect>
+{% for b in chart.bars %}<rect class="{{ b.cls }}" x="{{ b.x }}" y="{{ b.y }}" width="{{ b.w }}" height="{{ b.h }}" fill="{{ b.fill }}"><title>{{ b.title }}</title></rect>
 {% endfor %}{% for t in chart.labels %}<text x="{{ t.x }}" y="{{ t.y }}" text-anchor="{{ t.anchor }}">{{ t.text }}</text>
 {% endfor %}</svg>
 {% endfor %}
 {% if timeline %}<h2>Simulated timeline: the critical path's ranks, then the busiest inference ranks ({{ timeline.cluster }}, predicted sync {{ timeline.sync }})</h2>
 <p class="note">{% for phase, colour in phases %}<span style="color: {{ colour }}">&#9632;</span> {{ phase }} {% endfor %}&mdash; a model, not a measurement; per rank, one bar per phase from its first task's start to its last task's end (hover for the count); the percentage is the rank's busiest NIC or link.</p>
 <svg id="timeline" xmlns="http://www.w3.org/2000/svg" width="{{ timeline.width }}" height="{{ timeline.height }}">
-{% for b in timeline.bars %}<rect x="{{ b.x }}" y="{{ b.y }}" width="{{ b.w }}" height="{{ b.h }}" fill="{{ b.fill }}" opacity="0.75"><title>{{ b.title }}</title></rect>
+{% for b in timeline.bars %}<rect class="{{ b.phase }}" x="{{ b.x }}" y="{{ b.y }}" width="{{ b.w }}" height="{{ b.h }}" fill="{{ b.fill }}" opacity="0.75"><title>{{ b.title }}</title></rect>
 {% endfor %}{% for t in timeline.labels %}<text x="{{ t.x }}" y="{{ t.y }}" text-anchor="{{ t.anchor }}">{{ t.text }}</text>
 {% endfor %}</svg>
 {% else %}<p class="note">No timeline: give <code>simulate-plan PLAN --cluster FILE --html OUT</code> a cluster file to add one.</p>{% endif %}
@@ -66,22 +70,39 @@ def render_report(plan: Plan, summary: dict, transfers: PlanTransfers, predictio
         ("trainer", f"{summary['trainer']['format']}, {summary['trainer']['dtype']}, {summary['trainer']['token']} ({summary['src_ranks']} ranks)"),
         ("inference", f"{summary['inference']['token']} ({summary['dst_ranks']} ranks), quant {summary['quant']}"),
         ("destination bytes", f"{summary['dst_bytes']:,} in {summary['dst_tensors']:,} tensors, coverage {summary['dst_coverage']:.6f}"),
-        ("wire bytes", f"{summary['wire_bytes']:,}"),
+        ("wire bytes", f"{summary['wire_bytes']:,}" + (", first hops (from the trainers)" if summary.get("fanout") else "")),
         ("descriptors", f"{summary['descriptors']:,} posted (lower bound {summary['descriptors_lower_bound']:,})"),
         ("balance (max/mean)", f"trainer ranks {summary['src_balance']:.3f}, inference ranks {summary['dst_balance']:.3f}"),
         ("fingerprint", summary["fingerprint"]),
     ]
+    fanout = summary.get("fanout")
+    if fanout:
+        rows.insert(5, ("fan-out", f"gpus-per-node {fanout['gpus_per_node']}: {fanout['entries']:,} replicated entries pulled once "
+                                   f"per node; per inference rank from the trainers max {_gb(fanout['first_hop_max'])} "
+                                   f"(without fan-out {_gb(fanout['without_fanout_max'])}), second hops from its node's "
+                                   f"pullers max {_gb(fanout['second_hop_max'])}"))
     if prediction is not None:
         d = prediction.as_dict()
         rows.append(("predicted sync", f"{prediction.sync_s:.3f} s on {prediction.cluster} (model)"))
         rows.append(("critical path", " → ".join(f"{s['phase']} {s['task']} [{s['limited_by']}]" for s in d["critical_path"])))
+    matrices = [_matrix(transfers.read_bytes, "byte-matrix", "Bytes from each trainer rank (rows) to each inference rank (columns)"
+                        + (", first hops" if fanout else ""), "trainer", "inference")]
+    bars = [_bars("Bytes each trainer rank serves", "trainer", [summary["bytes_per_src_rank"]])]
+    if fanout:
+        matrices.append(_matrix(transfers.second_hop_bytes, "second-hop-matrix", "Second hops: bytes each inference rank "
+                                "(columns) reads from a puller of its node (rows)", "inference", "inference"))
+        bars += [_bars("Bytes each inference rank reads: from the trainers (first hops), then from its node's pullers "
+                       "(second hops)", "inference", [summary["bytes_per_dst_rank"], fanout["second_hop_per_dst_rank"]],
+                       note="first hops over the NIC (blue), second hops over the node's link (red), stacked"),
+                 _bars("Bytes each inference rank serves to its node's peers (second hops)", "inference",
+                       [[0] * len(fanout["served_per_dst_rank"]), fanout["served_per_dst_rank"]])]
+    else:
+        bars.append(_bars("Bytes each inference rank reads", "inference", [summary["bytes_per_dst_rank"]]))
     return PAGE.render(
         title=f"{h['model']} {summary['trainer']['token']} → {summary['inference']['token']} ({summary['quant']})",
-        summary=rows, matrix=_matrix(transfers.read_bytes),
-        bars=[_bars("Bytes each trainer rank serves", "trainer", summary["bytes_per_src_rank"]),
-              _bars("Bytes each inference rank reads", "inference", summary["bytes_per_dst_rank"])],
+        summary=rows, matrices=matrices, bars=bars,
         timeline=_timeline(prediction) if prediction is not None else None,
-        phases=list(PHASE_COLOURS.items()),
+        phases=[(p, c) for p, c in PHASE_COLOURS.items() if p != "second-hop" or fanout],
     )
 
 
@@ -89,7 +110,8 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:.3f} GB"
 
 
-def _matrix(m: np.ndarray, cell_max: int = 14, left: int = 70, top: int = 20) -> dict:
+def _matrix(m: np.ndarray, svg_id: str, title: str, rows_side: str, cols_side: str, cell_max: int = 14, left: int = 70,
+            top: int = 20) -> dict:
     rows, cols = m.shape
     cell = max(2, min(cell_max, 900 // max(cols, 1), 900 // max(rows, 1)))
     peak = float(m.max(initial=0.0)) or 1.0
@@ -99,26 +121,35 @@ def _matrix(m: np.ndarray, cell_max: int = 14, left: int = 70, top: int = 20) ->
         shade = int(round(255 - 200 * level))
         cells.append({"x": left + i * cell, "y": top + t * cell, "w": cell, "h": cell,
                       "fill": f"rgb({shade},{shade},255)" if m[t, i] else "#f4f4f4",
-                      "title": f"trainer {t} -> inference {i}: {int(m[t, i]):,} bytes"})
-    labels = [{"x": left - 6, "y": top + cell * 0.8, "text": "trainer 0", "anchor": "end"},
-              {"x": left - 6, "y": top + rows * cell, "text": f"trainer {rows - 1}", "anchor": "end"},
-              {"x": left, "y": top - 6, "text": "inference 0", "anchor": "start"},
+                      "title": f"{rows_side} {t} -> {cols_side} {i}: {int(m[t, i]):,} bytes"})
+    labels = [{"x": left - 6, "y": top + cell * 0.8, "text": f"{rows_side} 0", "anchor": "end"},
+              {"x": left - 6, "y": top + rows * cell, "text": f"{rows_side} {rows - 1}", "anchor": "end"},
+              {"x": left, "y": top - 6, "text": f"{cols_side} 0", "anchor": "start"},
               {"x": left + cols * cell, "y": top - 6, "text": f"{cols - 1}", "anchor": "end"}]
-    return {"cells": cells, "labels": labels, "width": left + cols * cell + 10, "height": top + rows * cell + 10,
-            "max_label": _gb(peak)}
+    return {"id": svg_id, "title": title, "cells": cells, "labels": labels, "width": left + cols * cell + 10,
+            "height": top + rows * cell + 10, "max_label": _gb(peak)}
 
 
-def _bars(title: str, side: str, values: list[int], height: int = 120, left: int = 70, top: int = 10) -> dict:
-    n = len(values)
+def _bars(title: str, side: str, stacks: list[list[int]], note: str = "", height: int = 120, left: int = 70, top: int = 10) -> dict:
+    """One bar per rank; with two value lists, first hops (blue) with second hops (red) stacked on top."""
+    totals = [sum(vs) for vs in zip(*stacks)]
+    n = len(totals)
     width = max(2, min(24, 900 // max(n, 1)))
-    peak = max(values, default=0) or 1
-    bars = [{"x": left + k * width, "y": top + height - height * v / peak, "w": max(width - 1, 1), "h": height * v / peak,
-             "title": f"{side} {k}: {v:,} bytes"} for k, v in enumerate(values)]
+    peak = max(totals, default=0) or 1
+    bars = []
+    for k, values in enumerate(zip(*stacks)):
+        base = 0
+        for v, (cls, fill, what) in zip(values, (("first-hop", FIRST_HOP, " first hop" if len(stacks) > 1 else ""), ("second-hop", SECOND_HOP, " second hop"))):
+            if v or (cls == "first-hop" and len(stacks) == 1):
+                bars.append({"x": left + k * width, "y": top + height - height * (base + v) / peak, "w": max(width - 1, 1),
+                             "h": height * v / peak, "fill": fill, "cls": cls, "title": f"{side} {k}: {v:,}{what} bytes"})
+            base += v
     labels = [{"x": left - 6, "y": top + 10, "text": _gb(peak), "anchor": "end"},
               {"x": left - 6, "y": top + height, "text": "0", "anchor": "end"},
               {"x": left, "y": top + height + 14, "text": f"{side} 0", "anchor": "start"},
               {"x": left + n * width, "y": top + height + 14, "text": f"{n - 1}", "anchor": "end"}]
-    return {"title": title, "bars": bars, "labels": labels, "width": left + n * width + 20, "height": top + height + 24}
+    return {"title": title, "note": note, "bars": bars, "labels": labels, "width": left + n * width + 20,
+            "height": top + height + 24}
 
 
 def _timeline(prediction: Prediction, ranks: int = 8, width: int = 900, left: int = 110, row: int = 22, top: int = 10) -> dict:
@@ -132,7 +163,7 @@ def _timeline(prediction: Prediction, ranks: int = 8, width: int = 900, left: in
         for j, b in enumerate(lane["bars"]):  # the phases of a lane share its height
             h = (row - 4) / n
             bars.append({"x": left + width * b["start"] / span, "y": y + 2 + j * h, "w": max(width * (b["end"] - b["start"]) / span, 0.5),
-                         "h": max(h, 0.5), "fill": PHASE_COLOURS.get(b["phase"], "#999"),
+                         "h": max(h, 0.5), "fill": PHASE_COLOURS.get(b["phase"], "#999"), "phase": b["phase"],
                          "title": f"{lane['rank']}: {b['tasks']} {b['phase']} task(s), {b['start']:.4f} -> {b['end']:.4f} s"})
     bottom = top + len(lanes) * row
     labels += [{"x": left, "y": bottom + 14, "text": "0 s", "anchor": "start"},

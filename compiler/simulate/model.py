@@ -10,7 +10,7 @@ from .cluster import Cluster
 from .fair_share import Resource, Schedule, Task, simulate
 from .transfers import PlanTransfers
 
-PHASES = ("gather", "sender-quantize", "read", "receiver-quantize")
+PHASES = ("gather", "sender-quantize", "read", "receiver-quantize", "second-hop")
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,9 @@ class Prediction:
     schedule: Schedule
     critical_path: tuple[dict, ...]
     nic_busy: dict  # NIC resource name -> busy fraction of the sync
-    phase_end_s: dict  # phase -> when its last task finished
-    inference_bytes: np.ndarray  # bytes each inference rank reads
+    phase_end_s: dict  # phase -> when its last task finished ("second-hop" only in a plan with fan-out)
+    inference_bytes: np.ndarray  # bytes each inference rank reads from the trainers (first hops)
+    second_hop_bytes: np.ndarray | None = None  # fan-out: [puller, peer] bytes read whole from the node's puller
 
     def as_dict(self, top: int = 5) -> dict:
         busy = sorted(self.nic_busy.items(), key=lambda kv: (-round(kv[1], 9), _natural(kv[0])))
@@ -39,6 +40,7 @@ class Prediction:
                                     "mean": float(self.inference_bytes.mean()) if len(self.inference_bytes) else 0.0},
             "tasks": len(self.tasks),
             "events": self.schedule.events,
+            **({} if self.second_hop_bytes is None else {"second_hop_bytes": _second_hop_figures(self.second_hop_bytes)}),
         }
 
     def timeline(self, ranks: int = 8) -> list[dict]:
@@ -68,6 +70,13 @@ class Prediction:
         return rows
 
 
+def _second_hop_figures(hops: np.ndarray) -> dict:
+    """Bytes each inference rank reads from its node's pullers (max, mean) and the most one rank serves to its peers."""
+    read, served = hops.sum(axis=0), hops.sum(axis=1)
+    return {"max": int(read.max(initial=0)), "mean": float(read.mean()) if len(read) else 0.0,
+            "served_max": int(served.max(initial=0)), "total": int(hops.sum())}
+
+
 def _natural(name: str) -> tuple:
     """'inference 10 NIC in' after 'inference 9 NIC in'."""
     return tuple(int(w) if w.isdigit() else w for w in name.split())
@@ -76,7 +85,10 @@ def _natural(name: str) -> tuple:
 def predict(transfers: PlanTransfers, cluster: Cluster) -> Prediction:
     """Simulate one sync: gathers between trainer ranks, then each trainer's quantization (serial on
     its quantizer), then every trainer -> inference read once its trainer published, then each
-    inference rank's own quantization once all its reads landed."""
+    inference rank's own quantization once all its reads landed; with fan-out, then every second hop
+    (a peer reading whole entries from its node's puller, over the node's link) once that puller's
+    reads and quantization all finished (the runtime's per-sync "landed" flag) and so did the peer's own
+    (the runtime reads second hops after its own first hop landed)."""
     n_src, n_dst = transfers.read_bytes.shape
     trainer_nodes, inference_nodes = cluster.nodes_of(n_src, n_dst)
     resources: list[Resource] = []
@@ -116,17 +128,27 @@ def predict(transfers: PlanTransfers, cluster: Cluster) -> Prediction:
     for t, i in zip(*np.nonzero(transfers.read_bytes)):
         landed[int(i)].append(move("read", f"trainer {t}", trainer_nodes[t], f"inference {i}", inference_nodes[i],
                                    float(transfers.read_bytes[t, i]), float(transfers.read_descriptors[t, i]), published[int(t)]))
+    first_hops_done: dict[int, tuple[int, ...]] = {}
     for i in range(n_dst):
         if transfers.receiver_quant_bytes[i] > 0:
             tasks.append(Task(f"inference {i} quantize", "receiver-quantize", f"inference {i}", float(transfers.receiver_quant_bytes[i]),
                               (res(f"inference {i} quantizer", cluster.receiver_quant_gbytes_per_s * 1e9),), tuple(landed[i])))
+            first_hops_done[i] = (len(tasks) - 1,)
+        else:
+            first_hops_done[i] = tuple(landed[i])
+    hops = transfers.second_hop_bytes
+    if hops is not None:  # over the node's link (the NICs if the cluster puts puller and peer on different nodes)
+        for p, i in zip(*np.nonzero(hops)):
+            move("second-hop", f"inference {p}", inference_nodes[p], f"inference {i}", inference_nodes[i], float(hops[p, i]),
+                 float(transfers.second_hop_descriptors[p, i]), first_hops_done[int(p)] + first_hops_done[int(i)])
     schedule = simulate(resources, tasks)
     sync = schedule.makespan
     nic_busy = {r.name: (float(schedule.busy[k] / sync) if sync else 0.0)
                 for k, r in enumerate(resources) if " NIC " in r.name or " link " in r.name}
-    phase_end = {p: float(max((schedule.finish[i] for i, t in enumerate(tasks) if t.phase == p), default=0.0)) for p in PHASES}
+    phase_end = {p: float(max((schedule.finish[i] for i, t in enumerate(tasks) if t.phase == p), default=0.0))
+                 for p in PHASES if p != "second-hop" or hops is not None}
     return Prediction(cluster.name, sync, tuple(resources), tuple(tasks), schedule, _critical_path(tasks, resources, schedule),
-                      nic_busy, phase_end, transfers.read_bytes.sum(axis=0))
+                      nic_busy, phase_end, transfers.read_bytes.sum(axis=0), hops)
 
 
 def _critical_path(tasks: list[Task], resources: list[Resource], schedule: Schedule) -> tuple[dict, ...]:

@@ -17,8 +17,9 @@ TEXT = jinja2.Template(
 predicted sync on {{ c.name }} (a model, not a measurement): {{ "%.3f" | format(p.sync_s) }} s
   plan            {{ plan.header.model }}, trainer {{ plan.header.trainer.token }} ({{ plan.header.src_ranks }} ranks) -> inference {{ plan.header.inference.token }} ({{ plan.header.dst_ranks }} ranks), quant {{ plan.header.quant }}
   cluster         NIC {{ c.nic_gbytes_per_s }} GB/s x {{ c.nics_per_gpu }} per GPU, intra-node {{ c.intra_node_gbytes_per_s }} GB/s, {{ c.descriptor_us }} us per descriptor, quantizer {{ c.sender_quant_gbytes_per_s }} / {{ c.receiver_quant_gbytes_per_s }} GB/s (sender / receiver)
-  bytes per inference NIC  max {{ "%.3f" | format(d.inference_nic_bytes.max / 1e9) }} GB, mean {{ "%.3f" | format(d.inference_nic_bytes.mean / 1e9) }} GB
-  phases end      {% for k, v in d.phase_end_s.items() %}{{ k }} {{ "%.4f" | format(v) }} s{% if not loop.last %}, {% endif %}{% endfor %}
+  bytes per inference NIC  max {{ "%.3f" | format(d.inference_nic_bytes.max / 1e9) }} GB, mean {{ "%.3f" | format(d.inference_nic_bytes.mean / 1e9) }} GB{% if plan.fanout %} (first hops, from the trainers){% endif %}
+{% if d.second_hop_bytes %}  second hops     {{ "%.3f" | format(d.second_hop_bytes.max / 1e9) }} GB max, {{ "%.3f" | format(d.second_hop_bytes.mean / 1e9) }} GB mean per inference GPU from its node's pullers (gpus-per-node {{ plan.fanout.gpus_per_node }}); one puller serves at most {{ "%.3f" | format(d.second_hop_bytes.served_max / 1e9) }} GB
+{% endif %}  phases end      {% for k, v in d.phase_end_s.items() %}{{ k }} {{ "%.4f" | format(v) }} s{% if not loop.last %}, {% endif %}{% endfor %}
   NIC busy        mean {{ "%.3f" | format(d.nic_busy_mean) }}; busiest {% for b in d.busiest_nics %}{{ b.nic }} {{ "%.3f" | format(b.busy) }}{% if not loop.last %}, {% endif %}{% endfor %}
   critical path
 {% for s in d.critical_path %}    {{ "%-18s" | format(s.phase) }} {{ s.task }} ({{ s.rank }}), limited by {{ s.limited_by }}: {{ "%.4f" | format(s.start_s) }} -> {{ "%.4f" | format(s.end_s) }} s

@@ -1,7 +1,9 @@
-"""What a plan moves and computes per rank: trainer -> inference reads, trainer -> trainer gathers, quantization work."""
+"""What a plan moves and computes per rank: trainer -> inference reads (first hops), trainer -> trainer gathers, quantization
+work, and with node-local fan-out the inference -> inference second hops."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -9,6 +11,7 @@ import numpy as np
 from ...runtime.fp8.numerics import BLOCK, span_bands, span_elements
 from ...runtime.plan.format import Plan
 from ...runtime.plan.schema import DTYPE_SIZES, GATHER, RECEIVER
+from ...runtime.tables.fanout import second_hops
 
 
 @dataclass(frozen=True)
@@ -16,7 +19,10 @@ class PlanTransfers:
     """`read_bytes[t, i]` and `read_descriptors[t, i]`: what inference rank i reads from trainer rank t
     (runs, receiver-side bf16 stage runs, fp8 spans and their scales); `gather_bytes[s, q]` and
     `gather_descriptors[s, q]`: bf16 trainer rank q reads from trainer rank s before quantizing;
-    `sender_quant_bytes[t]` and `receiver_quant_bytes[i]`: bf16 bytes each rank quantizes."""
+    `sender_quant_bytes[t]` and `receiver_quant_bytes[i]`: bf16 bytes each rank quantizes. With node-local fan-out the
+    reads are the first hops (`Plan.pulling`: each replicated entry read by its node's puller only), and
+    `second_hop_bytes[p, i]`, `second_hop_descriptors[p, i]` what inference rank i reads whole from puller p of its
+    node (one descriptor per entry) once p's first hops and quantization finished; None for a plan without fan-out."""
 
     read_bytes: np.ndarray
     read_descriptors: np.ndarray
@@ -24,9 +30,31 @@ class PlanTransfers:
     gather_descriptors: np.ndarray
     sender_quant_bytes: np.ndarray
     receiver_quant_bytes: np.ndarray
+    second_hop_bytes: np.ndarray | None = None
+    second_hop_descriptors: np.ndarray | None = None
 
 
 def plan_transfers(plan: Plan) -> PlanTransfers:
+    """The transfers of one sync of `plan`: first hops as the trainers serve them, then the second hops of a fan-out plan."""
+    first = _first_hops(plan.pulling)
+    if plan.fanout is None:
+        return first
+    hop_bytes, hop_desc = second_hop_matrix(plan)
+    return dataclasses.replace(first, second_hop_bytes=hop_bytes, second_hop_descriptors=hop_desc)
+
+
+def second_hop_matrix(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+    """[puller, peer] bytes and descriptors (one per whole entry) of a fan-out plan's second hops; zeros without fan-out."""
+    n_dst = plan.header["dst_ranks"]
+    hop_bytes, hop_desc = np.zeros((n_dst, n_dst)), np.zeros((n_dst, n_dst))
+    for peer in range(n_dst):
+        for puller, entries in second_hops(plan, peer).items():
+            hop_bytes[puller, peer] = sum(plan.dests[d].nbytes for d in entries)
+            hop_desc[puller, peer] = len(entries)
+    return hop_bytes, hop_desc
+
+
+def _first_hops(plan: Plan) -> PlanTransfers:
     n_src, n_dst = plan.header["src_ranks"], plan.header["dst_ranks"]
     sizes = np.array([DTYPE_SIZES[c[-1]] for c in plan.cast_chains] or [0], dtype=np.int64)
     table = plan.table

@@ -13,6 +13,7 @@ from ..constant_writes import write_constants
 from ..errors import PlanMismatchError
 from ..plan.format import Plan
 from ..plan.schema import RUN_COLUMNS
+from ..tables.fanout import second_hops
 from .quant import execute_quant
 
 
@@ -29,24 +30,45 @@ def execute_local(
     maps inference rank to a module (its named parameters) or a {name: tensor} dict. Inference
     ranks not given are skipped; every trainer rank their runs read must be given. With `only`,
     just the runs into those destination names execute. The plan's constants are written on every
-    call. Returns the destination bytes written (runs and constants).
+    call. With node-local fan-out (`plan.fanout`), a rank takes its first hops from the trainers and
+    reads its second-hop entries whole from its node's puller, whose destination must be given too.
+    Returns the destination bytes written (runs, constants and second hops).
     """
-    runs = plan.table
     dst_tensors = {rank: named_tensors(d, {e.name for e in plan.dests}) for rank, d in destinations.items()}
-    # Runs each given inference rank executes: those into entries that rank holds.
-    entries_of = {rank: [i for i, e in enumerate(plan.dests) if rank in e.ranks and (only is None or e.name in only)]
-                  for rank in dst_tensors}
     unknown = sorted(set(dst_tensors) - set(range(plan.header["dst_ranks"])))
     if unknown:
         raise PlanMismatchError(f"inference ranks {unknown} are not in the plan's {plan.header['dst_ranks']} ranks")
+    for rank, tensors in dst_tensors.items():
+        entries = [e for e in plan.dests if rank in e.ranks]
+        expected = {e.name: (e.shape, e.dtype) for e in entries if only is None or e.name in only}
+        check_tensors(tensors, expected, inference_names(plan, rank), f"inference rank {rank}")
+    hops = {rank: second_hops(plan, rank) for rank in dst_tensors}
+    absent = sorted({(p, rank) for rank, by in hops.items() for p in by if p not in dst_tensors})
+    if absent:
+        puller, rank = absent[0]
+        raise PlanMismatchError(f"inference rank {rank} reads entries from inference rank {puller} of its node (a second "
+                                f"hop of the plan's fan-out): give rank {puller}'s destination too")
+    written = _first_hops(plan.pulling, sources, dst_tensors, only)
+    with torch.no_grad():
+        for rank, by in hops.items():
+            for puller, dests in by.items():
+                for d in dests:
+                    name = plan.dests[d].name
+                    if only is None or name in only:
+                        target = dst_tensors[rank][name].detach()
+                        target.copy_(dst_tensors[puller][name].detach())
+                        written += target.numel() * target.element_size()
+    return written
+
+
+def _first_hops(plan: Plan, sources, dst_tensors: dict[int, dict[str, torch.Tensor]], only: set[str] | None) -> int:
+    """Every run, constant and fp8 block the given inference ranks take from the trainers (`plan` as the trainers serve it)."""
+    runs = plan.table
     masks = {}
-    for rank, entries in entries_of.items():
+    for rank in dst_tensors:
         wanted = np.zeros(len(plan.dests) + 1, dtype=bool)
-        wanted[entries] = True
+        wanted[[i for i, e in enumerate(plan.dests) if rank in e.ranks and (only is None or e.name in only)]] = True
         masks[rank] = wanted[runs["dest"]]
-        expected = {plan.dests[i].name: (plan.dests[i].shape, plan.dests[i].dtype) for i in entries}
-        known = inference_names(plan, rank)
-        check_tensors(dst_tensors[rank], expected, known, f"inference rank {rank}")
     any_mask = np.zeros(plan.n_stored_runs, dtype=bool)
     for mask in masks.values():
         any_mask |= mask

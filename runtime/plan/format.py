@@ -5,7 +5,8 @@ Layout (all integers little-endian):
     magic       8 bytes   b"WPLAN\\x00\\r\\n"
     header_len  u64
     header      canonical JSON (sorted keys, no spaces), UTF-8; a plan with constant writes lists them under
-                "constants" as [dest, dst_off, length, value] rows (format 5; a plan without them is format 4)
+                "constants" as [dest, dst_off, length, value] rows (format 5; a plan without them is format 4);
+                a plan with node-local fan-out has "fanout" (format 6, see schema.Fanout)
     payload     zlib stream of int64 columns: the runs (RUN_COLUMNS, n_runs each; a run with count > 1
                 stands for `count` rows, row i at src_off + i*src_stride and dst_off + i*dst_stride), then the stage runs
                 (STAGE_COLUMNS, n_stage_runs each), then the block spans (SPAN_COLUMNS, n_spans each)
@@ -16,6 +17,7 @@ Reading never unpickles or evaluates anything: JSON plus numpy.frombuffer of int
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -34,14 +36,15 @@ from ..layout.shards import ShardLayout
 from .atomic_file import write_atomically
 from .columns import BlockSpans, Runs, StageRuns
 from .header import MAX_ELEMENTS, check_header
-from .invariants import check_constants, check_quant_tables, check_runs
-from .schema import (DTYPE_SIZES, RUN_COLUMNS, SPAN_COLUMNS, STAGE_COLUMNS, ConstantRun, DerivedItem, StagingEntry,
+from .invariants import check_constants, check_fanout, check_quant_tables, check_runs
+from .schema import (DTYPE_SIZES, RUN_COLUMNS, SPAN_COLUMNS, STAGE_COLUMNS, ConstantRun, DerivedItem, Fanout, StagingEntry,
                      TensorEntry)
 
 MAGIC = b"WPLAN\x00\r\n"
 _ZLIB_MAX_RATIO = 1032  # deflate expands at most about 1032:1
-FORMAT_VERSION = 5  # the newest format this reads: 5 adds the constants table
-BASE_FORMAT_VERSION = 4  # plans without constants are written as format 4, which readers of format 4 read alike
+FORMAT_VERSION = 6  # the newest format this reads: 6 adds node-local fan-out, 5 the constants table
+CONSTANTS_FORMAT_VERSION = 5  # plans with constants and no fan-out
+BASE_FORMAT_VERSION = 4  # plans without constants or fan-out are written as format 4, which readers of format 4 read alike
 # Header keys that the fingerprint covers: everything the plan assumes about both sides.
 FINGERPRINT_KEYS = (
     "format_version",
@@ -58,7 +61,7 @@ FINGERPRINT_KEYS = (
     "quant_layout",
     "derived",
 )
-OPTIONAL_FINGERPRINT_KEYS = ("constants",)  # covered when present; absent keys keep older plans' fingerprints
+OPTIONAL_FINGERPRINT_KEYS = ("constants", "fanout")  # covered when present; absent keys keep older plans' fingerprints
 
 
 @dataclass(frozen=True)
@@ -79,10 +82,22 @@ class Plan:
     spans: BlockSpans = field(default_factory=BlockSpans.empty, repr=False)
     constants: tuple[ConstantRun, ...] = ()
     derived: tuple[DerivedItem, ...] = ()
+    fanout: Fanout | None = None
 
     @property
     def fingerprint(self) -> str:
         return self.header["fingerprint"]
+
+    @cached_property
+    def pulling(self) -> "Plan":
+        """The plan as the trainers serve it: each destination and staging entry held by the ranks that pull it from
+        the trainers (with fan-out, one per node; the others read it from their node's puller). Without fan-out, itself."""
+        if self.fanout is None:
+            return self
+        pullers = self.fanout.pullers()
+        dests = tuple(dataclasses.replace(e, ranks=pullers.get(i, e.ranks)) for i, e in enumerate(self.dests))
+        staging = tuple(dataclasses.replace(e, ranks=pullers.get(e.weight, e.ranks)) for e in self.staging)
+        return dataclasses.replace(self, dests=dests, staging=staging, fanout=None)
 
     @cached_property
     def shard_layout(self) -> ShardLayout:
@@ -149,9 +164,11 @@ def encode_plan(header: dict, runs: dict[str, np.ndarray], stage: dict | None = 
             raise ValueError(f"columns {names} differ in length: {n}")
         counts.append(n.pop())
     header = {"staging": [], "quant_layout": {}, "derived": [], **header}
-    if "constants" in header and not header["constants"]:
-        del header["constants"]
-    version = FORMAT_VERSION if "constants" in header else BASE_FORMAT_VERSION
+    for key in OPTIONAL_FINGERPRINT_KEYS:
+        if key in header and not header[key]:
+            del header[key]
+    version = (FORMAT_VERSION if "fanout" in header else CONSTANTS_FORMAT_VERSION if "constants" in header
+               else BASE_FORMAT_VERSION)
     header = dict(header, format_version=version, kind="weightplan", n_runs=counts[0], n_stage_runs=counts[1],
                   n_spans=counts[2])
     header["fingerprint"] = fingerprint(header)
@@ -195,7 +212,9 @@ def decode_plan(data: bytes, origin: str = "<bytes>") -> Plan:
         )
     if version < BASE_FORMAT_VERSION:
         raise PlanFormatError(f"{origin} uses old plan format {version}; recompile it with compile-plan")
-    if ("constants" in header) != (version == FORMAT_VERSION):
+    if ("fanout" in header) != (version == FORMAT_VERSION):
+        raise PlanFormatError(f"{origin}: format {version} with{'' if 'fanout' in header else 'out'} a fan-out table")
+    if version < FORMAT_VERSION and ("constants" in header) != (version == CONSTANTS_FORMAT_VERSION):
         raise PlanFormatError(f"{origin}: format {version} with{'' if 'constants' in header else 'out'} a constants table")
     missing = [key for key in FINGERPRINT_KEYS + ("src_ranks", "dst_ranks", "n_runs", "n_stage_runs", "n_spans")
                if key not in header]
@@ -236,10 +255,11 @@ def decode_plan(data: bytes, origin: str = "<bytes>") -> Plan:
         staging = tuple(StagingEntry.from_row(row) for row in header["staging"])
         constants = tuple(ConstantRun(*row) for row in header.get("constants", ()))
         derived = tuple(DerivedItem.from_row(row) for row in header["derived"])
+        fanout = Fanout.from_row(header["fanout"]) if "fanout" in header else None
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise PlanFormatError(f"{origin}: malformed tensor tables in the header ({exc})") from None
     runs, stage, spans = (kind.from_columns(table) for kind, table in zip((Runs, StageRuns, BlockSpans), tables))
-    plan = Plan(header, sources, dests, chains, runs, staging, stage, spans, constants, derived)
+    plan = Plan(header, sources, dests, chains, runs, staging, stage, spans, constants, derived, fanout)
     try:
         layout = plan.shard_layout
         bad = [e.name for e in sources if not 0 <= e.box_class < len(layout.classes)]
@@ -252,6 +272,7 @@ def decode_plan(data: bytes, origin: str = "<bytes>") -> Plan:
     check_runs(plan, origin)
     check_quant_tables(plan, origin)
     check_constants(plan, origin)
+    check_fanout(plan, origin)
     return plan
 
 

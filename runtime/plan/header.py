@@ -101,6 +101,20 @@ def check_header(header, origin: str, dtype_sizes: dict) -> None:
         if not isinstance(entry, list) or len(entry) != 4:
             fail(f"constants[{i}]", "is not [dest, dst_off, length, value]")
     _list(header, "derived", fail)
+    if "fanout" in header:
+        _fanout(header["fanout"], n_dests, dst_ranks, fail)
+
+
+def _fanout(fanout, n_dests: int, dst_ranks: int, fail) -> None:
+    """{"gpus_per_node": G, "first_hops": [[dest, [ranks...]], ...]}: types and ranges (the rules are invariants.py's)."""
+    if not isinstance(fanout, dict) or set(fanout) != {"gpus_per_node", "first_hops"}:
+        fail("fanout", "is not an object with exactly gpus_per_node and first_hops")
+    _int(fanout, "gpus_per_node", 1, MAX_RANKS, lambda f, w: fail(f"fanout.{f}", w))
+    for i, row in enumerate(_list(fanout, "first_hops", lambda f, w: fail(f"fanout.{f}", w))):
+        where = f"fanout.first_hops[{i}]"
+        if not isinstance(row, list) or len(row) != 2 or not _count(row[0], n_dests):
+            fail(where, f"is not [dest entry, pulling ranks] with an entry of the {n_dests} destinations")
+        _ranks(row[1], dst_ranks, where, fail)
 
 
 def _dtype(value, dtype_sizes: dict) -> bool:

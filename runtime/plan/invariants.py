@@ -9,6 +9,7 @@ import numpy as np
 from ..casts import CHAIN_RULE, is_chain
 from ..errors import PlanFormatError
 from .columns import Runs
+from ..layout.shards import MAX_RANKS
 from .header import MAX_ELEMENTS
 from .schema import DTYPE_SIZES, GATHER, RECEIVER, SENDER
 
@@ -122,3 +123,47 @@ def check_quant_tables(plan: Plan, origin: str) -> None:
         trainer = spans["side"] != RECEIVER
         if (spans["src_rank"][trainer] < 0).any() or (spans["src_rank"][trainer] >= plan.header["src_ranks"]).any():
             raise PlanFormatError(f"{origin}: a sender- or gather-side block span names no valid trainer rank")
+
+
+def fanout_problem(dests, staging_pairs, fanout) -> str:
+    """Why a fan-out table is not one every destination byte of every holder is written exactly once by, or "".
+
+    Rules: each listed entry is pulled by ranks holding it, exactly one per node that holds it, and some holder is
+    not a puller (it reads the entry whole from its node's puller, which holds every byte of it once its own runs,
+    constants and quantization landed: the second hop reads only landed bytes). `staging_pairs` are the (weight,
+    scale) destination pairs of the fp8 staging tensors: both or neither listed, with the same pullers.
+    """
+    g = fanout.gpus_per_node
+    if type(g) is not int or not 1 <= g <= MAX_RANKS:
+        return f"gpus_per_node {g!r} is not an int in 1..{MAX_RANKS}"
+    previous = -1
+    pullers = {}
+    for row in fanout.first_hops:
+        dest, ranks = row
+        if type(dest) is not int or not previous < dest < len(dests):
+            return f"first hop entry {dest!r} is not a destination index in ascending order"
+        previous = dest
+        held = dests[dest].ranks
+        if not ranks or any(type(r) is not int for r in ranks) or list(ranks) != sorted(set(ranks)) \
+                or not set(ranks) <= set(held):
+            return f"destination {dests[dest].name!r}: pullers {list(ranks)} are not ascending ranks holding it"
+        nodes = [r // g for r in ranks]
+        if len(set(nodes)) != len(nodes) or set(nodes) != {r // g for r in held}:
+            return f"destination {dests[dest].name!r}: pullers {list(ranks)} are not one per node holding it"
+        if len(ranks) == len(held):
+            return f"destination {dests[dest].name!r}: every holder pulls it, so it has no second hop"
+        pullers[dest] = tuple(ranks)
+    for weight, scale in staging_pairs:
+        if pullers.get(weight) != pullers.get(scale):
+            return (f"fp8 weight {dests[weight].name!r} and scale {dests[scale].name!r} have different pullers: "
+                    "one rank quantizes both")
+    return ""
+
+
+def check_fanout(plan: Plan, origin: str) -> None:
+    """The reader's rules for the fan-out table (fanout_problem)."""
+    if plan.fanout is None:
+        return
+    problem = fanout_problem(plan.dests, [(e.weight, e.scale) for e in plan.staging], plan.fanout)
+    if problem:
+        raise PlanFormatError(f"{origin}: fan-out table: {problem}")

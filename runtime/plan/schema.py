@@ -140,3 +140,32 @@ class DerivedItem:
     def from_row(row) -> "DerivedItem":
         module, what, reads, where = row
         return DerivedItem(module, what, tuple(reads), where)
+
+
+@dataclass(frozen=True)
+class Fanout:
+    """Node-local fan-out (`--inference ...,gpus-per-node=G`): for each replicated destination entry, the inference ranks
+    that pull it from the trainers, one per node holding it (`first_hops`: (dest, pullers ascending), by dest).
+
+    Every other rank holding the entry reads it whole from the puller of its node once that puller's first hop landed
+    in this version (a second hop). Ranks are numbered node by node: rank r sits on node r // gpus_per_node. The fp8
+    weight and scale of one staging tensor have the same pullers (the puller quantizes; peers read the result).
+    """
+
+    gpus_per_node: int
+    first_hops: tuple[tuple[int, tuple[int, ...]], ...]
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def pullers(self) -> dict[int, tuple[int, ...]]:
+        """{dest index: the ranks pulling it from the trainers} for every fanned-out entry."""
+        return dict(self.first_hops)
+
+    def row(self) -> dict:
+        """The header's "fanout" object: {"gpus_per_node": G, "first_hops": [[dest, [ranks...]], ...]}."""
+        return {"gpus_per_node": self.gpus_per_node, "first_hops": [[d, list(p)] for d, p in self.first_hops]}
+
+    @staticmethod
+    def from_row(obj) -> "Fanout":
+        return Fanout(obj["gpus_per_node"], tuple((d, tuple(p)) for d, p in obj["first_hops"]))

@@ -26,6 +26,7 @@ from ..transport.region_digests import byte_view, run_digests
 from ..transport.rendezvous import INCARNATION, Rendezvous, inference_agent, trainer_agent
 from .derived import DerivedRefresh
 from .quant import ReceiverQuant
+from .second_hops import SecondHops
 
 log = logging.getLogger("weightplan.runtime")
 PROGRESS_EVERY = 5.0  # seconds between progress lines of a long sync
@@ -48,6 +49,8 @@ class SyncReport:
     derived_seconds: float = 0.0  # recomputing derived post-load state (runtime/receiver/derived.py), inside `seconds`
     table_bytes: int = 0  # this rank's runtime tables (reads, groups, descriptors): O(stored runs + descriptors)
     packed_bytes: int = 0  # of `bytes`, those read from the trainers' packed regions of small runs
+    second_hop_bytes: int = 0  # read from pullers of this node (fan-out), not in `bytes`
+    second_hop_seconds: float = 0.0  # waiting for and reading them, inside `seconds`
 
     @property
     def gbps(self) -> float:
@@ -126,6 +129,12 @@ class Receiver(AgentOwner):
     serves them through a bounded ring, chunk by chunk: they are read first, each chunk as soon as
     its trainer's ring word says it is in the ring, and acknowledged so the trainer packs the next.
 
+    With node-local fan-out (a plan compiled with `gpus-per-node`), this rank reads from the trainers
+    only the entries it pulls for its node (`plan.pulling`); once that first hop landed it tells its
+    peers so, then READs its other replicated entries whole from their pullers on its node
+    (runtime/receiver/second_hops.py) and calls `post_op` once more with their names. A puller that
+    fails or dies fails the sync of the peers that depend on it, naming it.
+
     The plan's constants (vLLM's zero padding rows) are written once, at `start()`, before any sync: no
     READ touches their bytes, so a sync, failed or not, leaves them intact. The destination is the
     caller's memory, though: a caller that writes it itself (vLLM's own `load_weights`, a dummy
@@ -143,6 +152,7 @@ class Receiver(AgentOwner):
         if plan.staging:
             check_supported(plan)
         self.plan, self.rank, self.rendezvous, self.timeout, self.verify = plan, rank, rendezvous, timeout, verify
+        pull = self._pull = plan.pulling  # what this rank reads from the trainers (with fan-out, its first hops)
         self.post_op = post_op
         expected = {plan.dests[i].name: (plan.dests[i].shape, plan.dests[i].dtype) for i in np.flatnonzero(held)}
         given = named_tensors(destination, set(expected))
@@ -151,9 +161,15 @@ class Receiver(AgentOwner):
                                        plan.dests[i].dtype, f"inference rank {rank}") for i in np.flatnonzero(held)}
         check_no_aliases({plan.dests[i].name: view for i, view in self._dst.items()}, f"inference rank {rank}")
         self._derived = DerivedRefresh(plan, set(expected), destination, derived, act_dtype)
-        self._qt = quant_tables(plan) if plan.staging else None
-        self._quant = ReceiverQuant(plan, rank, self._qt, self._dst) if self._qt else None
-        reads = reads_of(plan, rank)
+        self._qt = quant_tables(pull) if plan.staging else None
+        self._quant = ReceiverQuant(pull, rank, self._qt, self._dst) if self._qt else None
+        self._hops = SecondHops(plan, rank, self._dst, rendezvous)
+        hop_entries = np.zeros(len(plan.dests) + 1, dtype=bool)
+        hop_entries[list(self._hops.entries)] = True
+        # The trainers' runs into second-hop entries, by trainer rank: what their digests cover (verify=True).
+        self._hop_reads = {src: r.take(np.flatnonzero(hop_entries[r.dest])) for src, r in reads_of(plan, rank).items()
+                           if hop_entries[r.dest].any()}
+        reads = reads_of(pull, rank)
         trainers = sorted(set(reads) | set(self._quant.sources if self._quant else ()))
         self.reads: dict[int, Reads] = {src: reads.get(src, _NO_READS) for src in trainers}
         groups = pipeline_groups({**self.reads, **(self._quant.grouping() if self._quant else {})}, group_bytes)
@@ -171,7 +187,7 @@ class Receiver(AgentOwner):
         self._group_names = [sorted(n) for n in names]
         self._seq = torch.zeros(plan.header["src_ranks"], dtype=torch.int64)
         self._ring_word = torch.zeros((plan.header["src_ranks"], 2), dtype=torch.int64)
-        packings = {src: packing(plan, src) for src in self.reads}
+        packings = {src: packing(pull, src) for src in self.reads}
         self._packed_bytes = {src: p.nbytes for src, p in packings.items()}
         packed_at = {src: packings[src].offsets_of(r.run) for src, r in self.reads.items()}
         try:
@@ -199,22 +215,30 @@ class Receiver(AgentOwner):
         if self.agent is not None:
             raise WeightplanError(f"inference rank {self.rank}: this Receiver was started already")
         self.agent = NixlAgent(inference_agent(self.rendezvous.job, self.rank), self._progress_thread)
-        self.agent.register(list(self._dst.values()) + [self._seq, self._ring_word] + (self._quant.slots if self._quant else []))
+        self.agent.register(list(self._dst.values()) + [self._seq, self._ring_word] + (self._quant.slots if self._quant else [])
+                            + self._hops.registered)
+        self._hops.start(self.agent)
         self._local = {src: self.agent.prepare(None, np.stack([t.local, t.nbytes], axis=1)) for src, t in self._tables.items()}
         self._seq_local = {src: self.agent.prepare(None, np.array([[self._seq.data_ptr() + 8 * src, 8]])) for src in self.reads}
         self._ring_local = {src: self.agent.prepare(None, np.array([[self._ring_word[src].data_ptr(), 16]])) for src in self.reads}
         self.write_constants()  # with the destinations registered, before this rank says it joined
+        if self._hops.served:  # peers of this node read entries from this rank (fan-out)
+            self.rendezvous.put(f"inference/{self.rank}/metadata/{self.incarnation}", self.agent.metadata())
+            self.rendezvous.put(f"inference/{self.rank}/info/{self.incarnation}", self._hops.info())
         self.rendezvous.put(f"inference/{self.rank}/joined", {"incarnation": self.incarnation, "agent": self.agent.name})
         return self
 
     def close(self) -> None:
         """Drop every trainer peer, deregister the destinations and release the agent; idempotent.
 
+        With fan-out, it first waits (at most the timeout) for this node's peers still reading the last version from it.
+
         The destination keeps the bytes of the last version (`version` says which, None if incomplete).
         """
         if not self.running:
             return
         self._drop_peers()
+        self._hops.close(time.monotonic() + self.timeout)  # peers of this node may still read its last version
         for prepared in [*self._local.values(), *self._seq_local.values(), *self._ring_local.values()]:
             self.agent.release_list(prepared)
         self.agent.close()
@@ -224,13 +248,15 @@ class Receiver(AgentOwner):
         return self._version
 
     def write_constants(self) -> int:
-        """(Re)write the plan's constant runs into this rank's destinations; returns the bytes written."""
-        return write_constants(self.plan, self.rank, self._dst.__getitem__)
+        """(Re)write the plan's constant runs into this rank's destinations (not into second-hop entries, which arrive
+        whole from their puller); returns the bytes written."""
+        return write_constants(self._pull, self.rank, self._dst.__getitem__)
 
     @property
     def constant_bytes(self) -> int:
         """Bytes of this rank's destinations the plan's constants write (never READ)."""
-        return sum(c.length * self._dst[c.dest].element_size() for c in self.plan.constants if c.dest in self._dst)
+        return sum(c.length * self._dst[c.dest].element_size() for c in self.plan.constants
+                   if self.rank in self._pull.dests[c.dest].ranks)
 
     @property
     def bytes(self) -> int:
@@ -281,13 +307,16 @@ class Receiver(AgentOwner):
         try:
             return self._sync(version, start, deadline)
         except (SyncError, PlanMismatchError) as exc:
+            self._hops.failed(version)
             for peer in self._peers.values():
                 self.agent.notify(peer.agent, f"fail:{version}")
             self._drop_peers()
+            self._hops.drop(version)
             raise type(exc)(f"inference rank {self.rank}: sync of version {version} failed; its weights are "
                             f"incomplete until a later sync succeeds: {exc}") from None
 
     def _sync(self, version: int, start: float, deadline: float) -> SyncReport:
+        self._hops.writing(version, deadline)  # before any byte of this version lands: peers are done with the last
         sources = sorted(self.reads)
         self.rendezvous.wait([f"trainer/{r}/version/{version}" for r in sources], deadline - time.monotonic(),
                              f"version {version} from trainer ranks {sources}")
@@ -306,12 +335,20 @@ class Receiver(AgentOwner):
         self._check_sequence(version, deadline, "after reading")
         for peer in self._peers.values():
             self.agent.notify(peer.agent, f"ack:{version}")
+        self._hops.landed(version)
+        if self._hops.inbound:
+            self._hops.receive(version, deadline)
+            if check is not None:
+                check("second hops")
+            if self.post_op is not None:
+                self.post_op(sorted(self.plan.dests[d].name for d in self._hops.entries))
+        self._hops.settle(deadline)  # this node's peers read what this rank pulled for them
         self._derived()  # after the ack: it reads only this rank's memory, so the trainers need not wait
         self._version = version
         report = SyncReport(version, self.rank, self.bytes, self.descriptors, len(sources), self.n_groups,
                             time.monotonic() - start, spent[0] if self.verify else None,
                             self._quant.seconds if self._quant else 0.0, self._derived.seconds, self.table_bytes,
-                            self.packed_read_bytes)
+                            self.packed_read_bytes, self._hops.bytes, self._hops.seconds if self._hops.inbound else 0.0)
         log.info("weightplan sync v%d inference rank %d: %.3f GB, %d descriptors from %d trainer ranks, %.3f s, %.2f GB/s%s%s",
                  version, self.rank, report.bytes / 1e9, report.descriptors, report.trainer_ranks, report.seconds,
                  report.gbps, f", verified in {report.verify_seconds:.3f} s" if self.verify else "",
@@ -456,21 +493,23 @@ class Receiver(AgentOwner):
         return run
 
     def _verifier(self, version: int, deadline: float):
-        """A post-op comparing each group's landed bytes with the digests the trainers published for `version`."""
-        keys = [f"trainer/{r}/digests/{version}" for r in self._peers]
+        """A post-op comparing each group's landed bytes with the digests the trainers published for `version`;
+        check("second hops") compares the entries read from pullers of this node (fan-out) with them too."""
+        trainers = sorted(set(self._peers) | set(self._hop_reads))
+        keys = [f"trainer/{r}/digests/{version}" for r in trainers]
         self.rendezvous.wait(keys, deadline - time.monotonic(), "trainer digests (start trainers with digests=True)")
-        theirs = {r: self.rendezvous.get_json(f"trainer/{r}/digests/{version}") for r in self._peers}
+        theirs = {r: self.rendezvous.get_json(f"trainer/{r}/digests/{version}") for r in trainers}
         buffers = {d: byte_view(t) for d, t in self._dst.items()}
         spent = [0.0]
 
-        def check(group: int) -> None:
+        def check(group) -> None:
             began = time.perf_counter()
             bad = []
-            for rank, reads in self.reads.items():
-                rows = self._groups[rank] == group
-                part = reads.take(rows)
+            hops = group == "second hops"
+            for rank, reads in (self._hop_reads if hops else self.reads).items():
+                part = reads if hops else reads.take(self._groups[rank] == group)
                 ours = {str(d): h for d, h in run_digests(buffers, part.dest, part.dst_byte, part.dst_stride, part).items()}
-                if self._quant and rank in self._quant.rows:
+                if not hops and self._quant and rank in self._quant.rows:
                     ours.update(self._quant.digests(rank, group))
                 bad += [f"{self._key_name(k)} (from trainer rank {rank})" for k, h in ours.items() if theirs[rank].get(k) != h]
             spent[0] += time.perf_counter() - began
@@ -492,5 +531,6 @@ class Receiver(AgentOwner):
         self._peers.pop(peer.rank, None)
 
     def _drop_peers(self) -> None:
+        """Drop every trainer peer (second-hop pullers are SecondHops')."""
         for peer in list(self._peers.values()):
             self._drop_peer(peer)

@@ -20,7 +20,7 @@ from ..tables.quant import check_supported, exposed_regions, quant_readers, quan
 from ..tables.ranks import check_src_rank, packing_of, readers, served_runs
 from ..tables.ring import DEFAULT_RING_BYTES, ring_chunks
 from ..transport.lifecycle import AgentOwner
-from ..transport.nixl_agent import NixlAgent
+from ..transport.nixl_agent import NixlAgent, peer_notifications
 from ..transport.region_digests import byte_view, run_digests
 from ..transport.rendezvous import INCARNATION, Rendezvous, inference_agent, trainer_agent
 from .pack import CastSource, PackRuns
@@ -28,7 +28,7 @@ from .quant import SenderQuant
 from .trainer_gather import TrainerGather, gathered_key, staged_key
 
 log = logging.getLogger("weightplan.runtime")
-_MESSAGE = re.compile(r"^(begin|ack|fail):(\d+)$|^(ring):(\d+):(\d+)$")
+_MESSAGE = re.compile(r"(begin|ack|fail):(\d+)|(ring):(\d+):(\d+)")
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,7 @@ class Sender(AgentOwner):
         check_src_rank(plan, rank)
         if plan.staging:
             check_supported(plan)
+        plan = plan.pulling  # with fan-out, each replicated entry is read from this rank by one inference rank per node
         self.plan, self.rank, self.rendezvous, self.timeout, self.digests = plan, rank, rendezvous, timeout, digests
         tables = quant_tables(plan) if plan.staging else None
         self.regions = exposed_regions(plan, tables, rank)
@@ -340,19 +341,10 @@ class Sender(AgentOwner):
     def _messages(self):
         """Parsed notifications from inference ranks of this plan; anything else is dropped."""
         names = {inference_agent(self.rendezvous.job, k): k for k in self.readers}
-        for agent, messages in self.agent.notifications().items():
-            rank = names.get(agent)
-            if rank is None:
-                log.warning("trainer rank %d: ignoring notifications from unknown agent %r", self.rank, agent)
-                continue
-            for text in messages:
-                match = _MESSAGE.match(text)
-                if match is None:
-                    log.warning("trainer rank %d: ignoring malformed notification from %s", self.rank, agent)
-                    continue
-                self._live.add(rank)
-                self._given_up.pop(rank, None)
-                if match[3]:
-                    yield rank, "ring", int(match[4]), int(match[5])
-                else:
-                    yield rank, match[1], int(match[2]), -1
+        for rank, match in peer_notifications(self.agent, names, _MESSAGE, f"trainer rank {self.rank}"):
+            self._live.add(rank)
+            self._given_up.pop(rank, None)
+            if match[3]:
+                yield rank, "ring", int(match[4]), int(match[5])
+            else:
+                yield rank, match[1], int(match[2]), -1
