@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,7 +28,9 @@ class TracedLoad:
     dests: list[TensorEntry]
     layer_reuse: tuple[LayerReuse, ...] = ()
     reused_assignments: int = 0  # assignments the reused layers stand for
-    claimed: frozenset[str] = frozenset()  # the names load_weights reported as loaded (if it reports any)
+    # the names load_weights reported as loaded (if it reports any); not compared: a shared model is not fed the
+    # experts other ranks hold (rank_models.py), so its report is shorter while its assignments are the real build's
+    claimed: frozenset[str] = field(default=frozenset(), compare=False)
     unloaded: tuple[TensorEntry, ...] = ()  # parameters vLLM's load never writes (frontend/unloaded.py), not in dests
 
     def expanded(self) -> list[Assignment]:
