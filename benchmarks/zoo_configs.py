@@ -39,6 +39,15 @@ PER_MODEL = {
     },
     "gemma4_text": {"global_head_dim": 32,  # head_dim of the full-attention layers (default 512)
                     "enable_moe_block": True, "top_k_experts": 2},  # vLLM builds MoE blocks whenever num_experts is set
+    # Fields vLLM's model reads that transformers' config class does not define (published checkpoints carry them):
+    "gptj": {"rotary_dim": 8},  # default 64, wider than the tiny 16-wide heads
+    "glm4_moe": {"head_dim": TINY["head_dim"]},
+    "glm4_moe_lite": {"first_k_dense_replace": 1},
+    "hy_v3": {"first_k_dense_replace": 1, "expert_hidden_dim": TINY["moe_intermediate_size"], "route_norm": True,
+              "qk_norm": True},
+    "minimax_m2": {"rotary_dim": 8, "scoring_func": "sigmoid", "use_routing_bias": True},
+    "afmoe": {"score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1},
+    "inkling_text": {"padded_vocab_size": TINY["vocab_size"], "use_embed_norm": False},
     "qwen4_exp_text": _QWEN4_EXP_TEXT,
     "qwen4_exp": {"text_config": _QWEN4_EXP_TEXT},
 }
