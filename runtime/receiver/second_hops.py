@@ -182,8 +182,9 @@ class SecondHops:
                 moved = True
             if not moved:
                 if time.monotonic() > deadline:
-                    raise SyncError(f"version {version}: timed out waiting for inference ranks {pending} of this node to "
-                                    f"land their first hop ({self._what(pending)})")
+                    ranks = ", ".join(f"inference rank {p}" for p in pending)
+                    raise SyncError(f"version {version}: timed out waiting for {ranks} of this node to land their first "
+                                    f"hop ({self._what(pending)})")
                 time.sleep(pause)
                 pause = min(2 * pause, 1e-3)
         self.seconds = time.monotonic() - began
