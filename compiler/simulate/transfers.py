@@ -11,7 +11,7 @@ import numpy as np
 from ...runtime.fp8.numerics import BLOCK, span_bands, span_elements
 from ...runtime.plan.format import Plan
 from ...runtime.plan.schema import DTYPE_SIZES, GATHER, RECEIVER
-from ...runtime.tables.fanout import second_hops
+from ...runtime.tables.fanout import hops
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,9 @@ def second_hop_matrix(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
     """[puller, peer] bytes and descriptors (one per whole entry) of a fan-out plan's second hops; zeros without fan-out."""
     n_dst = plan.header["dst_ranks"]
     hop_bytes, hop_desc = np.zeros((n_dst, n_dst)), np.zeros((n_dst, n_dst))
-    for peer in range(n_dst):
-        for puller, entries in second_hops(plan, peer).items():
-            hop_bytes[puller, peer] = sum(plan.dests[d].nbytes for d in entries)
-            hop_desc[puller, peer] = len(entries)
+    for peer, puller, dest in hops(plan):
+        hop_bytes[puller, peer] += plan.dests[dest].nbytes
+        hop_desc[puller, peer] += 1
     return hop_bytes, hop_desc
 
 

@@ -20,7 +20,7 @@ from ..tables.ring import DEFAULT_RING_BYTES, ring_chunks
 from ..tables.ranks import (Reads, RemoteRegion, held_entries, packing, pipeline_groups, reads_of, region_addresses,
                             row_pieces)
 from ..transport.lifecycle import AgentOwner
-from ..transport.nixl_agent import NixlAgent, contiguous_starts
+from ..transport.nixl_agent import Backoff, NixlAgent, contiguous_starts
 from ..transport.peer_check import checked_regions, checked_word
 from ..transport.region_digests import byte_view, run_digests
 from ..transport.rendezvous import INCARNATION, Rendezvous, inference_agent, trainer_agent
@@ -164,11 +164,8 @@ class Receiver(AgentOwner):
         self._qt = quant_tables(pull) if plan.staging else None
         self._quant = ReceiverQuant(pull, rank, self._qt, self._dst) if self._qt else None
         self._hops = SecondHops(plan, rank, self._dst, rendezvous)
-        hop_entries = np.zeros(len(plan.dests) + 1, dtype=bool)
-        hop_entries[list(self._hops.entries)] = True
         # The trainers' runs into second-hop entries, by trainer rank: what their digests cover (verify=True).
-        self._hop_reads = {src: r.take(np.flatnonzero(hop_entries[r.dest])) for src, r in reads_of(plan, rank).items()
-                           if hop_entries[r.dest].any()}
+        self._hop_reads = self._runs_into(self._hops.entries) if self._hops.entries else {}
         reads = reads_of(pull, rank)
         trainers = sorted(set(reads) | set(self._quant.sources if self._quant else ()))
         self.reads: dict[int, Reads] = {src: reads.get(src, _NO_READS) for src in trainers}
@@ -277,6 +274,13 @@ class Receiver(AgentOwner):
     def descriptors(self) -> int:
         """READ descriptors posted per sync (small runs arrive packed, so fewer than the plan's runs)."""
         return sum(len(t) for t in self._tables.values())
+
+    def _runs_into(self, entries) -> dict[int, Reads]:
+        """This rank's reads of the plan's runs into `entries`, by trainer rank (as if it pulled them itself)."""
+        wanted = np.zeros(len(self.plan.dests) + 1, dtype=bool)
+        wanted[list(entries)] = True
+        return {src: r.take(np.flatnonzero(wanted[r.dest])) for src, r in reads_of(self.plan, self.rank).items()
+                if wanted[r.dest].any()}
 
     def _local_addresses(self, reads: Reads) -> np.ndarray:
         base = np.array([self._dst[int(d)].data_ptr() for d in reads.dest.tolist()], dtype=np.int64)
@@ -423,7 +427,7 @@ class Receiver(AgentOwner):
         it), then acknowledged. No wait blocks on one trainer, so rings of several trainers cannot deadlock.
         """
         pending = {rank: sorted(peer.ring_reads) for rank, peer in self._peers.items() if peer.ring_reads}
-        pause = 1e-5
+        backoff = Backoff()
         while pending:
             moved = False
             for rank in list(pending):
@@ -443,8 +447,7 @@ class Receiver(AgentOwner):
             if not moved:
                 if time.monotonic() > deadline:
                     raise SyncError(f"version {version}: timed out waiting for ring chunks of trainer ranks {sorted(pending)}")
-                time.sleep(pause)
-                pause = min(2 * pause, 1e-3)
+                backoff.sleep()
 
     def _ring_state(self, peer: _Peer, version: int, chunk: int, deadline: float) -> str:
         """'ready' when trainer `peer`'s ring holds `chunk` of `version`, 'wait' before; SyncError once past it."""

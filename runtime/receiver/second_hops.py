@@ -25,9 +25,9 @@ import torch
 from ..errors import PlanMismatchError, SyncError
 from ..plan.format import Plan
 from ..tables.fanout import second_hops, served_entries, served_hops
-from ..transport.nixl_agent import NixlAgent, peer_notifications
+from ..transport.nixl_agent import Backoff, NixlAgent, peer_notifications
 from ..transport.peer_check import checked_word
-from ..transport.rendezvous import INCARNATION, Rendezvous, inference_agent
+from ..transport.rendezvous import Rendezvous, inference_agent, joined_incarnation
 
 log = logging.getLogger("weightplan.runtime")
 WRITING, LANDED, FAILED = 0, 1, 2
@@ -111,7 +111,7 @@ class SecondHops:
         # peers that joined when it landed and are still that incarnation (a restarted peer never reads the old version)
         current = self._awaited()
         waiting = {peer for peer, incarnation in self._readers.items() if current.get(peer) == incarnation}
-        pause = 1e-5
+        backoff = Backoff()
         while waiting - self._done:
             self._collect()
             if not waiting - self._done:
@@ -123,8 +123,7 @@ class SecondHops:
                 for peer in late:
                     self._given_up[peer] = self._incarnation(peer)
                 break
-            time.sleep(pause)
-            pause = min(2 * pause, 1e-3)
+            backoff.sleep()
         self._landed = None
 
     def _awaited(self) -> dict[int, str]:
@@ -137,14 +136,10 @@ class SecondHops:
         return out
 
     def _incarnation(self, peer: int) -> str | None:
-        key = f"inference/{peer}/joined"
-        if not self.rendezvous.exists(key):
-            return None
         try:
-            incarnation = self.rendezvous.get_json(key).get("incarnation")
+            return joined_incarnation(self.rendezvous, peer)
         except SyncError:  # a malformed record: not a peer to wait for
             return None
-        return incarnation if isinstance(incarnation, str) and INCARNATION.fullmatch(incarnation) else None
 
     def _collect(self) -> None:
         for peer, match in peer_notifications(self.agent, self._peers, _DONE, f"inference rank {self.rank}"):
@@ -166,7 +161,7 @@ class SecondHops:
         pending = sorted(self.inbound)
         for puller in pending:
             self._connect(puller, deadline)
-        pause = 1e-5
+        backoff = Backoff()
         while pending:
             moved = False
             for puller in list(pending):
@@ -185,8 +180,7 @@ class SecondHops:
                     ranks = ", ".join(f"inference rank {p}" for p in pending)
                     raise SyncError(f"version {version}: timed out waiting for {ranks} of this node to land their first "
                                     f"hop ({self._what(pending)})")
-                time.sleep(pause)
-                pause = min(2 * pause, 1e-3)
+                backoff.sleep()
         self.seconds = time.monotonic() - began
         return self.seconds
 
@@ -211,10 +205,7 @@ class SecondHops:
         """Prepare READs from the current incarnation of `puller` unless they exist (it may have restarted)."""
         key = f"inference/{puller}/joined"
         self.rendezvous.wait([key], deadline - time.monotonic(), f"inference rank {puller} (a puller of this node) to join")
-        joined = self.rendezvous.get_json(key)
-        incarnation = joined.get("incarnation")
-        if not isinstance(incarnation, str) or not INCARNATION.fullmatch(incarnation):
-            raise SyncError(f"inference rank {puller}: its joined record has no valid incarnation")
+        incarnation = joined_incarnation(self.rendezvous, puller)
         current = self._pullers.get(puller)
         if current is not None and current.incarnation == incarnation:
             return

@@ -22,7 +22,7 @@ from ..tables.ring import DEFAULT_RING_BYTES, ring_chunks
 from ..transport.lifecycle import AgentOwner
 from ..transport.nixl_agent import NixlAgent, peer_notifications
 from ..transport.region_digests import byte_view, run_digests
-from ..transport.rendezvous import INCARNATION, Rendezvous, inference_agent, trainer_agent
+from ..transport.rendezvous import Rendezvous, inference_agent, joined_incarnation, trainer_agent
 from .pack import CastSource, PackRuns
 from .quant import SenderQuant
 from .trainer_gather import TrainerGather, gathered_key, staged_key
@@ -324,16 +324,12 @@ class Sender(AgentOwner):
     def _refresh_joined(self) -> None:
         """Wait for inference ranks that joined since the last check (each process has its own incarnation)."""
         for rank in self.readers:
-            key = f"inference/{rank}/joined"
-            if self.rendezvous.exists(key):
-                try:
-                    incarnation = self.rendezvous.get_json(key).get("incarnation")
-                except SyncError as exc:  # one bad reader record never makes a trainer fail
-                    log.warning("trainer rank %d: ignoring inference rank %d's join: %s", self.rank, rank, exc)
-                    continue
-                if not isinstance(incarnation, str) or not INCARNATION.fullmatch(incarnation):
-                    log.warning("trainer rank %d: ignoring inference rank %d's join: malformed incarnation", self.rank, rank)
-                    continue
+            try:
+                incarnation = joined_incarnation(self.rendezvous, rank)
+            except SyncError as exc:  # one bad reader record never makes a trainer fail
+                log.warning("trainer rank %d: ignoring inference rank %d's join: %s", self.rank, rank, exc)
+                continue
+            if incarnation is not None:
                 self._joined[rank] = incarnation
                 if self._given_up.get(rank) != incarnation:
                     self._live.add(rank)

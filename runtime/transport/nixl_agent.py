@@ -23,6 +23,17 @@ def _nixl():
     return nixl_agent, nixl_agent_config
 
 
+class Backoff:
+    """The pause between polls of something not ready yet: 10 us, doubling up to 1 ms."""
+
+    def __init__(self):
+        self.pause = 1e-5
+
+    def sleep(self) -> None:
+        time.sleep(self.pause)
+        self.pause = min(2 * self.pause, 1e-3)
+
+
 class NixlAgent:
     """One NIXL agent of this process. Every transfer is a one-sided READ initiated here."""
 
@@ -112,7 +123,7 @@ class NixlAgent:
     def wait(self, handles: list[tuple[object, str]], deadline: float, what: str) -> None:
         """Wait until every posted (transfer, peer) is done; an error state or the deadline raises SyncError."""
         pending = list(handles)
-        pause = 1e-5
+        backoff = Backoff()
         while pending:
             still = []
             for handle, peer in pending:
@@ -129,8 +140,7 @@ class NixlAgent:
                 if time.monotonic() > deadline:
                     peers = sorted({peer for _, peer in pending})
                     raise SyncError(f"{what}: timed out waiting for READs from {', '.join(peers)}")
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
+                backoff.sleep()
 
     def release(self, handle) -> None:
         try:

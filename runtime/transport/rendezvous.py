@@ -36,6 +36,18 @@ _SIGNED, _PLAIN = b"wp1s", b"wp1p"  # record tags: HMAC-signed, or plain (a job 
 _MAC_BYTES = 32
 
 
+def joined_incarnation(rendezvous: "Rendezvous", rank: int) -> str | None:
+    """The incarnation inference `rank` joined with (`inference/<rank>/joined`), None if it has not joined;
+    SyncError if the record is unreadable or holds no valid incarnation."""
+    key = f"inference/{rank}/joined"
+    if not rendezvous.exists(key):
+        return None
+    incarnation = rendezvous.get_json(key).get("incarnation")
+    if not isinstance(incarnation, str) or not INCARNATION.fullmatch(incarnation):
+        raise SyncError(f"inference rank {rank}: its joined record has no valid incarnation")
+    return incarnation
+
+
 def trainer_agent(job: str, rank: int) -> str:
     """The NIXL agent name of trainer `rank` in `job`."""
     return f"{job}.trainer.{rank}"
