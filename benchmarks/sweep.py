@@ -1,7 +1,9 @@
 """`make sweep`: compile and verify a tiny config of every architecture vLLM and transformers share, per trainer format.
 
 One line per architecture and format (compiled, verified, seconds, and why not), then a last
-line of JSON: {"attempted", "compiled", "verified", "failures", "vllm_cpu_cannot_build", "vllm_cannot_load"}.
+line of JSON: {"attempted", "compiled", "verified", "failures", "vllm_cpu_cannot_build", "vllm_cannot_load",
+"multimodal_not_swept"}. The zoo is every transformers causal LM vLLM serves as a text model, with its own class or
+through its Transformers modeling backend; multimodal architectures are listed, not swept (their text models are).
 A format that does not compile is loaded once more by vLLM itself, from real tensors (its own
 load_weights and DefaultModelLoader's check); if vLLM refuses them too, the line says so and is
 counted under vllm_cannot_load, not attempted.
@@ -20,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from zoo_configs import write_config, zoo  # noqa: E402
+from zoo_configs import multimodal_zoo, write_config, zoo  # noqa: E402
 
 
 def run_one(model_type: str, architecture: str, workdir: Path) -> None:
@@ -131,7 +133,8 @@ def main() -> int:
     print(json.dumps({"attempted": len(rows) - len(unbuildable) - len(refused), "compiled": sum(r["compiled"] for r in rows),
                       "verified": sum(r["verified"] for r in rows), "failures": failures,
                       "vllm_cpu_cannot_build": [f"{r['architecture']}: {r['reason']}" for r in unbuildable],
-                      "vllm_cannot_load": [f"{r['architecture']}/{r['format']}: {r['reason']}" for r in refused]}))
+                      "vllm_cannot_load": [f"{r['architecture']}/{r['format']}: {r['reason']}" for r in refused],
+                      "multimodal_not_swept": [arch for _, arch in multimodal_zoo()]}))
     return 0
 
 

@@ -107,11 +107,27 @@ def _clean(config: dict) -> dict:
 
 
 def zoo() -> list[tuple[str, str]]:
-    """(model_type, architecture) for every transformers causal LM whose class name vLLM serves."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    from vllm.model_executor.models.registry import _TEXT_GENERATION_MODELS
+    """(model_type, architecture) for every transformers causal LM that vLLM's registry serves as a text model: with
+    its own model class, or through its Transformers modeling backend (HunYuan-V1, SeedOss, Starcoder2, OLMo, ...)."""
+    from vllm.model_executor.models.registry import _MULTIMODAL_MODELS
 
-    return sorted((mt, arch) for mt, arch in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if arch in _TEXT_GENERATION_MODELS)
+    return [(mt, arch) for mt, arch in _served() if arch not in _MULTIMODAL_MODELS]
+
+
+def multimodal_zoo() -> list[tuple[str, str]]:
+    """The causal-LM mapping's entries vLLM serves as multimodal models (a vision tower beside the text model):
+    not swept, their text models are (gemma3 -> gemma3_text)."""
+    from vllm.model_executor.models.registry import _MULTIMODAL_MODELS
+
+    return [(mt, arch) for mt, arch in _served() if arch in _MULTIMODAL_MODELS]
+
+
+def _served() -> list[tuple[str, str]]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    served = set(ModelRegistry.get_supported_archs())
+    return sorted((mt, arch) for mt, arch in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if arch in served)
 
 
 def write_config(directory: Path, model_type: str, architecture: str, **overrides) -> Path:

@@ -120,11 +120,12 @@ def check_inputs(opts: CompileOptions) -> _Inputs:
 def compile_plan(opts: CompileOptions, *, log=None) -> CompileResult:
     """Compile and write one plan; `log(msg)` receives progress lines."""
     inputs = check_inputs(opts)
+    trainer_model = trainer_tensors(inputs.config_dir, opts.trainer_dtype, trainer_format(opts), opts.trainer_adapter)
     with gc_paused(), host_independent():
-        return _compile(opts, inputs, log or (lambda msg: None))
+        return _compile(opts, inputs, trainer_model, log or (lambda msg: None))
 
 
-def _compile(opts: CompileOptions, inputs: _Inputs, log) -> CompileResult:
+def _compile(opts: CompileOptions, inputs: _Inputs, trainer_model, log) -> CompileResult:
     trainer_layout, inference, name, config_dir = inputs.trainer_layout, inputs.inference, inputs.name, inputs.config_dir
     timings: dict[str, float] = {"setup": 0.0, "build": 0.0, "trace": 0.0, "passes": 0.0}
     start, start_cpu = time.perf_counter(), time.process_time()
@@ -137,7 +138,6 @@ def _compile(opts: CompileOptions, inputs: _Inputs, log) -> CompileResult:
                                     draft=opts.draft)
                    if inference.ranks > 1 else base)
     fmt = trainer_format(opts)
-    trainer_model = trainer_tensors(config_dir, opts.trainer_dtype, fmt, opts.trainer_adapter)
     draft_meta = {}
     if opts.draft:  # the trainer's MTP tensors; the draft's own tensors are read off vLLM's one-rank draft
         check_draft_architecture(draft_config(base).architectures[0], config_dir / "config.json")

@@ -286,7 +286,6 @@ def _poisoned(entry) -> torch.Tensor:
     return tensor
 
 
-@host_independent()
 def vllm_load_quantized(vllm_config, base, plan: Plan, full: dict[str, torch.Tensor], chosen: set[str] | None,
                         tp_rank: int, dp_rank: int) -> dict[str, torch.Tensor]:
     """vLLM's own online quantization on CPU: load_weights, then process_weights_after_loading of the quantized layers.
@@ -299,6 +298,12 @@ def vllm_load_quantized(vllm_config, base, plan: Plan, full: dict[str, torch.Ten
     built with the kernel-choice stub (vllm_patches.triton_fp8_kernels). Attention layers' own post-load
     step (MLA absorption, not a parameter) is not run. Returns the chosen (or all) parameters.
     """
+    return _vllm_load_quantized(vllm_config, base, plan, plan_conversion(vllm_config, plan), full, chosen, tp_rank, dp_rank)
+
+
+@host_independent()
+def _vllm_load_quantized(vllm_config, base, plan: Plan, conversion: Conversion, full: dict[str, torch.Tensor],
+                         chosen: set[str] | None, tp_rank: int, dp_rank: int) -> dict[str, torch.Tensor]:
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
     from vllm.model_executor.model_loader.reload import finalize_layerwise_processing
 
@@ -318,7 +323,7 @@ def vllm_load_quantized(vllm_config, base, plan: Plan, full: dict[str, torch.Ten
             owners = {_module_of(name) for name in chosen}
             layers = torch.nn.ModuleList([m for name, m in model.named_modules() if name in owners])
         with torch.no_grad(), parallel_rank(vllm_config, tp_rank, dp_rank):
-            model.load_weights(plan_conversion(vllm_config, plan)(stream()))
+            model.load_weights(conversion(stream()))
             # Layers vLLM did not process while loading (padding left them incomplete) are processed here.
             finalize_layerwise_processing(layers, vllm_config.model_config)
             for module in layers.modules():
@@ -329,7 +334,10 @@ def vllm_load_quantized(vllm_config, base, plan: Plan, full: dict[str, torch.Ten
 
 
 def plan_conversion(vllm_config, plan: Plan) -> Conversion:
-    """The plan's trainer -> checkpoint conversion (its --trainer-format) for the config vLLM was built from."""
+    """The plan's trainer -> checkpoint conversion (its --trainer-format) for the config vLLM was built from.
+
+    The trainer's model is built here, outside every vLLM patch (vllm_patches.check_unpatched).
+    """
     trainer = plan.header["trainer"]
     from .compile import trainer_tensors
 
@@ -373,11 +381,17 @@ def _materialize(model: torch.nn.Module, names: set[str], fill: float) -> dict[s
     return out
 
 
-@host_independent()
 def _vllm_load(vllm_config, base, plan: Plan, full: dict[str, torch.Tensor], chosen: set[str], tp_rank: int, dp_rank: int,
                untouched: set[str] = frozenset()):
     """vLLM's own load_weights of the trainer's full weights into this rank's model (ground truth): the chosen
     parameters, and those of `untouched` (the plan's unloaded parameters) that the load wrote (it should write none)."""
+    return _vllm_load_patched(vllm_config, base, plan_conversion(vllm_config, plan), plan, full, chosen, tp_rank, dp_rank,
+                              untouched)
+
+
+@host_independent()
+def _vllm_load_patched(vllm_config, base, conversion: Conversion, plan: Plan, full: dict[str, torch.Tensor],
+                       chosen: set[str], tp_rank: int, dp_rank: int, untouched: set[str]):
     model = build_model(vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=base)
     params = _materialize(model, chosen, fill=0.0)
     sentinels = _materialize(model, set(untouched), fill=float("nan"))
@@ -391,7 +405,7 @@ def _vllm_load(vllm_config, base, plan: Plan, full: dict[str, torch.Tensor], cho
             yield entry.name, tensor
 
     with torch.no_grad(), parallel_rank(vllm_config, tp_rank, dp_rank):
-        model.load_weights(plan_conversion(vllm_config, plan)(stream()))
+        model.load_weights(conversion(stream()))
     held = named_tensors(model, sentinels)  # a loader that replaces a parameter wrote it too
     written = {n for n, t in sentinels.items()
                if n not in held or held[n].data_ptr() != t.data_ptr() or not torch.equal(_bytes(t), before[n])}

@@ -12,7 +12,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from benchmarks.synthetic_plans import tp_plan
@@ -206,11 +206,17 @@ def ring_case(tmp_path_factory):
     full = full_weights(plan, 0, 1)
     unbounded, _, stats, rings = _sync_pair_of_pairs(plan, full, DEFAULT_RING_BYTES)
     assert rings == [None, None]
+    assert [s.packed_bytes for s in stats] == [_PACKED_BYTES] * 2  # a ring this large or larger holds it all: no ring
     return plan, full, unbounded, stats
 
 
+_PACKED_BYTES = 128_000  # each trainer rank's packed region in ring_case (4 column-split matrices, 16000-byte runs)
+
+
 @settings(max_examples=6, deadline=None)
-@given(st.integers(16_000, 128_000))
+@given(st.integers(16_000, _PACKED_BYTES - 1))
+@example(16_000)  # one run per chunk
+@example(_PACKED_BYTES - 1)  # the largest ring that still cuts (128000, drawn once, is no ring at all)
 def test_ring_buffered_serving_equals_unbounded_serving_byte_for_byte(ring_case, ring_bytes):
     plan, full, unbounded, unbounded_stats = ring_case
     destinations, reports, stats, rings = _sync_pair_of_pairs(plan, full, ring_bytes)

@@ -158,3 +158,52 @@ def test_fp8_plans_and_their_verification_do_not_depend_on_the_host(monkeypatch,
             assert result.tensors == sum(len(e.ranks) for e in load_plan(plans[has_features]).dests)
     assert plans[True].read_bytes() == plans[False].read_bytes()
     assert load_plan(plans[True]).header["inference"]["vllm_host"] == vllm_patches.HOST_PROFILE
+
+
+# --- the trainer's transformers model is built outside every patch, and vLLM leaves transformers alone ----------
+
+
+def _transformers_classes(model_type: str) -> dict[str, tuple]:
+    """Bases and own attributes of every class in transformers' modeling module for `model_type`."""
+    import importlib
+    import inspect
+
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    return {name: (cls.__bases__, dict(vars(cls))) for name, cls in inspect.getmembers(module, inspect.isclass)
+            if cls.__module__ == module.__name__}
+
+
+def test_a_patch_left_active_refuses_to_build_the_trainer_model():
+    from weightplan.compiler.frontend.trainer_formats import load_trainer_model
+
+    assert vllm_patches.active_targets() == ()
+    with vllm_patches.host_independent():
+        assert "torch.cpu:_is_amx_tile_supported" in vllm_patches.active_targets()
+        with pytest.raises(RuntimeError, match=r"building the trainer's transformers model runs while vLLM is patched "
+                                               r"\(torch\.cpu:_is_avx2_supported, "):
+            load_trainer_model(config_dir("tiny-llama"), torch.bfloat16)
+    assert vllm_patches.active_targets() == ()
+
+
+def test_transformers_backed_models_verify_from_a_fresh_process(tmp_path):
+    """vLLM serves HunYuan-V1 (like SeedOss, Starcoder2, OLMo) through its Transformers backend, which decorates
+    transformers' own decoder class for torch.compile; a verify-plan process that builds vLLM's model first must
+    still build the trainer's transformers model (issue 33), and compiling must leave transformers' classes as
+    they were."""
+    import subprocess
+    import sys
+
+    from weightplan.compiler.compile import CompileOptions, compile_plan
+    from weightplan.compiler.frontend.trainer_formats import load_trainer_model
+
+    model = str(config_dir("tiny-hunyuan-moe"))
+    load_trainer_model(Path(model), torch.bfloat16)  # transformers caches class facts on its own first build
+    before = _transformers_classes("hunyuan_v1_moe")
+    plan = tmp_path / "hunyuan.plan"
+    compile_plan(CompileOptions(model, output=plan))
+    assert _transformers_classes("hunyuan_v1_moe") == before
+    assert vllm_patches.active_targets() == ()
+    verify = Path(sys.executable).parent / "verify-plan"
+    done = subprocess.run([str(verify), str(plan), "--model", model], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "identical to vLLM" in done.stdout

@@ -22,6 +22,7 @@ from ..ir import TensorEntry
 from ...runtime.errors import WeightplanError
 from .errors import ModelConfigError
 from .lazy_weight import dtype_name
+from .vllm_patches import check_unpatched
 
 ADAPTER_FORMAT = "adapter"  # the plan header's trainer format for an adapter's tensors
 _SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -67,6 +68,7 @@ def check_adapter_spec(spec: str) -> None:
 def load_adapter(spec: str, config_dir: Path, dtype: torch.dtype) -> AdapterTrainer:
     """Import `module:callable`, build the adapter for this config, and read its state dict (one-line errors)."""
     check_adapter_spec(spec)
+    check_unpatched(f"building the trainer adapter {spec}")
     module_name, attr = spec.split(":")
     try:
         module = importlib.import_module(module_name)

@@ -94,9 +94,14 @@ class Conversion:
 
 
 def load_trainer_model(config_dir: Path, dtype: torch.dtype) -> TrainerModel:
-    """transformers' model for this config on meta (master weights in `dtype`) and its checkpoint tensor table."""
-    from ..models import config_hash
+    """transformers' model for this config on meta (master weights in `dtype`) and its checkpoint tensor table.
 
+    It is transformers' own model, so it is built with every vLLM patch of the compiler lifted.
+    """
+    from ..models import config_hash
+    from .vllm_patches import check_unpatched
+
+    check_unpatched("building the trainer's transformers model")
     return _load_trainer_model(Path(config_dir), dtype, config_hash(Path(config_dir)))
 
 

@@ -69,18 +69,33 @@ def _replaced(replacements: dict[str, object]) -> Iterator[None]:
     try:
         for target, value in replacements.items():
             owner, attribute = resolve(target)
-            saved.append((owner, attribute, owner.__dict__.get(attribute, _MISSING), getattr(owner, attribute)))
+            saved.append((target, owner, attribute, owner.__dict__.get(attribute, _MISSING)))
             setattr(owner, attribute, value)
+            _ACTIVE.append(target)
         yield
     finally:
-        for owner, attribute, own, _ in reversed(saved):
+        for target, owner, attribute, own in reversed(saved):
             if own is _MISSING:
                 delattr(owner, attribute)  # it was inherited (e.g. a classmethod seen on an instance)
             else:
                 setattr(owner, attribute, own)
+            _ACTIVE.remove(target)
 
 
 _MISSING = object()
+_ACTIVE: list[str] = []  # targets replaced right now, in the order they were replaced
+
+
+def active_targets() -> tuple[str, ...]:
+    """The `module:attr` targets a patch of this inventory holds replaced right now (empty outside every patch)."""
+    return tuple(_ACTIVE)
+
+
+def check_unpatched(what: str) -> None:
+    """Refuse to run `what` (code outside vLLM, e.g. building the trainer's transformers model) while a patch is active."""
+    if _ACTIVE:
+        raise RuntimeError(f"{what} runs while vLLM is patched ({', '.join(dict.fromkeys(_ACTIVE))}); "
+                           "the compiler's patches (compiler/frontend/vllm_patches.py) must be scoped to vLLM's own work")
 
 
 def import_host_kernels() -> None:
@@ -295,6 +310,22 @@ def triton_fp8_kernels():
     })
 
 
+def transformers_classes_untouched():
+    """Keep vLLM's Transformers modeling backend from decorating transformers' own model classes while building.
+
+    For architectures vLLM serves through transformers (SeedOss, Starcoder2, HunYuan-V1, OLMo, ...),
+    `Base.__init__` applies `support_torch_compile` to transformers' decoder class itself: a new
+    `__init__` that reads the current vLLM config, a new `__call__`, an extra base class, for the
+    rest of the process. Building that class afterwards outside a vLLM config (the trainer model
+    verify-plan needs) then fails. The decoration only routes forward through torch.compile, which
+    tracing never runs; it owns no parameter.
+    """
+    return _replaced({_TRANSFORMERS_DECORATE: lambda *args, **kwargs: None})
+
+
+_TRANSFORMERS_DECORATE = "vllm.model_executor.models.transformers.base:Base._decorate_cls_for_torch_compile"
+
+
 def clear_layer_registry(vllm_config) -> None:
     """Forget the attention layers the previous model registered: vLLM refuses a layer name registered twice."""
     vllm_config.compilation_config.static_forward_context.clear()
@@ -335,8 +366,9 @@ def host_independent() -> Iterator[None]:
 @contextlib.contextmanager
 def model_build() -> Iterator[None]:
     """What building a model on meta for the trace needs: host independence, expert maps and constants with values,
-    traceable loaders."""
-    with host_independent(), expert_maps_on_cpu(), elementwise_composed_loaders(), constants_on_cpu():
+    traceable loaders, transformers' classes left as they are."""
+    with (host_independent(), expert_maps_on_cpu(), elementwise_composed_loaders(), constants_on_cpu(),
+          transformers_classes_untouched()):
         yield
 
 
@@ -353,6 +385,8 @@ PATCHES = (
     VllmPatch("elementwise_composed_loaders", _COMPOSED, elementwise_composed_loaders.__doc__, VLLM_VERSION,
               elementwise_composed_loaders),
     VllmPatch("constants_on_cpu", _CPU_CONSTANTS, constants_on_cpu.__doc__, VLLM_VERSION, constants_on_cpu),
+    VllmPatch("transformers_classes_untouched", (_TRANSFORMERS_DECORATE,), transformers_classes_untouched.__doc__,
+              VLLM_VERSION, transformers_classes_untouched),
     VllmPatch("parallel_rank", ("vllm.distributed.parallel_state:_TP", "vllm.distributed.parallel_state:_DP",
                                 "vllm.distributed.parallel_state:_EP"),
               parallel_rank.__doc__, VLLM_VERSION, parallel_rank),
