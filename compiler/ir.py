@@ -290,11 +290,12 @@ class QuantPlacement:
 
     `staging` rows: (name, shape, ranks, weight dest index, scale dest index); the bf16 tensor
     vLLM's loaders write before process_weights_after_loading. Stage runs (`stage_*`, in
-    elements) copy trainer shard bytes into a staging tensor: side 0 on the trainer rank itself
-    (into its arena, never on the wire), side 1 pulled by the receivers, side 2 read by trainer
-    `quant_rank` from its peer `src_rank` (or copied locally when they are equal). Spans cover flat
-    block ids [first, first + count) (matrix, block row, block col order): sides 0 and 2 quantized
-    by trainer `src_rank` and served as fp8, side 1 by each receiver from its staging.
+    elements) copy trainer shard bytes into a staging tensor (sides: runtime/plan/schema.py `Side`):
+    SENDER on the trainer rank itself (into its arena, never on the wire), RECEIVER pulled by the
+    receivers, GATHER read by trainer `quant_rank` from its peer `src_rank` (or copied locally when
+    they are equal). Spans cover flat block ids [first, first + count) (matrix, block row, block col
+    order): SENDER and GATHER quantized by trainer `src_rank` and served as fp8, RECEIVER by each
+    receiver from its staging.
     """
 
     staging: tuple[tuple, ...]

@@ -21,7 +21,7 @@ def test_every_patched_target_exists_in_the_installed_vllm(patch):
     import vllm
 
     assert patch.why and patch.vllm_version == vllm_patches.VLLM_VERSION
-    for target in patch.targets:
+    for target in patch.targets + patch.reads:
         try:
             resolve(target)
         except (ImportError, AttributeError) as exc:
@@ -42,11 +42,11 @@ def _snapshot(targets):
 
 
 @pytest.mark.parametrize("name", ["pinned_cpu_features", "dense_mla_backend", "plain_cpu_gemm", "expert_maps_on_cpu",
-                                  "triton_fp8_kernels"])
+                                  "triton_fp8_kernels", "constants_on_cpu", "elementwise_composed_loaders",
+                                  "transformers_classes_untouched"])
 def test_each_patch_changes_its_targets_and_restores_them_even_on_error(name):
     patch = next(p for p in PATCHES if p.name == name)
-    replaced = [t for t in patch.targets if t != "vllm.v1.attention.backends.registry:AttentionBackendEnum.CPU_MLA"
-                and t != "vllm.model_executor.kernels.linear.scaled_mm.triton:TritonFp8BlockScaledMMKernel"]
+    replaced = patch.targets
     before = _snapshot(replaced)
     with pytest.raises(RuntimeError, match="inside"):
         with patch.enter():

@@ -44,9 +44,5 @@ class ModelConfigError(WeightplanError):
     """The model name or config cannot be resolved or built by vLLM."""
 
 
-class TrainerLayoutError(WeightplanError):
-    """The trainer's tensors do not match what the plan or the model expects."""
-
-
 class UnloadedParameterError(TraceError):
     """A parameter no checkpoint tensor reaches, which vLLM's own loader would refuse to leave unwritten."""

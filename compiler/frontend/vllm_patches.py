@@ -1,9 +1,10 @@
 """Every change the compiler makes inside vLLM (0.32) while it builds, traces or post-processes a model: one inventory.
 
-Each entry names its targets (`module:attribute`), why it is needed and the vLLM version it was
-written against, and is one context manager that restores what it changed on exit. `PATCHES`
-lists them all; tests/test_vllm_patches.py fails, naming the attribute, when an upgraded vLLM no
-longer has a target.
+Each patch is declared once, with `@replaces(targets...)`: its targets (`module:attribute`), why it
+is needed (its docstring) and the vLLM version it was written against, and it is one context
+manager that restores what it changed on exit. `PATCHES` lists them all; tests/test_vllm_patches.py
+fails, naming the attribute, when an upgraded vLLM no longer has a target. Code outside vLLM (the
+trainer's transformers model) is built with no patch active: `check_unpatched` refuses otherwise.
 
 Plans must be a function of (model, layouts, quant, vLLM version), never of the compiling host.
 vLLM's CPU platform makes choices from the host's CPU features (AMX, AVX-512, AMD Zen): the MLA
@@ -15,6 +16,7 @@ one documented choice, `HOST_PROFILE`, recorded in every plan's header (`inferen
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -42,13 +44,18 @@ HOST_PROFILE = {
 
 @dataclass(frozen=True)
 class VllmPatch:
-    """One change to vLLM: what it replaces (`module:attribute`), why, and the context manager that makes it."""
+    """One change to vLLM: what it replaces (`module:attribute`), what else of vLLM it relies on, why, and the
+    context manager that makes it."""
 
     name: str
     targets: tuple[str, ...]
     why: str
     vllm_version: str
     enter: Callable[..., contextlib.AbstractContextManager]
+    reads: tuple[str, ...] = ()
+
+
+PATCHES: list[VllmPatch] = []  # the inventory, in declaration order
 
 
 def resolve(target: str):
@@ -60,6 +67,25 @@ def resolve(target: str):
         owner = getattr(owner, parent)
     getattr(owner, attribute)
     return owner, attribute
+
+
+def replaces(*targets: str, reads: tuple[str, ...] = ()):
+    """Declare a patch of the inventory: `make(*originals)` returns each target's replacement, in order.
+
+    The decorated name, called, gives the context manager that holds the targets replaced; `reads`
+    are vLLM names the patch relies on without replacing them (checked to exist like the targets).
+    """
+
+    def declare(make: Callable[..., tuple]) -> Callable[[], contextlib.AbstractContextManager]:
+        @functools.wraps(make)
+        def enter() -> contextlib.AbstractContextManager:
+            originals = [getattr(*resolve(target)) for target in targets]
+            return _replaced(dict(zip(targets, make(*originals), strict=True)))
+
+        PATCHES.append(VllmPatch(make.__name__, targets, make.__doc__, VLLM_VERSION, enter, reads))
+        return enter
+
+    return declare
 
 
 @contextlib.contextmanager
@@ -116,10 +142,10 @@ OTHER_CPU_PROBES = (
     "vllm.model_executor.layers.fused_moe.experts.cpu_moe:cpu_has_amx_fp8",
     "vllm.platforms:current_platform.is_zen_cpu",
 )
-_CPU_PROBES = tuple(f"torch.cpu:{name}" for name in CPU_FEATURES) + OTHER_CPU_PROBES
 
 
-def pinned_cpu_features():
+@replaces(*(f"torch.cpu:{name}" for name in CPU_FEATURES), *OTHER_CPU_PROBES)
+def pinned_cpu_features(*probes):
     """Answer vLLM's CPU feature probes with CPU_FEATURES (no AMX fp8, not Zen), whatever the host has.
 
     vLLM's kernel library is chosen from the same probes when `vllm._custom_ops` is first imported
@@ -127,22 +153,19 @@ def pinned_cpu_features():
     and a second library in one process aborts it. So the kernels are imported first, unpinned.
     """
     import_host_kernels()
-    values = {f"torch.cpu:{name}": _constant(value) for name, value in CPU_FEATURES.items()}
-    values.update({target: _constant(False) for target in OTHER_CPU_PROBES})
-    return _replaced(values)
+    return (*map(_constant, CPU_FEATURES.values()), *(_constant(False) for _ in OTHER_CPU_PROBES))
 
 
-def dense_mla_backend():
+@replaces("vllm.platforms:current_platform.get_attn_backend_cls",
+          reads=("vllm.v1.attention.backends.registry:AttentionBackendEnum.CPU_MLA",))
+def dense_mla_backend(original):
     """Select CPU_MLA for MLA layers, and dense (not sparse) attention, while building.
 
     The CPU platform refuses DeepSeek sparse attention at backend selection and picks AMX_MLA on
     AMX hosts (which refuses `topk_indices_buffer` and frees `kv_b_proj.weight` after loading).
     The backend owns no weights, so the dense CPU_MLA backend changes no parameter.
     """
-    from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    original = current_platform.get_attn_backend_cls
 
     def select(selected_backend, attn_selector_config, num_heads=None):
         if getattr(attn_selector_config, "use_sparse", False):
@@ -151,10 +174,11 @@ def dense_mla_backend():
             selected_backend = AttentionBackendEnum.CPU_MLA
         return original(selected_backend, attn_selector_config, num_heads)
 
-    return _replaced({"vllm.platforms:current_platform.get_attn_backend_cls": select})
+    return (select,)
 
 
-def plain_cpu_gemm():
+@replaces("vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm")
+def plain_cpu_gemm(original):
     """Keep unquantized linear and embedding weights as loaded: vLLM's own fallback of its CPU GEMM dispatch.
 
     On CPU, `UnquantizedLinearMethod.process_weights_after_loading` packs weights for sgl-kernel
@@ -164,68 +188,57 @@ def plain_cpu_gemm():
     def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
         layer.cpu_linear = torch.nn.functional.linear
 
-    return _replaced({"vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm": dispatch})
+    return (dispatch,)
 
 
-def expert_maps_on_cpu():
+@replaces("vllm.model_executor.layers.fused_moe.expert_map_manager:ExpertMapManager.__init__")
+def expert_maps_on_cpu(original):
     """Build vLLM's expert placement tables on the CPU while the model is built on meta.
 
     They are routing metadata that the MoE weight_loader reads (global -> local expert id), not
     weights; on meta they would have no values to read.
     """
-    from vllm.model_executor.layers.fused_moe import expert_map_manager
-
-    original = expert_map_manager.ExpertMapManager.__init__
-
     def init(self, *args, **kwargs):
         with torch.device("cpu"):
             original(self, *args, **kwargs)
 
-    return _replaced({"vllm.model_executor.layers.fused_moe.expert_map_manager:ExpertMapManager.__init__": init})
+    return (init,)
 
 
-_CPU_CONSTANTS = ("vllm.model_executor.models.bloom:_get_alibi_slopes",
-                  "vllm.model_executor.models.falcon:_get_alibi_slopes",
-                  "vllm.model_executor.layers.activation:XIELU.__init__",
-                  "vllm.model_executor.layers.activation:GeluAndMulSparse.__init__")
+def _on_cpu(function):
+    def run(*args, **kwargs):
+        with torch.device("cpu"):
+            return function(*args, **kwargs)
+    return run
 
 
-def constants_on_cpu():
+@replaces("vllm.model_executor.models.bloom:_get_alibi_slopes",
+          "vllm.model_executor.models.falcon:_get_alibi_slopes",
+          "vllm.model_executor.layers.activation:XIELU.__init__",
+          "vllm.model_executor.layers.activation:GeluAndMulSparse.__init__")
+def constants_on_cpu(bloom_slopes, falcon_slopes, xielu_init, gelu_and_mul_sparse_init):
     """Compute the constants vLLM reads back as Python numbers while building a layer on the CPU, not on meta.
 
     Bloom's and Falcon's ALiBi slopes (`_get_alibi_slopes(...).tolist()`), xIELU's `beta`/`eps`
     (`.item()`, Apertus) and GeluAndMulSparse's `std_multiplier` (`.item()`, Gemma3n) are computed
-    from the config in `__init__`; under the meta device they have no values to read. xIELU's two learned parameters (loaded from the checkpoint) are moved
-    back to meta, like every other parameter of the traced model.
+    from the config in `__init__`; under the meta device they have no values to read. xIELU's two
+    learned parameters (loaded from the checkpoint) are moved back to meta, like every other
+    parameter of the traced model.
     """
-    from vllm.model_executor.layers.activation import XIELU
-
-    def on_cpu(function):
-        def run(*args, **kwargs):
-            with torch.device("cpu"):
-                return function(*args, **kwargs)
-        return run
-
-    original_init = XIELU.__init__
-
-    def xielu_init(self, *args, **kwargs):
+    def xielu_on_cpu(self, *args, **kwargs):
         on_meta = torch.empty(()).device.type == "meta"
-        on_cpu(original_init)(self, *args, **kwargs)
+        _on_cpu(xielu_init)(self, *args, **kwargs)
         if on_meta:
             for name, param in list(self._parameters.items()):
                 self._parameters[name] = torch.nn.Parameter(torch.empty_like(param, device="meta"),
                                                             requires_grad=param.requires_grad)
 
-    replacements = {target: on_cpu(getattr(*resolve(target))) for target in _CPU_CONSTANTS if target != _CPU_CONSTANTS[2]}
-    replacements[_CPU_CONSTANTS[2]] = xielu_init
-    return _replaced(replacements)
+    return _on_cpu(bloom_slopes), _on_cpu(falcon_slopes), xielu_on_cpu, _on_cpu(gelu_and_mul_sparse_init)
 
 
-_COMPOSED = ("vllm.model_executor.model_loader.weight_utils:composed_weight_loader",
-             "vllm.model_executor.layers.mamba.mamba_mixer2:composed_weight_loader")
-
-
-def elementwise_composed_loaders():
+@replaces("vllm.model_executor.model_loader.weight_utils:composed_weight_loader",
+          "vllm.model_executor.layers.mamba.mamba_mixer2:composed_weight_loader")
+def elementwise_composed_loaders(*originals):
     """Apply a composed weight loader's `fn` to the loaded LazyWeight before the loader, not to the parameter after.
 
     `composed_weight_loader(loader, fn)` loads, then rewrites the parameter from itself
@@ -234,23 +247,22 @@ def elementwise_composed_loaders():
     fn(w.to(param.dtype)))` writes the same values, since the loader only slices and copies.
     Real tensors (the verify reference) take vLLM's own path, so verify-plan checks the claim.
     """
-    from vllm.model_executor.model_loader import weight_utils
-
     from .lazy_weight import LazyWeight
 
-    original = weight_utils.composed_weight_loader
+    def traceable(original):
+        def composed(loader, fn):
+            vllm_loader = original(loader, fn)
 
-    def composed(loader, fn):
-        vllm_loader = original(loader, fn)
+            def composed_loader(param, loaded_weight):
+                if isinstance(loaded_weight, LazyWeight):
+                    return loader(param, fn(loaded_weight.to(param.dtype)))
+                return vllm_loader(param, loaded_weight)
 
-        def composed_loader(param, loaded_weight):
-            if isinstance(loaded_weight, LazyWeight):
-                return loader(param, fn(loaded_weight.to(param.dtype)))
-            return vllm_loader(param, loaded_weight)
+            return composed_loader
 
-        return composed_loader
+        return composed
 
-    return _replaced({target: composed for target in _COMPOSED})
+    return tuple(map(traceable, originals))
 
 
 @contextlib.contextmanager
@@ -281,7 +293,13 @@ class _NoExperts:
     """Stands for the MoE experts class; the MoE kernel is never built during a trace or a reference load."""
 
 
-def triton_fp8_kernels():
+_FP8 = "vllm.model_executor.layers.quantization.online.fp8"
+
+
+@replaces(f"{_FP8}:init_fp8_linear_kernel", f"{_FP8}:select_fp8_moe_backend",
+          "vllm.model_executor.layers.fused_moe.oracle.fp8:make_fp8_moe_kernel",
+          reads=("vllm.model_executor.kernels.linear.scaled_mm.triton:TritonFp8BlockScaledMMKernel",))
+def triton_fp8_kernels(*originals):
     """Make vLLM pick the Triton block-fp8 linear kernel and the TRITON MoE backend, whatever the platform.
 
     On CPU, vLLM refuses every fp8 block kernel ("requires AMX tile support"). Those kernels only
@@ -302,15 +320,11 @@ def triton_fp8_kernels():
     def select_moe(config, weight_key, activation_key, allow_vllm_cutlass=False):
         return moe_oracle.Fp8MoeBackend.TRITON, _NoExperts
 
-    online = "vllm.model_executor.layers.quantization.online.fp8"
-    return _replaced({
-        f"{online}:init_fp8_linear_kernel": init_linear,
-        f"{online}:select_fp8_moe_backend": select_moe,
-        "vllm.model_executor.layers.fused_moe.oracle.fp8:make_fp8_moe_kernel": lambda **kwargs: None,
-    })
+    return init_linear, select_moe, lambda **kwargs: None
 
 
-def transformers_classes_untouched():
+@replaces("vllm.model_executor.models.transformers.base:Base._decorate_cls_for_torch_compile")
+def transformers_classes_untouched(original):
     """Keep vLLM's Transformers modeling backend from decorating transformers' own model classes while building.
 
     For architectures vLLM serves through transformers (SeedOss, Starcoder2, HunYuan-V1, OLMo, ...),
@@ -320,10 +334,7 @@ def transformers_classes_untouched():
     verify-plan needs) then fails. The decoration only routes forward through torch.compile, which
     tracing never runs; it owns no parameter.
     """
-    return _replaced({_TRANSFORMERS_DECORATE: lambda *args, **kwargs: None})
-
-
-_TRANSFORMERS_DECORATE = "vllm.model_executor.models.transformers.base:Base._decorate_cls_for_torch_compile"
+    return (lambda *args, **kwargs: None,)
 
 
 def clear_layer_registry(vllm_config) -> None:
@@ -372,31 +383,14 @@ def model_build() -> Iterator[None]:
         yield
 
 
-_FP8 = "vllm.model_executor.layers.quantization.online.fp8"
-PATCHES = (
-    VllmPatch("pinned_cpu_features", _CPU_PROBES, pinned_cpu_features.__doc__, VLLM_VERSION, pinned_cpu_features),
-    VllmPatch("dense_mla_backend", ("vllm.platforms:current_platform.get_attn_backend_cls",
-                                    "vllm.v1.attention.backends.registry:AttentionBackendEnum.CPU_MLA"),
-              dense_mla_backend.__doc__, VLLM_VERSION, dense_mla_backend),
-    VllmPatch("plain_cpu_gemm", ("vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm",),
-              plain_cpu_gemm.__doc__, VLLM_VERSION, plain_cpu_gemm),
-    VllmPatch("expert_maps_on_cpu", ("vllm.model_executor.layers.fused_moe.expert_map_manager:ExpertMapManager.__init__",),
-              expert_maps_on_cpu.__doc__, VLLM_VERSION, expert_maps_on_cpu),
-    VllmPatch("elementwise_composed_loaders", _COMPOSED, elementwise_composed_loaders.__doc__, VLLM_VERSION,
-              elementwise_composed_loaders),
-    VllmPatch("constants_on_cpu", _CPU_CONSTANTS, constants_on_cpu.__doc__, VLLM_VERSION, constants_on_cpu),
-    VllmPatch("transformers_classes_untouched", (_TRANSFORMERS_DECORATE,), transformers_classes_untouched.__doc__,
-              VLLM_VERSION, transformers_classes_untouched),
+# Changes made by code rather than by replacing a name: listed with what they touch.
+PATCHES += [
     VllmPatch("parallel_rank", ("vllm.distributed.parallel_state:_TP", "vllm.distributed.parallel_state:_DP",
                                 "vllm.distributed.parallel_state:_EP"),
               parallel_rank.__doc__, VLLM_VERSION, parallel_rank),
-    VllmPatch("triton_fp8_kernels", (f"{_FP8}:init_fp8_linear_kernel", f"{_FP8}:select_fp8_moe_backend",
-                                     "vllm.model_executor.layers.fused_moe.oracle.fp8:make_fp8_moe_kernel",
-                                     "vllm.model_executor.kernels.linear.scaled_mm.triton:TritonFp8BlockScaledMMKernel"),
-              triton_fp8_kernels.__doc__, VLLM_VERSION, triton_fp8_kernels),
     VllmPatch("share_with_target", ("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer._maybe_share_embeddings",
                                     "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer._maybe_share_lm_head"),
               share_with_target.__doc__, VLLM_VERSION, lambda draft: contextlib.nullcontext(share_with_target(draft))),
     VllmPatch("clear_layer_registry", ("vllm.config:CompilationConfig",), clear_layer_registry.__doc__, VLLM_VERSION,
               lambda vllm_config: contextlib.nullcontext(clear_layer_registry(vllm_config))),
-)
+]

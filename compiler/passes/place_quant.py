@@ -17,11 +17,11 @@ def place_quant(program: Program) -> Program:
 
     `program.quant_targets` name the bf16 destinations vLLM quantizes and their fp8 weight and scale.
     A block whose written elements all come from one trainer rank is quantized by that rank
-    (side 0) from stage runs that rank executes locally. A block written by several trainer ranks
-    of a tensor that several inference ranks hold is quantized (side 2) by one trainer rank writing
+    (Side.SENDER) from stage runs that rank executes locally. A block written by several trainer ranks
+    of a tensor that several inference ranks hold is quantized (Side.GATHER) by one trainer rank writing
     in its block row, the least loaded so far, which reads the others' bf16 once. Any other block
     (one holder, or no written element: all padding) is quantized by every receiver holding the
-    tensor (side 1) from bf16 it pulls. A run is listed once per (side, quantizing rank) of the blocks it feeds.
+    tensor (Side.RECEIVER) from bf16 it pulls. A run is listed once per (side, quantizing rank) of the blocks it feeds.
     """
     quantized = program.quantized()
     runs = program.runs
