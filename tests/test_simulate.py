@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from html.parser import HTMLParser
 
 import numpy as np
@@ -300,3 +301,19 @@ def test_fp8_fanout_second_hops_wait_for_the_pullers_quantization(plan_cache):
     hops = [(task.name.split(" -> ")[0], float(p.schedule.start[k])) for k, task in enumerate(p.tasks) if task.phase == "second-hop"]
     assert any(puller in quantized for puller, _ in hops)
     assert all(start >= quantized[puller] for puller, start in hops if puller in quantized)
+
+
+@pytest.mark.parametrize("inference", ["tp=1", FANOUT], ids=["plain", "fanout"])
+def test_text_report_renders_for_plans_with_and_without_fanout(plan_cache, tmp_path, capsys, inference):
+    """simulate-plan's text output (the default): a plain plan on the shipped loopback cluster has no second-hop
+    line; a fan-out plan on 2 nodes of 2 GPUs has one."""
+    plan = plan_cache("tiny-qwen3-moe", "hf", "bf16", "fsdp=2", inference)
+    where = "loopback"
+    if inference == FANOUT:
+        where = str(tmp_path / "c.json")
+        Path(where).write_text(json.dumps(cluster(nodes={"t": {"count": 1, "gpus_per_node": 2},
+                                                         "i": {"count": 2, "gpus_per_node": 2}})))
+    assert simulate_main([str(plan), "--cluster", where]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("predicted sync on ") and "critical path" in text
+    assert ("second hops" in text) == (inference == FANOUT)
