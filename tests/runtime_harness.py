@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -13,27 +14,66 @@ from weightplan.runtime import Rendezvous
 ROOT = Path(__file__).resolve().parent.parent
 
 
+NETWORK_STORE_PORT = 29400
+NETWORK_SECRET = "weightplan-emulated-cluster-test-secret"
+_SERVE_STORE = ("import sys, time\n"
+                "from weightplan.runtime import Rendezvous\n"
+                "store = Rendezvous.connect(sys.argv[1], sys.argv[2], serve=True)\n"
+                "print('serving', flush=True)\n"
+                "time.sleep(86400)\n")
+
+
 class Job:
-    """One sync job: a store on a free loopback port and the worker processes of `tests.runtime_worker`."""
+    """One sync job: a store and the worker processes of `tests.runtime_worker`.
 
-    def __init__(self, tmp_path: Path, plan: Path | str, name: str):
+    By default the store is on a free loopback port of the test process and the workers are its
+    children. With `cluster` (tests/support/emulated_cluster.py), the store runs in a process of
+    node `store_node` on that node's address, with a job secret, and each worker starts on the node
+    `start` names: the test reaches neither, so it reads the workers' events and cannot gate them.
+    """
+
+    def __init__(self, tmp_path: Path, plan: Path | str, name: str, *, cluster=None, store_node: str | None = None):
         """`plan` and `name` may list several comma-separated cases (see tests/runtime_worker.py)."""
-        self.tmp, self.plan, self.name = tmp_path, plan, name
-        self.rendezvous = Rendezvous.connect(name.split(",")[0], "127.0.0.1:0", serve=True)
+        self.tmp, self.plan, self.name, self.cluster = tmp_path, plan, name, cluster
         self.procs: dict[str, subprocess.Popen] = {}
+        self.env = None
+        if cluster is None:
+            self.rendezvous = Rendezvous.connect(name.split(",")[0], "127.0.0.1:0", serve=True)
+            self.address = self.rendezvous.address
+            return
+        self.rendezvous = None
+        self.address = f"{cluster.address(store_node)}:{NETWORK_STORE_PORT}"
+        self.env = {**os.environ, "WEIGHTPLAN_SECRET": NETWORK_SECRET}
+        self._spawn("store", [sys.executable, "-c", _SERVE_STORE, name.split(",")[0], self.address], store_node)
+        deadline = time.monotonic() + 120
+        while "serving" not in (self.tmp / "store.out").read_text():
+            if self.procs["store"].poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"the store on {store_node} did not start:\n{self.stderr('store')}")
+            time.sleep(0.1)
 
-    def start(self, key: str, role: str, rank: int, *args: str) -> None:
+    def start(self, key: str, role: str, rank: int, *args: str, node: str | None = None) -> None:
+        """Start worker `key`; with a cluster, on `node`."""
+        self._spawn(key, [sys.executable, "-m", "tests.runtime_worker", role, "--plan", str(self.plan), "--rank", str(rank),
+                          "--address", self.address, "--job", self.name, *args], node)
+
+    def _spawn(self, key: str, cmd: list[str], node: str | None) -> None:
         out = open(self.tmp / f"{key}.out", "w")
         err = open(self.tmp / f"{key}.err", "w")
-        cmd = [sys.executable, "-m", "tests.runtime_worker", role, "--plan", str(self.plan), "--rank", str(rank),
-               "--address", self.rendezvous.address, "--job", self.name, *args]
-        self.procs[key] = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err)
+        if self.cluster is None:
+            self.procs[key] = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err)
+        else:
+            self.procs[key] = self.cluster.popen(node, cmd, cwd=ROOT, stdout=out, stderr=err, env=self.env)
 
     def go(self, version: int) -> None:
-        self.rendezvous.put(f"test/go/{version}", b"1")
+        self._store().put(f"test/go/{version}", b"1")
 
     def resume(self, version: int) -> None:
-        self.rendezvous.put(f"test/resume/{version}", b"1")
+        self._store().put(f"test/resume/{version}", b"1")
+
+    def _store(self) -> Rendezvous:
+        if self.rendezvous is None:
+            raise AssertionError("a job on an emulated cluster has its store on a node the test does not reach")
+        return self.rendezvous
 
     def kill(self, key: str) -> None:
         """SIGKILL a worker: no cleanup, no goodbye to its peers."""
