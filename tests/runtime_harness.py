@@ -29,7 +29,7 @@ class Job:
     By default the store is on a free loopback port of the test process and the workers are its
     children. With `cluster` (tests/support/emulated_cluster.py), the store runs in a process of
     node `store_node` on that node's address, with a job secret, and each worker starts on the node
-    `start` names: the test reaches neither, so it reads the workers' events and cannot gate them.
+    `start` names: the test reaches neither, so it reads the workers' events and gates them with files.
     """
 
     def __init__(self, tmp_path: Path, plan: Path | str, name: str, *, cluster=None, store_node: str | None = None):
@@ -42,6 +42,8 @@ class Job:
             self.address = self.rendezvous.address
             return
         self.rendezvous = None
+        self.gates = tmp_path / "gates"
+        self.gates.mkdir()
         self.address = f"{cluster.address(store_node)}:{NETWORK_STORE_PORT}"
         self.env = {**os.environ, "WEIGHTPLAN_SECRET": NETWORK_SECRET}
         self._spawn("store", [sys.executable, "-c", _SERVE_STORE, name.split(",")[0], self.address], store_node)
@@ -52,9 +54,10 @@ class Job:
             time.sleep(0.1)
 
     def start(self, key: str, role: str, rank: int, *args: str, node: str | None = None) -> None:
-        """Start worker `key`; with a cluster, on `node`."""
+        """Start worker `key`; with a cluster, on `node` (gated by files in `self.gates`)."""
+        gates = () if self.cluster is None else ("--gate-dir", str(self.gates))
         self._spawn(key, [sys.executable, "-m", "tests.runtime_worker", role, "--plan", str(self.plan), "--rank", str(rank),
-                          "--address", self.address, "--job", self.name, *args], node)
+                          "--address", self.address, "--job", self.name, *gates, *args], node)
 
     def _spawn(self, key: str, cmd: list[str], node: str | None) -> None:
         out = open(self.tmp / f"{key}.out", "w")
@@ -65,15 +68,17 @@ class Job:
             self.procs[key] = self.cluster.popen(node, cmd, cwd=ROOT, stdout=out, stderr=err, env=self.env)
 
     def go(self, version: int) -> None:
-        self._store().put(f"test/go/{version}", b"1")
+        self._open_gate("go", version)
 
     def resume(self, version: int) -> None:
-        self._store().put(f"test/resume/{version}", b"1")
+        self._open_gate("resume", version)
 
-    def _store(self) -> Rendezvous:
-        if self.rendezvous is None:
-            raise AssertionError("a job on an emulated cluster has its store on a node the test does not reach")
-        return self.rendezvous
+    def _open_gate(self, kind: str, version: int) -> None:
+        """A store key the gated workers wait for; on an emulated cluster (whose store the test does not reach), a file."""
+        if self.rendezvous is not None:
+            self.rendezvous.put(f"test/{kind}/{version}", b"1")
+        else:
+            (self.gates / f"{kind}-{version}").touch()
 
     def kill(self, key: str) -> None:
         """SIGKILL a worker: no cleanup, no goodbye to its peers."""

@@ -58,6 +58,19 @@ def host_reference(plan, full: dict[str, torch.Tensor], rank: int) -> dict[str, 
     return out[rank]
 
 
+def wait_gate(args, rendezvous, kind: str, version: int) -> None:
+    """Wait for the test's `kind` gate of `version` (go, resume): a store key, or with --gate-dir a file (a test
+    that does not reach the store, on an emulated cluster, shares the filesystem)."""
+    if not args.gate_dir:
+        rendezvous.wait([f"test/{kind}/{version}"], args.join_timeout, f"test {kind}")
+        return
+    flag, deadline = os.path.join(args.gate_dir, f"{kind}-{version}"), time.monotonic() + args.join_timeout
+    while not os.path.exists(flag):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no test {kind} gate for version {version}")
+        time.sleep(0.05)
+
+
 def byte_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
@@ -75,7 +88,7 @@ def run_trainer(args, plan) -> None:
         time.sleep(0.05)
     for version in args.versions:
         if args.gate:
-            rendezvous.wait([f"test/go/{version}"], args.join_timeout, "test gate")
+            wait_gate(args, rendezvous, "go", version)
         if version != args.versions[0]:  # an optimizer step: new values in the same tensors
             for name, value in shard(plan, full_weights(plan, args.seed, version), args.rank).items():
                 tensors[name].copy_(value)
@@ -101,7 +114,7 @@ def run_plain_inference(args, plan) -> None:
         if current[0] == args.hold_at:
             current[0] = -1
             emit(event="mid-sync", rank=args.rank, version=args.hold_at, names=len(names))
-            rendezvous.wait([f"test/resume/{args.hold_at}"], args.join_timeout, "test resume")
+            wait_gate(args, rendezvous, "resume", args.hold_at)
 
     receiver = Receiver(plan, args.rank, destination, rendezvous=rendezvous, timeout=args.timeout, verify=args.verify,
                         derived="caller",  # plain tensors: no modules whose derived state could go stale
@@ -109,7 +122,7 @@ def run_plain_inference(args, plan) -> None:
     emit(event="joined", rank=args.rank)
     for version in args.versions:
         if args.gate:
-            rendezvous.wait([f"test/go/{version}"], args.join_timeout, "test gate")
+            wait_gate(args, rendezvous, "go", version)
         current[0] = version
         began = time.monotonic()
         try:
@@ -261,6 +274,7 @@ def main(argv=None) -> None:
     parser.add_argument("--join-timeout", type=float, default=300.0)
     parser.add_argument("--plain", action="store_true", help="inference rank holds plain tensors, not a vLLM model")
     parser.add_argument("--gate", action="store_true", help="publish (trainer) or sync (inference) version v once the key test/go/v exists")
+    parser.add_argument("--gate-dir", help="with --gate/--hold-at: wait for files go-v/resume-v here, not store keys")
     parser.add_argument("--hold-at", type=int, default=-1, help="inference pauses mid-sync of this version until test/resume/v")
     parser.add_argument("--group-bytes", type=int, default=256 << 20)
     parser.add_argument("--ring-bytes", type=int, default=512 << 20, help="Sender/Receiver ring_bytes (bounded packed region)")
