@@ -6,10 +6,12 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,3 +90,21 @@ def test_sweep_smoke(tmp_path):
     assert_keys(figures, {"attempted", "compiled", "verified", "failures", "vllm_cpu_cannot_build", "vllm_cannot_load"},
                 "sweep.py")
     assert figures["attempted"] > 0, figures
+
+
+def test_ceiling_reads_continue_after_a_short_read_and_name_what_failed():
+    """runtime_bench_worker._readv: every iovec read whole, and a failing one raises naming pid, address and bytes read."""
+    sys.path.insert(0, str(BENCH))
+    from runtime_bench_worker import _readv
+
+    src, dst = np.arange(256, dtype=np.uint8), np.zeros(256, dtype=np.uint8)
+    base_src, base_dst = src.ctypes.data, dst.ctypes.data
+    pid = os.getpid()
+    sizes = np.array([64, 1, 63], dtype=np.int64)
+    starts = np.array([0, 100, 190], dtype=np.int64)
+    assert _readv(pid, base_dst + starts, base_src + starts, sizes) == 128
+    for start, size in zip(starts.tolist(), sizes.tolist()):
+        assert (dst[start:start + size] == src[start:start + size]).all()
+    with pytest.raises(OSError, match=rf"pid {pid} at remote address 0x10: read 64 of 128 bytes"):
+        # the kernel reads the first iovec, then the next call faults on address 0x10
+        _readv(pid, base_dst + np.array([0, 64]), np.array([base_src, 16]), np.array([64, 64]))
