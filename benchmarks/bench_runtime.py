@@ -5,7 +5,8 @@ Usage: python benchmarks/bench_runtime.py [--repeats N] [--quant fp8_per_block] 
 A GLM-5.2-shaped model scaled to about 2 GB (benchmarks/configs/glm-5.2-2gb), bf16 masters,
 2 trainer processes (FSDP=2) and 2 inference processes (vLLM models, DP attention + EP=2):
   (a)  memcpy of the same number of bytes inside one process;
-  (a') process_vm_readv of every descriptor's bytes from the trainer processes (UCX's cma path);
+  (a') process_vm_readv of every descriptor's bytes from the trainer processes (UCX's cma path), as a reader
+       without packing would read them: from the trainers' own shards, cast where the wire dtype differs;
   (b)  our sync: publish, one-sided NIXL READs of all descriptors, sequence checks, acknowledgements;
   (c)  all-gather shards on the trainers, gloo broadcast of each full tensor from trainer 0,
        vLLM load_weights on each inference rank.

@@ -2,9 +2,9 @@
 
 Usage: python benchmarks/calibrate_cluster.py [--bench-output FILE | --run-bench] [--loopback FILE]
 
-Here: the plans `make bench-runtime` runs (the glm-5.2-2gb plan, fsdp=2 -> dp=2,ep, and the
-synthetic plans of 10k and 100k runs of 128 B), compiled again exactly as bench_runtime.py
-compiles them, simulated on the loopback cluster file, and printed beside the syncs that
+Here: the plans `make bench-runtime` runs (the plan of the config its output names, glm-5.2-2gb
+unless --smoke, fsdp=2 -> dp=2,ep, and the synthetic plans of 10k and 100k runs of 128 B), compiled
+again exactly as bench_runtime.py compiles them, simulated on the loopback cluster file, and printed beside the syncs that
 bench_runtime.py measured (its saved output: --bench-output, default the newest
 benchmarks/results/bench_runtime_*.txt; or --run-bench to run it now). The loopback "NIC" runs
 at the process_vm_readv rate each inference process got in that same run (bench_runtime's (a')

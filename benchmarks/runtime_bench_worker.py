@@ -1,7 +1,7 @@
 """One process of `make bench-runtime`: a trainer or an inference rank, running the measured rounds in lockstep.
 
 Rounds per repetition (separated by gloo barriers over all processes):
-  ceiling  - inference ranks process_vm_readv every descriptor's bytes from the trainer processes
+  ceiling  - inference ranks process_vm_readv every descriptor's bytes from the trainer processes' unpacked regions
   sync     - trainers publish, inference ranks sync (weightplan over NIXL/UCX), trainers release
   baseline - trainers all-gather shards, trainer 0 broadcasts full tensors (gloo), inference ranks load_weights
 Each process prints one JSON line per round with wall-clock start/end, so the driver can take
