@@ -69,7 +69,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a tiny model and 2 updates: checks it runs, not its figures")
     args = parser.parse_args()
     config = SMOKE_CONFIG if args.smoke else CONFIG
-    args.updates = args.updates or (2 if args.smoke else 4)
+    if args.updates is None:
+        args.updates = 2 if args.smoke else 4
     if args.updates < 1:
         parser.error("--updates must be at least 1")
     from tests.vllm_engine_support import full_weights, greedy, local_shards, make_llm, pin_no_amx, shutdown, write_checkpoint

@@ -259,7 +259,8 @@ def main() -> None:
                         help="torch threads per process in the fp8 job (1: the 2 trainers quantize on one core each)")
     args = parser.parse_args()
     args.scale = SMOKE if args.smoke else FULL
-    args.repeats = args.repeats or (2 if args.smoke else 4)
+    if args.repeats is None:
+        args.repeats = 2 if args.smoke else 4
     if args.repeats < 2:
         parser.error("--repeats must be at least 2: repetition 1 sets up connections and is not timed")
     measured_at = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
