@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: plan test test-engine-slow bench-compile bench-runtime bench-cluster bench-engine bench-trainer sweep demo clean-venv
+.PHONY: plan test test-engine-slow bench-compile bench-runtime bench-cluster bench-engine bench-trainer bench-smoke sweep demo clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -41,6 +41,10 @@ bench-engine: $(STAMP)
 
 bench-trainer: $(STAMP)
 	$(BIN)/python benchmarks/bench_trainer.py
+
+# Every benchmark above and the sweep in its smallest configuration (--smoke): they run, their JSON lines have their keys.
+bench-smoke: $(STAMP)
+	$(BIN)/python -m pytest -q tests/test_benchmark_smoke.py
 
 sweep: $(STAMP)
 	$(BIN)/python benchmarks/sweep.py

@@ -1,6 +1,6 @@
 """Benchmark (predictions, not measurements): the seed topology's sync time on the seed hardware, and the model's calibration.
 
-Usage: python benchmarks/bench_cluster.py [--bench-output FILE] [--fanout-plan FILE]   (make bench-cluster)
+Usage: python benchmarks/bench_cluster.py [--bench-output FILE | --measure] [--fanout-plan FILE] [--smoke]   (make bench-cluster)
 
 Simulates the checked-in seed plans (GLM-5.2, stacked bf16 masters, fsdp=64,ep=8 -> tp1-dp32-ep,
 bf16 and fp8_per_block) and the fp8 seed plan with node-local fan-out (the same options with
@@ -9,9 +9,14 @@ compiler's sources, vLLM and the options are unchanged; --fanout-plan gives one 
 on compiler/simulate/clusters/dgx-h200-seed.json with simulate-plan's model, prints the predicted
 sync times, the bytes each inference NIC receives (max, mean; with fan-out the first hops, plus the
 second hops each GPU reads over NVLink), the critical path, and the calibration errors of
-benchmarks/calibrate_cluster.py (here: against the saved bench_runtime.py output; published:
-against prime-rl's RDMA phase). The last line is one JSON object with keys bf16_s, fp8_s,
-fp8_fanout_s, max_nic_gb, calibration_error_local and calibration_error_published (and a few more).
+benchmarks/calibrate_cluster.py (here: against a bench_runtime.py output: the newest saved one under
+benchmarks/results, --bench-output FILE, or --measure to run it now; the line and the JSON say which
+run and how old it is; published: against prime-rl's RDMA phase). The last line is one JSON object
+with keys bf16_s, fp8_s, fp8_fanout_s, max_nic_gb, calibration_error_local, calibration_error_published,
+calibration_source, calibration_measured_at and calibration_age_h (and a few more).
+--smoke compiles a tiny fan-out plan (tests/configs/fp8-glm, fsdp=2 -> dp=4,ep,gpus-per-node=2) instead of
+GLM-5.2's and needs --bench-output or --measure (it never falls back to a saved file): it checks that
+everything runs, not the figures (tests/test_benchmark_smoke.py).
 """
 
 from __future__ import annotations
@@ -22,15 +27,19 @@ import json
 import os
 import tempfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
-from calibrate_cluster import PRIME_RL_RDMA_S, bench_figures, local_rows, newest_bench_output, published
+from calibrate_cluster import (PRIME_RL_RDMA_S, bench_figures, local_rows, measured_at, newest_bench_output, published,
+                               run_bench)
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = str(ROOT / "plans" / "glm-5.2" / "stacked-bf16-fsdp64-ep8__tp1-dp32-ep__{}.plan")
 FANOUT_OPTIONS = {"model": "glm-5.2", "trainer_format": "stacked", "trainer_dtype": "bf16", "quant": "fp8_per_block",
                   "trainer": "fsdp=64,ep=8", "inference": "dp=32,ep,gpus-per-node=8"}
 FANOUT_TOKEN = "tp1-dp32-ep-node8"
+SMOKE_FANOUT = {"model": str(ROOT / "tests" / "configs" / "fp8-glm"), "trainer_format": "hf", "trainer_dtype": "bf16",
+                "quant": "fp8_per_block", "trainer": "fsdp=2", "inference": "dp=4,ep,gpus-per-node=2"}
 CACHE = Path(os.environ.get("WEIGHTPLAN_BENCH_CACHE", Path(tempfile.gettempdir()) / "weightplan-bench-cluster"))
 
 
@@ -51,11 +60,34 @@ def fanout_plan(given: Path | None) -> tuple[Path, float | None]:
     path = CACHE / f"glm-5.2-fp8-node8-{_cache_key()}.plan"
     if path.is_file():
         return path, None
+    return path, _compile(FANOUT_OPTIONS, path)
+
+
+def _compile(options: dict, path: Path) -> float:
+    """Compile a plan with these options to `path`; its seconds."""
     from weightplan.compiler.compile import CompileOptions, compile_plan
 
     start = time.perf_counter()
-    compile_plan(CompileOptions(**FANOUT_OPTIONS, output=path))
-    return path, time.perf_counter() - start
+    compile_plan(CompileOptions(**options, output=path))
+    return time.perf_counter() - start
+
+
+def check_fanout_plan(plan, path: Path) -> None:
+    """Exit with one line unless `plan` is the fp8 seed plan with gpus-per-node=8."""
+    h = plan.header
+    if (h["inference"]["token"], h["trainer"]["token"], h["quant"], h["model"]) != (FANOUT_TOKEN, "fsdp64-ep8", "fp8_per_block", "glm-5.2"):
+        raise SystemExit(f"error: {path} is not the fp8 seed plan with gpus-per-node=8 ({h['model']}, {h['trainer']['token']} -> "
+                         f"{h['inference']['token']}, {h['quant']})")
+
+
+def calibration_source(args) -> tuple[Path, str]:
+    """The bench_runtime.py output the local calibration reads, and how to name it: run now, given, or the newest saved."""
+    if args.measure:
+        return run_bench(args.smoke), "measured now"
+    if args.bench_output is not None:
+        return args.bench_output, str(args.bench_output)
+    path = newest_bench_output()
+    return path, str(path.relative_to(ROOT))
 
 
 def simulate(plan, cluster, label: str) -> dict:
@@ -77,28 +109,43 @@ def simulate(plan, cluster, label: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bench-output", type=Path, help="saved bench_runtime.py output (default: newest under benchmarks/results)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--bench-output", type=Path, help="saved bench_runtime.py output (default: newest under benchmarks/results)")
+    source.add_argument("--measure", action="store_true", help="run benchmarks/bench_runtime.py now for the local calibration")
     parser.add_argument("--fanout-plan", type=Path, help="the fp8 seed plan compiled with gpus-per-node=8 (default: compile or reuse the cache)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny fan-out plan (and bench_runtime.py --smoke with --measure): "
+                                                              "checks it runs, not its figures")
     args = parser.parse_args()
+    if args.smoke and args.fanout_plan:
+        parser.error("--smoke compiles its own tiny fan-out plan: drop --fanout-plan")
+    if args.smoke and not (args.bench_output or args.measure):
+        parser.error("--smoke needs --bench-output FILE or --measure (a smoke run never reads a saved output)")
     from weightplan.compiler.simulate.report import resolve_cluster
     from weightplan.runtime import load_plan
 
     cluster = resolve_cluster("dgx-h200-seed")
     bf16 = simulate(load_plan(SEED.format("none")), cluster, "bf16")
     fp8 = simulate(load_plan(SEED.format("fp8_per_block")), cluster, " fp8")
-    path, compile_s = fanout_plan(args.fanout_plan)
-    fan_plan = load_plan(path)
-    h = fan_plan.header
-    if (h["inference"]["token"], h["trainer"]["token"], h["quant"], h["model"]) != (FANOUT_TOKEN, "fsdp64-ep8", "fp8_per_block", "glm-5.2"):
-        raise SystemExit(f"error: {path} is not the fp8 seed plan with gpus-per-node=8 ({h['model']}, {h['trainer']['token']} -> "
-                         f"{h['inference']['token']}, {h['quant']})")
+    if args.smoke:
+        path = Path(tempfile.mkdtemp(prefix="bench-cluster-smoke-")) / "fanout.plan"
+        compile_s = _compile(SMOKE_FANOUT, path)
+        fan_plan = load_plan(path)
+    else:
+        path, compile_s = fanout_plan(args.fanout_plan)
+        fan_plan = load_plan(path)
+        check_fanout_plan(fan_plan, path)
     print(f"fp8 + fan-out plan: {path} ({'compiled in %.1f s' % compile_s if compile_s is not None else 'reused, not compiled now'}; "
           f"{len(fan_plan.fanout.first_hops)} replicated entries pulled once per node of {fan_plan.fanout.gpus_per_node})")
     fan = simulate(fan_plan, cluster, " fp8 + fan-out")
-    bench = args.bench_output or newest_bench_output()
-    local = local_rows(bench_figures(bench), ROOT / "compiler" / "simulate" / "clusters" / "loopback.json")[0]
+    bench, source = calibration_source(args)
+    figures = bench_figures(bench)
+    when = measured_at(bench, figures)
+    age_h = None if when is None else (datetime.now(timezone.utc) - when).total_seconds() / 3600
+    local = local_rows(figures, ROOT / "compiler" / "simulate" / "clusters" / "loopback.json")[0]
     pub = published()
-    print(f"calibration here ({bench.name}, {local['plan']}): measured {local['measured_s']:.3f} s, predicted "
+    print(f"calibration here uses the bench_runtime.py run in {source} ("
+          + ("date unknown" if when is None else f"started {when:%Y-%m-%d %H:%M} UTC, {age_h:.1f} h ago")
+          + f"; --measure runs it now): {local['plan']}: measured {local['measured_s']:.3f} s, predicted "
           f"{local['predicted_s']:.3f} s, error {local['error']:+.1%} (target within 25%)")
     print(f"calibration published (prime-rl RDMA phase {PRIME_RL_RDMA_S} s): predicted {pub['predicted_s']:.3f} s, "
           f"error {pub['error']:+.1%} (target within 15%)")
@@ -116,6 +163,9 @@ def main() -> None:
         "fp8_fanout_compile_s": None if compile_s is None else round(compile_s, 1),
         "calibration_error_local": round(local["error"], 4),
         "calibration_error_published": round(pub["error"], 4),
+        "calibration_source": source,
+        "calibration_measured_at": None if when is None else when.strftime("%Y-%m-%dT%H:%MZ"),
+        "calibration_age_h": None if age_h is None else round(age_h, 1),
         "cluster": cluster.name,
     }))
 

@@ -1,6 +1,8 @@
 """Benchmark: compile full GLM-5.2 plans, each in a fresh process, and print the figures.
 
-Usage: python benchmarks/bench_compile.py [--out DIR] [--only TEXT]   (make bench-compile)
+Usage: python benchmarks/bench_compile.py [--out DIR] [--only TEXT] [--smoke]   (make bench-compile)
+--smoke compiles one tiny plan instead (tests/configs/fp8-glm, fsdp=2 -> dp=2,ep, fp8_per_block): it checks that
+every step runs, not the figures (tests/test_benchmark_smoke.py).
 Each plan is compiled in a fresh worker process, which then loads and summarizes the plan
 (src_balance); wall_s/cpu_s run from launching the worker to the plan being written, and
 worker_wall_s/worker_cpu_s cover the whole worker, summary included.
@@ -37,6 +39,10 @@ PLANS = [
     {"model": "glm-5.2", "trainer_format": "stacked", "trainer_dtype": "bf16", "trainer": "fsdp=64,ep=8", "inference": "dp=32,ep",
      "quant": "fp8_per_block"},
 ]
+SMOKE_PLANS = [
+    {"model": str(REPO / "tests" / "configs" / "fp8-glm"), "trainer_format": "hf", "trainer_dtype": "bf16", "trainer": "fsdp=2",
+     "inference": "dp=2,ep", "quant": "fp8_per_block"},
+]
 
 
 def worker(spec: dict, output: str) -> None:
@@ -66,7 +72,7 @@ def worker(spec: dict, output: str) -> None:
 def run(spec: dict, out_dir: Path) -> dict:
     layouts = f"{spec.get('trainer', 'fsdp=1')} -> {spec.get('inference', 'tp=1')}"
     quant = spec.get("quant", "none")
-    output = out_dir / (f"{spec['model']}-{spec['trainer_format']}-{spec['trainer_dtype']}-{layouts}-{quant}.plan".replace(" ", "").replace(">", ""))
+    output = out_dir / (f"{Path(spec['model']).name}-{spec['trainer_format']}-{spec['trainer_dtype']}-{layouts}-{quant}.plan".replace(" ", "").replace(">", ""))
     start, launched = time.perf_counter(), time.time()
     proc = subprocess.Popen(
         [sys.executable, __file__, "--worker", json.dumps(spec), str(output)],
@@ -81,7 +87,7 @@ def run(spec: dict, out_dir: Path) -> dict:
     t, s = r["timings"], r["stats"]
     return {
         "plan": r["plan"],
-        "layouts": f"{spec['model']} {spec['trainer_format']}-{spec['trainer_dtype']} {layouts} {quant}",
+        "layouts": f"{Path(spec['model']).name} {spec['trainer_format']}-{spec['trainer_dtype']} {layouts} {quant}",
         "compile_s": round(t["total"], 2),
         "wall_s": round(r["compiled_at"] - launched, 2),
         "cpu_s": round(r["compiled_cpu"], 2),
@@ -133,12 +139,13 @@ def main() -> None:
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUTPUT"))
     parser.add_argument("--out", type=Path)
     parser.add_argument("--only", metavar="TEXT", help="compile only the plans whose layouts contain TEXT, e.g. dp=32")
+    parser.add_argument("--smoke", action="store_true", help="one tiny plan: checks it runs, not its figures")
     args = parser.parse_args()
     if args.worker:
         return worker(json.loads(args.worker[0]), args.worker[1])
     out_dir = args.out or Path(tempfile.mkdtemp(prefix="bench-compile-"))
     rows = []
-    for spec in PLANS:
+    for spec in SMOKE_PLANS if args.smoke else PLANS:
         if args.only and args.only not in f"{spec.get('trainer', 'fsdp=1')} -> {spec.get('inference', 'tp=1')} {spec['trainer_format']} {spec.get('quant', 'none')}":
             continue
         row = run(spec, out_dir)

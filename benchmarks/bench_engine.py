@@ -1,6 +1,6 @@
 """Benchmark: a weight update of a live vLLM CPU engine through the weightplan backend, against checkpoint reloads.
 
-Usage: python benchmarks/bench_engine.py [--updates N]   (make bench-engine)
+Usage: python benchmarks/bench_engine.py [--updates N] [--smoke]   (make bench-engine)
 
 A DeepSeek-V3-shaped MLA model of about 1 GB in bf16 (benchmarks/configs/bench-deepseek-v3), bf16
 trainer tensors on 2 trainer processes (FSDP=2: this process is rank 0 and drives the engine,
@@ -15,7 +15,8 @@ tests/vllm_trainer_worker.py is rank 1), one `vllm.LLM` CPU engine (tp=1) starte
        else by restarting the engine on the checkpoint (checkpoint_path says which);
   (c)  vLLM's own layerwise reload (initialize_layerwise_reload + load_weights of full in-memory
        tensors + finalize_layerwise_reload, what its nccl/ipc backends run), or null and why.
-The last line is one JSON object.
+--smoke runs the same steps on tests/configs/engine-deepseek-v3 (a tiny MLA model) with 2 updates: it checks that
+they run, not the figures (tests/test_benchmark_smoke.py). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "benchmarks" / "configs" / "bench-deepseek-v3"
+SMOKE_CONFIG = ROOT / "tests" / "configs" / "engine-deepseek-v3"
 sys.path.insert(0, str(ROOT))
 os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with functions (benchmark only)
 
@@ -63,8 +65,14 @@ def first_line(exc: BaseException) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--updates", type=int, default=4)
+    parser.add_argument("--updates", type=int, help="updates through the backend (default 4; 2 with --smoke)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model and 2 updates: checks it runs, not its figures")
     args = parser.parse_args()
+    config = SMOKE_CONFIG if args.smoke else CONFIG
+    if args.updates is None:
+        args.updates = 2 if args.smoke else 4
+    if args.updates < 1:
+        parser.error("--updates must be at least 1")
     from tests.vllm_engine_support import full_weights, greedy, local_shards, make_llm, pin_no_amx, shutdown, write_checkpoint
     from weightplan.compiler.compile import CompileOptions, compile_plan
     from weightplan.runtime import Rendezvous, load_plan
@@ -73,14 +81,14 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-engine-"))
     pin_no_amx(tmp)
-    plan_path = compile_plan(CompileOptions(model=str(CONFIG), trainer="fsdp=2", output=tmp / "fsdp2.plan")).path
+    plan_path = compile_plan(CompileOptions(model=str(config), trainer="fsdp=2", output=tmp / "fsdp2.plan")).path
     plan = load_plan(plan_path)
     gb = sum(e.nbytes for e in plan.dests) / 1e9
-    print(f"model {CONFIG.name}: {gb:.2f} GB of bf16 parameters, plan {plan.n_runs} runs, trainer fsdp=2, engine tp=1")
+    print(f"model {config.name}: {gb:.2f} GB of bf16 parameters, plan {plan.n_runs} runs, trainer fsdp=2, engine tp=1")
     tensors = local_shards(plan, full_weights(plan, 0, 1), 0)
 
     began = time.perf_counter()
-    llm = make_llm(CONFIG, dummy=True, backend=True)
+    llm = make_llm(config, dummy=True, backend=True)
     engine_start = time.perf_counter() - began
     info = WeightplanTrainerInitInfo(rank=0, plan=str(plan_path), address="127.0.0.1:0", job="bench-engine", timeout=300)
     trainer = WeightplanTrainerEngine.trainer_init(info, client=LLMClient(llm), source=ShardSource(tensors))
@@ -122,9 +130,9 @@ def main() -> None:
     shutdown(llm)
 
     full = full_weights(plan, 0, args.updates)  # the trainer's tensors; only writing them is timed
-    previous = write_checkpoint(CONFIG, full_weights(plan, 0, 1), tmp / "ckpt-previous")
+    previous = write_checkpoint(config, full_weights(plan, 0, 1), tmp / "ckpt-previous")
     t = time.perf_counter()
-    ckpt = write_checkpoint(CONFIG, full, tmp / "ckpt")
+    ckpt = write_checkpoint(config, full, tmp / "ckpt")
     write_s = time.perf_counter() - t
     del full
     t = time.perf_counter()

@@ -1,11 +1,12 @@
 """Benchmark: one weight sync between processes, against this machine's copy ceilings and the NCCL-style baseline.
 
-Usage: python benchmarks/bench_runtime.py [--repeats N] [--quant fp8_per_block] [--strided-only]   (make bench-runtime)
+Usage: python benchmarks/bench_runtime.py [--repeats N] [--quant fp8_per_block] [--strided-only] [--smoke]   (make bench-runtime)
 
 A GLM-5.2-shaped model scaled to about 2 GB (benchmarks/configs/glm-5.2-2gb), bf16 masters,
 2 trainer processes (FSDP=2) and 2 inference processes (vLLM models, DP attention + EP=2):
   (a)  memcpy of the same number of bytes inside one process;
-  (a') process_vm_readv of every descriptor's bytes from the trainer processes (UCX's cma path);
+  (a') process_vm_readv of every descriptor's bytes from the trainer processes (UCX's cma path), as a reader
+       without packing would read them: from the trainers' own shards, cast where the wire dtype differs;
   (b)  our sync: publish, one-sided NIXL READs of all descriptors, sequence checks, acknowledgements;
   (c)  all-gather shards on the trainers, gloo broadcast of each full tensor from trainer 0,
        vLLM load_weights on each inference rank.
@@ -23,7 +24,9 @@ the same processes layout, and prints seconds per GB of destination parameters n
 sync's, their ratio, and the sender- and receiver-side quantization times. It also prints the CPU
 time the trainers' publishes used (process CPU time, every thread) divided by the cores this
 process may run on: a floor for the fp8 sync on this host, since receivers wait for every publish.
-The last line is one JSON object.
+--smoke runs every round on the smallest configuration (tests/configs/fp8-glm, a 4-matrix tp-style case, a 128 KiB
+ring, 2 repetitions): tests/test_benchmark_smoke.py checks its JSON keys, never its figures.
+The last line is one JSON object; `config` names the model config and `measured_at` when the run started (UTC).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -43,10 +48,24 @@ import torch
 from synthetic_plans import RUN_ELEMS, many_runs_plan, tp_plan
 
 ROOT = Path(__file__).resolve().parent.parent
-# The tp-style case: 128 column-parallel matrices whose slices are 1024 rows of 1 KiB, as many row-parallel ones.
-STRIDED_PLAN = {"matrices": 128, "rows": 1024, "width": 512, "row_width": 1024}
-STRIDED_RING_BYTES = 64 << 20  # the same case again through a ring: each trainer packs 268 MB in 4 chunks
-CONFIG = ROOT / "benchmarks" / "configs" / "glm-5.2-2gb"
+
+
+@dataclass(frozen=True)
+class Scale:
+    """What one run moves: the model config of the GLM case, the tp-style case (tp_plan's sizes) and its ring."""
+
+    config: Path
+    strided: dict
+    ring_bytes: int
+
+
+# The tp-style case: 128 column-parallel matrices whose slices are 1024 rows of 1 KiB, as many row-parallel ones;
+# then again through a ring: each trainer packs 268 MB in 4 chunks.
+FULL = Scale(ROOT / "benchmarks" / "configs" / "glm-5.2-2gb", {"matrices": 128, "rows": 1024, "width": 512, "row_width": 1024},
+             64 << 20)
+# --smoke: a tiny GLM-5.2-shaped config whose blocks also quantize, 4 matrices of 64 rows, 4 ring chunks of 128 KiB.
+SMOKE = Scale(ROOT / "tests" / "configs" / "fp8-glm", {"matrices": 4, "rows": 64, "width": 512, "row_width": 1024}, 128 << 10)
+CONFIG = FULL.config
 
 
 def memcpy_gbps(total: int, chunk: int = 256 << 20, repeats: int = 5) -> float:
@@ -63,15 +82,17 @@ def memcpy_gbps(total: int, chunk: int = 256 << 20, repeats: int = 5) -> float:
     return total / statistics.median(times) / 1e9
 
 
-def compile_bench_plan(out: Path, quant: str = "none") -> Path:
+def compile_bench_plan(out: Path, quant: str = "none", config: Path = CONFIG) -> Path:
     from weightplan.compiler.compile import CompileOptions, compile_plan
 
-    compile_plan(CompileOptions(str(CONFIG), "hf", "bf16", quant, out, trainer="fsdp=2", inference="dp=2,ep"))
+    compile_plan(CompileOptions(str(config), "hf", "bf16", quant, out, trainer="fsdp=2", inference="dp=2,ep"))
     return out
 
 
-def run_job(plan: Path, n_src: int, n_dst: int, repeats: int, job: str, *, model: bool, gloo: bool, tmp: Path,
+def run_job(plan: Path, n_src: int, n_dst: int, repeats: int, job: str, *, model: Path | None, gloo: bool, tmp: Path,
             verify: bool = False, threads: int = 0, baseline: bool = True, ring_bytes: int = 0) -> list[dict]:
+    """Run one trainer/inference job of runtime_bench_worker.py processes (inference ranks build `model`'s vLLM model
+    if given) and return every JSON event they printed."""
     from weightplan.runtime import Rendezvous
 
     rendezvous = Rendezvous.connect(job, "127.0.0.1:0", serve=True, timeout=900)
@@ -89,7 +110,7 @@ def run_job(plan: Path, n_src: int, n_dst: int, repeats: int, job: str, *, model
     procs = []
     for role, n in (("trainer", n_src), ("inference", n_dst)):
         for rank in range(n):
-            extra = ["--model", str(CONFIG)] if role == "inference" and model else []
+            extra = ["--model", str(model)] if role == "inference" and model is not None else []
             out = open(tmp / f"{job}-{role}{rank}.out", "w")
             procs.append((subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "runtime_bench_worker.py"), role,
                                             "--rank", str(rank), *common, *extra], cwd=ROOT, stdout=out,
@@ -122,7 +143,7 @@ def host_overhead(repeats: int, bytes_per_s: float, tmp: Path) -> dict[int, dict
     out = {}
     for n in (10_000, 100_000):
         synth = run_job(many_runs_plan(n, tmp / f"synthetic-{n}.plan"), 1, 1, repeats, f"overhead-{n}",
-                        model=False, gloo=False, tmp=tmp)
+                        model=None, gloo=False, tmp=tmp)
         # Host work of one sync: the trainer's publish (including packing small runs) plus the receiver's sync.
         publish = {e["rep"]: e["published"] - e["start"] for e in synth if e.get("round") == "sync" and e["role"] == "trainer"}
         seconds = statistics.median(e["seconds"] + publish[e["rep"]] for e in synth
@@ -134,15 +155,15 @@ def host_overhead(repeats: int, bytes_per_s: float, tmp: Path) -> dict[int, dict
 
 
 def strided_job(args, tmp: Path, ring_bytes: int = 0) -> dict:
-    """The tp-style case: sync of STRIDED_PLAN (half its bytes in 1 KiB rows of strided runs) against its readv ceiling;
-    with `ring_bytes`, the trainers serve their packed runs through a ring of that size."""
+    """The tp-style case: sync of args.scale.strided (half its bytes in 1 KiB rows of strided runs) against its readv
+    ceiling; with `ring_bytes`, the trainers serve their packed runs through a ring of that size."""
     from weightplan.runtime import load_plan
 
-    path = tp_plan(tmp / "bench-strided.plan", **STRIDED_PLAN)
+    path = tp_plan(tmp / "bench-strided.plan", **args.scale.strided)
     plan = load_plan(path)
     # One torch thread per process, as in the fp8 job: four processes share this host's cores, and intra-op threads
     # of the trainers' packing copies then wait on each other (measured 20x slower under load).
-    events = run_job(path, 2, 2, args.repeats, f"bench-runtime-strided-{ring_bytes}", model=False, gloo=True,
+    events = run_job(path, 2, 2, args.repeats, f"bench-runtime-strided-{ring_bytes}", model=None, gloo=True,
                      baseline=False, tmp=tmp, verify=args.verify, threads=args.strided_threads, ring_bytes=ring_bytes)
     reps = range(2, args.repeats + 1)
     syncs = [e for e in events if e.get("round") == "sync" and e["rep"] == 1]
@@ -163,8 +184,8 @@ def strided_job(args, tmp: Path, ring_bytes: int = 0) -> dict:
 
 def fp8_job(args, tmp: Path) -> dict:
     """Time fp8_per_block syncs of the same model: medians of reps 2..N, wall from the trainers' publish to the last receiver."""
-    plan = compile_bench_plan(tmp / "bench-fp8.plan", "fp8_per_block")
-    events = run_job(plan, 2, 2, args.repeats, "bench-runtime-fp8", model=True, gloo=True, tmp=tmp, verify=args.verify,
+    plan = compile_bench_plan(tmp / "bench-fp8.plan", "fp8_per_block", args.scale.config)
+    events = run_job(plan, 2, 2, args.repeats, "bench-runtime-fp8", model=args.scale.config, gloo=True, tmp=tmp, verify=args.verify,
                      threads=args.fp8_threads)
     reps = range(2, args.repeats + 1)
     syncs = [e for e in events if e.get("round") == "sync"]
@@ -194,7 +215,7 @@ def fp8_job(args, tmp: Path) -> dict:
     }
 
 
-def strided_figures(strided: dict, ring: dict, contiguous_gbps: float | None = None) -> dict:
+def strided_figures(strided: dict, ring: dict, ring_bytes: int, contiguous_gbps: float | None = None) -> dict:
     gb = strided["bytes"] / 1e9
     out = {"strided_bytes": strided["bytes"], "strided_small_row_bytes": strided["small_row_bytes"],
            "strided_sync_gbps": round(gb / strided["sync"], 3), "strided_ceiling_gbps": round(gb / strided["ceiling"], 3),
@@ -202,7 +223,7 @@ def strided_figures(strided: dict, ring: dict, contiguous_gbps: float | None = N
            "strided_table_bytes": strided["table_bytes"], "strided_packed_bytes": strided["packed_bytes"],
            "strided_stored_runs": strided["stored_runs"], "strided_rows": strided["rows"],
            "strided_descriptors": strided["descriptors"],
-           "strided_ring_bytes": STRIDED_RING_BYTES, "strided_ring_sync_gbps": round(gb / ring["sync"], 3),
+           "strided_ring_bytes": ring_bytes, "strided_ring_sync_gbps": round(gb / ring["sync"], 3),
            "strided_ring_sync_vs_ceiling": round(ring["ceiling"] / ring["sync"], 3),
            "strided_ring_packed_bytes": ring["packed_bytes"]}
     if contiguous_gbps is not None:
@@ -210,23 +231,24 @@ def strided_figures(strided: dict, ring: dict, contiguous_gbps: float | None = N
     return out
 
 
-def print_strided(strided: dict, ring: dict, repeats: int) -> None:
-    gb = strided["bytes"] / 1e9
-    print(f"tp-style strided case ({STRIDED_PLAN}), 2 trainer -> 2 inference processes (tp=2), bf16, {gb:.3f} GB destination "
+def print_strided(strided: dict, ring: dict, args) -> None:
+    gb, repeats = strided["bytes"] / 1e9, args.repeats
+    print(f"tp-style strided case ({args.scale.strided}), 2 trainer -> 2 inference processes (tp=2), bf16, {gb:.3f} GB destination "
           f"bytes, {strided['small_row_bytes'] / strided['bytes']:.0%} in rows <= 1 KiB; {strided['stored_runs']} stored runs "
           f"standing for {strided['rows']} rows, {strided['descriptors']} descriptors; medians of reps 2..{repeats}")
     print(f"  (a') process_vm_readv ceiling (one iovec per row) {gb / strided['ceiling']:7.2f} GB/s  {strided['ceiling']:.3f} s")
     print(f"  (b)  weightplan sync (publish packs, NIXL READ)   {gb / strided['sync']:7.2f} GB/s  {strided['sync']:.3f} s   "
           f"b / a' = {strided['ceiling'] / strided['sync']:.3f}")
     print(f"  runtime tables, both sides: {strided['table_bytes']} bytes; trainers' packed regions {strided['packed_bytes'] / 1e6:.1f} MB")
-    print(f"  (b') the same through a {STRIDED_RING_BYTES >> 20} MiB ring per trainer      {gb / ring['sync']:7.2f} GB/s  "
+    print(f"  (b') the same through a {args.scale.ring_bytes / 2**20:g} MiB ring per trainer      {gb / ring['sync']:7.2f} GB/s  "
           f"{ring['sync']:.3f} s   b' / a' = {ring['ceiling'] / ring['sync']:.3f} (its own run's ceiling {gb / ring['ceiling']:.2f} GB/s); "
           f"rings {ring['packed_bytes'] / 1e6:.1f} MB")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--repeats", type=int, help="repetitions of every round (default 4; 2 with --smoke)")
+    parser.add_argument("--smoke", action="store_true", help="the smallest configuration of every round: checks it runs, not its figures")
     parser.add_argument("--overhead-only", action="store_true", help="only the host-overhead rows (quick)")
     parser.add_argument("--strided-only", action="store_true", help="only the tp-style strided case")
     parser.add_argument("--strided-threads", type=int, default=1, help="torch threads per process in the strided case")
@@ -236,6 +258,12 @@ def main() -> None:
     parser.add_argument("--fp8-threads", type=int, default=1,
                         help="torch threads per process in the fp8 job (1: the 2 trainers quantize on one core each)")
     args = parser.parse_args()
+    args.scale = SMOKE if args.smoke else FULL
+    if args.repeats is None:
+        args.repeats = 2 if args.smoke else 4
+    if args.repeats < 2:
+        parser.error("--repeats must be at least 2: repetition 1 sets up connections and is not timed")
+    measured_at = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     reps = range(2, args.repeats + 1)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -245,12 +273,12 @@ def main() -> None:
                 print(f"host overhead, {n:>7,} descriptors: sync {o['sync_s'] * 1e3:.1f} ms, overhead {o['overhead_ms']:.1f} ms")
             return
         if args.strided_only:
-            strided, ring = strided_job(args, tmp), strided_job(args, tmp, STRIDED_RING_BYTES)
-            print_strided(strided, ring, args.repeats)
-            print(json.dumps(strided_figures(strided, ring)))
+            strided, ring = strided_job(args, tmp), strided_job(args, tmp, args.scale.ring_bytes)
+            print_strided(strided, ring, args)
+            print(json.dumps(strided_figures(strided, ring, args.scale.ring_bytes)))
             return
-        plan = compile_bench_plan(tmp / "bench.plan")
-        events = run_job(plan, 2, 2, args.repeats, "bench-runtime", model=True, gloo=True, tmp=tmp, verify=args.verify)
+        plan = compile_bench_plan(tmp / "bench.plan", config=args.scale.config)
+        events = run_job(plan, 2, 2, args.repeats, "bench-runtime", model=args.scale.config, gloo=True, tmp=tmp, verify=args.verify)
         syncs = [e for e in events if e.get("round") == "sync" and e["role"] == "inference"]
         nbytes = sum(e["bytes"] for e in syncs if e["rep"] == 1)
         descriptors = sum(e["descriptors"] for e in syncs if e["rep"] == 1)
@@ -268,10 +296,13 @@ def main() -> None:
         memcpy = memcpy_gbps(nbytes)
         overhead = host_overhead(args.repeats, nbytes / ceiling, tmp)
         fp8 = fp8_job(args, tmp) if args.quant == "fp8_per_block" else None
-        strided, ring = strided_job(args, tmp), strided_job(args, tmp, STRIDED_RING_BYTES)
+        strided, ring = strided_job(args, tmp), strided_job(args, tmp, args.scale.ring_bytes)
 
     gb = nbytes / 1e9
     figures = {
+        "config": str(args.scale.config.relative_to(ROOT)),
+        "measured_at": measured_at,
+        "repeats": args.repeats,
         "bytes": nbytes,
         "memcpy_gbps": round(memcpy, 3),
         "ceiling_gbps": round(gb / ceiling, 3),
@@ -284,7 +315,7 @@ def main() -> None:
         "host_overhead_ms_100k": round(overhead[100_000]["overhead_ms"], 2),
         "verify": args.verify,
     }
-    figures.update(strided_figures(strided, ring, gb / sync))
+    figures.update(strided_figures(strided, ring, args.scale.ring_bytes, gb / sync))
     cores = len(os.sched_getaffinity(0))
     figures["cores"] = cores
     figures["sync_cpu_busy"] = round(sync_cpu / (cores * sync), 3)
@@ -312,7 +343,7 @@ def main() -> None:
             "fp8_receiver_quantize_s": round(fp8["receiver_quantize"], 3),
             "fp8_identical": fp8["identical"],
         })
-    print(f"GLM-5.2-shaped model ({CONFIG.name}), 2 trainer -> 2 inference processes (dp=2,ep), bf16, "
+    print(f"GLM-5.2-shaped model ({args.scale.config.name}), 2 trainer -> 2 inference processes (dp=2,ep), bf16, "
           f"{gb:.3f} GB destination bytes in {descriptors} descriptors; medians of reps 2..{args.repeats}"
           + ("; per-sync verification on (trainers hash at publish, receivers after each group)" if args.verify else ""))
     print(f"  (a)  memcpy, one process            {memcpy:7.2f} GB/s")
@@ -322,7 +353,7 @@ def main() -> None:
           f"(of which outside gloo on the slowest inference rank, i.e. load_weights: {loading:.3f} s)")
     print(f"  b / a' = {figures['sync_vs_ceiling']:.3f}   b / a = {figures['sync_vs_memcpy']:.3f}   c / b time = {figures['speedup_vs_baseline']:.2f}x")
     print(f"  digests after our sync == after vLLM load_weights of the same weights: {identical}")
-    print_strided(strided, ring, args.repeats)
+    print_strided(strided, ring, args)
     for n, o in overhead.items():
         print(f"  host overhead, {n:>7,} descriptors of {RUN_ELEMS * 2} B: sync {o['sync_s'] * 1e3:.1f} ms, "
               f"readv {o['readv_s'] * 1e3:.1f} ms, overhead {o['overhead_ms']:.1f} ms")

@@ -1,6 +1,6 @@
 """Benchmark: a live FSDP2 trainer's weights to servable inference weights, against gather-full-state-dict + load_weights.
 
-Usage: python benchmarks/bench_trainer.py [--steps N] [--masters fp32|bf16]   (make bench-trainer)
+Usage: python benchmarks/bench_trainer.py [--steps N] [--masters fp32|bf16] [--smoke]   (make bench-trainer)
 
 One run, one machine: this process is the inference side and starts `--trainers` (4) trainer
 processes (this file with `--role trainer`). The trainers build transformers'
@@ -34,8 +34,9 @@ synced vLLM model's digests equal the baseline-loaded model's (`identical`).
 
 Figures are medians over the steps. staging_bytes: the largest trainer's `Sender.staging_bytes`
 (extra memory the publish writes into), against that trainer's own shards in bf16
-(`shard_bf16_bytes`) and as it holds them (`shard_bytes`, fp32 masters). The last line is one JSON
-object.
+(`shard_bf16_bytes`) and as it holds them (`shard_bytes`, fp32 masters). --smoke: examples/configs/tiny-deepseek-v3,
+2 trainers, ep 1, one measured step; it checks that everything runs, not the figures (tests/test_benchmark_smoke.py).
+The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from runtime_bench_worker import _broadcast, _gloo  # noqa: E402  (standalone gl
 from weightplan.runtime import LiveSender, Receiver, Rendezvous, load_plan, write_trainer_layout  # noqa: E402
 
 CONFIG = ROOT / "benchmarks" / "configs" / "bench-deepseek-v3"
+SMOKE = ["--config", str(mt.CONFIG), "--trainers", "2", "--ep", "1", "--steps", "1"]  # what --smoke stands for
 
 
 # ---------------------------------------------------------------------------------------------- trainer
@@ -272,10 +274,13 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--job", default=f"bench-trainer-{os.getpid()}")
     p.add_argument("--workdir", help="where the plan, the trainer layout and the trainers' logs go (default: a new temp dir)")
+    p.add_argument("--smoke", action="store_true", help=f"the smallest run ({' '.join(SMOKE[2:])}, the tiny example config): "
+                                                         "checks it runs, not its figures")
     for hidden, kw in (("--role", dict(choices=("inference", "trainer"), default="inference")),
                        ("--rank", dict(type=int, default=0)), ("--address", {})):
         p.add_argument(hidden, help=argparse.SUPPRESS, **kw)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    return p.parse_args([*SMOKE, *(argv if argv is not None else sys.argv[1:])]) if args.smoke else args
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 
 Usage: python benchmarks/calibrate_cluster.py [--bench-output FILE | --run-bench] [--loopback FILE]
 
-Here: the plans `make bench-runtime` runs (the glm-5.2-2gb plan, fsdp=2 -> dp=2,ep, and the
-synthetic plans of 10k and 100k runs of 128 B), compiled again exactly as bench_runtime.py
-compiles them, simulated on the loopback cluster file, and printed beside the syncs that
+Here: the plans `make bench-runtime` runs (the plan of the config its output names, glm-5.2-2gb
+unless --smoke, fsdp=2 -> dp=2,ep, and the synthetic plans of 10k and 100k runs of 128 B), compiled
+again exactly as bench_runtime.py compiles them, simulated on the loopback cluster file, and printed beside the syncs that
 bench_runtime.py measured (its saved output: --bench-output, default the newest
 benchmarks/results/bench_runtime_*.txt; or --run-bench to run it now). The loopback "NIC" runs
 at the process_vm_readv rate each inference process got in that same run (bench_runtime's (a')
@@ -23,9 +23,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import tempfile
+from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,6 +45,27 @@ def bench_figures(path: Path) -> dict:
     return json.loads(lines[-1])
 
 
+def measured_at(path: Path, figures: dict) -> datetime | None:
+    """When that bench_runtime.py run started (UTC): its `measured_at` key, else the first date (and time) of the
+    file's comment header or name, as older saved outputs recorded it; None if neither says."""
+    if "measured_at" in figures:
+        return datetime.strptime(figures["measured_at"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    header = "\n".join(line for line in path.read_text().splitlines() if line.startswith("#"))
+    found = re.search(r"(\d{4}-\d{2}-\d{2})(?: (\d{2}:\d{2}))?", header) or re.search(r"(\d{4}-\d{2}-\d{2})()", path.name)
+    if found is None:
+        return None
+    return datetime.strptime(f"{found[1]} {found[2] or '00:00'}", "%Y-%m-%d %H:%M").replace(tzinfo=timezone.utc)
+
+
+def run_bench(smoke: bool = False) -> Path:
+    """Run benchmarks/bench_runtime.py now (several minutes; --smoke: about a minute) and save its output to a temp file."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_runtime.py"), *(["--smoke"] if smoke else [])],
+                         check=True, stdout=subprocess.PIPE, text=True).stdout
+    path = Path(tempfile.mkstemp(prefix="bench_runtime_", suffix=".txt")[1])
+    path.write_text(out)
+    return path
+
+
 def newest_bench_output() -> Path:
     found = sorted((ROOT / "benchmarks" / "results").glob("bench_runtime_*.txt"))
     if not found:
@@ -51,7 +74,8 @@ def newest_bench_output() -> Path:
 
 
 def local_rows(figures: dict, loopback: Path) -> list[dict]:
-    """(plan, measured, predicted) for the bench plan and the synthetic plans of one bench_runtime.py run."""
+    """(plan, measured, predicted) for the bench plan and the synthetic plans of one bench_runtime.py run (its plan
+    compiled again from the config it names; runs that predate the `config` key used glm-5.2-2gb)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_runtime import compile_bench_plan
     from synthetic_plans import RUN_ELEMS, many_runs_plan
@@ -65,14 +89,15 @@ def local_rows(figures: dict, loopback: Path) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        plan = load_plan(compile_bench_plan(tmp / "bench.plan"))
+        config = ROOT / figures.get("config", "benchmarks/configs/glm-5.2-2gb")
+        plan = load_plan(compile_bench_plan(tmp / "bench.plan", config=config))
         transfers = plan_transfers(plan)
         total = figures["bytes"]
         ceiling_s = total / 1e9 / figures["ceiling_gbps"]
         # The slowest reader sets the ceiling's wall time: that is the per-process rate in that run.
         rate = transfers.read_bytes.sum(axis=0).max() / ceiling_s
         cluster = dataclasses.replace(base, nic_gbytes_per_s=rate / 1e9, intra_node_gbytes_per_s=rate / 1e9)
-        rows.append({"plan": "glm-5.2-2gb fsdp=2 -> dp=2,ep (bf16)", "measured_s": total / 1e9 / figures["sync_gbps"],
+        rows.append({"plan": f"{config.name} fsdp=2 -> dp=2,ep (bf16)", "measured_s": total / 1e9 / figures["sync_gbps"],
                      "predicted_s": predict(transfers, cluster).sync_s})
         for n in (10_000, 100_000):
             moved = n * RUN_ELEMS * 2
@@ -116,13 +141,7 @@ def main() -> None:
     source.add_argument("--run-bench", action="store_true", help="run benchmarks/bench_runtime.py now (several minutes)")
     parser.add_argument("--loopback", type=Path, default=ROOT / "compiler" / "simulate" / "clusters" / "loopback.json")
     args = parser.parse_args()
-    if args.run_bench:
-        out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_runtime.py")], check=True,
-                             capture_output=True, text=True).stdout
-        path = Path(tempfile.mkstemp(suffix=".txt")[1])
-        path.write_text(out)
-    else:
-        path = args.bench_output or newest_bench_output()
+    path = run_bench() if args.run_bench else args.bench_output or newest_bench_output()
     rows = local_rows(bench_figures(path), args.loopback)
     pub = published()
     print(f"Here ({path.name}; loopback NIC {rows[0]['nic_gbytes_per_s']:.3f} GB/s per process = that run's process_vm_readv "

@@ -1,7 +1,7 @@
 """One process of `make bench-runtime`: a trainer or an inference rank, running the measured rounds in lockstep.
 
 Rounds per repetition (separated by gloo barriers over all processes):
-  ceiling  - inference ranks process_vm_readv every descriptor's bytes from the trainer processes
+  ceiling  - inference ranks process_vm_readv every descriptor's bytes from the trainer processes' unpacked regions
   sync     - trainers publish, inference ranks sync (weightplan over NIXL/UCX), trainers release
   baseline - trainers all-gather shards, trainer 0 broadcasts full tensors (gloo), inference ranks load_weights
 Each process prints one JSON line per round with wall-clock start/end, so the driver can take
@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from weightplan.runtime import Receiver, Rendezvous, Sender, load_plan
-from weightplan.runtime.tables.ranks import reads_of, row_pieces
+from weightplan.runtime.casts import cast_along
+from weightplan.runtime.tables.ranks import reads_of, row_pieces, served_regions
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 IOV_MAX = 1024
@@ -89,28 +90,56 @@ class _Params:
         return iter(self.params.items())
 
 
+def unpacked_regions(plan, rank: int, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Every region trainer `rank` serves, as a sender without packing would expose it: its own flat shard where the
+    wire dtype is the shard's, else the shard cast along the region's chain (the staging copy such a sender writes).
+    The Sender publishes address 0 for cast regions it serves only through its packed region, so the ceiling reads these."""
+    out = []
+    for region in served_regions(plan, rank):
+        flat = tensors[plan.sources[region.source].name].reshape(-1)
+        out.append(cast_along(flat, plan.cast_chains[region.chain]).contiguous() if region.staged else flat)
+    return out
+
+
 def read_ceiling(plan, rank: int, rendezvous: Rendezvous, destination: dict[str, torch.Tensor]) -> int:
-    """process_vm_readv of exactly the bytes this rank's reads move, into the same destinations: one iovec per
-    row of a strided run (per run where its rows are contiguous on both sides)."""
+    """process_vm_readv of exactly the bytes this rank's reads move, from the trainers' unpacked regions into the same
+    destinations: one iovec per row of a strided run (per run where its rows are contiguous on both sides)."""
     total = 0
     for src, reads in reads_of(plan, rank).items():
-        info = rendezvous.get_json(f"trainer/{src}/info")
         pid = int(rendezvous.get_bytes(f"bench/pid/{src}"))
-        region = np.array([a for _, _, a, _ in info["regions"]], dtype=np.int64)[reads.region]
+        region = np.array(rendezvous.get_json(f"bench/regions/{src}")["addresses"], dtype=np.int64)[reads.region]
         base = np.array([destination[plan.dests[d].name].data_ptr() for d in reads.dest.tolist()], dtype=np.int64)
         _, size, (addr, dst) = row_pieces(reads.count, reads.nbytes, reads.contiguous(),
                                           (region + reads.src_byte, reads.src_stride), (base + reads.dst_byte, reads.dst_stride))
-        local = np.stack([dst, size], axis=1).astype(np.uint64)
-        remote = np.stack([addr, size], axis=1).astype(np.uint64)
         for lo in range(0, len(size), IOV_MAX):
-            n = min(IOV_MAX, len(size) - lo)
-            want = int(local[lo : lo + n, 1].sum())
-            got = _LIBC.process_vm_readv(pid, ctypes.c_void_p(local[lo:].ctypes.data), n,
-                                         ctypes.c_void_p(remote[lo:].ctypes.data), n, 0)
-            if got != want:  # partial reads happen only on errors for these sizes
-                raise OSError(ctypes.get_errno(), f"process_vm_readv read {got} of {want} bytes")
-            total += got
+            total += _readv(pid, dst[lo : lo + IOV_MAX], addr[lo : lo + IOV_MAX], size[lo : lo + IOV_MAX])
     return total
+
+
+def _readv(pid: int, local: np.ndarray, remote: np.ndarray, size: np.ndarray) -> int:
+    """process_vm_readv of remote[i] -> local[i], size[i] bytes each, continuing after short reads; returns the bytes read.
+    Raises OSError naming the pid, remote address and byte counts when the kernel reads nothing more."""
+    local, remote, size = local.astype(np.uint64), remote.astype(np.uint64), size.astype(np.uint64)
+    want, done = int(size.sum()), 0
+    while done < want:
+        iov_local, iov_remote = np.stack([local, size], axis=1), np.stack([remote, size], axis=1)
+        got = _LIBC.process_vm_readv(pid, ctypes.c_void_p(iov_local.ctypes.data), len(size),
+                                     ctypes.c_void_p(iov_remote.ctypes.data), len(size), 0)
+        if got <= 0:
+            errno = ctypes.get_errno() if got < 0 else 0
+            raise OSError(errno, f"process_vm_readv from pid {pid} at remote address {int(remote[0]):#x}: read "
+                                 f"{done} of {want} bytes, then {os.strerror(errno) if errno else 'nothing'}")
+        done += got
+        # Skip the iovecs read whole, and the read part of the first one read partly.
+        ends = np.cumsum(size)
+        first = int(np.searchsorted(ends, got, side="right"))
+        local, remote, size = local[first:], remote[first:], size[first:]
+        if len(size):
+            part = np.uint64(got - (int(ends[first - 1]) if first else 0))
+            local[0] += part
+            remote[0] += part
+            size[0] -= part
+    return done
 
 
 def main() -> None:
@@ -151,6 +180,9 @@ def main() -> None:
         rendezvous.put(f"bench/pid/{args.rank}", str(os.getpid()).encode())
         sender = Sender(plan, args.rank, tensors, rendezvous=rendezvous, timeout=120, digests=args.verify,
                         ring_bytes=args.ring_bytes).start()
+        if not quantized:  # what the copy ceiling reads; kept alive until this process exits
+            ceiling_regions = unpacked_regions(plan, args.rank, tensors)
+            rendezvous.put(f"bench/regions/{args.rank}", {"addresses": [t.data_ptr() for t in ceiling_regions]})
         model = None
     else:
         if args.model and not quantized:
