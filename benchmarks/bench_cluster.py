@@ -89,9 +89,9 @@ def main() -> None:
     path, compile_s = fanout_plan(args.fanout_plan)
     fan_plan = load_plan(path)
     h = fan_plan.header
-    if (h["inference"]["token"], h["trainer"]["token"], h["quant"], h["model"]) != (FANOUT_TOKEN, "fsdp64-ep8", "fp8_per_block", "glm-5.2"):
-        raise SystemExit(f"error: {path} is not the fp8 seed plan with gpus-per-node=8 ({h['model']}, {h['trainer']['token']} -> "
-                         f"{h['inference']['token']}, {h['quant']})")
+    if (h.inference.token, h.trainer.token, h.quant, h.model) != (FANOUT_TOKEN, "fsdp64-ep8", "fp8_per_block", "glm-5.2"):
+        raise SystemExit(f"error: {path} is not the fp8 seed plan with gpus-per-node=8 ({h.model}, {h.trainer.token} -> "
+                         f"{h.inference.token}, {h.quant})")
     print(f"fp8 + fan-out plan: {path} ({'compiled in %.1f s' % compile_s if compile_s is not None else 'reused, not compiled now'}; "
           f"{len(fan_plan.fanout.first_hops)} replicated entries pulled once per node of {fan_plan.fanout.gpus_per_node})")
     fan = simulate(fan_plan, cluster, " fp8 + fan-out")
