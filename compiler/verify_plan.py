@@ -333,8 +333,8 @@ def plan_conversion(vllm_config, plan: Plan) -> Conversion:
     trainer = plan.header.trainer
     from .compile import trainer_tensors
 
-    return Conversion(trainer_tensors(Path(vllm_config.model_config.model), trainer["dtype"], trainer["format"],
-                                      trainer.get("adapter")), trainer["format"])
+    return Conversion(trainer_tensors(Path(vllm_config.model_config.model), trainer.dtype, trainer.format,
+                                      trainer.adapter), trainer.format)
 
 
 def _materialize(model: torch.nn.Module, names: set[str], fill: float) -> dict[str, torch.Tensor]:
