@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..runtime.plan.header import QUANTS, DraftHeader, InferenceHeader, PlanStats, TrainerHeader
 from .frontend.draft import DRAFT_METHOD, check_draft, check_draft_architecture, draft_trainer
 from .frontend.errors import ModelConfigError
 from .frontend.rank_models import RankTracer
@@ -22,7 +23,6 @@ from .frontend.trainer_formats import Conversion, canonical_format, load_trainer
 from .frontend.vllm_model import build_model, current_platform_name, draft_config, make_vllm_config
 from .frontend.vllm_patches import HOST_PROFILE, host_independent
 from .layouts import check_trainer_experts, parse_inference, parse_trainer
-from ..runtime.plan.header import QUANTS, DraftHeader, InferenceHeader, PlanStats, TrainerHeader
 from .ir import PlanOrigin, Program, TensorEntry
 from .models import config_hash, load_config_json, resolve_model
 from .passes.pipeline import Stage, join_ranks, run_stage

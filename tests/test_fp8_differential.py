@@ -74,12 +74,12 @@ def test_fused_tensor_from_two_trainer_ranks(fp8_plan):
 
 def test_plan_lists_derived_post_load_work(fp8_plan):
     plan = load_plan(fp8_plan("deepseek"))
-    derived = plan.header.derived
-    mla = [d for d in derived if "MLA" in d[1]]
-    assert mla and all(d[3] == "receiver" and any(r.endswith("kv_b_proj.weight") for r in d[2]) for d in mla)
+    derived = plan.derived
+    mla = [d for d in derived if "MLA" in d.what]
+    assert mla and all(d.where == "receiver" and any(r.endswith("kv_b_proj.weight") for r in d.reads) for d in mla)
     # moe_intermediate 96 is padded to 128: vLLM's post-load `_zero_padding` is traced as zero constants that fill
     # exactly the bytes no run writes (the zero-filled staging holds them), not listed as derived work
-    assert not [d for d in derived if d[3] == "plan"]
+    assert not [d for d in derived if d.where == "plan"]
     assert plan.header.quant_layout.layout == "plain"
 
 
