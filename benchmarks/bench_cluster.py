@@ -75,9 +75,9 @@ def _compile(options: dict, path: Path) -> float:
 def check_fanout_plan(plan, path: Path) -> None:
     """Exit with one line unless `plan` is the fp8 seed plan with gpus-per-node=8."""
     h = plan.header
-    if (h["inference"]["token"], h["trainer"]["token"], h["quant"], h["model"]) != (FANOUT_TOKEN, "fsdp64-ep8", "fp8_per_block", "glm-5.2"):
-        raise SystemExit(f"error: {path} is not the fp8 seed plan with gpus-per-node=8 ({h['model']}, {h['trainer']['token']} -> "
-                         f"{h['inference']['token']}, {h['quant']})")
+    if (h.inference.token, h.trainer.token, h.quant, h.model) != (FANOUT_TOKEN, "fsdp64-ep8", "fp8_per_block", "glm-5.2"):
+        raise SystemExit(f"error: {path} is not the fp8 seed plan with gpus-per-node=8 ({h.model}, {h.trainer.token} -> "
+                         f"{h.inference.token}, {h.quant})")
 
 
 def calibration_source(args) -> tuple[Path, str]:

@@ -60,7 +60,7 @@ class _FullTensors:
         i = self.index[name]
         entry = self.plan.sources[i]
         full = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
-        for rank in range(self.plan.header["src_ranks"]):
+        for rank in range(self.plan.header.src_ranks):
             box = self.plan.shard_box(i, rank)
             if box is not None and all(b > a for a, b in box):
                 full[tuple(slice(a, b) for a, b in box)] = _shard(self.plan, i, rank, self.seed)
@@ -75,10 +75,10 @@ def quantized_reference_digests(plan, model: str, rank: int, seed: int) -> dict[
     from weightplan.compiler.verify_plan import vllm_load_quantized
 
     torch._dynamo.config.disable = True  # vLLM torch.compiles its quantizer per shape (tens of s); eager is the same math
-    info, quant = plan.header["inference"], plan.header["quant"]
+    info, quant = plan.header.inference, plan.header.quant
     base = make_vllm_config(model, quantization=quant)
-    config = make_vllm_config(model, tp=info["tp"], dp=info["dp"], ep=info["ep"], quantization=quant)
-    params = vllm_load_quantized(config, base, plan, _FullTensors(plan, seed), None, rank % info["tp"], rank // info["tp"])
+    config = make_vllm_config(model, tp=info.tp, dp=info.dp, ep=info.ep, quantization=quant)
+    params = vllm_load_quantized(config, base, plan, _FullTensors(plan, seed), None, rank % info.tp, rank // info.tp)
     return compute_tensor_digests(_Params(params))
 
 
@@ -160,11 +160,11 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     plan = load_plan(args.plan)
-    quantized = plan.header["quant"] != "none"
-    n_src = plan.header["src_ranks"]
+    quantized = plan.header.quant != "none"
+    n_src = plan.header.src_ranks
     rendezvous = Rendezvous.connect(args.job, args.address, timeout=600)
     world_rank = args.rank if args.role == "trainer" else n_src + args.rank
-    world = n_src + plan.header["dst_ranks"]
+    world = n_src + plan.header.dst_ranks
     # Standalone gloo groups on the job's store: vLLM owns this process's default torch.distributed world.
     groups, barrier = (None, None), (lambda: None)
     if args.gloo:
@@ -172,7 +172,7 @@ def main() -> None:
         barrier = lambda: world_group.barrier().wait()  # noqa: E731
         trainers = _gloo(rendezvous, "trainers", args.rank, n_src) if args.role == "trainer" else None
         member = args.role == "inference" or args.rank == 0
-        bcast = _gloo(rendezvous, "bcast", 0 if args.role == "trainer" else 1 + args.rank, 1 + plan.header["dst_ranks"]) if member else None
+        bcast = _gloo(rendezvous, "bcast", 0 if args.role == "trainer" else 1 + args.rank, 1 + plan.header.dst_ranks) if member else None
         groups = (trainers, bcast)
 
     if args.role == "trainer":
@@ -188,10 +188,10 @@ def main() -> None:
         if args.model and not quantized:
             from weightplan.compiler.frontend.vllm_model import build_model, make_vllm_config
 
-            info = plan.header["inference"]
+            info = plan.header.inference
             base = make_vllm_config(args.model)
-            config = make_vllm_config(args.model, tp=info["tp"], dp=info["dp"], ep=info["ep"])
-            tp_rank, dp_rank = args.rank % info["tp"], args.rank // info["tp"]
+            config = make_vllm_config(args.model, tp=info.tp, dp=info.dp, ep=info.ep)
+            tp_rank, dp_rank = args.rank % info.tp, args.rank // info.tp
             model = build_model(config, "cpu", tp_rank=tp_rank, dp_rank=dp_rank, base_config=base)
             destination = dict(model.named_parameters())
         else:
@@ -289,9 +289,9 @@ def _baseline(plan, args, shards, groups, model, n_src: int) -> float:
         from weightplan.compiler.frontend.vllm_model import make_vllm_config
         from weightplan.compiler.frontend.vllm_patches import parallel_rank
 
-        info = plan.header["inference"]
-        config = make_vllm_config(args.model, tp=info["tp"], dp=info["dp"], ep=info["ep"])
-        with torch.no_grad(), parallel_rank(config, args.rank % info["tp"], args.rank // info["tp"]):
+        info = plan.header.inference
+        config = make_vllm_config(args.model, tp=info.tp, dp=info.dp, ep=info.ep)
+        with torch.no_grad(), parallel_rank(config, args.rank % info.tp, args.rank // info.tp):
             model.load_weights(receive())
         return comm[0]
     for i, entry in enumerate(plan.sources):

@@ -14,13 +14,14 @@ def write_synthetic(out: Path, name: str, sources, dests, runs, fsdp: int, dst_r
     from weightplan.compiler.ir import PlanOrigin, Program
     from weightplan.compiler.plan_writer import write_program
     from weightplan.runtime.layout.shards import TrainerLayout
+    from weightplan.runtime.plan.header import InferenceHeader, TrainerHeader
 
     layout = TrainerLayout(fsdp=fsdp).bind(sources)
     program = Program(
         sources=sources, dests=dests, runs=runs, cast_chains=(("bfloat16",),),
         origin=PlanOrigin(vllm_version="synthetic", model=name, config_sha256="", architecture="none",
-                          trainer={"format": "hf", "dtype": "bf16", "token": layout.token, **layout.as_dict()},
-                          inference={"token": f"tp{dst_ranks}", "tp": dst_ranks, "dp": 1, "ep": False, "platform": "cpu"},
+                          trainer=TrainerHeader("hf", "bf16", layout.token, layout.classes),
+                          inference=InferenceHeader(f"tp{dst_ranks}", dst_ranks, 1, False, "cpu"),
                           quant="none", src_ranks=fsdp, dst_ranks=dst_ranks),
         trainer_layout=layout,
     )

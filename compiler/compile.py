@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..runtime.plan.header import QUANTS, DraftHeader, InferenceHeader, PlanStats, TrainerHeader
 from .frontend.draft import DRAFT_METHOD, check_draft, check_draft_architecture, draft_trainer
 from .frontend.errors import ModelConfigError
 from .frontend.rank_models import RankTracer
@@ -29,7 +30,6 @@ from .passes.verify import descriptors_lower_bound, descriptors_posted
 from .plan_writer import write_program
 from .timing import add, clock, phase
 from . import quant_compile
-from .quant_compile import QUANTS
 
 TRAINER_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
@@ -58,10 +58,10 @@ class CompileResult:
     stats: dict = field(default_factory=dict)
 
 
-def default_plan_path(model: str, trainer: dict, inference: dict, quant: str) -> Path:
+def default_plan_path(model: str, trainer: TrainerHeader, inference: InferenceHeader, quant: str) -> Path:
     """plans/<model>/[mtp-]<format>-<dtype>-<trainer layout>__<inference layout>__<quant>.plan (mtp-: a draft plan)"""
-    draft = f"{inference['draft']['method']}-" if "draft" in inference else ""
-    return Path("plans") / model / f"{draft}{trainer['format']}-{trainer['dtype']}-{trainer['token']}__{inference['token']}__{quant}.plan"
+    draft = f"{inference.draft.method}-" if inference.draft is not None else ""
+    return Path("plans") / model / f"{draft}{trainer.format}-{trainer.dtype}-{trainer.token}__{inference.token}__{quant}.plan"
 
 
 def check_options(opts: CompileOptions) -> None:
@@ -138,13 +138,13 @@ def _compile(opts: CompileOptions, inputs: _Inputs, trainer_model, log) -> Compi
                                     draft=opts.draft)
                    if inference.ranks > 1 else base)
     fmt = trainer_format(opts)
-    draft_meta = {}
+    draft = None
     if opts.draft:  # the trainer's MTP tensors; the draft's own tensors are read off vLLM's one-rank draft
         check_draft_architecture(draft_config(base).architectures[0], config_dir / "config.json")
         one_rank = build_model(base)
         trainer_model = draft_trainer(trainer_model, load_config_json(config_dir), one_rank,
                                       getattr(torch, TRAINER_DTYPES[opts.trainer_dtype]))
-        draft_meta = {"draft": {"method": DRAFT_METHOD, "shared_with_target": list(one_rank.shared_with_target)}}
+        draft = DraftHeader(DRAFT_METHOD, tuple(one_rank.shared_with_target))
         del one_rank
     sources = trainer_model.specs(fmt)
     trainer_layout = trainer_layout.bind(sources)
@@ -170,10 +170,9 @@ def _compile(opts: CompileOptions, inputs: _Inputs, trainer_model, log) -> Compi
             del load, traced, lowered
 
     started = clock()
-    trainer = {"format": fmt, "dtype": opts.trainer_dtype, "token": trainer_layout.token, **trainer_layout.as_dict(),
-               **({"adapter": opts.trainer_adapter} if opts.trainer_adapter else {})}
-    inference_meta = {"token": inference.token, **inference.as_dict(), "platform": current_platform_name(),
-                      "vllm_host": HOST_PROFILE, **draft_meta}
+    trainer = TrainerHeader(fmt, opts.trainer_dtype, trainer_layout.token, trainer_layout.classes, opts.trainer_adapter or None)
+    inference_meta = InferenceHeader(inference.token, inference.tp, inference.dp, inference.ep, current_platform_name(),
+                                     HOST_PROFILE, inference.gpus_per_node or None, draft)
     origin = PlanOrigin(vllm_version=vllm.__version__, model=name, config_sha256=config_hash(config_dir),
                         architecture=(draft_config(base) or base.model_config).architectures[0], trainer=trainer, inference=inference_meta,
                         quant=opts.quant, src_ranks=trainer_layout.ranks, dst_ranks=inference.ranks)
@@ -188,9 +187,9 @@ def _compile(opts: CompileOptions, inputs: _Inputs, trainer_model, log) -> Compi
     compiled = run_stage(Stage.QUANT, compiled, check_each=opts.check_passes)
     compiled = run_stage(Stage.FANOUT, dataclasses.replace(compiled, gpus_per_node=inference.gpus_per_node),
                          check_each=opts.check_passes)
-    header_stats = {"assignments": assignments_total, "runs_before_coalesce": before_coalesce["runs"]}
-    if compiled.source_choice is not None and compiled.source_choice.shared_bytes:  # absent: other plans keep their bytes
-        header_stats["source_choice"] = compiled.source_choice.as_dict()
+    choice = compiled.source_choice
+    header_stats = PlanStats(assignments_total, before_coalesce["runs"],
+                             choice if choice is not None and choice.shared_bytes else None)  # absent: other plans keep their bytes
     compiled = dataclasses.replace(compiled, stats=header_stats)
     add(timings, "passes", started)
 
@@ -202,8 +201,8 @@ def _compile(opts: CompileOptions, inputs: _Inputs, trainer_model, log) -> Compi
         "dst_coverage": compiled.coverage.fraction,
         **ranks.stats,
     }
-    if "source_choice" in header_stats:
-        stats["source_choice"] = header_stats["source_choice"]
+    if header_stats.source_choice is not None:
+        stats["source_choice"] = header_stats.source_choice.to_json()
     path = opts.output or default_plan_path(name, trainer, inference_meta, opts.quant)
     with phase(timings, "write"):
         size = write_program(compiled, path)

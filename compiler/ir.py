@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -10,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..runtime.plan.columns import Runs
+from ..runtime.plan.header import InferenceHeader, PlanStats, QuantLayout, SourceChoice, TrainerHeader
 from ..runtime.plan.schema import DTYPE_SIZES, DerivedItem, Fanout, TensorEntry
 
 
@@ -185,8 +185,8 @@ class PlanOrigin:
     model: str
     config_sha256: str
     architecture: str
-    trainer: dict  # format, dtype, token and the trainer layout's own fields
-    inference: dict  # token, tp/dp/ep, platform, vllm_host
+    trainer: TrainerHeader
+    inference: InferenceHeader  # without `unloaded`: the program's own table
     quant: str
     src_ranks: int
     dst_ranks: int
@@ -218,22 +218,6 @@ class Coverage:
 
 
 @dataclass(frozen=True)
-class SourceChoice:
-    """Bytes the trainer ranks serve (once per reading inference rank) under the greedy choice of
-    holders for replicated pieces and under the choice split_shards kept (passes/source_flow.py)."""
-
-    greedy_max: int
-    greedy_mean: float
-    chosen_max: int
-    chosen_mean: float
-    shared_bytes: int  # of all served bytes, those several trainer ranks hold
-    method: str  # "flow" when the max-flow split is strictly better, else "greedy"
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-@dataclass(frozen=True)
 class Program:
     """What passes transform: tensor tables plus assignments, then copies, then runs.
 
@@ -257,14 +241,14 @@ class Program:
     shard_numel: np.ndarray | None = field(default=None, compare=False)  # [trainer rank, source], set by split_shards
     quant_targets: tuple[QuantTarget, ...] = ()
     quant_placement: QuantPlacement | None = field(default=None, compare=False)  # set by place_quant
-    kernel_layout: dict = field(default_factory=dict, compare=False)  # how vLLM's fp8 kernels want weights and scales
+    kernel_layout: QuantLayout | None = field(default=None, compare=False)  # how vLLM's fp8 kernels want weights and scales
     derived: tuple[DerivedItem, ...] = ()  # post-load state the receiver derives
     unloaded: tuple[TensorEntry, ...] = ()  # parameters vLLM's load never writes (frontend/unloaded.py), not in dests
     coverage: Coverage | None = field(default=None, compare=False)  # set by check_coverage
     source_choice: SourceChoice | None = field(default=None, compare=False)  # set by split_shards
     gpus_per_node: int = 0  # --inference gpus-per-node (0: no node-local fan-out)
     fanout: Fanout | None = field(default=None, compare=False)  # set by place_fanout
-    stats: dict = field(default_factory=dict, compare=False)  # compile statistics the header records
+    stats: PlanStats = field(default=PlanStats(), compare=False)  # compile statistics the header records
 
     def source_index(self) -> dict[str, int]:
         return {spec.name: i for i, spec in enumerate(self.sources)}

@@ -38,10 +38,6 @@ class InferenceLayout:
         return (f"tp{self.tp}" + (f"-dp{self.dp}" if self.dp > 1 else "") + ("-ep" if self.ep else "")
                 + (f"-node{self.gpus_per_node}" if self.gpus_per_node else ""))
 
-    def as_dict(self) -> dict:
-        """The plan header's layout fields (gpus_per_node only when given, so other plans keep their fingerprints)."""
-        return {"tp": self.tp, "dp": self.dp, "ep": self.ep, **({"gpus_per_node": self.gpus_per_node} if self.gpus_per_node else {})}
-
     def check(self, config: dict) -> None:
         """Refuse layouts vLLM cannot build, naming the constraint, before any tracing."""
         heads = config.get("num_attention_heads")

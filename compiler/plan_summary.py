@@ -38,7 +38,7 @@ weightplan plan (format {{ s.format_version }})
 
 
 def as_program(plan: Plan) -> Program:
-    shard_numel = np.zeros((plan.header["src_ranks"], len(plan.sources)), dtype=np.int64)
+    shard_numel = np.zeros((plan.header.src_ranks, len(plan.sources)), dtype=np.int64)
     for s, r in set(zip(plan.table["src"].tolist(), plan.table["src_rank"].tolist())):
         shard_numel[r, s] = int(np.prod(plan.local_shape(s, r), dtype=np.int64))
     return Program(
@@ -57,13 +57,13 @@ def per_rank_bytes(plan: Plan) -> tuple[list[int], list[int], int]:
     table = plan.table
     nbytes = (table["count"] * table["length"] * plan.stored_itemsize()).astype(np.float64)
     per_dest = np.bincount(table["dest"], weights=nbytes, minlength=len(plan.dests))
-    dst = np.zeros(plan.header["dst_ranks"], dtype=np.float64)
+    dst = np.zeros(plan.header.dst_ranks, dtype=np.float64)
     holders = np.zeros(len(plan.dests), dtype=np.int64)
     for i, entry in enumerate(plan.dests):
         dst[list(entry.ranks)] += per_dest[i]
         holders[i] = len(entry.ranks)
     weights = nbytes * holders[table["dest"]] if len(nbytes) else nbytes
-    src = np.bincount(table["src_rank"], weights=weights, minlength=plan.header["src_ranks"])
+    src = np.bincount(table["src_rank"], weights=weights, minlength=plan.header.src_ranks)
     # fp8: receiver-side stage runs carry bf16; sender- and gather-side spans carry fp8 values and float32
     # scales; gather-side stage runs from another trainer rank carry bf16 once, between trainers.
     stage, spans = plan.stage, plan.spans
@@ -121,13 +121,13 @@ def summarize(plan: Plan) -> dict:
     hop_descriptors = fanout["second_hop_descriptors"] if fanout else 0
     pulling_dests = plan.pulling.dests
     return {
-        "format_version": h["format_version"],
-        "model": h["model"],
-        "trainer": {k: v for k, v in h["trainer"].items() if k != "boxes"},
-        "inference": h["inference"],
-        "quant": h["quant"],
-        "src_ranks": h["src_ranks"],
-        "dst_ranks": h["dst_ranks"],
+        "format_version": h.format_version,
+        "model": h.model,
+        "trainer": {k: v for k, v in h.trainer.to_json().items() if k != "boxes"},
+        "inference": h.inference.to_json(),
+        "quant": h.quant,
+        "src_ranks": h.src_ranks,
+        "dst_ranks": h.dst_ranks,
         "dst_tensors": sum(len(e.ranks) for e in plan.dests),
         "dst_entries": len(plan.dests),
         "dst_bytes": coverage.dst_bytes,
@@ -143,14 +143,14 @@ def summarize(plan: Plan) -> dict:
         "quantized_blocks": quant.blocks,
         "sender_quantized_fraction": quant.sender_fraction,
         "gather_quantized_fraction": quant.gathered_fraction,
-        "derived": len(h.get("derived", [])),
+        "derived": len(h.derived),
         "unloaded": [f"{e.name} {e.dtype}{list(e.shape)} (inference ranks {list(e.ranks)})" for e in plan.unloaded],
         "bytes_per_dst_rank": bytes_dst,
         "bytes_per_src_rank": bytes_src,
         "src_balance": _balance(bytes_src),
         "dst_balance": _balance(bytes_dst),
         "fanout": fanout,
-        "source_choice": h.get("stats", {}).get("source_choice"),  # compile's greedy vs max-flow figures, when replicated
+        "source_choice": h.stats.source_choice and h.stats.source_choice.to_json(),  # compile's greedy vs max-flow figures, when replicated
         "fingerprint": plan.fingerprint,
     }
 

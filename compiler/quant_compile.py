@@ -5,10 +5,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+from ..runtime.plan.header import QuantLayout
 from .frontend.errors import ModelConfigError
 from .ir import QuantTarget
-
-QUANTS = ("none", "fp8_per_block")
 
 
 def vllm_quantization(quant: str) -> str | None:
@@ -82,10 +81,10 @@ def quant_targets(quant: str, found: QuantHooks | None) -> tuple[QuantTarget, ..
     return targets
 
 
-def kernel_layout(quant: str) -> dict:
+def kernel_layout(quant: str) -> QuantLayout | None:
     """How vLLM's kernels for `quant` want weights and scales laid out (recorded in the plan header)."""
     if quant == "none":
-        return {}
+        return None
     from .frontend.fp8_kernels import KERNEL_LAYOUT
 
     return KERNEL_LAYOUT

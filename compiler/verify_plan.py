@@ -48,15 +48,15 @@ def check_fingerprint(plan: Plan, config_dir: Path) -> None:
     import vllm
 
     problems = []
-    if plan.header["vllm_version"] != vllm.__version__:
-        problems.append(f"vLLM version: plan {plan.header['vllm_version']}, installed {vllm.__version__}")
+    if plan.header.vllm_version != vllm.__version__:
+        problems.append(f"vLLM version: plan {plan.header.vllm_version}, installed {vllm.__version__}")
     platform = current_platform_name()
-    if plan.header["inference"].get("platform") != platform:
-        problems.append(f"platform: plan traced on {plan.header['inference'].get('platform')}, this is {platform}")
-    pinned = plan.header["inference"].get("vllm_host")
+    if plan.header.inference.platform != platform:
+        problems.append(f"platform: plan traced on {plan.header.inference.platform}, this is {platform}")
+    pinned = plan.header.inference.vllm_host
     if pinned != HOST_PROFILE:
         problems.append(f"vLLM host choices: plan compiled with {pinned}, this compiler pins {HOST_PROFILE}")
-    if plan.header["config_sha256"] != config_hash(config_dir):
+    if plan.header.config_sha256 != config_hash(config_dir):
         problems.append(f"model config {config_dir / 'config.json'} differs from the one the plan was compiled for")
     if problems:
         raise PlanMismatchError("plan does not match this environment: " + "; ".join(problems) + ". Recompile it with compile-plan.")
@@ -150,13 +150,13 @@ def verify_plan(
     """
     log = log or (lambda msg: None)
     plan = load_plan(path)
-    if model is None and plan.header["model"] not in known_models():
+    if model is None and plan.header.model not in known_models():
         raise ModelConfigError(
-            f"plan {path} was compiled from a config directory named {plan.header['model']!r}; pass --model PATH"
+            f"plan {path} was compiled from a config directory named {plan.header.model!r}; pass --model PATH"
         )
-    _, config_dir = resolve_model(model or plan.header["model"])
+    _, config_dir = resolve_model(model or plan.header.model)
     check_fingerprint(plan, config_dir)
-    n_ranks = plan.header["dst_ranks"]
+    n_ranks = plan.header.dst_ranks
     ranks = set(range(n_ranks)) if ranks is None else set(ranks)
     outside = sorted(ranks - set(range(n_ranks)))
     if not ranks or outside:
@@ -173,7 +173,7 @@ def verify_plan(
         if not small:
             raise PlanMismatchError(f"no destination tensor of at most {max_tensor_bytes} bytes to sample; raise --max-tensor-bytes")
         entries = sorted(random.Random(seed).sample(small, min(sample, len(small))))
-        if plan.header["quant"] != "none":
+        if plan.header.quant != "none":
             entries = whole_modules(plan, entries, ranks)
     chosen = np.zeros(len(plan.dests), dtype=bool)
     chosen[entries] = True
@@ -187,13 +187,13 @@ def verify_plan(
 
     full = random_sources(plan, reads, seed)
     shards = sampled_shards(plan, full, reads)
-    info = plan.header["inference"]
-    quant = plan.header["quant"]
+    info = plan.header.inference
+    quant = plan.header.quant
     quantization = None if quant == "none" else quant
-    draft = "draft" in info  # a draft plan (compile-plan --draft): vLLM's MTP draft model is the reference
+    draft = info.draft is not None  # a draft plan (compile-plan --draft): vLLM's MTP draft model is the reference
     base = make_vllm_config(config_dir, quantization=quantization, draft=draft)
-    vllm_config = (make_vllm_config(config_dir, tp=info["tp"], dp=info["dp"], ep=info["ep"], quantization=quantization, draft=draft)
-                   if plan.header["dst_ranks"] > 1 else base)
+    vllm_config = (make_vllm_config(config_dir, tp=info.tp, dp=info.dp, ep=info.ep, quantization=quantization, draft=draft)
+                   if plan.header.dst_ranks > 1 else base)
 
     from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
 
@@ -205,7 +205,7 @@ def verify_plan(
             names = {e.name for e in plan.dests if rank in e.ranks and e.name in chosen_names}
             if not names:
                 continue
-            tp_rank, dp_rank = rank % info["tp"], rank // info["tp"]
+            tp_rank, dp_rank = rank % info.tp, rank // info.tp
             if quantization is None:
                 planned_of[rank] = _materialize(build_model(vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=base),
                                                 names, float("nan"))
@@ -215,7 +215,7 @@ def verify_plan(
         for rank, planned in planned_of.items():
             if rank not in ranks:  # a puller executed only for the peers of its node it serves
                 continue
-            tp_rank, dp_rank = rank % info["tp"], rank // info["tp"]
+            tp_rank, dp_rank = rank % info.tp, rank // info.tp
             if quantization is None:
                 untouched = {e.name for e in plan.unloaded if rank in e.ranks}
                 reference, written = _vllm_load(vllm_config, base, plan, full, set(planned), tp_rank, dp_rank, untouched)
@@ -338,11 +338,11 @@ def plan_conversion(vllm_config, plan: Plan) -> Conversion:
 
     The trainer's model is built here, outside every vLLM patch (vllm_patches.check_unpatched).
     """
-    trainer = plan.header["trainer"]
+    trainer = plan.header.trainer
     from .compile import trainer_tensors
 
-    return Conversion(trainer_tensors(Path(vllm_config.model_config.model), trainer["dtype"], trainer["format"],
-                                      trainer.get("adapter")), trainer["format"])
+    return Conversion(trainer_tensors(Path(vllm_config.model_config.model), trainer.dtype, trainer.format,
+                                      trainer.adapter), trainer.format)
 
 
 def _materialize(model: torch.nn.Module, names: set[str], fill: float) -> dict[str, torch.Tensor]:

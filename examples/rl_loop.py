@@ -145,7 +145,7 @@ def run_inference(args) -> int:
         inference.connect(plan, plan_path, rendezvous, timeout=args.timeout, verify=args.check)
         rendezvous.put("demo/plan", str(plan_path).encode())
         print(json.dumps({"event": "start", "inference": args.inference, "trainers": args.trainers, "ep": args.ep, "masters": args.masters, "target": mt.TARGET,
-                          "plan": plan.header["trainer"]["token"], "setup_s": round(time.perf_counter() - began, 1)}),
+                          "plan": plan.header.trainer.token, "setup_s": round(time.perf_counter() - began, 1)}),
               flush=True)
         for version in range(1, args.steps + 2):
             _wait(rendezvous, f"demo/loss/{version}", procs, workdir, args.timeout * 4)

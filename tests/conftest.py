@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import struct
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,21 @@ TINY_MODELS = ("tiny-glm", "tiny-deepseek-v3", "tiny-qwen3-moe", "tiny-llama")
 
 def config_dir(name: str) -> Path:
     return CONFIGS / name
+
+
+def with_header_edit(data: bytes, change) -> bytes:
+    """The plan file `data` with its header JSON object edited in place by `change(header)`, then re-fingerprinted and
+    re-signed: the reader sees only what the edit did to the header."""
+    from weightplan.runtime.plan.format import MAGIC
+    from weightplan.runtime.plan.header import canonical_json, fingerprint
+
+    start = len(MAGIC) + 8
+    (length,) = struct.unpack_from("<Q", data, len(MAGIC))
+    header = json.loads(data[start : start + length])
+    change(header)
+    head = canonical_json(dict(header, fingerprint=fingerprint(header)))
+    body = MAGIC + struct.pack("<Q", len(head)) + head + data[start + length : -32]
+    return body + hashlib.sha256(body).digest()
 
 
 @pytest.fixture(scope="session")

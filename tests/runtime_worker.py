@@ -54,7 +54,7 @@ def plain_destination(plan, rank: int) -> dict[str, torch.Tensor]:
 def host_reference(plan, full: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
     """The in-process host executor's result: the reference for plain (non-vLLM) destinations."""
     out = {r: plain_destination(plan, r) for r in {rank, *second_hops(plan, rank)}}  # and its node's pullers (fan-out)
-    execute_local(plan, {r: shard(plan, full, r) for r in range(plan.header["src_ranks"])}, out)
+    execute_local(plan, {r: shard(plan, full, r) for r in range(plan.header.src_ranks)}, out)
     return out[rank]
 
 
@@ -143,7 +143,7 @@ def run_plain_inference(args, plan) -> None:
 def run_inference(args, plan) -> None:
     if args.plain:
         return run_plain_inference(args, plan)
-    if plan.header["quant"] != "none":
+    if plan.header.quant != "none":
         return run_quantized_inference(args, plan)
     from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
 
@@ -153,12 +153,12 @@ def run_inference(args, plan) -> None:
     from weightplan.compiler.frontend.vllm_patches import parallel_rank
     from weightplan.compiler.verify_plan import plan_conversion
 
-    info = plan.header["inference"]
-    tp_rank, dp_rank = args.rank % info["tp"], args.rank // info["tp"]
+    info = plan.header.inference
+    tp_rank, dp_rank = args.rank % info.tp, args.rank // info.tp
 
     def model_for_rank():
         base = make_vllm_config(args.model)
-        config = make_vllm_config(args.model, tp=info["tp"], dp=info["dp"], ep=info["ep"]) if plan.header["dst_ranks"] > 1 else base
+        config = make_vllm_config(args.model, tp=info.tp, dp=info.dp, ep=info.ep) if plan.header.dst_ranks > 1 else base
         return config, build_model(config, "cpu", tp_rank=tp_rank, dp_rank=dp_rank, base_config=base)
 
     _, model = model_for_rank()
@@ -228,11 +228,11 @@ def run_quantized_inference(args, plan) -> None:
     # vLLM torch.compiles per_block_cast_to_fp8; compiling it for every new shape costs ~35 s per process here.
     # The reference runs it eagerly (same function, same bytes); test_fp8_differential covers the compiled path.
     torch._dynamo.config.disable = True
-    info, quant = plan.header["inference"], plan.header["quant"]
-    tp_rank, dp_rank = args.rank % info["tp"], args.rank // info["tp"]
+    info, quant = plan.header.inference, plan.header.quant
+    tp_rank, dp_rank = args.rank % info.tp, args.rank // info.tp
     base = make_vllm_config(args.model, quantization=quant)
-    config = make_vllm_config(args.model, tp=info["tp"], dp=info["dp"], ep=info["ep"], quantization=quant) \
-        if plan.header["dst_ranks"] > 1 else base
+    config = make_vllm_config(args.model, tp=info.tp, dp=info.dp, ep=info.ep, quantization=quant) \
+        if plan.header.dst_ranks > 1 else base
 
     def vllm_quantized(full):
         return vllm_load_quantized(config, base, plan, full, None, tp_rank, dp_rank)
@@ -287,7 +287,7 @@ def main(argv=None) -> None:
     for path, job, model in zip(plans, jobs, models):
         _CASE["job"] = job
         plan = load_plan(path)
-        ranks = plan.header["src_ranks" if args.role == "trainer" else "dst_ranks"]
+        ranks = plan.header.src_ranks if args.role == "trainer" else plan.header.dst_ranks
         if args.rank < ranks:
             (run_trainer if args.role == "trainer" else run_inference)(argparse.Namespace(**{**vars(args), "plan": path,
                                                                                           "job": job, "model": model}), plan)

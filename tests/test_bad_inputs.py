@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -150,8 +151,7 @@ def test_verify_refuses_a_plan_for_another_vllm(plan_cache, tmp_path):
     from weightplan.runtime.plan.schema import RUN_COLUMNS
 
     plan = load_plan(plan_cache("tiny-llama"))
-    header = {k: v for k, v in plan.header.items() if k not in ("fingerprint", "n_runs", "kind", "format_version")}
-    header["vllm_version"] = "0.1.0"
+    header = dataclasses.replace(plan.header, vllm_version="0.1.0")
     other = write_plan(tmp_path / "old.plan", header, {c: plan.table[c] for c in RUN_COLUMNS})
     with pytest.raises(PlanMismatchError, match="vLLM version: plan 0.1.0, installed 0.32.0"):
         verify_plan(other, model=str(config_dir("tiny-llama")))

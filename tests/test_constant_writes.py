@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -21,7 +22,7 @@ from weightplan.compiler.verify_plan import shard_sources, verify_plan
 from weightplan.runtime import execute_local, load_plan
 from weightplan.runtime.errors import PlanFormatError
 from weightplan.runtime.plan.format import decode_plan, encode_plan
-from weightplan.runtime.plan.schema import RUN_COLUMNS
+from weightplan.runtime.plan.schema import RUN_COLUMNS, ConstantRun
 
 from .conftest import config_dir
 from .runtime_harness import Job
@@ -42,7 +43,7 @@ CASES = [
 def test_padded_vocabularies_match_vllm_load_weights(plan_cache, model, fmt, trainer, inference):
     path = plan_cache(model, fmt, "bf16", trainer, inference)
     plan = load_plan(path)
-    assert plan.header["format_version"] == 5 and plan.constants
+    assert plan.header.format_version == 5 and plan.constants
     assert {plan.dests[c.dest].name for c in plan.constants} <= {"model.embed_tokens.weight", "lm_head.weight"}
     assert all(c.value == 0 for c in plan.constants)
     result = verify_plan(path, model=str(config_dir(model)), seed=2)
@@ -66,12 +67,7 @@ def test_inspect_plan_shows_constants_apart_from_the_wire(plan_cache):
 
 def test_plans_without_constants_keep_format_4_and_no_constants_key(plan_cache):
     plan = load_plan(plan_cache("tiny-llama"))
-    assert plan.header["format_version"] == 4 and "constants" not in plan.header and plan.constants == ()
-
-
-def _header(plan):
-    return {k: v for k, v in plan.header.items() if k not in ("fingerprint", "n_runs", "n_stage_runs", "n_spans", "kind",
-                                                             "format_version")}
+    assert plan.header.format_version == 4 and "constants" not in plan.header.to_json() and plan.constants == ()
 
 
 @pytest.mark.parametrize("row,message", [
@@ -82,14 +78,14 @@ def _header(plan):
 ])
 def test_reader_refuses_malformed_constants(plan_cache, row, message):
     plan = load_plan(plan_cache("vocab-llama", "hf"))
-    header = dict(_header(plan), constants=[row])
+    header = dataclasses.replace(plan.header, constants=(ConstantRun(*row),))
     with pytest.raises(PlanFormatError, match=message):
         decode_plan(encode_plan(header, {c: plan.table[c] for c in RUN_COLUMNS}))
 
 
 def test_constants_are_fingerprinted(plan_cache):
     plan = load_plan(plan_cache("vocab-llama", "hf"))
-    other = dict(_header(plan), constants=[[r[0], r[1], r[2], 1.0] for r in plan.header["constants"]])
+    other = dataclasses.replace(plan.header, constants=tuple(dataclasses.replace(c, value=1.0) for c in plan.constants))
     again = decode_plan(encode_plan(other, {c: plan.table[c] for c in RUN_COLUMNS}))
     assert again.fingerprint != plan.fingerprint
 

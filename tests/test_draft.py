@@ -98,11 +98,11 @@ def test_draft_plan_matches_vllms_own_draft_load(draft_plans, model):
     expected, actual = compute_tensor_digests(draft), compute_tensor_digests(_Params(planned))
     assert actual == {name: expected[name] for name in planned}
     shared = set(expected) - set(planned)
-    assert shared == set(plan.header["inference"]["draft"]["shared_with_target"]) == {
+    assert shared == set(plan.header.inference.draft.shared_with_target) == {
         "model.embed_tokens.weight", f"model.layers.{target.config.num_hidden_layers}.shared_head.head.weight"}
     targets = {id(p) for p in target.parameters()}
     assert all(id(draft.get_parameter(name)) in targets for name in shared)  # the target's plan writes them
-    assert plan.header["architecture"] == vllm_config.speculative_config.draft_model_config.architectures[0]
+    assert plan.header.architecture == vllm_config.speculative_config.draft_model_config.architectures[0]
 
 
 @pytest.mark.parametrize("model,inference,trainer", [("tiny-glm", "tp=1", "fsdp=1"), ("tiny-glm", "tp=2", "fsdp=2"),
@@ -125,9 +125,10 @@ def test_draft_plan_path_and_errors(tmp_path, capsys, monkeypatch):
         err = capsys.readouterr().err
         assert err.startswith("error: --draft") and "Traceback" not in err
     from weightplan.compiler.compile import default_plan_path
+    from weightplan.runtime.plan.header import DraftHeader, InferenceHeader, TrainerHeader
 
-    assert default_plan_path("glm-5.2", {"format": "hf", "dtype": "bf16", "token": "fsdp64"},
-                             {"token": "tp1-dp32-ep", "draft": {"method": "mtp"}}, "none").name == \
+    assert default_plan_path("glm-5.2", TrainerHeader("hf", "bf16", "fsdp64", ()),
+                             InferenceHeader("tp1-dp32-ep", 1, 32, True, "cpu", draft=DraftHeader("mtp", ())), "none").name == \
         "mtp-hf-bf16-fsdp64__tp1-dp32-ep__none.plan"
 
 

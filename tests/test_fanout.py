@@ -3,9 +3,7 @@ verify-plan against vLLM, and real processes over NIXL (4 inference ranks on 2 "
 
 from __future__ import annotations
 
-import json
 import re
-import struct
 
 import numpy as np
 import pytest
@@ -18,12 +16,13 @@ from weightplan.compiler.verify_plan import verify_plan
 from weightplan.runtime import load_plan
 from weightplan.runtime.errors import PlanFormatError
 from weightplan.runtime.plan.columns import Runs
-from weightplan.runtime.plan.format import MAGIC, Plan, encode_plan
+from weightplan.runtime.plan.format import Plan
+from weightplan.runtime.plan.header import InferenceHeader, PlanHeader, TrainerHeader
 from weightplan.runtime.plan.invariants import fanout_problem
 from weightplan.runtime.plan.schema import TensorEntry
 from weightplan.runtime.tables.fanout import second_hops, served_hops
 
-from .conftest import config_dir
+from .conftest import config_dir, with_header_edit
 from .runtime_harness import Job
 
 BF16 = ("tiny-qwen3-moe", "transformers", "bf16", "fsdp=2", "dp=4,ep,gpus-per-node=2")
@@ -47,7 +46,10 @@ def test_every_holder_gets_each_byte_once_and_second_hops_read_only_pullers(case
     dests, world, gpus_per_node = case
     fanout = place_fanout(Program((), dests, gpus_per_node=gpus_per_node)).fanout
     assert fanout_problem(dests, [], fanout) == ""
-    plan = Plan({"dst_ranks": world}, (), dests, (), Runs.empty(), fanout=fanout)
+    header = PlanHeader(vllm_version="test", model="fanout", config_sha256="", architecture="none",
+                        trainer=TrainerHeader("hf", "bf16", "fsdp1", ()), inference=InferenceHeader(f"tp{world}", world, 1, False, "cpu"),
+                        quant="none", src_ranks=1, dst_ranks=world, sources=(), dests=dests, cast_chains=(), fanout=fanout)
+    plan = Plan(header, Runs.empty())
     pullers = fanout.pullers()
     for rank in range(world):
         hops = second_hops(plan, rank)
@@ -78,16 +80,9 @@ def test_pullers_share_a_node_s_replicated_bytes_evenly():
 
 
 def _rewrite(path, tmp_path, change) -> str:
-    """The plan at `path` with its header changed by `change(header)`, re-encoded (valid digest and fingerprint)."""
-    plan = load_plan(path)
-    data = path.read_bytes()
-    (n,) = struct.unpack_from("<Q", data, len(MAGIC))
-    header = json.loads(data[len(MAGIC) + 8 : len(MAGIC) + 8 + n])
-    change(header)
-    for key in ("fingerprint", "format_version", "kind", "n_runs", "n_stage_runs", "n_spans"):
-        header.pop(key)
+    """The plan at `path` with its header changed by `change(header)` (valid digest and fingerprint)."""
     out = tmp_path / "changed.plan"
-    out.write_bytes(encode_plan(header, plan.table.columns(), plan.stage.columns(), plan.spans.columns()))
+    out.write_bytes(with_header_edit(path.read_bytes(), change))
     return str(out)
 
 
@@ -106,7 +101,7 @@ BAD_TABLES = {
     "two on a node": (_two_pullers_on_one_node, "not one per node"),
     "every holder": (lambda h: h["fanout"]["first_hops"][0].__setitem__(1, h["dests"][h["fanout"]["first_hops"][0][0]][3]),
                      "not one per node"),
-    "no node size": (lambda h: h["fanout"].pop("gpus_per_node"), "exactly gpus_per_node and first_hops"),
+    "no node size": (lambda h: h["fanout"].pop("gpus_per_node"), "'fanout.gpus_per_node' is missing"),
     "bad entry": (lambda h: h["fanout"]["first_hops"][0].__setitem__(0, 10**6), "first_hops[0]"),
 }
 
@@ -136,7 +131,7 @@ def test_fp8_weight_and_scale_with_different_pullers_are_refused(plan_cache, tmp
 def test_fanout_plan_matches_vllm_on_every_rank(plan_cache, case):
     path = plan_cache(*case)
     plan = load_plan(path)
-    assert plan.header["format_version"] == 6 and plan.fanout.gpus_per_node == 2
+    assert plan.header.format_version == 6 and plan.fanout.gpus_per_node == 2
     assert any(second_hops(plan, r) for r in range(4))
     result = verify_plan(path, model=str(config_dir(case[0])), seed=3)
     assert result.tensors > 0 and result.mismatches == ()

@@ -7,9 +7,11 @@ import pytest
 
 from weightplan.compiler.compile import CompileOptions, compile_plan
 from weightplan.compiler.frontend.errors import ModelConfigError
+from weightplan.compiler.frontend.fp8_kernels import KERNEL_LAYOUT
 from weightplan.runtime.errors import PlanFormatError
 from weightplan.runtime.plan.format import decode_plan, encode_plan
-from weightplan.runtime.plan.schema import RUN_COLUMNS, SPAN_COLUMNS, STAGE_COLUMNS
+from weightplan.runtime.plan.header import InferenceHeader, PlanHeader, TrainerHeader
+from weightplan.runtime.plan.schema import RUN_COLUMNS, SPAN_COLUMNS, STAGE_COLUMNS, StagingEntry, TensorEntry
 
 from .conftest import config_dir
 
@@ -29,15 +31,13 @@ def test_a_model_without_online_quantized_layers_is_refused():
 
 
 def _tiny_fp8_plan_bytes(staging_rows, stage, spans) -> bytes:
-    header = {
-        "vllm_version": "0.32.0", "model": "x", "config_sha256": "0", "architecture": "X",
-        "trainer": {"format": "hf", "dtype": "bf16", "token": "fsdp1", "boxes": [[[[0, 256], [0, 128]]]]},
-        "inference": {"token": "tp1", "tp": 1, "dp": 1, "ep": False, "platform": "cpu"},
-        "quant": "fp8_per_block", "src_ranks": 1, "dst_ranks": 1,
-        "sources": [["w", [256, 128], "bfloat16", 0]],
-        "dests": [["l.weight", [256, 128], "float8_e4m3fn", [0]], ["l.weight_scale_inv", [2, 1], "float32", [0]]],
-        "cast_chains": [["bfloat16"]], "stats": {}, "staging": staging_rows, "quant_layout": {"layout": "plain", "block": [128, 128]}, "derived": [],
-    }
+    header = PlanHeader(
+        vllm_version="0.32.0", model="x", config_sha256="0", architecture="X",
+        trainer=TrainerHeader("hf", "bf16", "fsdp1", ((((0, 256), (0, 128)),),)), inference=InferenceHeader("tp1", 1, 1, False, "cpu"),
+        quant="fp8_per_block", src_ranks=1, dst_ranks=1, sources=(TensorEntry("w", (256, 128), "bfloat16"),),
+        dests=(TensorEntry("l.weight", (256, 128), "float8_e4m3fn"), TensorEntry("l.weight_scale_inv", (2, 1), "float32")),
+        cast_chains=(("bfloat16",),), staging=tuple(StagingEntry.from_row(row) for row in staging_rows), quant_layout=KERNEL_LAYOUT,
+    )
     runs = {c: np.zeros(0, dtype=np.int64) for c in RUN_COLUMNS}
     return encode_plan(header, runs, {c: np.array(v, dtype=np.int64) for c, v in zip(STAGE_COLUMNS, stage)},
                        {c: np.array(v, dtype=np.int64) for c, v in zip(SPAN_COLUMNS, spans)})

@@ -74,13 +74,13 @@ def test_fused_tensor_from_two_trainer_ranks(fp8_plan):
 
 def test_plan_lists_derived_post_load_work(fp8_plan):
     plan = load_plan(fp8_plan("deepseek"))
-    derived = plan.header["derived"]
-    mla = [d for d in derived if "MLA" in d[1]]
-    assert mla and all(d[3] == "receiver" and any(r.endswith("kv_b_proj.weight") for r in d[2]) for d in mla)
+    derived = plan.derived
+    mla = [d for d in derived if "MLA" in d.what]
+    assert mla and all(d.where == "receiver" and any(r.endswith("kv_b_proj.weight") for r in d.reads) for d in mla)
     # moe_intermediate 96 is padded to 128: vLLM's post-load `_zero_padding` is traced as zero constants that fill
     # exactly the bytes no run writes (the zero-filled staging holds them), not listed as derived work
-    assert not [d for d in derived if d[3] == "plan"]
-    assert plan.header["quant_layout"]["layout"] == "plain"
+    assert not [d for d in derived if d.where == "plan"]
+    assert plan.header.quant_layout.layout == "plain"
 
 
 def test_sender_blocks_read_only_their_rank(fp8_plan):
@@ -91,7 +91,7 @@ def test_sender_blocks_read_only_their_rank(fp8_plan):
     plan = load_plan(fp8_plan("mixed"))
     everything = np.ones(plan.n_stored_runs, dtype=bool)
     full = random_sources(plan, source_reads(plan, everything, np.ones(len(plan.stage["side"]), dtype=bool)), 0)
-    shards = shard_sources(plan, full, set(range(plan.header["src_ranks"])))
+    shards = shard_sources(plan, full, set(range(plan.header.src_ranks)))
     sender = plan.spans["side"] == SENDER
     assert sender.any()
     for stage, rank in set(zip(plan.spans["stage"][sender].tolist(), plan.spans["src_rank"][sender].tolist())):
@@ -130,8 +130,7 @@ def _w2_shifted(plan, tmp_path):
     assert shifted.any() and (stage["length"][shifted] > 1).all()
     for column, change in (("src_off", 1), ("stage_off", 1), ("length", -1)):
         stage[column][shifted] += change
-    header = {k: v for k, v in plan.header.items() if k not in ("fingerprint", "n_runs", "kind", "format_version")}
-    return write_plan(tmp_path / "w2-shifted.plan", header, {c: plan.table[c] for c in RUN_COLUMNS}, stage,
+    return write_plan(tmp_path / "w2-shifted.plan", plan.header, {c: plan.table[c] for c in RUN_COLUMNS}, stage,
                       {c: plan.spans[c] for c in SPAN_COLUMNS})
 
 

@@ -67,7 +67,7 @@ def shared(configs, tmp_path_factory):
 def test_shared_models_give_the_plan_of_real_builds(shared, configs, tmp_path, monkeypatch, case):
     path, stats = shared(case)
     real, real_stats = _compile(configs, tmp_path, monkeypatch, case, "real.plan", share=False)
-    ranks = load_plan(path).header["dst_ranks"]
+    ranks = load_plan(path).header.dst_ranks
     assert real_stats["models_built"] == real_stats["post_load_traces"] == ranks and real_stats["guard"] == "off"
     assert stats["guard"] == f"passed (rank {ranks - 1})"
     tp = 2 if "tp=2" in CASES[case][3] else 1

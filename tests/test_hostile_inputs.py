@@ -137,7 +137,7 @@ def test_concurrent_writers_never_show_a_reader_half_a_plan(plan_cache, tmp_path
     def writer():
         try:
             for _ in range(30):
-                write_plan(path, dict(plan.header), plan.table, plan.stage, plan.spans)
+                write_plan(path, plan.header, plan.table, plan.stage, plan.spans)
         except Exception as exc:  # noqa: BLE001
             errors.append(exc)
 

@@ -35,8 +35,8 @@ def test_sharded_plan_matches_vllm_on_every_rank(plan_cache, model, fmt, dtype, 
     summary = summarize(plan)
     assert summary["dst_coverage"] == 1.0
     assert summary["descriptors"] == summary["descriptors_lower_bound"]
-    assert len(summary["bytes_per_src_rank"]) == plan.header["src_ranks"]
-    assert len(summary["bytes_per_dst_rank"]) == plan.header["dst_ranks"]
+    assert len(summary["bytes_per_src_rank"]) == plan.header.src_ranks
+    assert len(summary["bytes_per_dst_rank"]) == plan.header.dst_ranks
 
 
 def test_dp_attention_weights_are_recorded_once(plan_cache):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -14,18 +17,16 @@ from weightplan.runtime import PlanFormatError, load_plan
 from weightplan.runtime.plan.format import MAGIC, decode_plan, encode_plan
 from weightplan.runtime.plan.schema import RUN_COLUMNS
 
+from .conftest import with_header_edit
+
 GOLDEN = Path(__file__).parent / "golden"
-
-
-def _header(plan):
-    return {k: v for k, v in plan.header.items() if k not in ("fingerprint", "n_runs", "kind", "format_version")}
 
 
 def test_round_trip_is_exact(plan_cache):
     path = plan_cache("tiny-glm", "stacked", "fp32")
     data = path.read_bytes()
     plan = decode_plan(data)
-    again = encode_plan(_header(plan), {c: plan.table[c] for c in RUN_COLUMNS})
+    again = encode_plan(plan.header, {c: plan.table[c] for c in RUN_COLUMNS})
     assert again == data
     for column in RUN_COLUMNS:
         assert plan.table[column].dtype == np.int64
@@ -76,18 +77,8 @@ def test_not_a_plan_is_refused(tmp_path):
 
 
 def test_newer_format_is_refused_with_upgrade_hint(plan_cache, tmp_path):
-    import hashlib
-    import struct
-
-    data = plan_cache("tiny-llama").read_bytes()
-    (head_len,) = struct.unpack_from("<Q", data, len(MAGIC))
-    start = len(MAGIC) + 8
-    header = json.loads(data[start : start + head_len])
-    header["format_version"] = 99
-    head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    body = MAGIC + struct.pack("<Q", len(head)) + head + data[start + head_len : -32]
     bad = tmp_path / "newer.plan"
-    bad.write_bytes(body + hashlib.sha256(body).digest())
+    bad.write_bytes(with_header_edit(plan_cache("tiny-llama").read_bytes(), lambda header: header.update(format_version=99)))
     with pytest.raises(PlanFormatError, match="newer than this weightplan reads"):
         load_plan(bad)
 
@@ -111,7 +102,7 @@ def test_malformed_strided_runs_are_refused(plan_cache, damage, message):
     assert len(strided), "the TP=2 plan should hold strided runs"
     damage(table, int(strided[0]))
     with pytest.raises(PlanFormatError, match=message):
-        decode_plan(encode_plan(_header(plan), table))
+        decode_plan(encode_plan(plan.header, table))
 
 
 @pytest.mark.parametrize("chain", [["bfloat16", "sqrt", "float32"], ["bfloat16", "exp"], ["exp", "bfloat16"], [],
@@ -119,10 +110,49 @@ def test_malformed_strided_runs_are_refused(plan_cache, damage, message):
 def test_cast_chains_hold_only_dtypes_and_known_elementwise_steps(plan_cache, chain):
     """A chain is a source dtype, dtypes and elementwise steps (exp, neg), then a wire dtype; anything else is refused."""
     plan = decode_plan(plan_cache("tiny-glm", "hf", "bf16", "fsdp=1", "tp=1").read_bytes())
-    header = _header(plan)
-    header["cast_chains"] = [chain] + header["cast_chains"][1:]
+    header = dataclasses.replace(plan.header, cast_chains=(tuple(chain),) + plan.header.cast_chains[1:])
     with pytest.raises(PlanFormatError, match=r"cast_chains\[0\].*elementwise steps \(exp, neg\)"):
         decode_plan(encode_plan(header, {c: plan.table[c] for c in RUN_COLUMNS}))
+
+
+def _drop(record: str, key: str):
+    return lambda header: (header[record] if record else header).pop(key)
+
+
+def _set(record: str, key: str, value):
+    return lambda header: (header[record] if record else header).__setitem__(key, value)
+
+
+@pytest.mark.parametrize("edit,field,message", [
+    (_drop("", "architecture"), "architecture", "is missing"),
+    (_drop("", "stats"), "stats", "is missing"),
+    (_drop("inference", "platform"), "inference.platform", "is missing"),
+    (_drop("trainer", "boxes"), "trainer.boxes", "is missing"),
+    (_set("", "colour", "blue"), "colour", "is unknown: not a field of the header"),
+    (_set("trainer", "fsdp", 3), "trainer.fsdp", "is unknown: not a field of trainer"),
+    (_set("stats", "seconds", 1.5), "stats.seconds", "is unknown: not a field of stats"),
+    (_set("", "src_ranks", "3"), "src_ranks", "is 3, not an integer in 1..4096"),
+    (_set("", "model", 7), "model", "is 7, not a string"),
+    (_set("inference", "ep", 0), "inference.ep", "is not true or false"),
+    (_set("inference", "token", None), "inference.token", "is None, not a string"),
+    (_set("stats", "assignments", 2.5), "stats.assignments", "is 2.5, not an integer"),
+    (_set("", "derived", {}), "derived", "is not a list"),
+])
+def test_one_reader_names_a_missing_extra_or_mistyped_header_field(plan_cache, edit, field, message):
+    """PlanHeader.from_json reads every header: it refuses anything but the fields the writer writes, with their types."""
+    data = with_header_edit(plan_cache("tiny-glm", "hf", "bf16", "fsdp=3", "tp=2").read_bytes(), edit)
+    with pytest.raises(PlanFormatError, match=re.escape(f"header field {field!r} {message}")):
+        decode_plan(data, "edited")
+
+
+def test_the_header_reads_back_as_written(plan_cache):
+    """to_json gives back exactly the stored header object, for plans of formats 4, 5 and 6."""
+    for path in (plan_cache("tiny-llama"), plan_cache("vocab-llama", "hf"),
+                 plan_cache("tiny-qwen3-moe", "transformers", "bf16", "fsdp=2", "dp=4,ep,gpus-per-node=2")):
+        data = path.read_bytes()
+        (length,) = struct.unpack_from("<Q", data, len(MAGIC))
+        stored = json.loads(data[len(MAGIC) + 8 : len(MAGIC) + 8 + length])
+        assert load_plan(path).header.to_json() == stored
 
 
 def test_strided_runs_expand_to_the_rows_they_stand_for(plan_cache):

@@ -70,9 +70,8 @@ def test_an_out_of_bounds_strided_run_is_refused_by_the_reader_and_by_verify_ali
                               dst_stride=np.where(count > 1, numel + 1, 0))
     assert malformed_strides(bad).tolist() == []  # well-formed strides, only out of bounds
 
-    header = {k: v for k, v in plan.header.items() if k not in ("fingerprint", "n_runs", "kind", "format_version")}
     with pytest.raises(PlanFormatError, match="a run reaches outside its"):
-        decode_plan(encode_plan(header, bad), "bad")
+        decode_plan(encode_plan(plan.header, bad), "bad")
     with pytest.raises(PlanInvariantError, match="run out of bounds"):
         verify(dataclasses.replace(as_program(plan), runs=bad))
     assert len(spied) == 2 and spied[0] == spied[1] and spied[0][1] == i

@@ -17,14 +17,14 @@ def plan(plan_cache):
 
 
 def test_reads_of_all_inference_ranks_are_the_plan_runs_times_their_holders(plan):
-    total = sum(len(r) for k in range(plan.header["dst_ranks"]) for r in reads_of(plan, k).values())
+    total = sum(len(r) for k in range(plan.header.dst_ranks) for r in reads_of(plan, k).values())
     assert total == sum(len(plan.dests[d].ranks) for d in plan.table["dest"].tolist())
-    nbytes = sum(int(r.total().sum()) for k in range(plan.header["dst_ranks"]) for r in reads_of(plan, k).values())
+    nbytes = sum(int(r.total().sum()) for k in range(plan.header.dst_ranks) for r in reads_of(plan, k).values())
     assert nbytes == sum(e.nbytes * len(e.ranks) for e in plan.dests)
 
 
 def test_reads_stay_inside_the_served_regions_and_destinations(plan):
-    for k in range(plan.header["dst_ranks"]):
+    for k in range(plan.header.dst_ranks):
         for src, reads in reads_of(plan, k).items():
             regions = served_regions(plan, src)
             limit = np.array([r.nbytes for r in regions])[reads.region]
@@ -36,7 +36,7 @@ def test_reads_stay_inside_the_served_regions_and_destinations(plan):
 
 
 def test_readers_and_served_runs_agree(plan):
-    for r in range(plan.header["src_ranks"]):
+    for r in range(plan.header.src_ranks):
         served = served_runs(plan, r)
         assert len(served) == int((plan.table["src_rank"] == r).sum())
         assert set(readers(plan, r)) == {k for d in served.dest.tolist() for k in plan.dests[d].ranks}

@@ -27,8 +27,8 @@ def test_fp8_syncs_match_vllm_online_quantization(plan_cache, tmp_path):
     assert sides["deepseek"] == sides["gathered"] == {SENDER, RECEIVER, GATHER}  # (deepseek: fsdp=3, TP=2)
     jobs = [f"fp8-{c}" for c in cases]
     args = ["--versions", ",".join(map(str, VERSIONS)), "--timeout", "120", "--group-bytes", str(1 << 20)]
-    n_src = max(p.header["src_ranks"] for p in loaded.values())
-    n_dst = max(p.header["dst_ranks"] for p in loaded.values())
+    n_src = max(p.header.src_ranks for p in loaded.values())
+    n_dst = max(p.header.dst_ranks for p in loaded.values())
     with Job(tmp_path, ",".join(str(plans[c]) for c in cases), ",".join(jobs)) as job:
         models = ",".join(str(config_dir(CASES[c][0])) for c in cases)
         for k in range(n_dst):
@@ -38,18 +38,18 @@ def test_fp8_syncs_match_vllm_online_quantization(plan_cache, tmp_path):
         for case, name in zip(cases, jobs):
             plan = loaded[case]
             for version in VERSIONS:
-                for k in range(plan.header["dst_ranks"]):
+                for k in range(plan.header.dst_ranks):
                     e = job.event(f"inf{k}", "synced", version, timeout=400, job=name)
                     assert e["reported"] == version, (case, e)
                     assert e["digests"] > 0 and e["n_differ"] == 0, (case, k, e["differ"])
                     assert e["fp8"] > 0 and e["verify_seconds"] is not None
-                for r in range(plan.header["src_ranks"]):
+                for r in range(plan.header.src_ranks):
                     released = job.event(f"tr{r}", "released", version, job=name)
                     assert released["timed_out"] == [] and released["failed"] == [], (case, released)
                     assert released["gatherers_timed_out"] == [], (case, released)
             # The receiver stages bf16 only for its own blocks, and less than the whole staging tensors.
             staged = [job.event(f"inf{k}", "synced", VERSIONS[0], job=name)["staging_bytes"]
-                      for k in range(plan.header["dst_ranks"])]
+                      for k in range(plan.header.dst_ranks)]
             whole = 2 * sum(e.numel for e in plan.staging if 0 in e.ranks)
             has_receiver_blocks = bool(np.any(plan.spans["side"] == RECEIVER))
             assert (0 < staged[0] < whole) if has_receiver_blocks else staged[0] == 0, (case, staged, whole)

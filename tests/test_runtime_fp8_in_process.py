@@ -28,13 +28,13 @@ def fp8_plan(plan_cache):
 def _world(plan, rendezvous, **receiver_kwargs):
     """Every trainer and inference rank of `plan` in this process, trainers holding version 1's shards."""
     full = full_weights(plan, 0, 1)
-    tensors = {r: shard(plan, full, r) for r in range(plan.header["src_ranks"])}
+    tensors = {r: shard(plan, full, r) for r in range(plan.header.src_ranks)}
     # Both ends in one process: the targets need NIXL's progress thread.
     # One store client per trainer, as in separate processes: a client blocked in wait() serves no other thread.
     senders = [Sender(plan, r, tensors[r], rendezvous=Rendezvous.connect(rendezvous.job, rendezvous.address), timeout=10,
                       digests=True, progress_thread=True).start()
-               for r in range(plan.header["src_ranks"])]
-    destinations = {k: plain_destination(plan, k) for k in range(plan.header["dst_ranks"])}
+               for r in range(plan.header.src_ranks)]
+    destinations = {k: plain_destination(plan, k) for k in range(plan.header.dst_ranks)}
     receivers = [Receiver(plan, k, destinations[k], rendezvous=rendezvous, timeout=10, derived="caller", **receiver_kwargs).start()
                  for k in destinations]
     return tensors, senders, destinations, receivers
@@ -58,7 +58,7 @@ def _assert_equal_to_host(plan, destinations, version):
     """Byte for byte what the host executor writes for every inference rank (one execute_local call for all)."""
     full = full_weights(plan, 0, version)
     expected = {k: plain_destination(plan, k) for k in destinations}
-    execute_local(plan, {r: shard(plan, full, r) for r in range(plan.header["src_ranks"])}, expected)
+    execute_local(plan, {r: shard(plan, full, r) for r in range(plan.header.src_ranks)}, expected)
     for k, destination in destinations.items():
         differ = [n for n, t in expected[k].items() if not byte_equal(t, destination[n])]
         assert expected[k] and not differ, (k, differ[:5])
@@ -146,8 +146,7 @@ def test_bad_fp8_inputs_are_refused_before_any_agent(no_agents, rendezvous, fp8_
         Receiver(plan, 0, {**destination, weight: destination[weight].to(torch.bfloat16)}, rendezvous=rendezvous)
     with pytest.raises(PlanMismatchError, match=f"inference rank 0 tensors missing: {scale}"):
         Receiver(plan, 0, {n: t for n, t in destination.items() if n != scale}, rendezvous=rendezvous)
-    other_layout = dataclasses.replace(plan, header={**plan.header, "quant_layout": {**plan.header["quant_layout"],
-                                                                                    "layout": "deepgemm_ue8m0"}})
+    other_layout = _with_header(plan, quant_layout=dataclasses.replace(plan.header.quant_layout, layout="deepgemm_ue8m0"))
     for make in (lambda: Sender(other_layout, 0, tensors, rendezvous=rendezvous),
                  lambda: Receiver(other_layout, 0, destination, rendezvous=rendezvous)):
         with pytest.raises(PlanMismatchError, match="executes only the plain layout with 128x128 blocks"):
@@ -155,7 +154,12 @@ def test_bad_fp8_inputs_are_refused_before_any_agent(no_agents, rendezvous, fp8_
     staging = list(plan.staging)
     staging[0] = dataclasses.replace(staging[0], dtype="float16")
     with pytest.raises(PlanMismatchError, match="executes 2-D/3-D bfloat16 staging"):
-        Receiver(dataclasses.replace(plan, staging=tuple(staging)), 0, destination, rendezvous=rendezvous)
+        Receiver(_with_header(plan, staging=tuple(staging)), 0, destination, rendezvous=rendezvous)
+
+
+def _with_header(plan, **changes):
+    """The plan with these header fields changed (in memory: the fingerprint no longer matches)."""
+    return dataclasses.replace(plan, header=dataclasses.replace(plan.header, **changes))
 
 
 def test_receivers_read_only_what_they_quantize(fp8_plan):

@@ -22,6 +22,7 @@ from weightplan.compiler.simulate.report import resolve_cluster
 from weightplan.compiler.simulate.transfers import PlanTransfers, plan_transfers
 from weightplan.runtime import load_plan
 from weightplan.runtime.layout.shards import TrainerLayout
+from weightplan.runtime.plan.header import InferenceHeader, TrainerHeader
 
 GB = 1e9
 
@@ -172,8 +173,8 @@ def two_rank_plan(path) -> str:
     program = Program(
         sources=sources, dests=(TensorEntry("w", (8, 4), "bfloat16", ranks=(0, 1)),), runs=runs, cast_chains=(("bfloat16",),),
         origin=PlanOrigin(vllm_version="test", model="two-rank", config_sha256="", architecture="none",
-                          trainer={"format": "hf", "dtype": "bf16", "token": layout.token, **layout.as_dict()},
-                          inference={"token": "tp1-dp2", "tp": 1, "dp": 2, "ep": False, "platform": "cpu"},
+                          trainer=TrainerHeader("hf", "bf16", layout.token, layout.classes),
+                          inference=InferenceHeader("tp1-dp2", 1, 2, False, "cpu"),
                           quant="none", src_ranks=2, dst_ranks=2),
         trainer_layout=layout)
     write_program(program, path)

@@ -20,7 +20,7 @@ def test_torchtitan_deepseek_v3_plans_equal_vllm_loading(trainer, inference, tmp
                                          trainer=trainer, inference=inference))
     assert result.stats["dst_coverage"] == 1.0
     plan = load_plan(out)
-    assert plan.header["trainer"]["format"] == "adapter" and plan.header["trainer"]["adapter"] == TORCHTITAN
+    assert plan.header.trainer.format == "adapter" and plan.header.trainer.adapter == TORCHTITAN
     names = {e.name for e in plan.sources}
     assert "layers.1.moe.routed_experts.inner_experts.w1_EFD" in names  # torchtitan's own stacked experts
     result = verify_plan(out, model=str(config_dir("tiny-deepseek-v3")), seed=3)

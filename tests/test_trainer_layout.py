@@ -53,7 +53,7 @@ def test_layout_written_from_dtensors_gives_the_shorthand_plan_byte_for_byte(pla
     compile_plan(CompileOptions(str(model), "stacked", "bf16", output=explicit, trainer_layout=layout, inference="dp=4,ep"))
     shorthand = plan_cache("tiny-glm", "stacked", "bf16", "fsdp=4,ep=2", "dp=4,ep")
     assert explicit.read_bytes() == shorthand.read_bytes()
-    assert load_plan(explicit).header["trainer"]["token"] == "fsdp4-ep2"
+    assert load_plan(explicit).header.trainer.token == "fsdp4-ep2"
 
 
 def test_module_layout_writes_buffers_replicated_and_tied_weights_once(tmp_path):
@@ -112,7 +112,7 @@ def test_explicit_layout_matches_vllm_on_every_rank(tmp_path):
     out = tmp_path / "explicit.plan"
     compile_plan(CompileOptions(str(config_dir("tiny-llama")), output=out, trainer_layout=layout, inference="tp=2"))
     plan = load_plan(out)
-    assert plan.header["trainer"]["token"].startswith("layout-")
+    assert plan.header.trainer.token.startswith("layout-")
     result = verify_plan(out, model=str(config_dir("tiny-llama")), seed=3)
     assert result.mismatches == ()
     assert result.tensors == sum(len(e.ranks) for e in plan.dests)

@@ -157,7 +157,7 @@ def test_fp8_plans_and_their_verification_do_not_depend_on_the_host(monkeypatch,
             assert result.mismatches == ()
             assert result.tensors == sum(len(e.ranks) for e in load_plan(plans[has_features]).dests)
     assert plans[True].read_bytes() == plans[False].read_bytes()
-    assert load_plan(plans[True]).header["inference"]["vllm_host"] == vllm_patches.HOST_PROFILE
+    assert load_plan(plans[True]).header.inference.vllm_host == vllm_patches.HOST_PROFILE
 
 
 # --- the trainer's transformers model is built outside every patch, and vLLM leaves transformers alone ----------

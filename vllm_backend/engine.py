@@ -137,7 +137,7 @@ class WeightplanWeightTransferEngine(WeightTransferEngine[WeightplanInitInfo, We
                             verify=init_info.verify, derived="caller")
         receiver.start()
         log.info("weightplan backend: inference rank %d, %s %s (%s), %s mode (%s), %.1f MB staged", rank, what,
-                 plan.header.get("model"), plan.fingerprint[:12], destination.mode, destination.reason,
+                 plan.header.model, plan.fingerprint[:12], destination.mode, destination.reason,
                  destination.staging_bytes / 1e6)
         return Side(model, plan, receiver, rendezvous, destination, tuple(model.get_submodule(d.module) for d in derived))
 
@@ -155,7 +155,7 @@ class WeightplanWeightTransferEngine(WeightTransferEngine[WeightplanInitInfo, We
             return
         if not self.draft_plans:  # vLLM checks supports_draft_weight_update first; a direct caller may not
             raise RuntimeError("weightplan backend: a draft-model update needs init_info field 'draft_plan'")
-        self.draft = self._join(self.init_info, self.rank, [(p.header.get("model"), p) for p in self.draft_plans], self.model,
+        self.draft = self._join(self.init_info, self.rank, [(p.header.model, p) for p in self.draft_plans], self.model,
                                 self.model_config, self._default_model, self.init_info.draft_job)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from weightplan.runtime import Plan, PlanMismatchError
+from weightplan.runtime.plan.header import DraftHeader
 
 from .live_patches import method_name
 
@@ -53,21 +54,21 @@ def check_engine(plan: Plan, rank: int, model: torch.nn.Module, vllm_config, pla
     model_config = model_config or vllm_config.model_config
     problems = []
     arch = list(getattr(model_config.hf_config, "architectures", None) or [])
-    if header.get("architecture") not in arch:
-        problems.append(f"architecture: plan {header.get('architecture')!r}, engine {arch}")
-    inference = header.get("inference", {})
+    if header.architecture not in arch:
+        problems.append(f"architecture: plan {header.architecture!r}, engine {arch}")
+    inference = header.inference
     par = vllm_config.parallel_config
-    if inference.get("tp") != par.tensor_parallel_size:
-        problems.append(f"tensor parallel size: plan tp={inference.get('tp')}, engine tp={par.tensor_parallel_size}")
-    if not 0 <= rank < plan.header["dst_ranks"]:
-        problems.append(f"inference rank: this worker is rank {rank}, the plan has ranks 0..{plan.header['dst_ranks'] - 1}")
-    if inference.get("platform") not in (None, platform):
-        problems.append(f"platform: plan {inference.get('platform')!r}, engine {platform!r}")
-    problems += _draft_problems(inference.get("draft"), model, target)
+    if inference.tp != par.tensor_parallel_size:
+        problems.append(f"tensor parallel size: plan tp={inference.tp}, engine tp={par.tensor_parallel_size}")
+    if not 0 <= rank < plan.header.dst_ranks:
+        problems.append(f"inference rank: this worker is rank {rank}, the plan has ranks 0..{plan.header.dst_ranks - 1}")
+    if inference.platform != platform:
+        problems.append(f"platform: plan {inference.platform!r}, engine {platform!r}")
+    problems += _draft_problems(inference.draft, model, target)
     import vllm
 
-    if header.get("vllm_version") != vllm.__version__:
-        problems.append(f"vLLM version: plan compiled with {header.get('vllm_version')}, engine runs {vllm.__version__}")
+    if header.vllm_version != vllm.__version__:
+        problems.append(f"vLLM version: plan compiled with {header.vllm_version}, engine runs {vllm.__version__}")
     held = [e for e in plan.dests if rank in e.ranks]
     missing, wrong = [], []
     for entry in held:
@@ -86,19 +87,19 @@ def check_engine(plan: Plan, rank: int, model: torch.nn.Module, vllm_config, pla
     if wrong:
         problems.append(f"{len(wrong)} parameters differ, e.g. {'; '.join(wrong[:3])}")
     if problems:
-        raise PlanMismatchError(f"plan {header.get('model')!r} ({header.get('fingerprint', '')[:12]}) does not match this "
+        raise PlanMismatchError(f"plan {header.model!r} ({header.fingerprint[:12]}) does not match this "
                                 f"engine ({model_config.model}{' draft' if target is not None else ''}, inference rank {rank}): " + "; ".join(problems))
     return [e.name for e in held]
 
 
-def _draft_problems(draft: dict | None, model: torch.nn.Module, target: torch.nn.Module | None) -> list[str]:
+def _draft_problems(draft: DraftHeader | None, model: torch.nn.Module, target: torch.nn.Module | None) -> list[str]:
     """Why a plan cannot update this model as the target (a draft plan) or as the draft (not one, or unshared tensors)."""
     if target is None:
         return ["this is a draft plan (compile-plan --draft): give it as init_info field 'draft_plan'"] if draft else []
     if not draft:
         return ["this is not a draft plan: compile the draft's with compile-plan --draft"]
     targets = {id(p) for p in target.parameters()}
-    own = [name for name in draft.get("shared_with_target", ())
+    own = [name for name in draft.shared_with_target
            if (found := owner(model, name)) is not None and id(found[0]._parameters[found[1]]) not in targets]
     return [f"the live draft's {', '.join(own[:3])} are its own, not the target's; the draft plan leaves them to the "
             "target's plan (vLLM shares them with one pipeline stage)"] if own else []

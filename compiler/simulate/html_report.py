@@ -66,7 +66,7 @@ def write_report(out: Path | str, plan: Plan, summary: dict, transfers: PlanTran
 def render_report(plan: Plan, summary: dict, transfers: PlanTransfers, prediction: Prediction | None = None) -> str:
     h = plan.header
     rows = [
-        ("model", f"{h['model']} ({h.get('architecture', '')})"),
+        ("model", f"{h.model} ({h.architecture})"),
         ("trainer", f"{summary['trainer']['format']}, {summary['trainer']['dtype']}, {summary['trainer']['token']} ({summary['src_ranks']} ranks)"),
         ("inference", f"{summary['inference']['token']} ({summary['dst_ranks']} ranks), quant {summary['quant']}"),
         ("destination bytes", f"{summary['dst_bytes']:,} in {summary['dst_tensors']:,} tensors, coverage {summary['dst_coverage']:.6f}"),
@@ -99,7 +99,7 @@ def render_report(plan: Plan, summary: dict, transfers: PlanTransfers, predictio
     else:
         bars.append(_bars("Bytes each inference rank reads", "inference", [summary["bytes_per_dst_rank"]]))
     return PAGE.render(
-        title=f"{h['model']} {summary['trainer']['token']} → {summary['inference']['token']} ({summary['quant']})",
+        title=f"{h.model} {summary['trainer']['token']} → {summary['inference']['token']} ({summary['quant']})",
         summary=rows, matrices=matrices, bars=bars,
         timeline=_timeline(prediction) if prediction is not None else None,
         phases=[(p, c) for p, c in PHASE_COLOURS.items() if p != "second-hop" or fanout],

@@ -45,7 +45,7 @@ def plan_transfers(plan: Plan) -> PlanTransfers:
 
 def second_hop_matrix(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
     """[puller, peer] bytes and descriptors (one per whole entry) of a fan-out plan's second hops; zeros without fan-out."""
-    n_dst = plan.header["dst_ranks"]
+    n_dst = plan.header.dst_ranks
     hop_bytes, hop_desc = np.zeros((n_dst, n_dst)), np.zeros((n_dst, n_dst))
     for peer, puller, dest in hops(plan):
         hop_bytes[puller, peer] += plan.dests[dest].nbytes
@@ -54,7 +54,7 @@ def second_hop_matrix(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _first_hops(plan: Plan) -> PlanTransfers:
-    n_src, n_dst = plan.header["src_ranks"], plan.header["dst_ranks"]
+    n_src, n_dst = plan.header.src_ranks, plan.header.dst_ranks
     sizes = np.array([DTYPE_SIZES[c[-1]] for c in plan.cast_chains] or [0], dtype=np.int64)
     table = plan.table
     nbytes = (table["count"] * table["length"] * sizes[table["wire"]]).astype(np.float64)

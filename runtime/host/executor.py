@@ -35,9 +35,9 @@ def execute_local(
     Returns the destination bytes written (runs, constants and second hops).
     """
     dst_tensors = {rank: named_tensors(d, {e.name for e in plan.dests}) for rank, d in destinations.items()}
-    unknown = sorted(set(dst_tensors) - set(range(plan.header["dst_ranks"])))
+    unknown = sorted(set(dst_tensors) - set(range(plan.header.dst_ranks)))
     if unknown:
-        raise PlanMismatchError(f"inference ranks {unknown} are not in the plan's {plan.header['dst_ranks']} ranks")
+        raise PlanMismatchError(f"inference ranks {unknown} are not in the plan's {plan.header.dst_ranks} ranks")
     for rank, tensors in dst_tensors.items():
         entries = [e for e in plan.dests if rank in e.ranks]
         expected = {e.name: (e.shape, e.dtype) for e in entries if only is None or e.name in only}

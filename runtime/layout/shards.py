@@ -170,10 +170,9 @@ class ShardLayout:
         return {"boxes": [[None if b is None else [list(r) for r in b] for b in boxes] for boxes in self.classes]}
 
     @staticmethod
-    def from_header(trainer: dict, sources: list[tuple[str, int]]) -> "ShardLayout":
-        """Rebuild from a plan header: `trainer` (token and boxes) and (name, class) per source."""
-        classes = tuple(tuple(None if b is None else tuple(tuple(r) for r in b) for b in boxes) for boxes in trainer["boxes"])
-        return ShardLayout(trainer["token"], tuple(n for n, _ in sources), classes, tuple(c for _, c in sources))
+    def from_header(trainer, sources: list[tuple[str, int]]) -> "ShardLayout":
+        """Rebuild from a plan header: its `trainer` record (token and boxes) and (name, class) per source."""
+        return ShardLayout(trainer.token, tuple(n for n, _ in sources), trainer.boxes, tuple(c for _, c in sources))
 
     def bind(self, specs) -> "ShardLayout":
         if tuple(s.name for s in specs) != self.names:

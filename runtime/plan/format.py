@@ -4,9 +4,9 @@ Layout (all integers little-endian):
 
     magic       8 bytes   b"WPLAN\\x00\\r\\n"
     header_len  u64
-    header      canonical JSON (sorted keys, no spaces), UTF-8; a plan with constant writes lists them under
-                "constants" as [dest, dst_off, length, value] rows (format 5; a plan without them is format 4);
-                a plan with node-local fan-out has "fanout" (format 6, see schema.Fanout)
+    header      canonical JSON (sorted keys, no spaces), UTF-8: header.PlanHeader.to_json(); a plan with constant
+                writes lists them under "constants" (format 5; a plan without them is format 4); a plan with
+                node-local fan-out has "fanout" (format 6, see schema.Fanout)
     payload     zlib stream of int64 columns: the runs (RUN_COLUMNS, n_runs each; a run with count > 1
                 stands for `count` rows, row i at src_off + i*src_stride and dst_off + i*dst_stride), then the stage runs
                 (STAGE_COLUMNS, n_stage_runs each), then the block spans (SPAN_COLUMNS, n_spans each)
@@ -35,58 +35,64 @@ from ..layout.placements import Box
 from ..layout.shards import ShardLayout
 from .atomic_file import write_atomically
 from .columns import BlockSpans, Runs, StageRuns
-from .header import MAX_ELEMENTS, check_header
+from .header import MAX_ELEMENTS, PlanHeader, canonical_json, fingerprint
 from .invariants import check_constants, check_fanout, check_quant_tables, check_runs
 from .schema import (DTYPE_SIZES, RUN_COLUMNS, SPAN_COLUMNS, STAGE_COLUMNS, ConstantRun, DerivedItem, Fanout, StagingEntry,
                      TensorEntry)
 
 MAGIC = b"WPLAN\x00\r\n"
 _ZLIB_MAX_RATIO = 1032  # deflate expands at most about 1032:1
-FORMAT_VERSION = 6  # the newest format this reads: 6 adds node-local fan-out, 5 the constants table
-CONSTANTS_FORMAT_VERSION = 5  # plans with constants and no fan-out
-BASE_FORMAT_VERSION = 4  # plans without constants or fan-out are written as format 4, which readers of format 4 read alike
-# Header keys that the fingerprint covers: everything the plan assumes about both sides.
-FINGERPRINT_KEYS = (
-    "format_version",
-    "vllm_version",
-    "model",
-    "config_sha256",
-    "trainer",
-    "inference",
-    "quant",
-    "sources",
-    "dests",
-    "cast_chains",
-    "staging",
-    "quant_layout",
-    "derived",
-)
-OPTIONAL_FINGERPRINT_KEYS = ("constants", "fanout")  # covered when present; absent keys keep older plans' fingerprints
 
 
 @dataclass(frozen=True)
 class Plan:
-    """A loaded plan: header fields, tensor tables and run columns (elements, not bytes).
+    """A loaded plan: its header (the tensor tables among it) and run columns (elements, not bytes).
 
     `table` holds the runs as stored (strided runs included); `runs` the same runs as contiguous
     one-row runs, which is what executors move. `stage` and `spans` are the fp8 tables.
     """
 
-    header: dict
-    sources: tuple[TensorEntry, ...]
-    dests: tuple[TensorEntry, ...]
-    cast_chains: tuple[tuple[str, ...], ...]
+    header: PlanHeader
     table: Runs = field(repr=False)
-    staging: tuple[StagingEntry, ...] = ()
     stage: StageRuns = field(default_factory=StageRuns.empty, repr=False)
     spans: BlockSpans = field(default_factory=BlockSpans.empty, repr=False)
-    constants: tuple[ConstantRun, ...] = ()
-    derived: tuple[DerivedItem, ...] = ()
-    fanout: Fanout | None = None
+
+    @property
+    def sources(self) -> tuple[TensorEntry, ...]:
+        return self.header.sources
+
+    @property
+    def dests(self) -> tuple[TensorEntry, ...]:
+        return self.header.dests
+
+    @property
+    def cast_chains(self) -> tuple[tuple[str, ...], ...]:
+        return self.header.cast_chains
+
+    @property
+    def staging(self) -> tuple[StagingEntry, ...]:
+        return self.header.staging
+
+    @property
+    def constants(self) -> tuple[ConstantRun, ...]:
+        return self.header.constants
+
+    @property
+    def derived(self) -> tuple[DerivedItem, ...]:
+        return self.header.derived
+
+    @property
+    def fanout(self) -> Fanout | None:
+        return self.header.fanout
 
     @property
     def fingerprint(self) -> str:
-        return self.header["fingerprint"]
+        return self.header.fingerprint
+
+    @property
+    def unloaded(self) -> tuple[TensorEntry, ...]:
+        """Parameters vLLM's load_weights never writes (header `inference.unloaded`): the plan leaves them alone."""
+        return self.header.inference.unloaded
 
     @cached_property
     def pulling(self) -> "Plan":
@@ -97,12 +103,12 @@ class Plan:
         pullers = self.fanout.pullers()
         dests = tuple(dataclasses.replace(e, ranks=pullers.get(i, e.ranks)) for i, e in enumerate(self.dests))
         staging = tuple(dataclasses.replace(e, ranks=pullers.get(e.weight, e.ranks)) for e in self.staging)
-        return dataclasses.replace(self, dests=dests, staging=staging, fanout=None)
+        return dataclasses.replace(self, header=dataclasses.replace(self.header, dests=dests, staging=staging, fanout=None))
 
     @cached_property
     def shard_layout(self) -> ShardLayout:
         """The box of each source every trainer rank holds (see runtime/layout/shards.py)."""
-        return ShardLayout.from_header(self.header["trainer"], [(e.name, e.box_class) for e in self.sources])
+        return ShardLayout.from_header(self.header.trainer, [(e.name, e.box_class) for e in self.sources])
 
     def shard_box(self, source: int, rank: int) -> Box | None:
         """The box of source `source` that trainer `rank` holds; None if the rank is not in its mesh."""
@@ -138,24 +144,9 @@ class Plan:
     def _sizes(self) -> np.ndarray:
         return np.array([DTYPE_SIZES[chain[-1]] for chain in self.cast_chains] or [0], dtype=np.int64)
 
-    @cached_property
-    def unloaded(self) -> tuple[TensorEntry, ...]:
-        """Parameters vLLM's load_weights never writes (header `inference.unloaded`): the plan leaves them alone."""
-        return tuple(TensorEntry.from_dest_row(row) for row in self.header["inference"].get("unloaded", ()))
 
-
-def fingerprint(header: dict) -> str:
-    subset = {key: header[key] for key in FINGERPRINT_KEYS}
-    subset.update({key: header[key] for key in OPTIONAL_FINGERPRINT_KEYS if key in header})
-    return hashlib.sha256(_canonical(subset)).hexdigest()
-
-
-def _canonical(obj) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
-
-
-def encode_plan(header: dict, runs: dict[str, np.ndarray], stage: dict | None = None, spans: dict | None = None) -> bytes:
-    """Serialize deterministically; `header` must hold the FINGERPRINT_KEYS fields (quant tables default to empty)."""
+def encode_plan(header: PlanHeader, runs: dict[str, np.ndarray], stage: dict | None = None, spans: dict | None = None) -> bytes:
+    """Serialize deterministically: the header sealed with its column counts and fingerprint, then the columns."""
     stage, spans = stage or StageRuns.empty(), spans or BlockSpans.empty()
     counts = []
     for table, names in ((runs, RUN_COLUMNS), (stage, STAGE_COLUMNS), (spans, SPAN_COLUMNS)):
@@ -163,25 +154,16 @@ def encode_plan(header: dict, runs: dict[str, np.ndarray], stage: dict | None = 
         if len(n) != 1:
             raise ValueError(f"columns {names} differ in length: {n}")
         counts.append(n.pop())
-    header = {"staging": [], "quant_layout": {}, "derived": [], **header}
-    for key in OPTIONAL_FINGERPRINT_KEYS:
-        if key in header and not header[key]:
-            del header[key]
-    version = (FORMAT_VERSION if "fanout" in header else CONSTANTS_FORMAT_VERSION if "constants" in header
-               else BASE_FORMAT_VERSION)
-    header = dict(header, format_version=version, kind="weightplan", n_runs=counts[0], n_stage_runs=counts[1],
-                  n_spans=counts[2])
-    header["fingerprint"] = fingerprint(header)
     columns = b"".join(np.ascontiguousarray(table[c], dtype="<i8").tobytes()
                        for table, names in ((runs, RUN_COLUMNS), (stage, STAGE_COLUMNS), (spans, SPAN_COLUMNS))
                        for c in names)
     payload = zlib.compress(columns, 6)
-    head = _canonical(header)
+    head = canonical_json(header.sealed(*counts).to_json())
     body = MAGIC + struct.pack("<Q", len(head)) + head + payload
     return body + hashlib.sha256(body).digest()
 
 
-def write_plan(path: str | Path, header: dict, runs: dict[str, np.ndarray], stage: dict | None = None,
+def write_plan(path: str | Path, header: PlanHeader, runs: dict[str, np.ndarray], stage: dict | None = None,
                spans: dict | None = None) -> Path:
     """Write atomically (runtime/plan/atomic_file.py): a reader never sees part of a plan; one PlanFormatError line on failure."""
     return write_atomically(path, encode_plan(header, runs, stage, spans), PlanFormatError, "plan")
@@ -198,32 +180,13 @@ def decode_plan(data: bytes, origin: str = "<bytes>") -> Plan:
     if head_len > len(body) - start:
         raise PlanFormatError(f"{origin}: header length {head_len} runs past the end of the file")
     try:
-        header = json.loads(body[start : start + head_len].decode("utf-8"))
+        obj = json.loads(body[start : start + head_len].decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise PlanFormatError(f"{origin} has an unreadable header: {str(exc)[:200]}") from None
-    if not isinstance(header, dict):
-        raise PlanFormatError(f"{origin}: the header is a JSON {type(header).__name__}, not an object")
-    version = header.get("format_version")
-    if header.get("kind") != "weightplan" or not isinstance(version, int):
-        raise PlanFormatError(f"{origin} has no weightplan header")
-    if version > FORMAT_VERSION:
-        raise PlanFormatError(
-            f"{origin} uses plan format {version}, newer than this weightplan reads ({FORMAT_VERSION}); upgrade weightplan"
-        )
-    if version < BASE_FORMAT_VERSION:
-        raise PlanFormatError(f"{origin} uses old plan format {version}; recompile it with compile-plan")
-    if ("fanout" in header) != (version == FORMAT_VERSION):
-        raise PlanFormatError(f"{origin}: format {version} with{'' if 'fanout' in header else 'out'} a fan-out table")
-    if version < FORMAT_VERSION and ("constants" in header) != (version == CONSTANTS_FORMAT_VERSION):
-        raise PlanFormatError(f"{origin}: format {version} with{'' if 'constants' in header else 'out'} a constants table")
-    missing = [key for key in FINGERPRINT_KEYS + ("src_ranks", "dst_ranks", "n_runs", "n_stage_runs", "n_spans")
-               if key not in header]
-    if missing:
-        raise PlanFormatError(f"{origin}: the header has no {missing[0]!r} field")
-    check_header(header, origin, DTYPE_SIZES)
-    if fingerprint(header) != header.get("fingerprint"):
+    header = PlanHeader.from_json(obj, origin)
+    if fingerprint(header.to_json()) != header.fingerprint:
         raise PlanFormatError(f"{origin}: header fingerprint does not match its contents")
-    n, n_stage, n_spans = header["n_runs"], header["n_stage_runs"], header["n_spans"]
+    n, n_stage, n_spans = header.n_runs, header.n_stage_runs, header.n_spans
     expected = 8 * (n * len(RUN_COLUMNS) + n_stage * len(STAGE_COLUMNS) + n_spans * len(SPAN_COLUMNS))
     payload = body[start + head_len :]
     if expected > _ZLIB_MAX_RATIO * len(payload) + 64:
@@ -248,27 +211,7 @@ def decode_plan(data: bytes, origin: str = "<bytes>") -> Plan:
             if len(values) and (values.min() < -1 or values.max() >= MAX_ELEMENTS):
                 raise PlanFormatError(f"{origin}: column {column!r} holds {int(values.min())}..{int(values.max())}, "
                                       "outside -1..2**48")
-    try:
-        sources = tuple(TensorEntry.from_source_row(row) for row in header["sources"])
-        dests = tuple(TensorEntry.from_dest_row(row) for row in header["dests"])
-        chains = tuple(tuple(c) for c in header["cast_chains"])
-        staging = tuple(StagingEntry.from_row(row) for row in header["staging"])
-        constants = tuple(ConstantRun(*row) for row in header.get("constants", ()))
-        derived = tuple(DerivedItem.from_row(row) for row in header["derived"])
-        fanout = Fanout.from_row(header["fanout"]) if "fanout" in header else None
-    except (KeyError, IndexError, TypeError, ValueError) as exc:
-        raise PlanFormatError(f"{origin}: malformed tensor tables in the header ({exc})") from None
-    runs, stage, spans = (kind.from_columns(table) for kind, table in zip((Runs, StageRuns, BlockSpans), tables))
-    plan = Plan(header, sources, dests, chains, runs, staging, stage, spans, constants, derived, fanout)
-    try:
-        layout = plan.shard_layout
-        bad = [e.name for e in sources if not 0 <= e.box_class < len(layout.classes)]
-        bad += [e.name for e in sources if any(b is not None and (len(b) != len(e.shape) or any(
-            hi > size for (_, hi), size in zip(b, e.shape))) for b in layout.classes[e.box_class])]
-        if bad or any(len(c) != header["src_ranks"] for c in layout.classes):
-            raise ValueError(f"source {bad[0]!r}" if bad else "a box table does not list every trainer rank")
-    except (KeyError, IndexError, TypeError, ValueError) as exc:
-        raise PlanFormatError(f"{origin}: malformed trainer layout in the header ({exc})") from None
+    plan = Plan(header, *(kind.from_columns(table) for kind, table in zip((Runs, StageRuns, BlockSpans), tables)))
     check_runs(plan, origin)
     check_quant_tables(plan, origin)
     check_constants(plan, origin)

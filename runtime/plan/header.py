@@ -1,155 +1,528 @@
-"""The plan header's schema: types, ranges and cross-field rules, checked before any field is used."""
+"""The plan header as typed records: PlanHeader's one JSON reader (validating) and writer, and the fingerprint."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import math
+from dataclasses import dataclass, field
 
 from ..casts import CHAIN_RULE, is_chain
 from ..errors import PlanFormatError
-from ..layout.shards import MAX_RANKS
+from ..layout.placements import Box
+from ..layout.shards import MAX_RANKS, RankBoxes
+from .schema import DTYPE_SIZES, ConstantRun, DerivedItem, Fanout, StagingEntry, TensorEntry
 
 MAX_ELEMENTS = 1 << 48  # elements in one tensor, and any offset, length or stride a plan stores
 MAX_DIMS = 8
 MAX_ROWS = 1 << 28  # rows of any one column table (about 2 GB per int64 column)
 QUANTS = ("none", "fp8_per_block")
+KIND = "weightplan"
+FORMAT_VERSION = 6  # the newest format this reads: 6 adds node-local fan-out, 5 the constants table
+CONSTANTS_FORMAT_VERSION = 5  # plans with constants and no fan-out
+BASE_FORMAT_VERSION = 4  # plans without constants or fan-out are written as format 4, which readers of format 4 read alike
 
 
-def check_header(header, origin: str, dtype_sizes: dict) -> None:
-    """Refuse a header that is not exactly what the writer produces, naming the first field that is not."""
-
-    def fail(field: str, what: str):
-        raise PlanFormatError(f"{origin}: header field {field!r} {what}")
-
-    if not isinstance(header, dict):
-        raise PlanFormatError(f"{origin}: the header is a JSON {type(header).__name__}, not an object")
-    for key in ("vllm_version", "model", "config_sha256", "quant", "fingerprint", "kind"):
-        if not isinstance(header.get(key), str):
-            fail(key, "is missing or not a string")
-    if header["quant"] not in QUANTS:
-        fail("quant", f"is {header['quant']!r}, not one of {', '.join(QUANTS)}")
-    _int(header, "src_ranks", 1, MAX_RANKS, fail)
-    dst_ranks = _int(header, "dst_ranks", 1, MAX_RANKS, fail)
-    for key in ("n_runs", "n_stage_runs", "n_spans"):
-        _int(header, key, 0, MAX_ROWS, fail)
-    for key in ("trainer", "inference", "quant_layout", "stats"):
-        if not isinstance(header.get(key, {}), dict):
-            fail(key, "is not an object")
-    inference = header["inference"]
-    tp, dp = (_int(inference, k, 1, MAX_RANKS, lambda f, w: fail(f"inference.{f}", w)) for k in ("tp", "dp"))
-    if not isinstance(inference.get("ep"), bool):
-        fail("inference.ep", "is not true or false")
-    if tp * dp != dst_ranks:
-        fail("dst_ranks", f"is {dst_ranks}, but inference tp={tp} x dp={dp} ranks")
-    boxes = header["trainer"].get("boxes")
-    if not isinstance(boxes, list) or not all(isinstance(c, list) and len(c) == header["src_ranks"] for c in boxes):
-        fail("trainer.boxes", "is not a list of per-rank box tables, one box (or null) per trainer rank")
-    for i, table in enumerate(boxes):
-        for box in table:
-            if box is not None and not (isinstance(box, list) and len(box) <= MAX_DIMS and all(
-                    isinstance(r, list) and len(r) == 2 and _count(r[0], MAX_ELEMENTS) and _count(r[1], MAX_ELEMENTS)
-                    and r[0] <= r[1] for r in box)):
-                fail(f"trainer.boxes[{i}]", f"holds {str(box)[:60]}, not a list of [start, stop) ranges")
-
-    chains = _list(header, "cast_chains", fail)
-    for i, chain in enumerate(chains):
-        if not isinstance(chain, list) or not is_chain(chain, dtype_sizes):
-            fail(f"cast_chains[{i}]", f"is not {CHAIN_RULE}")
-    for i, entry in enumerate(_list(header, "sources", fail)):
-        where = f"sources[{i}]"
-        if not isinstance(entry, list) or len(entry) != 4 or not isinstance(entry[0], str) or not _dtype(entry[2], dtype_sizes) \
-                or not _count(entry[3], len(header["trainer"]["boxes"])):
-            fail(where, "is not [name, shape, dtype, layout class]")
-        _shape(entry[1], where, fail)
-
-    def dest_row(entry, where: str) -> set:
-        """(name, rank) pairs of a [name, shape, dtype, inference ranks] row."""
-        if not isinstance(entry, list) or len(entry) != 4 or not isinstance(entry[0], str) or not _dtype(entry[2], dtype_sizes):
-            fail(where, "is not [name, shape, dtype, inference ranks]")
-        _shape(entry[1], where, fail)
-        _ranks(entry[3], dst_ranks, where, fail)
-        return {(entry[0], rank) for rank in entry[3]}
-
-    names = set()
-    for i, entry in enumerate(_list(header, "dests", fail)):
-        where = f"dests[{i}]"
-        held = dest_row(entry, where)
-        if held & names:  # one name has one entry per rank (entries of other ranks may share the name)
-            fail(where, f"gives destination {entry[0]!r} a second entry on inference rank {min(held & names)[1]}")
-        names |= held
-    for i, entry in enumerate(_list(inference, "unloaded", lambda f, w: fail(f"inference.{f}", w))):
-        where = f"inference.unloaded[{i}]"  # parameters vLLM's load never writes: never a destination on the same rank
-        if dest_row(entry, where) & names:
-            fail(where, f"lists {entry[0]!r}, a destination of the plan on the same inference rank, as never written")
-    n_dests = len(header["dests"])
-    staging = _list(header, "staging", fail)
-    block = header.get("quant_layout", {}).get("block")
-    if staging and not (isinstance(block, list) and len(block) == 2 and all(_count(b, MAX_ELEMENTS) and b for b in block)):
-        fail("quant_layout.block", f"is {str(block)[:40]}, not the [rows, cols] of a quantization block")
-    for i, entry in enumerate(staging):
-        where = f"staging[{i}]"
-        if not isinstance(entry, list) or len(entry) != 6 or not isinstance(entry[0], str) or entry[2] != "bfloat16":
-            fail(where, "is not [name, shape, bfloat16, inference ranks, weight entry, scale entry]")
-        if not _count(entry[4], n_dests) or not _count(entry[5], n_dests):
-            fail(where, f"names a destination outside the table ({str(entry[4:])[:40]} of {n_dests} entries)")
-        _shape(entry[1], where, fail)
-        _ranks(entry[3], dst_ranks, where, fail)
-        _quantized(entry, header["dests"], block, where, fail)
-    used = [e[k] for e in staging for k in (4, 5)]
-    if len(set(used)) != len(used):
-        fail("staging", "names one destination entry as the weight or scale of two quantized tensors")
-    for i, entry in enumerate(_list(header, "constants", fail)):
-        if not isinstance(entry, list) or len(entry) != 4:
-            fail(f"constants[{i}]", "is not [dest, dst_off, length, value]")
-    _list(header, "derived", fail)
-    if "fanout" in header:
-        _fanout(header["fanout"], n_dests, dst_ranks, fail)
+def _field(*, fingerprinted: bool = False, optional: bool = False, **kwargs):
+    """A header field. The fingerprint covers the `fingerprinted` ones; an `optional` one is left out of the JSON while it
+    holds its default, so plans without it keep their bytes and fingerprints."""
+    return field(metadata={"fingerprinted": fingerprinted, "optional": optional}, **kwargs)
 
 
-def _fanout(fanout, n_dests: int, dst_ranks: int, fail) -> None:
-    """{"gpus_per_node": G, "first_hops": [[dest, [ranks...]], ...]}: types and ranges (the rules are invariants.py's)."""
-    if not isinstance(fanout, dict) or set(fanout) != {"gpus_per_node", "first_hops"}:
-        fail("fanout", "is not an object with exactly gpus_per_node and first_hops")
-    _int(fanout, "gpus_per_node", 1, MAX_RANKS, lambda f, w: fail(f"fanout.{f}", w))
-    for i, row in enumerate(_list(fanout, "first_hops", lambda f, w: fail(f"fanout.{f}", w))):
-        where = f"fanout.first_hops[{i}]"
-        if not isinstance(row, list) or len(row) != 2 or not _count(row[0], n_dests):
-            fail(where, f"is not [dest entry, pulling ranks] with an entry of the {n_dests} destinations")
-        _ranks(row[1], dst_ranks, where, fail)
+@dataclass(frozen=True)
+class TrainerHeader:
+    """The trainer side: checkpoint format and dtype, the layout's token, and per box class the box each trainer rank
+    holds (a source's `box_class` indexes `boxes`); `adapter` names a --trainer-adapter."""
+
+    format: str
+    dtype: str
+    token: str
+    boxes: tuple[RankBoxes, ...]
+    adapter: str | None = _field(optional=True, default=None)
+
+    def to_json(self) -> dict:
+        boxes = [[None if b is None else [list(r) for r in b] for b in table] for table in self.boxes]
+        return {"format": self.format, "dtype": self.dtype, "token": self.token, "boxes": boxes,
+                **({"adapter": self.adapter} if self.adapter is not None else {})}
+
+    @staticmethod
+    def from_json(obj, src_ranks: int, fail) -> "TrainerHeader":
+        _check_keys(obj, TrainerHeader, "trainer", fail)
+        text = {key: _str(obj, key, "trainer", fail) for key in ("format", "dtype", "token")}
+        adapter = _str(obj, "adapter", "trainer", fail) if "adapter" in obj else None
+        boxes = obj["boxes"]
+        if not isinstance(boxes, list) or not all(isinstance(c, list) and len(c) == src_ranks for c in boxes):
+            fail("trainer.boxes", "is not a list of per-rank box tables, one box (or null) per trainer rank")
+        for i, table in enumerate(boxes):
+            for box in table:
+                if box is not None and not (isinstance(box, list) and len(box) <= MAX_DIMS and all(
+                        isinstance(r, list) and len(r) == 2 and _count(r[0], MAX_ELEMENTS) and _count(r[1], MAX_ELEMENTS)
+                        and r[0] <= r[1] for r in box)):
+                    fail(f"trainer.boxes[{i}]", f"holds {str(box)[:60]}, not a list of [start, stop) ranges")
+        return TrainerHeader(**text, boxes=tuple(tuple(None if b is None else _box(b) for b in table) for table in boxes),
+                             adapter=adapter)
 
 
-def _dtype(value, dtype_sizes: dict) -> bool:
-    return isinstance(value, str) and value in dtype_sizes
+@dataclass(frozen=True)
+class DraftHeader:
+    """A speculative-decoding draft's plan: the draft method and the parameters it leaves to the target's plan."""
+
+    method: str
+    shared_with_target: tuple[str, ...]
+
+    def to_json(self) -> dict:
+        return {"method": self.method, "shared_with_target": list(self.shared_with_target)}
+
+    @staticmethod
+    def from_json(obj, fail) -> "DraftHeader":
+        _check_keys(obj, DraftHeader, "inference.draft", fail)
+        shared = obj["shared_with_target"]
+        if not isinstance(shared, list) or not all(isinstance(name, str) for name in shared):
+            fail("inference.draft.shared_with_target", "is not a list of parameter names")
+        return DraftHeader(_str(obj, "method", "inference.draft", fail), tuple(shared))
 
 
-def _int(mapping: dict, key: str, low: int, high: int, fail) -> int:
-    value = mapping.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        fail(key, f"is {str(value)[:40]}, not an integer in {low}..{high}")
+@dataclass(frozen=True)
+class InferenceHeader:
+    """The inference side: vLLM's parallel layout (and --inference token), the platform and host choices it was traced
+    with, the draft it updates, and the parameters vLLM's load never writes (`unloaded`, rows like the dests')."""
+
+    token: str
+    tp: int
+    dp: int
+    ep: bool
+    platform: str
+    vllm_host: dict[str, str] | None = _field(optional=True, default=None)
+    gpus_per_node: int | None = _field(optional=True, default=None)
+    draft: DraftHeader | None = _field(optional=True, default=None)
+    unloaded: tuple[TensorEntry, ...] = _field(optional=True, default=())
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.dp
+
+    def to_json(self) -> dict:
+        obj = {"token": self.token, "tp": self.tp, "dp": self.dp, "ep": self.ep, "platform": self.platform}
+        if self.vllm_host is not None:
+            obj["vllm_host"] = dict(self.vllm_host)
+        if self.gpus_per_node is not None:
+            obj["gpus_per_node"] = self.gpus_per_node
+        if self.draft is not None:
+            obj["draft"] = self.draft.to_json()
+        if self.unloaded:
+            obj["unloaded"] = [e.dest_row() for e in self.unloaded]
+        return obj
+
+    @staticmethod
+    def from_json(obj, fail) -> "InferenceHeader":
+        """Types and ranges only: `unloaded` is read by PlanHeader.from_json, which knows the destinations."""
+        _check_keys(obj, InferenceHeader, "inference", fail)
+        tp, dp = (_int(obj, key, 1, MAX_RANKS, "inference", fail) for key in ("tp", "dp"))
+        if not isinstance(obj["ep"], bool):
+            fail("inference.ep", "is not true or false")
+        host = obj.get("vllm_host")
+        if host is not None and not (isinstance(host, dict) and all(isinstance(v, str) for v in host.values())):
+            fail("inference.vllm_host", "is not an object of strings")
+        return InferenceHeader(
+            _str(obj, "token", "inference", fail), tp, dp, obj["ep"], _str(obj, "platform", "inference", fail), host,
+            _int(obj, "gpus_per_node", 1, MAX_RANKS, "inference", fail) if "gpus_per_node" in obj else None,
+            DraftHeader.from_json(obj["draft"], fail) if "draft" in obj else None)
+
+
+@dataclass(frozen=True)
+class QuantLayout:
+    """How vLLM's kernels for the plan's quantization want weights and scales: the kernels, the [rows, cols] of a
+    quantization block, the two dtypes and the memory layout ("plain": as the loader wrote them)."""
+
+    linear: str
+    moe: str
+    block: tuple[int, int]
+    weight_dtype: str
+    scale_dtype: str
+    layout: str
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "block": list(self.block)}
+
+    @staticmethod
+    def from_json(obj, fail) -> "QuantLayout | None":
+        """None for the empty object of an unquantized plan."""
+        if isinstance(obj, dict) and not obj:
+            return None
+        _check_keys(obj, QuantLayout, "quant_layout", fail)
+        block = obj["block"]
+        if not (isinstance(block, list) and len(block) == 2 and all(_count(b, MAX_ELEMENTS) and b for b in block)):
+            fail("quant_layout.block", f"is {str(block)[:40]}, not the [rows, cols] of a quantization block")
+        text = {key: _str(obj, key, "quant_layout", fail) for key in ("linear", "moe", "weight_dtype", "scale_dtype", "layout")}
+        return QuantLayout(**text, block=tuple(block))
+
+
+@dataclass(frozen=True)
+class SourceChoice:
+    """Bytes the trainer ranks serve (once per reading inference rank) under the greedy choice of
+    holders for replicated pieces and under the choice split_shards kept (compiler/passes/source_flow.py)."""
+
+    greedy_max: int
+    greedy_mean: float
+    chosen_max: int
+    chosen_mean: float
+    shared_bytes: int  # of all served bytes, those several trainer ranks hold
+    method: str  # "flow" when the max-flow split is strictly better, else "greedy"
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_json(obj, fail) -> "SourceChoice":
+        where = "stats.source_choice"
+        _check_keys(obj, SourceChoice, where, fail)
+        for key in ("greedy_mean", "chosen_mean"):
+            if not isinstance(obj[key], float):
+                fail(f"{where}.{key}", "is not a number")
+        counts = {key: _int(obj, key, 0, 1 << 62, where, fail) for key in ("greedy_max", "chosen_max", "shared_bytes")}
+        return SourceChoice(**counts, greedy_mean=obj["greedy_mean"], chosen_mean=obj["chosen_mean"],
+                            method=_str(obj, "method", where, fail))
+
+
+@dataclass(frozen=True)
+class PlanStats:
+    """What compile-plan counted (not fingerprinted): assignments traced, runs before coalescing, and, when trainer
+    ranks share pieces, the source choice's figures."""
+
+    assignments: int | None = _field(optional=True, default=None)
+    runs_before_coalesce: int | None = _field(optional=True, default=None)
+    source_choice: SourceChoice | None = _field(optional=True, default=None)
+
+    def to_json(self) -> dict:
+        obj = {key: value for key, value in (("assignments", self.assignments),
+                                              ("runs_before_coalesce", self.runs_before_coalesce)) if value is not None}
+        return obj | ({"source_choice": self.source_choice.to_json()} if self.source_choice is not None else {})
+
+    @staticmethod
+    def from_json(obj, fail) -> "PlanStats":
+        _check_keys(obj, PlanStats, "stats", fail)
+        counts = {key: _int(obj, key, 0, 1 << 62, "stats", fail) for key in ("assignments", "runs_before_coalesce")
+                  if key in obj}
+        choice = SourceChoice.from_json(obj["source_choice"], fail) if "source_choice" in obj else None
+        return PlanStats(**counts, source_choice=choice)
+
+
+@dataclass(frozen=True)
+class PlanHeader:
+    """Everything a plan file states besides its run columns: where it came from (vLLM version, model, config), both
+    layouts, the quantization, the tensor tables, compile statistics and the column counts.
+
+    `from_json` is the one reader: it refuses a header the writer would not produce, naming the field. `to_json` is the
+    one writer. The fingerprint covers the fields marked fingerprinted, with the format version (FINGERPRINT_KEYS).
+    The compiler builds a header with zero counts and no fingerprint; `sealed` fills them in when the plan is encoded.
+    """
+
+    vllm_version: str = _field(fingerprinted=True)
+    model: str = _field(fingerprinted=True)
+    config_sha256: str = _field(fingerprinted=True)
+    architecture: str = _field()
+    trainer: TrainerHeader = _field(fingerprinted=True)
+    inference: InferenceHeader = _field(fingerprinted=True)
+    quant: str = _field(fingerprinted=True)
+    src_ranks: int = _field()
+    dst_ranks: int = _field()
+    sources: tuple[TensorEntry, ...] = _field(fingerprinted=True)
+    dests: tuple[TensorEntry, ...] = _field(fingerprinted=True)
+    cast_chains: tuple[tuple[str, ...], ...] = _field(fingerprinted=True)
+    staging: tuple[StagingEntry, ...] = _field(fingerprinted=True, default=())
+    quant_layout: QuantLayout | None = _field(fingerprinted=True, default=None)  # {} in the JSON when None
+    derived: tuple[DerivedItem, ...] = _field(fingerprinted=True, default=())
+    stats: PlanStats = _field(default=PlanStats())
+    constants: tuple[ConstantRun, ...] = _field(fingerprinted=True, optional=True, default=())  # sorted by (dest, dst_off)
+    fanout: Fanout | None = _field(fingerprinted=True, optional=True, default=None)
+    n_runs: int = _field(default=0)  # stored run table entries
+    n_stage_runs: int = _field(default=0)
+    n_spans: int = _field(default=0)
+    fingerprint: str = _field(default="")
+
+    @property
+    def format_version(self) -> int:
+        """6 with a fan-out table, else 5 with constants, else 4: a plan is written in the oldest format that holds it."""
+        return FORMAT_VERSION if self.fanout is not None else CONSTANTS_FORMAT_VERSION if self.constants else BASE_FORMAT_VERSION
+
+    def sealed(self, n_runs: int, n_stage_runs: int, n_spans: int) -> "PlanHeader":
+        """This header with the column counts of its plan and its fingerprint."""
+        counted = dataclasses.replace(self, n_runs=n_runs, n_stage_runs=n_stage_runs, n_spans=n_spans)
+        return dataclasses.replace(counted, fingerprint=fingerprint(counted.to_json()))
+
+    def to_json(self) -> dict:
+        """The header object the plan file stores (as canonical JSON)."""
+        obj = {
+            "format_version": self.format_version,
+            "kind": KIND,
+            "vllm_version": self.vllm_version,
+            "model": self.model,
+            "config_sha256": self.config_sha256,
+            "architecture": self.architecture,
+            "trainer": self.trainer.to_json(),
+            "inference": self.inference.to_json(),
+            "quant": self.quant,
+            "src_ranks": self.src_ranks,
+            "dst_ranks": self.dst_ranks,
+            "sources": [e.source_row() for e in self.sources],
+            "dests": [e.dest_row() for e in self.dests],
+            "cast_chains": [list(c) for c in self.cast_chains],
+            "staging": [e.row() for e in self.staging],
+            "quant_layout": self.quant_layout.to_json() if self.quant_layout is not None else {},
+            "derived": [d.row() for d in self.derived],
+            "stats": self.stats.to_json(),
+            "n_runs": self.n_runs,
+            "n_stage_runs": self.n_stage_runs,
+            "n_spans": self.n_spans,
+            "fingerprint": self.fingerprint,
+        }
+        if self.constants:
+            obj["constants"] = [c.row() for c in self.constants]
+        if self.fanout is not None:
+            obj["fanout"] = self.fanout.row()
+        return obj
+
+    @staticmethod
+    def from_json(obj, origin: str) -> "PlanHeader":
+        """Read a plan file's header object, refusing (PlanFormatError naming the field) a missing, unknown or mistyped
+        field, a value out of range or a table that contradicts another; the fingerprint is the caller's to check."""
+
+        def fail(name: str, what: str):
+            raise PlanFormatError(f"{origin}: header field {name!r} {what}")
+
+        _check_version(obj, origin)
+        _check_keys(obj, PlanHeader, "", fail)
+        text = {key: _str(obj, key, "", fail) for key in ("vllm_version", "model", "config_sha256", "architecture", "quant",
+                                                          "fingerprint")}
+        if text["quant"] not in QUANTS:
+            fail("quant", f"is {text['quant']!r}, not one of {', '.join(QUANTS)}")
+        src_ranks, dst_ranks = (_int(obj, key, 1, MAX_RANKS, "", fail) for key in ("src_ranks", "dst_ranks"))
+        counts = {key: _int(obj, key, 0, MAX_ROWS, "", fail) for key in ("n_runs", "n_stage_runs", "n_spans")}
+        inference = InferenceHeader.from_json(obj["inference"], fail)
+        if inference.ranks != dst_ranks:
+            fail("dst_ranks", f"is {dst_ranks}, but inference tp={inference.tp} x dp={inference.dp} ranks")
+        trainer = TrainerHeader.from_json(obj["trainer"], src_ranks, fail)
+        tables = _Tables(obj, dst_ranks, len(trainer.boxes), fail)
+        sources = tables.sources(trainer)
+        dests = tables.dests()
+        unloaded = tables.unloaded(obj["inference"].get("unloaded", []), dests)
+        quant_layout = QuantLayout.from_json(obj["quant_layout"], fail)
+        return PlanHeader(
+            trainer=trainer, inference=dataclasses.replace(inference, unloaded=unloaded), src_ranks=src_ranks,
+            dst_ranks=dst_ranks, sources=sources, dests=dests, cast_chains=tables.cast_chains(),
+            staging=tables.staging(dests, quant_layout), quant_layout=quant_layout, derived=tables.derived(),
+            stats=PlanStats.from_json(obj["stats"], fail), constants=tables.constants(), fanout=tables.fanout(len(dests)),
+            **text, **counts)
+
+
+FINGERPRINT_KEYS = ("format_version", *(f.name for f in dataclasses.fields(PlanHeader) if f.metadata["fingerprinted"]))
+
+
+def fingerprint(header: dict) -> str:
+    """SHA-256 of the fingerprinted keys a header object holds (absent optional ones leave older fingerprints alone)."""
+    return hashlib.sha256(canonical_json({key: header[key] for key in FINGERPRINT_KEYS if key in header})).hexdigest()
+
+
+def canonical_json(obj) -> bytes:
+    """Sorted keys, no spaces, ASCII: the bytes the plan file stores and the fingerprint hashes."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def _check_version(obj, origin: str) -> None:
+    """A weightplan header of a format this reads, with exactly the optional tables its format has."""
+    if not isinstance(obj, dict):
+        raise PlanFormatError(f"{origin}: the header is a JSON {type(obj).__name__}, not an object")
+    version = obj.get("format_version")
+    if obj.get("kind") != KIND or not isinstance(version, int):
+        raise PlanFormatError(f"{origin} has no weightplan header")
+    if version > FORMAT_VERSION:
+        raise PlanFormatError(
+            f"{origin} uses plan format {version}, newer than this weightplan reads ({FORMAT_VERSION}); upgrade weightplan"
+        )
+    if version < BASE_FORMAT_VERSION:
+        raise PlanFormatError(f"{origin} uses old plan format {version}; recompile it with compile-plan")
+    if ("fanout" in obj) != (version == FORMAT_VERSION):
+        raise PlanFormatError(f"{origin}: format {version} with{'' if 'fanout' in obj else 'out'} a fan-out table")
+    if version < FORMAT_VERSION and ("constants" in obj) != (version == CONSTANTS_FORMAT_VERSION):
+        raise PlanFormatError(f"{origin}: format {version} with{'' if 'constants' in obj else 'out'} a constants table")
+
+
+def _check_keys(obj, record, where: str, fail) -> None:
+    """`obj` is a JSON object with every field of `record` the JSON must hold and no field `record` lacks."""
+    if not isinstance(obj, dict):
+        fail(where, "is not an object")
+    fields = {f.name: f for f in dataclasses.fields(record)}
+    envelope = ("format_version", "kind") if record is PlanHeader else ()
+    for key in obj:
+        if key not in fields and key not in envelope:
+            fail(_path(where, key), f"is unknown: not a field of {where or 'the header'}")
+    for key, f in fields.items():
+        if key not in obj and not f.metadata.get("optional"):
+            fail(_path(where, key), "is missing")
+
+
+class _Tables:
+    """The header's tensor tables, each checked (types, ranges, rules between tables) as it is read."""
+
+    def __init__(self, obj: dict, dst_ranks: int, box_classes: int, fail):
+        self.obj, self.dst_ranks, self.box_classes, self.fail = obj, dst_ranks, box_classes, fail
+
+    def list(self, key: str) -> list:
+        value = self.obj.get(key, [])
+        if not isinstance(value, list):
+            self.fail(key, "is not a list")
+        return value
+
+    def sources(self, trainer: TrainerHeader) -> tuple[TensorEntry, ...]:
+        entries = []
+        for i, entry in enumerate(self.list("sources")):
+            where = f"sources[{i}]"
+            if not isinstance(entry, list) or len(entry) != 4 or not isinstance(entry[0], str) or not _dtype(entry[2]) \
+                    or not _count(entry[3], self.box_classes):
+                self.fail(where, "is not [name, shape, dtype, layout class]")
+            _shape(entry[1], where, self.fail)
+            if any(b is not None and (len(b) != len(entry[1]) or any(hi > size for (_, hi), size in zip(b, entry[1])))
+                   for b in trainer.boxes[entry[3]]):
+                self.fail(where, f"has shape {entry[1]}, which a box of its layout class {entry[3]} does not fit")
+            entries.append(TensorEntry.from_source_row(entry))
+        return tuple(entries)
+
+    def dest_row(self, entry, where: str) -> TensorEntry:
+        """A [name, shape, dtype, inference ranks] row."""
+        if not isinstance(entry, list) or len(entry) != 4 or not isinstance(entry[0], str) or not _dtype(entry[2]):
+            self.fail(where, "is not [name, shape, dtype, inference ranks]")
+        _shape(entry[1], where, self.fail)
+        _ranks(entry[3], self.dst_ranks, where, self.fail)
+        return TensorEntry.from_dest_row(entry)
+
+    def dests(self) -> tuple[TensorEntry, ...]:
+        held, entries = set(), []
+        for i, row in enumerate(self.list("dests")):
+            entry = self.dest_row(row, f"dests[{i}]")
+            pairs = {(entry.name, rank) for rank in entry.ranks}
+            if pairs & held:  # one name has one entry per rank (entries of other ranks may share the name)
+                self.fail(f"dests[{i}]", f"gives destination {entry.name!r} a second entry on inference rank {min(pairs & held)[1]}")
+            held |= pairs
+            entries.append(entry)
+        return tuple(entries)
+
+    def unloaded(self, rows, dests: tuple[TensorEntry, ...]) -> tuple[TensorEntry, ...]:
+        """Parameters vLLM's load never writes: never a destination on the same rank."""
+        if not isinstance(rows, list):
+            self.fail("inference.unloaded", "is not a list")
+        held = {(e.name, rank) for e in dests for rank in e.ranks}
+        entries = []
+        for i, row in enumerate(rows):
+            entry = self.dest_row(row, f"inference.unloaded[{i}]")
+            if any((entry.name, rank) in held for rank in entry.ranks):
+                self.fail(f"inference.unloaded[{i}]",
+                          f"lists {entry.name!r}, a destination of the plan on the same inference rank, as never written")
+            entries.append(entry)
+        return tuple(entries)
+
+    def cast_chains(self) -> tuple[tuple[str, ...], ...]:
+        chains = self.list("cast_chains")
+        for i, chain in enumerate(chains):
+            if not isinstance(chain, list) or not is_chain(chain, DTYPE_SIZES):
+                self.fail(f"cast_chains[{i}]", f"is not {CHAIN_RULE}")
+        return tuple(tuple(c) for c in chains)
+
+    def staging(self, dests: tuple[TensorEntry, ...], layout: QuantLayout | None) -> tuple[StagingEntry, ...]:
+        rows = self.list("staging")
+        if rows and layout is None:
+            self.fail("quant_layout", "is empty, but the plan quantizes tensors (staging)")
+        for i, entry in enumerate(rows):
+            where = f"staging[{i}]"
+            if not isinstance(entry, list) or len(entry) != 6 or not isinstance(entry[0], str) or entry[2] != "bfloat16":
+                self.fail(where, "is not [name, shape, bfloat16, inference ranks, weight entry, scale entry]")
+            if not _count(entry[4], len(dests)) or not _count(entry[5], len(dests)):
+                self.fail(where, f"names a destination outside the table ({str(entry[4:])[:40]} of {len(dests)} entries)")
+            _shape(entry[1], where, self.fail)
+            _ranks(entry[3], self.dst_ranks, where, self.fail)
+            _quantized(StagingEntry.from_row(entry), dests, layout.block, where, self.fail)
+        used = [e[k] for e in rows for k in (4, 5)]
+        if len(set(used)) != len(used):
+            self.fail("staging", "names one destination entry as the weight or scale of two quantized tensors")
+        return tuple(StagingEntry.from_row(row) for row in rows)
+
+    def constants(self) -> tuple[ConstantRun, ...]:
+        """Rows of four; their types and ranges are invariants.check_constants'."""
+        rows = self.list("constants")
+        if "constants" in self.obj and not rows:
+            self.fail("constants", "is empty: a plan without constant writes has no constants table")
+        for i, entry in enumerate(rows):
+            if not isinstance(entry, list) or len(entry) != 4:
+                self.fail(f"constants[{i}]", "is not [dest, dst_off, length, value]")
+        return tuple(ConstantRun(*row) for row in rows)
+
+    def derived(self) -> tuple[DerivedItem, ...]:
+        rows = self.list("derived")
+        for i, entry in enumerate(rows):
+            if not (isinstance(entry, list) and len(entry) == 4 and all(isinstance(entry[k], str) for k in (0, 1, 3))
+                    and isinstance(entry[2], list) and all(isinstance(name, str) for name in entry[2])):
+                self.fail(f"derived[{i}]", "is not [module, what, parameters read, where]")
+        return tuple(DerivedItem.from_row(row) for row in rows)
+
+    def fanout(self, n_dests: int) -> Fanout | None:
+        """{"gpus_per_node": G, "first_hops": [[dest, [ranks...]], ...]}: types and ranges (the rules are invariants.py's)."""
+        if "fanout" not in self.obj:
+            return None
+        fanout = self.obj["fanout"]
+        _check_keys(fanout, Fanout, "fanout", self.fail)
+        _int(fanout, "gpus_per_node", 1, MAX_RANKS, "fanout", self.fail)
+        hops = fanout["first_hops"]
+        if not isinstance(hops, list):
+            self.fail("fanout.first_hops", "is not a list")
+        for i, row in enumerate(hops):
+            where = f"fanout.first_hops[{i}]"
+            if not isinstance(row, list) or len(row) != 2 or not _count(row[0], n_dests):
+                self.fail(where, f"is not [dest entry, pulling ranks] with an entry of the {n_dests} destinations")
+            _ranks(row[1], self.dst_ranks, where, self.fail)
+        return Fanout.from_row(fanout)
+
+
+def _path(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _str(obj: dict, key: str, where: str, fail) -> str:
+    value = obj[key]
+    if not isinstance(value, str):
+        fail(_path(where, key), f"is {str(value)[:40]}, not a string")
     return value
+
+
+def _int(obj: dict, key: str, low: int, high: int, where: str, fail) -> int:
+    value = obj[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        fail(_path(where, key), f"is {str(value)[:40]}, not an integer in {low}..{high}")
+    return value
+
+
+def _box(ranges: list) -> Box:
+    return tuple((start, stop) for start, stop in ranges)
+
+
+def _dtype(value) -> bool:
+    return isinstance(value, str) and value in DTYPE_SIZES
 
 
 def _count(value, limit: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < limit
 
 
-def _list(header: dict, key: str, fail) -> list:
-    value = header.get(key, [])
-    if not isinstance(value, list):
-        fail(key, "is not a list")
-    return value
-
-
-def _quantized(entry: list, dests: list, block: list, where: str, fail) -> None:
+def _quantized(entry: StagingEntry, dests: tuple[TensorEntry, ...], block: tuple[int, int], where: str, fail) -> None:
     """A staging tensor's weight entry is fp8 of its shape and its scale entry float32 per block, on the same ranks."""
-    name, shape, _, ranks, weight, scale = entry
+    shape = entry.shape
     if len(shape) < 2:
-        fail(where, f"has shape {shape}: a quantized tensor has at least 2 dimensions")
-    grid = [*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1])]
-    for index, dtype, expected in ((weight, "float8_e4m3fn", shape), (scale, "float32", grid)):
+        fail(where, f"has shape {list(shape)}: a quantized tensor has at least 2 dimensions")
+    grid = (*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
+    for index, dtype, expected in ((entry.weight, "float8_e4m3fn", shape), (entry.scale, "float32", grid)):
         dest = dests[index]
-        if dest[2] != dtype or dest[1] != expected or dest[3] != ranks:
-            fail(where, f"names entry {index} ({dest[0]!r} {dest[2]}{dest[1]} on ranks {dest[3]}); "
-                        f"{name!r} needs {dtype}{expected} on ranks {ranks}")
+        if dest.dtype != dtype or dest.shape != expected or dest.ranks != entry.ranks:
+            fail(where, f"names entry {index} ({dest.name!r} {dest.dtype}{list(dest.shape)} on ranks {list(dest.ranks)}); "
+                        f"{entry.name!r} needs {dtype}{list(expected)} on ranks {list(entry.ranks)}")
 
 
 def _shape(shape, where: str, fail) -> None:

@@ -66,10 +66,10 @@ def check_runs(plan: Plan, origin: str) -> None:
         raise PlanFormatError(f"{origin}: a strided run has a count below 1, strides on a one-row run, a negative "
                               "source stride or destination rows that overlap")
     ranks = runs["src_rank"]
-    if len(ranks) and (ranks.min() < 0 or ranks.max() >= plan.header["src_ranks"]):
-        raise PlanFormatError(f"{origin}: a run names a trainer rank outside the plan's {plan.header['src_ranks']}")
+    if len(ranks) and (ranks.min() < 0 or ranks.max() >= plan.header.src_ranks):
+        raise PlanFormatError(f"{origin}: a run names a trainer rank outside the plan's {plan.header.src_ranks}")
     if len(length):
-        shard = np.zeros((plan.header["src_ranks"], len(sources)), dtype=np.int64)
+        shard = np.zeros((plan.header.src_ranks, len(sources)), dtype=np.int64)
         for s, r in set(zip(runs["src"].tolist(), ranks.tolist())):
             shard[r, s] = int(np.prod(plan.local_shape(s, r), dtype=np.int64))
         dest_numel = np.array([e.numel for e in dests], dtype=np.int64)
@@ -99,12 +99,12 @@ def check_quant_tables(plan: Plan, origin: str) -> None:
         if stage["src"].min() < 0 or stage["src"].max() >= len(plan.sources) or stage["wire"].min() < 0 \
                 or stage["wire"].max() >= len(plan.cast_chains):
             raise PlanFormatError(f"{origin}: a stage run indexes outside its tables")
-        if stage["src_rank"].min() < 0 or stage["src_rank"].max() >= plan.header["src_ranks"]:
-            raise PlanFormatError(f"{origin}: a stage run names a trainer rank outside the plan's {plan.header['src_ranks']}")
+        if stage["src_rank"].min() < 0 or stage["src_rank"].max() >= plan.header.src_ranks:
+            raise PlanFormatError(f"{origin}: a stage run names a trainer rank outside the plan's {plan.header.src_ranks}")
         expected_quant = np.where(stage["side"] == SENDER, stage["src_rank"], -1)
         gather = stage["side"] == GATHER
         if (stage["quant_rank"][~gather] != expected_quant[~gather]).any() or (stage["quant_rank"][gather] < 0).any() \
-                or (stage["quant_rank"][gather] >= plan.header["src_ranks"]).any():
+                or (stage["quant_rank"][gather] >= plan.header.src_ranks).any():
             raise PlanFormatError(f"{origin}: a stage run's quant_rank is not its own rank (sender side), -1 (receiver "
                                   "side) or a valid trainer rank (gather side)")
         numel = np.array([e.numel for e in staging], dtype=np.int64)[stage["stage"]]
@@ -121,7 +121,7 @@ def check_quant_tables(plan: Plan, origin: str) -> None:
         if (spans["first_block"] + spans["n_blocks"] > scale_numel).any():
             raise PlanFormatError(f"{origin}: a block span reaches past its tensor's last block")
         trainer = spans["side"] != RECEIVER
-        if (spans["src_rank"][trainer] < 0).any() or (spans["src_rank"][trainer] >= plan.header["src_ranks"]).any():
+        if (spans["src_rank"][trainer] < 0).any() or (spans["src_rank"][trainer] >= plan.header.src_ranks).any():
             raise PlanFormatError(f"{origin}: a sender- or gather-side block span names no valid trainer rank")
 
 

@@ -182,8 +182,8 @@ class Receiver(AgentOwner):
                 entry = plan.staging[stage]
                 names[stage_group[stage]] |= {plan.dests[entry.weight].name, plan.dests[entry.scale].name}
         self._group_names = [sorted(n) for n in names]
-        self._seq = torch.zeros(plan.header["src_ranks"], dtype=torch.int64)
-        self._ring_word = torch.zeros((plan.header["src_ranks"], 2), dtype=torch.int64)
+        self._seq = torch.zeros(plan.header.src_ranks, dtype=torch.int64)
+        self._ring_word = torch.zeros((plan.header.src_ranks, 2), dtype=torch.int64)
         packings = {src: packing(pull, src) for src in self.reads}
         self._packed_bytes = {src: p.nbytes for src, p in packings.items()}
         packed_at = {src: packings[src].offsets_of(r.run) for src, r in self.reads.items()}

@@ -101,7 +101,7 @@ def _box_text(box: Box | None) -> str:
 
 def check_layout(plan: Plan, layout: TrainerLayoutFile) -> None:
     """Refuse a plan compiled for another trainer layout: PlanMismatchError naming the first tensor and placement that differ."""
-    world = plan.header["src_ranks"]
+    world = plan.header.src_ranks
     hint = ("compile the plan from this module's layout (write_trainer_layout(module, FILE), then "
             "compile-plan --trainer-layout FILE)")
     if layout.world_size != world:

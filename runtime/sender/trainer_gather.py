@@ -52,7 +52,7 @@ class TrainerGather:
         self.buffer = torch.empty(int(c.length.sum()), dtype=torch.bfloat16)
         self.peers = tuple(sorted(set(c.src_rank.tolist())))
         self._copies = c
-        self._seq = torch.zeros(plan.header["src_ranks"], dtype=torch.int64)
+        self._seq = torch.zeros(plan.header.src_ranks, dtype=torch.int64)
         self._connected: dict[int, _Peer] = {}
         self.seconds = 0.0
         self.wait_seconds = 0.0  # of `seconds`: waiting for the peers to stage the version

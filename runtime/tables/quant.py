@@ -112,9 +112,9 @@ class QuantTables:
 
 def check_supported(plan: Plan) -> None:
     """Refuse fp8 tables the runtime cannot execute, before anything is registered."""
-    layout = plan.header.get("quant_layout") or {}
-    if layout.get("layout", "plain") != "plain" or list(layout.get("block", [BLOCK, BLOCK])) != [BLOCK, BLOCK]:
-        raise PlanMismatchError(f"the plan targets the {layout.get('layout')!r} fp8 layout with blocks {layout.get('block')}: "
+    layout = plan.header.quant_layout
+    if layout is not None and (layout.layout != "plain" or layout.block != (BLOCK, BLOCK)):
+        raise PlanMismatchError(f"the plan targets the {layout.layout!r} fp8 layout with blocks {list(layout.block)}: "
                                 f"the NIXL runtime executes only the plain layout with {BLOCK}x{BLOCK} blocks")
     for entry in plan.staging:
         weight, scale = plan.dests[entry.weight], plan.dests[entry.scale]
@@ -208,7 +208,7 @@ def _copies(plan: Plan, windows: Windows) -> StageCopies:
     """Intersect every stage run with the windows of its side (and, on the sender side, of its rank)."""
     t = plan.stage
     numel = max([e.numel for e in plan.staging] + [1]) + 1
-    owners = plan.header["src_ranks"] + 1
+    owners = plan.header.src_ranks + 1
 
     def key(stage, side, owner):
         return ((stage * 3 + side) * owners + owner + 1) * numel  # sides 0, 1, 2

@@ -103,11 +103,11 @@ def row_pieces(count: np.ndarray, nbytes: np.ndarray, whole: np.ndarray, *sides:
 
 
 def check_src_rank(plan: Plan, rank: int) -> None:
-    check_rank(rank, plan.header["src_ranks"], "trainer")
+    check_rank(rank, plan.header.src_ranks, "trainer")
 
 
 def check_dst_rank(plan: Plan, rank: int) -> None:
-    check_rank(rank, plan.header["dst_ranks"], "inference")
+    check_rank(rank, plan.header.dst_ranks, "inference")
 
 
 def served_regions(plan: Plan, rank: int) -> tuple[ServedRegion, ...]:
