@@ -29,9 +29,9 @@ def _rows(program: Program) -> list[tuple]:
 
 @pytest.mark.parametrize("model, fmt", [("tiny-glm", "transformers"), ("tiny-qwen3-moe", "hf"), ("tiny-llama", "hf")])
 def test_reused_layers_equal_every_layer_traced(model, fmt):
+    trainer = load_trainer_model(config_dir(model), torch.bfloat16)  # transformers' model: built outside vLLM's patches
     with host_independent():
         vllm_model = build_model(make_vllm_config(config_dir(model)))
-        trainer = load_trainer_model(config_dir(model), torch.bfloat16)
         specs = trainer.specs(fmt)
         reused = trace_load(vllm_model, specs, Conversion(trainer, fmt))
         full = trace_load(vllm_model, specs, Conversion(trainer, fmt), reuse_layers=False)
