@@ -71,7 +71,7 @@ CONFIG = ROOT / "benchmarks" / "configs" / "bench-deepseek-v3"
 def run_trainer(args) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from weightplan.runtime.sender.live_module import trainer_tensors
+    from weightplan.runtime.layout.module_tensors import trainer_tensors
 
     rendezvous = Rendezvous.connect(args.job, args.address, timeout=args.timeout)
     mt.init_trainer_group(args.rank, args.trainers, rendezvous)
