@@ -61,6 +61,7 @@ from examples import moe_trainer as mt  # noqa: E402
 from examples.rl_loop import DTYPES, _check_alive, add_trainer_options  # noqa: E402
 from runtime_bench_worker import _broadcast, _gloo  # noqa: E402  (standalone gloo groups on the job's store)
 from weightplan.runtime import LiveSender, Receiver, Rendezvous, load_plan, write_trainer_layout  # noqa: E402
+from weightplan.runtime.transport import protocol  # noqa: E402
 
 CONFIG = ROOT / "benchmarks" / "configs" / "bench-deepseek-v3"
 
@@ -193,7 +194,7 @@ def run_inference(args) -> int:
               flush=True)
 
         def sync(version: int) -> tuple[float, float]:
-            wait([f"trainer/{r}/version/{version}" for r in range(args.trainers)], f"version {version}")
+            wait([protocol.version_key(r, version) for r in range(args.trainers)], f"version {version}")
             t0 = time.perf_counter()
             receiver.sync(version)
             return time.perf_counter() - t0, time.time()

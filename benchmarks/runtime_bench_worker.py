@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from weightplan.runtime import Receiver, Rendezvous, Sender, load_plan
 from weightplan.runtime.tables.ranks import reads_of, row_pieces
+from weightplan.runtime.transport import protocol
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 IOV_MAX = 1024
@@ -94,7 +95,7 @@ def read_ceiling(plan, rank: int, rendezvous: Rendezvous, destination: dict[str,
     row of a strided run (per run where its rows are contiguous on both sides)."""
     total = 0
     for src, reads in reads_of(plan, rank).items():
-        info = rendezvous.get_json(f"trainer/{src}/info")
+        info = rendezvous.get_json(protocol.trainer_info_key(src))
         pid = int(rendezvous.get_bytes(f"bench/pid/{src}"))
         region = np.array([a for _, _, a, _ in info["regions"]], dtype=np.int64)[reads.region]
         base = np.array([destination[plan.dests[d].name].data_ptr() for d in reads.dest.tolist()], dtype=np.int64)
@@ -199,7 +200,7 @@ def main() -> None:
                  table_bytes=sender.stats.table_bytes, packed_bytes=sender.stats.packed_bytes)
         else:
             if not args.gloo:  # measure the sync alone, not the wait for the trainer to publish
-                rendezvous.wait([f"trainer/{src}/version/{rep}" for src in receiver.reads], 600, "publication")
+                rendezvous.wait([protocol.version_key(src, rep) for src in receiver.reads], 600, "publication")
             cpu = time.process_time()
             report = receiver.sync(rep)
             end = time.time()
