@@ -62,6 +62,7 @@ from examples import moe_trainer as mt  # noqa: E402
 from examples.rl_loop import DTYPES, _check_alive, add_trainer_options  # noqa: E402
 from runtime_bench_worker import _broadcast, _gloo  # noqa: E402  (standalone gloo groups on the job's store)
 from weightplan.runtime import LiveSender, Receiver, Rendezvous, load_plan, write_trainer_layout  # noqa: E402
+from weightplan.runtime.transport import protocol  # noqa: E402
 
 CONFIG = ROOT / "benchmarks" / "configs" / "bench-deepseek-v3"
 SMOKE = ["--config", str(mt.CONFIG), "--trainers", "2", "--ep", "1", "--steps", "1"]  # what --smoke stands for
@@ -73,7 +74,7 @@ SMOKE = ["--config", str(mt.CONFIG), "--trainers", "2", "--ep", "1", "--steps", 
 def run_trainer(args) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from weightplan.runtime.sender.live_module import trainer_tensors
+    from weightplan.runtime.layout.module_tensors import trainer_tensors
 
     rendezvous = Rendezvous.connect(args.job, args.address, timeout=args.timeout)
     mt.init_trainer_group(args.rank, args.trainers, rendezvous)
@@ -195,7 +196,7 @@ def run_inference(args) -> int:
               flush=True)
 
         def sync(version: int) -> tuple[float, float]:
-            wait([f"trainer/{r}/version/{version}" for r in range(args.trainers)], f"version {version}")
+            wait([protocol.version_key(r, version) for r in range(args.trainers)], f"version {version}")
             t0 = time.perf_counter()
             receiver.sync(version)
             return time.perf_counter() - t0, time.time()

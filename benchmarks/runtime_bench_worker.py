@@ -231,7 +231,7 @@ def main() -> None:
                  table_bytes=sender.stats.table_bytes, packed_bytes=sender.stats.packed_bytes)
         else:
             if not args.gloo:  # measure the sync alone, not the wait for the trainer to publish
-                rendezvous.wait([f"trainer/{src}/version/{rep}" for src in receiver.reads], 600, "publication")
+                rendezvous.wait([protocol.version_key(src, rep) for src in receiver.reads], 600, "publication")
             cpu = time.process_time()
             report = receiver.sync(rep)
             end = time.time()

@@ -3,9 +3,10 @@
 from .errors import LayoutError, PlanFormatError, PlanMismatchError, SyncError, WeightplanError
 from .host.executor import execute_local
 from .layout.layout_file import read_trainer_layout, write_trainer_layout
+from .layout.module_tensors import trainer_tensors
 from .plan.format import Plan, load_plan
 from .receiver.receiver import Receiver, SyncReport
-from .sender.live_module import LiveSender, trainer_tensors
+from .sender.live_module import LiveSender
 from .sender.sender import ReleaseReport, Sender
 from .transport.rendezvous import Rendezvous
 

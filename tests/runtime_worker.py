@@ -24,6 +24,7 @@ import torch
 from weightplan.compiler.verify_plan import shard_sources
 from weightplan.runtime import Receiver, Rendezvous, Sender, SyncError, execute_local, load_plan
 from weightplan.runtime.tables.fanout import second_hops
+from weightplan.runtime.transport import protocol
 
 
 def full_weights(plan, seed: int, version: int) -> dict[str, torch.Tensor]:
@@ -82,7 +83,7 @@ def run_trainer(args, plan) -> None:
                     ring_bytes=args.ring_bytes).start()
     emit(event="ready", rank=args.rank)
     deadline = time.monotonic() + args.join_timeout
-    while args.wait_joined and not all(rendezvous.exists(f"inference/{k}/joined") for k in sender.readers):
+    while args.wait_joined and not all(rendezvous.exists(protocol.joined_key(k)) for k in sender.readers):
         if time.monotonic() > deadline:
             raise SystemExit("inference ranks did not join")
         time.sleep(0.05)

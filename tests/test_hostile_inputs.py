@@ -10,6 +10,7 @@ from weightplan.compiler.compile import CompileOptions, compile_plan
 from weightplan.compiler.frontend.errors import ModelConfigError
 from weightplan.compiler.verify_plan import verify_plan
 from weightplan.runtime import PlanMismatchError
+from weightplan.runtime.transport import protocol
 
 from .conftest import config_dir
 
@@ -106,7 +107,7 @@ def test_versions_are_checked_before_anything_moves(llama_plan, rendezvous, vers
     for call in (sender.publish, sender.release, receiver.sync):
         with pytest.raises(ValueError, match="versions are integers from 1 to 2\\*\\*62 - 1"):
             call(version)
-    assert receiver.version is None and not rendezvous.exists(f"trainer/0/version/{version}")
+    assert receiver.version is None and not rendezvous.exists(protocol.version_key(0, version))
 
 
 # --- plan files -----------------------------------------------------------------------------------

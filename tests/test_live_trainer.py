@@ -166,7 +166,7 @@ def test_plans_for_other_layouts_are_refused_and_reallocated_storage_is_register
 
 
 def test_wrapper_components_are_removed_from_trainer_names():
-    from weightplan.runtime.sender.live_module import trainer_name
+    from weightplan.runtime.layout.module_tensors import trainer_name
 
     assert trainer_name("_orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.down_proj.weight") == \
         "model.layers.0.mlp.down_proj.weight"

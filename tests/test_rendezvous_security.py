@@ -9,6 +9,7 @@ import pytest
 
 from weightplan.runtime import Receiver, Rendezvous, Sender, SyncError, load_plan
 from weightplan.runtime.errors import WeightplanError
+from weightplan.runtime.transport import protocol
 from weightplan.runtime.transport.rendezvous import SECRET_ENV, SECRET_FILE_ENV, job_secret
 
 from .runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
@@ -191,7 +192,7 @@ def test_poisoned_metadata_and_digests_fail_the_sync_cleanly(request, plan, key,
                     progress_thread=True).start()
     receiver = Receiver(plan, 0, plain_destination(plan, 0), rendezvous=served, timeout=2, derived="caller", verify=True).start()
     sender.publish(1)
-    served.put(f"trainer/0/metadata/{sender.incarnation}" if key == "metadata" else "trainer/0/digests/1", value)
+    served.put(protocol.trainer(0).metadata_key(sender.incarnation) if key == "metadata" else protocol.digests_key(0, 1), value)
     with pytest.raises(SyncError, match="inference rank 0: sync of version 1 failed"):
         receiver.sync(1)
     assert receiver.version is None

@@ -11,6 +11,7 @@ import torch
 
 from weightplan.runtime import PlanMismatchError, Receiver, Rendezvous, Sender, SyncError, execute_local, load_plan
 from weightplan.runtime.plan.schema import GATHER, RECEIVER, SENDER
+from weightplan.runtime.transport import protocol
 
 from .runtime_worker import byte_equal, full_weights, plain_destination, shard
 from .test_fp8_differential import CASES
@@ -188,14 +189,14 @@ def test_gathering_checks_that_its_peers_hold_the_version_stable(fp8_plan, rende
     assert gathering and (plan.spans["side"] == GATHER).any()
     gatherer = gathering[0]
     for peer in gatherer._gather.peers:  # claims to have staged version 1, but its sequence word is still odd
-        rendezvous.put(f"trainer/{peer}/staged/1", senders[peer].incarnation.encode())
+        rendezvous.put(protocol.staged_key(peer, 1), senders[peer].incarnation.encode())
     with pytest.raises(SyncError, match=r"trainer rank \d no longer holds version 1 stable"):
         gatherer.publish(1)
-    assert not rendezvous.exists(f"trainer/{gatherer.rank}/version/1")
+    assert not rendezvous.exists(protocol.version_key(gatherer.rank, 1))
     gatherer.timeout = 0.5
     with pytest.raises(SyncError, match=r"gather-side bf16 of version 2 from trainer ranks \[\d\]: not published within"):
         gatherer.publish(2)
-    assert not rendezvous.exists(f"trainer/{gatherer.rank}/version/2")
+    assert not rendezvous.exists(protocol.version_key(gatherer.rank, 2))
     # All trainers publishing together then works, and the replicated blocks equal the host executor's.
     _step(plan, tensors, 3)
     _publish_all(senders, 3)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from weightplan.runtime import PlanMismatchError, Receiver, Rendezvous, Sender, SyncError, execute_local, load_plan
+from weightplan.runtime.transport import protocol
 
 from .runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
 
@@ -162,7 +163,7 @@ def test_metadata_of_an_agent_not_in_the_plan_is_rejected(rendezvous, bf16_plan)
 
     tensors, sender, destination, receiver = _pair(bf16_plan, rendezvous)
     intruder = NixlAgent(f"{rendezvous.job}.intruder")
-    rendezvous.put(f"trainer/0/metadata/{sender.incarnation}", intruder.metadata())
+    rendezvous.put(protocol.trainer(0).metadata_key(sender.incarnation), intruder.metadata())
     sender.publish(1)
     with pytest.raises(SyncError, match=r"rejected agent metadata naming '.*intruder'"):
         receiver.sync(1)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from benchmarks.synthetic_plans import tp_plan
 from weightplan.runtime import Receiver, Rendezvous, Sender, WeightplanError, load_plan
-from weightplan.runtime.receiver.receiver import descriptor_table
+from weightplan.runtime.tables.receiver import descriptor_table
 from weightplan.runtime.sender.pack import PackRuns
 from weightplan.runtime.tables import ranks
 from weightplan.runtime.tables.ranks import (Reads, RemoteRegion, packing, packing_of, pipeline_groups, reads_of,

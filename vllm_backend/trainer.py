@@ -15,6 +15,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from weightplan.runtime import Rendezvous, Sender, load_plan
+from weightplan.runtime.transport import protocol
 
 from . import BACKEND
 from .init_info import DRAFT_JOB_SUFFIX
@@ -153,7 +154,7 @@ class WeightplanTrainerEngine(TrainerWeightTransferEngine[WeightplanTrainerInitI
         waits only for the ranks joined when it starts, so releasing earlier would retire the
         version under the joining receivers' first READs.
         """
-        keys = [f"inference/{rank}/joined" for rank in sender.readers]  # what Receiver.start() publishes
+        keys = [protocol.joined_key(rank) for rank in sender.readers]  # what Receiver.start() publishes
         deadline = time.monotonic() + self.init_info.timeout
         while not all(sender.rendezvous.exists(key) for key in keys):
             if (driver is not None and not driver.is_alive()) or time.monotonic() > deadline:

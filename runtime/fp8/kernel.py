@@ -7,7 +7,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .numerics import BLOCK
+from .format import BLOCK
 
 _I32 = ir.IntType(32)
 

@@ -7,9 +7,7 @@ import math
 import numpy as np
 import torch
 
-BLOCK = 128
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448.0, what vLLM's get_fp8_min_max gives for e4m3fn (non-fnuz platforms)
+from .format import BLOCK, FP8, FP8_MAX
 
 
 def per_block_fp8(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,7 @@ import torch
 from ..errors import LayoutError
 from ..plan.atomic_file import write_atomically
 from ..plan.schema import DTYPE_SIZES
+from .module_tensors import trainer_tensors
 from .placements import Mesh, Placement, Sharding, mesh_boxes
 
 FORMAT = "weightplan-trainer-layout"
@@ -142,7 +143,7 @@ def write_trainer_layout(tensors, path: str | Path, *, world_size: int | None = 
 def describe_layout(tensors, *, world_size: int | None = None) -> dict:
     """The layout file's JSON object for a live trainer (what write_trainer_layout writes).
 
-    A module gives its trainer tensors (runtime/sender/live_module.py `trainer_tensors`: state-dict names
+    A module gives its trainer tensors (runtime/layout/module_tensors.py `trainer_tensors`: state-dict names
     without wrapper prefixes, FSDP2's sharded parameters, persistent buffers, tied tensors once).
     """
     from torch.distributed.tensor import DTensor
@@ -173,8 +174,6 @@ def describe_layout(tensors, *, world_size: int | None = None) -> dict:
 
 def _named(tensors) -> Iterable[tuple[str, torch.Tensor]]:
     if isinstance(tensors, torch.nn.Module):
-        from ..sender.live_module import trainer_tensors
-
         yield from trainer_tensors(tensors).items()
     else:
         yield from (tensors.items() if isinstance(tensors, Mapping) else tensors)

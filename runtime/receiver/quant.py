@@ -14,8 +14,7 @@ from ..plan.format import Plan
 from ..plan.schema import RECEIVER
 from ..tables.quant import (QuantTables, exposed_regions, held_stages,
                            piece_segments, quant_sources, region_index, stage_packing)
-from ..tables.ranks import Reads, RemoteRegion
-from ..transport.nixl_agent import contiguous_starts
+from ..tables.ranks import Reads, RemoteRegion, contiguous_starts
 from ..transport.region_digests import byte_view, digests
 
 VALUES, SCALES, STAGED = 0, 1, 2  # what a READ row carries, for its digest key

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -13,24 +13,24 @@ import torch
 from ..checks import check_no_aliases, check_tensors, check_version, flat_view, inference_names, named_tensors
 from ..constant_writes import write_constants
 from ..errors import PlanMismatchError, SyncError, WeightplanError
-from ..plan.columns import ColumnTable
 from ..plan.format import Plan
 from ..tables.quant import check_supported, quant_tables, stage_packing
-from ..tables.ring import DEFAULT_RING_BYTES, ring_chunks
-from ..tables.ranks import (Reads, RemoteRegion, held_entries, packing, pipeline_groups, reads_of, region_addresses,
-                            row_pieces)
+from ..tables.ranks import Reads, RemoteRegion, held_entries, region_addresses
+from ..tables.receiver import read_groups, read_tables, runs_into
+from ..tables.ring import DEFAULT_RING_BYTES
+from ..transport import protocol
 from ..transport.lifecycle import AgentOwner
-from ..transport.nixl_agent import Backoff, NixlAgent, contiguous_starts
+from ..transport.nixl_agent import Backoff, NixlAgent
+from ..transport.peer import Connections, Peer, check_sequence
 from ..transport.peer_check import checked_regions, checked_word
 from ..transport.region_digests import byte_view, run_digests
-from ..transport.rendezvous import INCARNATION, Rendezvous, inference_agent, trainer_agent
+from ..transport.rendezvous import Rendezvous
 from .derived import DerivedRefresh
 from .quant import ReceiverQuant
 from .second_hops import SecondHops
 
 log = logging.getLogger("weightplan.runtime")
 PROGRESS_EVERY = 5.0  # seconds between progress lines of a long sync
-_NO_READS = Reads.empty()
 
 
 @dataclass(frozen=True)
@@ -58,58 +58,18 @@ class SyncReport:
 
 
 @dataclass(frozen=True)
-class _Descriptors(ColumnTable):
-    """The READs posted to one trainer rank: remote side as (exposed region index or RemoteRegion, offset), local as addresses."""
-
-    region: np.ndarray
-    remote_off: np.ndarray
-    local: np.ndarray
-    nbytes: np.ndarray
-    group: np.ndarray
-    chunk: np.ndarray  # ring chunk of a packed READ when the trainer serves them through a ring, else -1
-
-
-def descriptor_table(reads: Reads, group: np.ndarray, packed: np.ndarray, local: np.ndarray,
-                     chunk: np.ndarray | None = None) -> _Descriptors:
-    """Runs read in place: one descriptor per row (per run where contiguous on both sides); packed runs (`packed`:
-    offset in the packed region or ring, -1 if read in place; `chunk`: their ring chunk): one per run where the
-    destination rows continue each other, merged wherever both sides are contiguous within one chunk."""
-    chunk = np.full(len(reads), -1, dtype=np.int64) if chunk is None else chunk
-    single = reads.count == 1
-    direct = np.flatnonzero(packed < 0)
-    d = reads.take(direct)
-    run, size, (remote, lo) = row_pieces(d.count, d.nbytes, d.contiguous(), (d.src_byte, d.src_stride),
-                                         (local[direct], d.dst_stride))
-    direct_group = group[direct][run]
-    rows = np.flatnonzero(packed >= 0)
-    rows = rows[np.argsort(packed[rows], kind="stable")]
-    p = reads.take(rows)
-    prun, n, (po, plo) = row_pieces(p.count, p.nbytes, single[rows] | (p.dst_stride == p.nbytes),
-                                    (packed[rows], p.nbytes), (local[rows], p.dst_stride))
-    g, c = group[rows][prun], chunk[rows][prun]
-    first, merged = contiguous_starts(n, (plo, po), (g, c))
-    return _Descriptors(
-        region=np.concatenate([d.region[run], np.full(len(first), RemoteRegion.PACKED, dtype=np.int64)]),
-        remote_off=np.concatenate([remote, po[first]]),
-        local=np.concatenate([lo, plo[first]]),
-        nbytes=np.concatenate([size, merged]),
-        group=np.concatenate([direct_group, g[first]]),
-        chunk=np.concatenate([np.full(len(run), -1, dtype=np.int64), c[first]]),
-    )
-
-
-@dataclass
-class _Peer:
+class _Trainer:
     """Prepared transfers to one incarnation of one trainer rank; rebuilt when that trainer restarts."""
 
-    rank: int
-    incarnation: str
-    agent: str
+    peer: Peer
     seq_read: object
     ring_word_read: object
-    group_reads: dict[int, list] = field(default_factory=dict)
-    ring_reads: dict[int, list] = field(default_factory=dict)  # READs of each ring chunk, when it serves through a ring
-    remote_lists: list = field(default_factory=list)
+    group_reads: dict[int, list]
+    ring_reads: dict[int, list]  # READs of each ring chunk, when it serves through a ring
+
+    @property
+    def rank(self) -> int:
+        return self.peer.endpoint.rank
 
 
 class Receiver(AgentOwner):
@@ -140,9 +100,9 @@ class Receiver(AgentOwner):
     caller's memory, though: a caller that writes it itself (vLLM's own `load_weights`, a dummy
     initialisation, a kernel repacking in place) calls `write_constants()` before the next sync.
 
-    The constructor only checks the destination against the plan; `start()` registers it with NIXL,
-    writes the constants and joins, `close()` deregisters it and releases the agent. `with
-    Receiver(...) as receiver:` does both.
+    The constructor only checks the destination against the plan and builds this rank's tables
+    (runtime/tables/receiver.py); `start()` registers the destination with NIXL, writes the constants
+    and joins, `close()` deregisters it and releases the agent. `with Receiver(...) as receiver:` does both.
     """
 
     def __init__(self, plan: Plan, rank: int, destination, *, rendezvous: Rendezvous, timeout: float = 60.0,
@@ -165,39 +125,20 @@ class Receiver(AgentOwner):
         self._quant = ReceiverQuant(pull, rank, self._qt, self._dst) if self._qt else None
         self._hops = SecondHops(plan, rank, self._dst, rendezvous)
         # The trainers' runs into second-hop entries, by trainer rank: what their digests cover (verify=True).
-        self._hop_reads = self._runs_into(self._hops.entries) if self._hops.entries else {}
-        reads = reads_of(pull, rank)
-        trainers = sorted(set(reads) | set(self._quant.sources if self._quant else ()))
-        self.reads: dict[int, Reads] = {src: reads.get(src, _NO_READS) for src in trainers}
-        groups = pipeline_groups({**self.reads, **(self._quant.grouping() if self._quant else {})}, group_bytes)
-        self._groups = {src: groups[src] for src in trainers}
-        self.n_groups = 1 + max((int(g.max()) for g in groups.values() if len(g)), default=0)
-        names = [{plan.dests[int(d)].name for src, r in self.reads.items() for d in r.dest[self._groups[src] == g].tolist()}
-                 for g in range(self.n_groups)]
+        self._hop_reads = runs_into(plan, rank, self._hops.entries) if self._hops.entries else {}
+        self._groups = read_groups(pull, rank, group_bytes, self._quant.grouping() if self._quant else None)
         if self._quant:
-            stage_group = np.full(len(plan.staging), -1, dtype=np.int64)
-            stage_group[np.flatnonzero(self._quant.held)] = groups[("stages",)]
-            self._quant.place(stage_group, self.n_groups)
-            for stage in np.flatnonzero(self._quant.held).tolist():
-                entry = plan.staging[stage]
-                names[stage_group[stage]] |= {plan.dests[entry.weight].name, plan.dests[entry.scale].name}
-        self._group_names = [sorted(n) for n in names]
+            self._quant.place(self._groups.stage_group, self.n_groups)
         self._seq = torch.zeros(plan.header.src_ranks, dtype=torch.int64)
         self._ring_word = torch.zeros((plan.header.src_ranks, 2), dtype=torch.int64)
-        packings = {src: packing(pull, src) for src in self.reads}
-        self._packed_bytes = {src: p.nbytes for src, p in packings.items()}
-        packed_at = {src: packings[src].offsets_of(r.run) for src, r in self.reads.items()}
+        addresses = np.zeros(len(plan.dests), dtype=np.int64)
+        addresses[list(self._dst)] = [t.data_ptr() for t in self._dst.values()]
+        quant = {src: self._quant.descriptors(src) for src in self._quant.rows} if self._quant else {}
         try:
-            rings = {src: ring_chunks(packings[src], ring_bytes) for src in self.reads}
+            self._tables = read_tables(pull, self._groups, addresses, ring_bytes, quant)
         except ValueError as exc:
             raise WeightplanError(f"inference rank {rank}: {exc}") from None
-        self._slot_bytes = {src: p.nbytes if rings[src] is None else rings[src].slot_bytes for src, p in packings.items()}
-        self._tables = {src: self._descriptors(src, packed_at[src], rings[src]) for src in self.reads}
-        # Every table this rank built, the trainers' packings it derived included: none has a row dimension.
-        self.table_bytes = sum(r.footprint() + self._groups[s].nbytes + self._tables[s].footprint() + packings[s].footprint()
-                               + packed_at[s].nbytes for s, r in self.reads.items())
-        self.packed_read_bytes = sum(int(r.total()[packed_at[s] >= 0].sum()) for s, r in self.reads.items())
-        self._peers: dict[int, _Peer] = {}
+        self._trainers: Connections[_Trainer] = Connections(self._connect)
         self._version: int | None = None
         self.incarnation = uuid.uuid4().hex
         self.agent: NixlAgent | None = None  # created, with the destinations registered, by start()
@@ -211,18 +152,20 @@ class Receiver(AgentOwner):
         """
         if self.agent is not None:
             raise WeightplanError(f"inference rank {self.rank}: this Receiver was started already")
-        self.agent = NixlAgent(inference_agent(self.rendezvous.job, self.rank), self._progress_thread)
+        self.agent = NixlAgent(protocol.inference(self.rank).agent(self.rendezvous.job), self._progress_thread)
         self.agent.register(list(self._dst.values()) + [self._seq, self._ring_word] + (self._quant.slots if self._quant else [])
                             + self._hops.registered)
         self._hops.start(self.agent)
-        self._local = {src: self.agent.prepare(None, np.stack([t.local, t.nbytes], axis=1)) for src, t in self._tables.items()}
+        self._local = {src: self.agent.prepare(None, np.stack([t.local, t.nbytes], axis=1))
+                       for src, t in self._tables.descriptors.items()}
         self._seq_local = {src: self.agent.prepare(None, np.array([[self._seq.data_ptr() + 8 * src, 8]])) for src in self.reads}
         self._ring_local = {src: self.agent.prepare(None, np.array([[self._ring_word[src].data_ptr(), 16]])) for src in self.reads}
         self.write_constants()  # with the destinations registered, before this rank says it joined
+        me = protocol.inference(self.rank)
         if self._hops.served:  # peers of this node read entries from this rank (fan-out)
-            self.rendezvous.put(f"inference/{self.rank}/metadata/{self.incarnation}", self.agent.metadata())
-            self.rendezvous.put(f"inference/{self.rank}/info/{self.incarnation}", self._hops.info())
-        self.rendezvous.put(f"inference/{self.rank}/joined", {"incarnation": self.incarnation, "agent": self.agent.name})
+            self.rendezvous.put(me.metadata_key(self.incarnation), self.agent.metadata())
+            self.rendezvous.put(me.info_key(self.incarnation), self._hops.info())
+        self.rendezvous.put(protocol.joined_key(self.rank), protocol.joined_record(self.incarnation, self.agent.name))
         return self
 
     def close(self) -> None:
@@ -234,7 +177,7 @@ class Receiver(AgentOwner):
         """
         if not self.running:
             return
-        self._drop_peers()
+        self._trainers.drop_all()
         self._hops.close(time.monotonic() + self.timeout)  # peers of this node may still read its last version
         for prepared in [*self._local.values(), *self._seq_local.values(), *self._ring_local.values()]:
             self.agent.release_list(prepared)
@@ -243,6 +186,24 @@ class Receiver(AgentOwner):
     @property
     def version(self) -> int | None:
         return self._version
+
+    @property
+    def reads(self) -> dict[int, Reads]:
+        """What this rank reads from each trainer rank (runtime/tables/receiver.py `read_groups`)."""
+        return self._groups.reads
+
+    @property
+    def n_groups(self) -> int:
+        return self._groups.n_groups
+
+    @property
+    def table_bytes(self) -> int:
+        """Every table this rank built, the trainers' packings it derived included: none has a row dimension."""
+        return self._tables.table_bytes
+
+    @property
+    def packed_read_bytes(self) -> int:
+        return self._tables.packed_read_bytes
 
     def write_constants(self) -> int:
         """(Re)write the plan's constant runs into this rank's destinations (not into second-hop entries, which arrive
@@ -273,31 +234,7 @@ class Receiver(AgentOwner):
     @property
     def descriptors(self) -> int:
         """READ descriptors posted per sync (small runs arrive packed, so fewer than the plan's runs)."""
-        return sum(len(t) for t in self._tables.values())
-
-    def _runs_into(self, entries) -> dict[int, Reads]:
-        """This rank's reads of the plan's runs into `entries`, by trainer rank (as if it pulled them itself)."""
-        wanted = np.zeros(len(self.plan.dests) + 1, dtype=bool)
-        wanted[list(entries)] = True
-        return {src: r.take(np.flatnonzero(wanted[r.dest])) for src, r in reads_of(self.plan, self.rank).items()
-                if wanted[r.dest].any()}
-
-    def _local_addresses(self, reads: Reads) -> np.ndarray:
-        base = np.array([self._dst[int(d)].data_ptr() for d in reads.dest.tolist()], dtype=np.int64)
-        return base + reads.dst_byte
-
-    def _descriptors(self, src: int, packed_at: np.ndarray, ring) -> _Descriptors:
-        reads = self.reads[src]
-        chunk = None
-        if ring is not None:  # packed offsets count from the start of their chunk in the ring
-            chunk = np.where(packed_at >= 0, ring.chunk_of(np.maximum(packed_at, 0)), -1)
-            packed_at = np.where(packed_at >= 0, packed_at - ring.start[np.maximum(chunk, 0)], -1)
-        table = descriptor_table(reads, self._groups[src], packed_at, self._local_addresses(reads), chunk)
-        if self._quant is None or src not in self._quant.rows:
-            return table
-        quant = self._quant.descriptors(src)
-        quant = (*quant, np.full(len(quant[0]), -1, dtype=np.int64))
-        return _Descriptors(*(np.concatenate([getattr(table, f), q]) for f, q in zip(_Descriptors.column_names(), quant)))
+        return sum(len(t) for t in self._tables.descriptors.values())
 
     def sync(self, version: int) -> SyncReport:
         """Receive `version` from every trainer rank this rank reads; raise SyncError (weights incomplete) on failure."""
@@ -312,9 +249,9 @@ class Receiver(AgentOwner):
             return self._sync(version, start, deadline)
         except (SyncError, PlanMismatchError) as exc:
             self._hops.failed(version)
-            for peer in self._peers.values():
-                self.agent.notify(peer.agent, f"fail:{version}")
-            self._drop_peers()
+            for t in self._trainers.by_rank.values():
+                self.agent.notify(t.peer.name, protocol.fail(version))
+            self._trainers.drop_all()
             self._hops.drop(version)
             raise type(exc)(f"inference rank {self.rank}: sync of version {version} failed; its weights are "
                             f"incomplete until a later sync succeeds: {exc}") from None
@@ -322,12 +259,12 @@ class Receiver(AgentOwner):
     def _sync(self, version: int, start: float, deadline: float) -> SyncReport:
         self._hops.writing(version, deadline)  # before any byte of this version lands: peers are done with the last
         sources = sorted(self.reads)
-        self.rendezvous.wait([f"trainer/{r}/version/{version}" for r in sources], deadline - time.monotonic(),
+        self.rendezvous.wait([protocol.version_key(r, version) for r in sources], deadline - time.monotonic(),
                              f"version {version} from trainer ranks {sources}")
         for r in sources:
-            self._connect(r, self.rendezvous.get_text(f"trainer/{r}/version/{version}", INCARNATION))
-        for peer in self._peers.values():
-            self.agent.notify(peer.agent, f"begin:{version}")
+            self._trainers.to(r, self.rendezvous.get_text(protocol.version_key(r, version), protocol.INCARNATION))
+        for t in self._trainers.by_rank.values():
+            self.agent.notify(t.peer.name, protocol.begin(version))
         check, spent = self._verifier(version, deadline) if self.verify else (None, [0.0])
         self._check_sequence(version, deadline, "before reading")
         if self._quant:
@@ -337,8 +274,8 @@ class Receiver(AgentOwner):
         if self._quant:
             self._quant.end()
         self._check_sequence(version, deadline, "after reading")
-        for peer in self._peers.values():
-            self.agent.notify(peer.agent, f"ack:{version}")
+        for t in self._trainers.by_rank.values():
+            self.agent.notify(t.peer.name, protocol.ack(version))
         self._hops.landed(version)
         if self._hops.inbound:
             self._hops.receive(version, deadline)
@@ -359,40 +296,32 @@ class Receiver(AgentOwner):
                  f", quantized in {report.quantize_seconds:.3f} s" if self._quant and self._quant.quantizes else "")
         return report
 
-    def _connect(self, rank: int, incarnation: str) -> None:
-        """Prepare transfers to trainer `rank` unless they exist for this incarnation of it."""
-        peer = self._peers.get(rank)
-        if peer is not None and peer.incarnation == incarnation:
-            return
-        if peer is not None:
-            self._drop_peer(peer)
-        info = self.rendezvous.get_json(f"trainer/{rank}/info")
+    def _connect(self, rank: int, incarnation: str) -> _Trainer:
+        """Prepare transfers to incarnation `incarnation` of trainer `rank`, once its info matches this rank's tables."""
+        peer = Peer(self.agent, self.rendezvous, protocol.trainer(rank), incarnation)
+        info = peer.info
         regions = checked_regions(self.plan, self._qt, rank, info, incarnation)
         packed_addr, packed_bytes = checked_word(rank, info, "packed", 2)
-        if packed_bytes != self._packed_bytes[rank]:
+        if packed_bytes != self._tables.packed_bytes[rank]:
             raise PlanMismatchError(f"trainer rank {rank} packs {packed_bytes} bytes of small runs, this rank expects "
-                                    f"{self._packed_bytes[rank]}: run the same weightplan version on both sides")
+                                    f"{self._tables.packed_bytes[rank]}: run the same weightplan version on both sides")
         ring_addr, slot_bytes = checked_word(rank, info, "ring", 2)
-        if slot_bytes != self._slot_bytes[rank]:
+        if slot_bytes != self._tables.slot_bytes[rank]:
             raise PlanMismatchError(f"trainer rank {rank} serves its small runs from a region of {slot_bytes} bytes, this "
-                                    f"rank expects {self._slot_bytes[rank]}: give its Sender and this Receiver the same ring_bytes")
+                                    f"rank expects {self._tables.slot_bytes[rank]}: give its Sender and this Receiver the same ring_bytes")
         quant = self._quant_regions(rank, info)
-        name = trainer_agent(self.rendezvous.job, rank)
-        self.agent.add_peer(self.rendezvous.get_bytes(f"trainer/{rank}/metadata/{incarnation}"), name)
-        table = self._tables[rank]
+        peer.load()
+        table = self._tables.descriptors[rank]
         bases = region_addresses(table.region, regions, {RemoteRegion.PACKED: packed_addr, **quant})
-        remote = self.agent.prepare(name, np.stack([bases + table.remote_off, table.nbytes], axis=1))
-        seq_remote = self.agent.prepare(name, np.array([[checked_word(rank, info, "seq")[0], 8]]))
-        ring_remote = self.agent.prepare(name, np.array([[ring_addr, 16]]))
-        peer = _Peer(rank, incarnation, name, self.agent.make_read(self._seq_local[rank], seq_remote, np.zeros(1)),
-                     self.agent.make_read(self._ring_local[rank], ring_remote, np.zeros(1)))
-        peer.remote_lists += [remote, seq_remote, ring_remote]
-        for g in np.unique(table.group[table.chunk < 0]).tolist():
-            rows = np.flatnonzero((table.group == g) & (table.chunk < 0))
-            peer.group_reads[g] = self.agent.make_reads(self._local[rank], remote, rows)
-        for c in np.unique(table.chunk[table.chunk >= 0]).tolist():
-            peer.ring_reads[c] = self.agent.make_reads(self._local[rank], remote, np.flatnonzero(table.chunk == c))
-        self._peers[rank] = peer
+        remote = peer.prepare(np.stack([bases + table.remote_off, table.nbytes], axis=1))
+        direct = table.chunk < 0
+        return _Trainer(
+            peer, peer.word(self._seq_local[rank], checked_word(rank, info, "seq")[0], 8),
+            peer.word(self._ring_local[rank], ring_addr, 16),
+            {g: peer.reads(self._local[rank], remote, np.flatnonzero((table.group == g) & direct))
+             for g in np.unique(table.group[direct]).tolist()},
+            {c: peer.reads(self._local[rank], remote, np.flatnonzero(table.chunk == c))
+             for c in np.unique(table.chunk[~direct]).tolist()})
 
     def _quant_regions(self, rank: int, info: dict) -> dict[RemoteRegion, int]:
         """Addresses of trainer `rank`'s packed stage copies, scales and fp8 values, after checking their sizes."""
@@ -411,13 +340,12 @@ class Receiver(AgentOwner):
                 RemoteRegion.FP8: regions["fp8"][0]}
 
     def _check_sequence(self, version: int, deadline: float, when: str) -> None:
-        handles = [(peer.seq_read, f"trainer rank {peer.rank}") for peer in self._peers.values()]
-        self.agent.read_now(handles, deadline, f"reading trainer sequence words {when}")
-        for rank in self._peers:
-            seq = int(self._seq[rank])
-            if seq != 2 * version:
-                state = "is staging or retired it" if seq == 2 * version + 1 else f"holds version {seq // 2}"
-                raise SyncError(f"trainer rank {rank} {when}: expected stable version {version}, the trainer {state}")
+        def unstable(rank: int, seq: int) -> str:
+            state = "is staging or retired it" if seq == 2 * version + 1 else f"holds version {seq // 2}"
+            return f"trainer rank {rank} {when}: expected stable version {version}, the trainer {state}"
+
+        check_sequence(self.agent, {rank: t.seq_read for rank, t in self._trainers.by_rank.items()}, self._seq, version,
+                       deadline, f"reading trainer sequence words {when}", unstable)
 
     def _ring_phase(self, version: int, deadline: float) -> None:
         """READ every ring chunk this rank reads, from every trainer serving through a ring, as each becomes ready.
@@ -426,20 +354,20 @@ class Receiver(AgentOwner):
         the READ (the trainer refills the ring only after this rank's `ring:v:c`, unless it gave up on
         it), then acknowledged. No wait blocks on one trainer, so rings of several trainers cannot deadlock.
         """
-        pending = {rank: sorted(peer.ring_reads) for rank, peer in self._peers.items() if peer.ring_reads}
+        pending = {rank: sorted(t.ring_reads) for rank, t in self._trainers.by_rank.items() if t.ring_reads}
         backoff = Backoff()
         while pending:
             moved = False
             for rank in list(pending):
-                peer, chunk = self._peers[rank], pending[rank][0]
+                t, chunk = self._trainers.by_rank[rank], pending[rank][0]
                 what = f"trainer rank {rank}"
-                if self._ring_state(peer, version, chunk, deadline) != "ready":
+                if self._ring_state(t, version, chunk, deadline) != "ready":
                     continue
-                self.agent.read_now([(h, what) for h in peer.ring_reads[chunk]], deadline,
+                self.agent.read_now([(h, what) for h in t.ring_reads[chunk]], deadline,
                                     f"version {version} ring chunk {chunk + 1} of {what}")
-                if self._ring_state(peer, version, chunk, deadline) != "ready":
+                if self._ring_state(t, version, chunk, deadline) != "ready":
                     raise SyncError(f"{what} refilled its ring while this rank read chunk {chunk + 1} of version {version}")
-                self.agent.notify(peer.agent, f"ring:{version}:{chunk}")
+                self.agent.notify(t.peer.name, protocol.ring(version, chunk))
                 pending[rank].pop(0)
                 if not pending[rank]:
                     del pending[rank]
@@ -449,14 +377,14 @@ class Receiver(AgentOwner):
                     raise SyncError(f"version {version}: timed out waiting for ring chunks of trainer ranks {sorted(pending)}")
                 backoff.sleep()
 
-    def _ring_state(self, peer: _Peer, version: int, chunk: int, deadline: float) -> str:
-        """'ready' when trainer `peer`'s ring holds `chunk` of `version`, 'wait' before; SyncError once past it."""
-        self.agent.read_now([(peer.ring_word_read, f"trainer rank {peer.rank}")], deadline, "reading a trainer's ring word")
-        held, state = self._ring_word[peer.rank].tolist()
+    def _ring_state(self, t: _Trainer, version: int, chunk: int, deadline: float) -> str:
+        """'ready' when trainer `t`'s ring holds `chunk` of `version`, 'wait' before; SyncError once past it."""
+        self.agent.read_now([(t.ring_word_read, f"trainer rank {t.rank}")], deadline, "reading a trainer's ring word")
+        held, state = self._ring_word[t.rank].tolist()
         if held == version and state == 2 * chunk:
             return "ready"
         if held != version or state > 2 * chunk:
-            raise SyncError(f"trainer rank {peer.rank} moved its ring past chunk {chunk + 1} of version {version} "
+            raise SyncError(f"trainer rank {t.rank} moved its ring past chunk {chunk + 1} of version {version} "
                             f"(it holds version {held}): it gave up waiting for this rank")
         return "wait"
 
@@ -467,11 +395,11 @@ class Receiver(AgentOwner):
         shown = start
         for g in range(self.n_groups):
             while posted < min(self.n_groups, g + window):
-                for peer in self._peers.values():
-                    for handle in peer.group_reads.get(posted, ()):
-                        self.agent.post(handle, f"trainer rank {peer.rank}")
+                for t in self._trainers.by_rank.values():
+                    for handle in t.group_reads.get(posted, ()):
+                        self.agent.post(handle, f"trainer rank {t.rank}")
                 posted += 1
-            handles = [(h, f"trainer rank {p.rank}") for p in self._peers.values() for h in p.group_reads.get(g, ())]
+            handles = [(h, f"trainer rank {t.rank}") for t in self._trainers.by_rank.values() for h in t.group_reads.get(g, ())]
             self.agent.wait(handles, deadline, f"version {version} group {g + 1}/{self.n_groups}")
             if post_op is not None:
                 post_op(g)
@@ -491,17 +419,17 @@ class Receiver(AgentOwner):
             if quantize is not None:
                 quantize(group)
             if self.post_op is not None:
-                self.post_op(self._group_names[group])
+                self.post_op(self._groups.names[group])
 
         return run
 
     def _verifier(self, version: int, deadline: float):
         """A post-op comparing each group's landed bytes with the digests the trainers published for `version`;
         check("second hops") compares the entries read from pullers of this node (fan-out) with them too."""
-        trainers = sorted(set(self._peers) | set(self._hop_reads))
-        keys = [f"trainer/{r}/digests/{version}" for r in trainers]
-        self.rendezvous.wait(keys, deadline - time.monotonic(), "trainer digests (start trainers with digests=True)")
-        theirs = {r: self.rendezvous.get_json(f"trainer/{r}/digests/{version}") for r in trainers}
+        trainers = sorted(set(self._trainers.by_rank) | set(self._hop_reads))
+        self.rendezvous.wait([protocol.digests_key(r, version) for r in trainers], deadline - time.monotonic(),
+                             "trainer digests (start trainers with digests=True)")
+        theirs = {r: self.rendezvous.get_json(protocol.digests_key(r, version)) for r in trainers}
         buffers = {d: byte_view(t) for d, t in self._dst.items()}
         spent = [0.0]
 
@@ -510,7 +438,7 @@ class Receiver(AgentOwner):
             bad = []
             hops = group == "second hops"
             for rank, reads in (self._hop_reads if hops else self.reads).items():
-                part = reads if hops else reads.take(self._groups[rank] == group)
+                part = reads if hops else reads.take(self._groups.groups[rank] == group)
                 ours = {str(d): h for d, h in run_digests(buffers, part.dest, part.dst_byte, part.dst_stride, part).items()}
                 if not hops and self._quant and rank in self._quant.rows:
                     ours.update(self._quant.digests(rank, group))
@@ -523,17 +451,3 @@ class Receiver(AgentOwner):
 
     def _key_name(self, key: str) -> str:
         return self.plan.dests[int(key)].name if key.isdigit() else self._quant.key_name(key)
-
-    def _drop_peer(self, peer: _Peer) -> None:
-        for handle in [peer.seq_read, peer.ring_word_read, *(h for reads in [*peer.group_reads.values(),
-                                                                              *peer.ring_reads.values()] for h in reads)]:
-            self.agent.release(handle)
-        for prepared in peer.remote_lists:
-            self.agent.release_list(prepared)
-        self.agent.remove_peer(peer.agent)
-        self._peers.pop(peer.rank, None)
-
-    def _drop_peers(self) -> None:
-        """Drop every trainer peer (second-hop pullers are SecondHops')."""
-        for peer in list(self._peers.values()):
-            self._drop_peer(peer)

@@ -15,9 +15,8 @@ means no puller writes its next version while a peer still reads the last.
 from __future__ import annotations
 
 import logging
-import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,25 +24,25 @@ import torch
 from ..errors import PlanMismatchError, SyncError
 from ..plan.format import Plan
 from ..tables.fanout import second_hops, served_entries, served_hops
-from ..transport.nixl_agent import Backoff, NixlAgent, peer_notifications
+from ..transport import protocol
+from ..transport.nixl_agent import Backoff, NixlAgent
+from ..transport.peer import Connections, Peer
 from ..transport.peer_check import checked_word
-from ..transport.rendezvous import Rendezvous, inference_agent, joined_incarnation
+from ..transport.protocol import Kind
+from ..transport.rendezvous import Rendezvous
 
 log = logging.getLogger("weightplan.runtime")
 WRITING, LANDED, FAILED = 0, 1, 2
-_DONE = re.compile(r"hop:(\d{1,18})")
+_HOP = frozenset({Kind.HOP})
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Puller:
-    """Prepared READs from one incarnation of the puller `rank` of this rank's node."""
+    """Prepared READs from one incarnation of a puller of this rank's node."""
 
-    rank: int
-    incarnation: str
-    agent: str
+    peer: Peer
     word_read: object
-    reads: list = field(default_factory=list)
-    lists: list = field(default_factory=list)
+    reads: list
 
 
 class SecondHops:
@@ -58,11 +57,11 @@ class SecondHops:
         self._word = torch.tensor([-1, WRITING], dtype=torch.int64)
         self._words = torch.zeros((max(len(self.inbound), 1), 2), dtype=torch.int64)
         self._slot = {p: i for i, p in enumerate(self.inbound)}
-        self._pullers: dict[int, _Puller] = {}
+        self._pullers: Connections[_Puller] = Connections(self._connect)
         self._local: dict[int, tuple] = {}
         self.agent: NixlAgent | None = None
         self.seconds = 0.0
-        self._peers = {inference_agent(rendezvous.job, k): k for k in served_hops(plan, rank)}
+        self._peers = {protocol.inference(k).agent(rendezvous.job): k for k in served_hops(plan, rank)}
         self._landed: int | None = None  # the version peers may still be reading from this rank
         self._done: set[int] = set()  # peers that said they are done with it
         self._readers: dict[int, str] = {}  # the peers (and their incarnations) expected to read it
@@ -137,14 +136,14 @@ class SecondHops:
 
     def _incarnation(self, peer: int) -> str | None:
         try:
-            return joined_incarnation(self.rendezvous, peer)
+            return protocol.joined_incarnation(self.rendezvous, peer)
         except SyncError:  # a malformed record: not a peer to wait for
             return None
 
     def _collect(self) -> None:
-        for peer, match in peer_notifications(self.agent, self._peers, _DONE, f"inference rank {self.rank}"):
+        for peer, message in protocol.received(self.agent, self._peers, _HOP, f"inference rank {self.rank}"):
             self._given_up.pop(peer, None)
-            if int(match[1]) == self._landed:
+            if message.version == self._landed:
                 self._done.add(peer)
 
     def failed(self, version: int) -> None:
@@ -160,19 +159,20 @@ class SecondHops:
         began = time.monotonic()
         pending = sorted(self.inbound)
         for puller in pending:
-            self._connect(puller, deadline)
+            self.rendezvous.wait([protocol.joined_key(puller)], deadline - time.monotonic(), f"inference rank {puller} (a puller of this node) to join")
+            self._pullers.to(puller, protocol.joined_incarnation(self.rendezvous, puller))
         backoff = Backoff()
         while pending:
             moved = False
             for puller in list(pending):
                 if not self._is_landed(puller, version, deadline):
                     continue
-                self.agent.read_now([(h, f"inference rank {puller}") for h in self._pullers[puller].reads], deadline,
+                self.agent.read_now([(h, f"inference rank {puller}") for h in self._pullers.by_rank[puller].reads], deadline,
                                     f"version {version} second hop from inference rank {puller}")
                 if not self._is_landed(puller, version, deadline):
                     raise SyncError(f"inference rank {puller} started writing another version while this rank read its "
                                     f"first hop of version {version} (a second hop of the plan's fan-out)")
-                self.agent.notify(self._pullers[puller].agent, f"hop:{version}")
+                self.agent.notify(self._pullers.by_rank[puller].peer.name, protocol.hop(version))
                 pending.remove(puller)
                 moved = True
             if not moved:
@@ -191,7 +191,7 @@ class SecondHops:
     def _is_landed(self, puller: int, version: int, deadline: float) -> bool:
         """True once `puller`'s first hop of `version` landed, False before; SyncError if it failed or moved on."""
         what = f"inference rank {puller}"
-        self.agent.read_now([(self._pullers[puller].word_read, what)], deadline, f"reading the landed word of {what}")
+        self.agent.read_now([(self._pullers.by_rank[puller].word_read, what)], deadline, f"reading the landed word of {what}")
         held, state = self._words[self._slot[puller]].tolist()
         if held == version and state == LANDED:
             return True
@@ -201,19 +201,11 @@ class SecondHops:
             raise SyncError(f"{what} moved on to version {held} before this rank read version {version} from it")
         return False
 
-    def _connect(self, puller: int, deadline: float) -> None:
-        """Prepare READs from the current incarnation of `puller` unless they exist (it may have restarted)."""
-        key = f"inference/{puller}/joined"
-        self.rendezvous.wait([key], deadline - time.monotonic(), f"inference rank {puller} (a puller of this node) to join")
-        incarnation = joined_incarnation(self.rendezvous, puller)
-        current = self._pullers.get(puller)
-        if current is not None and current.incarnation == incarnation:
-            return
-        if current is not None:
-            self._drop(current)
-        info = self.rendezvous.get_json(f"inference/{puller}/info/{incarnation}")
-        landed_at, size = checked_word(puller, info, "landed", 2)
-        entries = info.get("entries")
+    def _connect(self, puller: int, incarnation: str) -> _Puller:
+        """Prepare READs from incarnation `incarnation` of `puller`, once its info lists the entries the plan says it serves."""
+        peer = Peer(self.agent, self.rendezvous, protocol.inference(puller), incarnation)
+        landed_at, size = checked_word(puller, peer.info, "landed", 2)
+        entries = peer.info.get("entries")
         if size != 16 or not isinstance(entries, list) or not all(
                 isinstance(e, list) and len(e) == 3 and all(type(x) is int and x >= 0 for x in e) for e in entries):
             raise SyncError(f"inference rank {puller}: its info does not describe a landed word and [entry, address, bytes] rows")
@@ -223,30 +215,17 @@ class SecondHops:
         if wrong:
             raise PlanMismatchError(f"inference rank {puller} does not serve {self.plan.dests[wrong[0]].name!r} as this "
                                     "rank's plan says: both ranks must load the same plan file")
-        name = inference_agent(self.rendezvous.job, puller)
-        self.agent.add_peer(self.rendezvous.get_bytes(f"inference/{puller}/metadata/{incarnation}"), name)
-        remote = self.agent.prepare(name, np.array([list(served[d]) for d in mine], dtype=np.int64))
-        word_remote = self.agent.prepare(name, np.array([[landed_at, 16]]))
+        peer.load()
+        remote = peer.prepare(np.array([list(served[d]) for d in mine], dtype=np.int64))
         local, word_local = self._local[puller]
-        entry = _Puller(puller, incarnation, name, self.agent.make_read(word_local, word_remote, np.zeros(1)))
-        entry.reads = self.agent.make_reads(local, remote, np.arange(len(mine)))
-        entry.lists = [remote, word_remote]
-        self._pullers[puller] = entry
-
-    def _drop(self, puller: _Puller) -> None:
-        for handle in [puller.word_read, *puller.reads]:
-            self.agent.release(handle)
-        for prepared in puller.lists:
-            self.agent.release_list(prepared)
-        self.agent.remove_peer(puller.agent)
-        self._pullers.pop(puller.rank, None)
+        return _Puller(peer, peer.word(word_local, landed_at, 16), peer.reads(local, remote, np.arange(len(mine))))
 
     def drop(self, version: int | None = None) -> None:
         """Forget every puller's incarnation (after a failed sync of `version`, telling them this rank is done with it)."""
-        for puller in list(self._pullers.values()):
-            if version is not None:
-                self.agent.notify(puller.agent, f"hop:{version}")
-            self._drop(puller)
+        if version is not None:
+            for puller in self._pullers.by_rank.values():
+                self.agent.notify(puller.peer.name, protocol.hop(version))
+        self._pullers.drop_all()
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

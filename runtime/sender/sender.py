@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -19,16 +18,18 @@ from ..plan.schema import RECEIVER
 from ..tables.quant import check_supported, exposed_regions, quant_readers, quant_tables
 from ..tables.ranks import check_src_rank, packing_of, readers, served_runs
 from ..tables.ring import DEFAULT_RING_BYTES, ring_chunks
+from ..transport import protocol
 from ..transport.lifecycle import AgentOwner
-from ..transport.nixl_agent import NixlAgent, peer_notifications
+from ..transport.nixl_agent import NixlAgent
+from ..transport.protocol import Kind, Message
 from ..transport.region_digests import byte_view, run_digests
-from ..transport.rendezvous import Rendezvous, inference_agent, joined_incarnation, trainer_agent
+from ..transport.rendezvous import Rendezvous
 from .pack import CastSource, PackRuns
 from .quant import SenderQuant
-from .trainer_gather import TrainerGather, gathered_key, staged_key
+from .trainer_gather import TrainerGather
 
 log = logging.getLogger("weightplan.runtime")
-_MESSAGE = re.compile(r"(begin|ack|fail):(\d+)|(ring):(\d+):(\d+)")
+_READER_MESSAGES = frozenset({Kind.BEGIN, Kind.ACK, Kind.FAIL, Kind.RING})
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ class Sender(AgentOwner):
         self._live: set[int] = set()  # inference ranks whose acknowledgement release() waits for
         self._joined: dict[int, str] = {}
         self._given_up: dict[int, str | None] = {}
-        self._inbox: list[tuple[int, str, int, int]] = []  # (rank, kind, version, ring chunk or -1)
+        self._inbox: list[tuple[int, Message]] = []  # (inference rank, what it said)
         self._pending: int | None = None
         self.digest_seconds = 0.0
         self.quantize_seconds = 0.0
@@ -166,13 +167,14 @@ class Sender(AgentOwner):
         if self.agent is not None:
             raise WeightplanError(f"trainer rank {self.rank}: this Sender was started already")
         rank, rendezvous = self.rank, self.rendezvous
-        self.agent = NixlAgent(trainer_agent(rendezvous.job, rank), self._progress_thread)
+        me = protocol.trainer(rank)
+        self.agent = NixlAgent(me.agent(rendezvous.job), self._progress_thread)
         self.agent.register([t for t in self._exposed if t is not None] + [self._packed, self._seq, self._ring_word]
                             + (self._quant.registered if self._quant else [])
                             + (self._gather.registered if self._gather else []))
         plan = self.plan
-        rendezvous.put(f"trainer/{rank}/metadata/{self.incarnation}", self.agent.metadata())
-        rendezvous.put(f"trainer/{rank}/info", {
+        rendezvous.put(me.metadata_key(self.incarnation), self.agent.metadata())
+        rendezvous.put(protocol.trainer_info_key(rank), {
             "fingerprint": plan.fingerprint,
             "incarnation": self.incarnation,
             "agent": self.agent.name,
@@ -234,7 +236,7 @@ class Sender(AgentOwner):
         # and fp8 regions rewritten from here on are read only after it.
         self._seq.fill_(2 * version)
         if self.gatherers:
-            self.rendezvous.put(staged_key(self.rank, version), self.incarnation.encode())
+            self.rendezvous.put(protocol.staged_key(self.rank, version), self.incarnation.encode())
         if self._gather is not None:
             try:
                 self.gather_seconds = self._gather.fetch(self.agent, self.rendezvous, version,
@@ -251,10 +253,10 @@ class Sender(AgentOwner):
             found = {str(k): v for k, v in found.items()}
             if self._quant is not None:
                 found.update(self._quant.digests(self._exposed))
-            self.rendezvous.put(f"trainer/{self.rank}/digests/{version}", found)
+            self.rendezvous.put(protocol.digests_key(self.rank, version), found)
             self.digest_seconds = time.perf_counter() - began
         self._pending = version
-        self.rendezvous.put(f"trainer/{self.rank}/version/{version}", self.incarnation.encode())
+        self.rendezvous.put(protocol.version_key(self.rank, version), self.incarnation.encode())
 
     def release(self, version: int, timeout: float | None = None) -> ReleaseReport:
         """Wait until the joined inference ranks and gathering peers finished reading `version` (or the timeout), then retire it.
@@ -272,13 +274,14 @@ class Sender(AgentOwner):
         gathering = set(self.gatherers)
         while True:
             self._inbox += list(self._messages())
-            for rank, kind, v, _ in self._inbox:
-                if v == version and kind in ("ack", "fail"):
-                    done[rank] = kind
+            for rank, m in self._inbox:
+                if m.version == version and m.kind in (Kind.ACK, Kind.FAIL):
+                    done[rank] = m.kind
             self._advance_ring(version, set(done))
-            self._inbox = [m for m in self._inbox if m[2] > version or (m[2] == version and m[1] == "ring")]
+            self._inbox = [(rank, m) for rank, m in self._inbox
+                           if m.version > version or (m.version == version and m.kind is Kind.RING)]
             waiting = self._live - set(done)
-            gathering -= {g for g in gathering if self.rendezvous.exists(gathered_key(g, version))}
+            gathering -= {g for g in gathering if self.rendezvous.exists(protocol.gathered_key(g, version))}
             if (not waiting and not gathering) or time.monotonic() > deadline:
                 break
             time.sleep(0.001)
@@ -288,8 +291,8 @@ class Sender(AgentOwner):
         for rank in waiting:
             self._live.discard(rank)
             self._given_up[rank] = self._joined.get(rank)
-        report = ReleaseReport(version, tuple(sorted(k for k, s in done.items() if s == "ack")),
-                               tuple(sorted(k for k, s in done.items() if s == "fail")), tuple(sorted(waiting)),
+        report = ReleaseReport(version, tuple(sorted(k for k, s in done.items() if s is Kind.ACK)),
+                               tuple(sorted(k for k, s in done.items() if s is Kind.FAIL)), tuple(sorted(waiting)),
                                time.monotonic() - start, tuple(sorted(gathering)))
         if report.timed_out:
             log.warning("trainer rank %d: version %d not acknowledged by inference ranks %s within the timeout",
@@ -303,7 +306,7 @@ class Sender(AgentOwner):
         """Pack the next ring chunks whose predecessor every live reader that is not done acknowledged."""
         while self._pending == version and self._ring_next < len(self._packs):
             chunk = self._ring_next - 1
-            acked = {m[0] for m in self._inbox if m[1] == "ring" and m[2] == version and m[3] == chunk}
+            acked = {rank for rank, m in self._inbox if m == Message(Kind.RING, version, chunk)}
             if (self._chunk_readers[chunk] & self._live) - acked - done:
                 return
             self._ring_word[1] = 2 * self._ring_next - 1
@@ -325,7 +328,7 @@ class Sender(AgentOwner):
         """Wait for inference ranks that joined since the last check (each process has its own incarnation)."""
         for rank in self.readers:
             try:
-                incarnation = joined_incarnation(self.rendezvous, rank)
+                incarnation = protocol.joined_incarnation(self.rendezvous, rank)
             except SyncError as exc:  # one bad reader record never makes a trainer fail
                 log.warning("trainer rank %d: ignoring inference rank %d's join: %s", self.rank, rank, exc)
                 continue
@@ -336,11 +339,8 @@ class Sender(AgentOwner):
 
     def _messages(self):
         """Parsed notifications from inference ranks of this plan; anything else is dropped."""
-        names = {inference_agent(self.rendezvous.job, k): k for k in self.readers}
-        for rank, match in peer_notifications(self.agent, names, _MESSAGE, f"trainer rank {self.rank}"):
+        names = {protocol.inference(k).agent(self.rendezvous.job): k for k in self.readers}
+        for rank, message in protocol.received(self.agent, names, _READER_MESSAGES, f"trainer rank {self.rank}"):
             self._live.add(rank)
             self._given_up.pop(rank, None)
-            if match[3]:
-                yield rank, "ring", int(match[4]), int(match[5])
-            else:
-                yield rank, match[1], int(match[2]), -1
+            yield rank, message

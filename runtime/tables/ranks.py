@@ -102,6 +102,18 @@ def row_pieces(count: np.ndarray, nbytes: np.ndarray, whole: np.ndarray, *sides:
     return run, size, [start[run] + index * stride[run] for start, stride in sides]
 
 
+def contiguous_starts(nbytes: np.ndarray, ends: tuple[np.ndarray, ...], keys: tuple[np.ndarray, ...] = ()):
+    """Join consecutive rows that continue each other on every side (`ends`: byte offsets or addresses) and
+    share every key: returns (first row of each joined descriptor, its bytes)."""
+    joins = np.ones(max(len(nbytes) - 1, 0), dtype=bool)  # row i + 1 continues row i
+    for at in ends:
+        joins &= at[1:] == at[:-1] + nbytes[:-1]
+    for key in keys:
+        joins &= key[1:] == key[:-1]
+    first = np.flatnonzero(np.concatenate([[True], ~joins])) if len(nbytes) else np.zeros(0, dtype=np.int64)
+    return first, (np.add.reduceat(nbytes, first) if len(first) else nbytes[:0])
+
+
 def check_src_rank(plan: Plan, rank: int) -> None:
     check_rank(rank, plan.header.src_ranks, "trainer")
 

@@ -167,31 +167,3 @@ class NixlAgent:
             name = name.decode() if isinstance(name, bytes) else name
             out[name] = [m.decode(errors="replace") for m in messages]
         return out
-
-
-def peer_notifications(agent: NixlAgent, names: dict[str, int], pattern, who: str):
-    """(peer rank, match) for each new notification from an agent in `names` ({agent name: rank}) that fully matches the
-    compiled `pattern`; notifications from other agents, or not matching, are logged and dropped (peers are not trusted)."""
-    for name, messages in agent.notifications().items():
-        rank = names.get(name)
-        if rank is None:
-            log.warning("%s: ignoring notifications from unknown agent %r", who, name)
-            continue
-        for text in messages:
-            match = pattern.fullmatch(text)
-            if match is None:
-                log.warning("%s: ignoring malformed notification from %s", who, name)
-                continue
-            yield rank, match
-
-
-def contiguous_starts(nbytes: np.ndarray, ends: tuple[np.ndarray, ...], keys: tuple[np.ndarray, ...] = ()):
-    """Join consecutive rows that continue each other on every side (`ends`: byte offsets or addresses) and
-    share every key: returns (first row of each joined descriptor, its bytes)."""
-    joins = np.ones(max(len(nbytes) - 1, 0), dtype=bool)  # row i + 1 continues row i
-    for at in ends:
-        joins &= at[1:] == at[:-1] + nbytes[:-1]
-    for key in keys:
-        joins &= key[1:] == key[:-1]
-    first = np.flatnonzero(np.concatenate([[True], ~joins])) if len(nbytes) else np.zeros(0, dtype=np.int64)
-    return first, (np.add.reduceat(nbytes, first) if len(first) else nbytes[:0])

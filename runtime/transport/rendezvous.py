@@ -23,39 +23,18 @@ from datetime import timedelta
 from pathlib import Path
 
 from ..errors import SyncError, WeightplanError
+from .protocol import PROTOCOL_VERSION
 
 log = logging.getLogger("weightplan.rendezvous")
 
 DEFAULT_ADDRESS = "127.0.0.1:29577"
 _JOB = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-INCARNATION = re.compile(r"[0-9a-f]{32}")  # a Sender's or Receiver's uuid4().hex
 SECRET_ENV = "WEIGHTPLAN_SECRET"
 SECRET_FILE_ENV = "WEIGHTPLAN_SECRET_FILE"
 MIN_SECRET_BYTES = 16
-_SIGNED, _PLAIN = b"wp1s", b"wp1p"  # record tags: HMAC-signed, or plain (a job without a secret)
+# record tags: HMAC-signed, or plain (a job without a secret)
+_SIGNED, _PLAIN = f"wp{PROTOCOL_VERSION}s".encode(), f"wp{PROTOCOL_VERSION}p".encode()
 _MAC_BYTES = 32
-
-
-def joined_incarnation(rendezvous: "Rendezvous", rank: int) -> str | None:
-    """The incarnation inference `rank` joined with (`inference/<rank>/joined`), None if it has not joined;
-    SyncError if the record is unreadable or holds no valid incarnation."""
-    key = f"inference/{rank}/joined"
-    if not rendezvous.exists(key):
-        return None
-    incarnation = rendezvous.get_json(key).get("incarnation")
-    if not isinstance(incarnation, str) or not INCARNATION.fullmatch(incarnation):
-        raise SyncError(f"inference rank {rank}: its joined record has no valid incarnation")
-    return incarnation
-
-
-def trainer_agent(job: str, rank: int) -> str:
-    """The NIXL agent name of trainer `rank` in `job`."""
-    return f"{job}.trainer.{rank}"
-
-
-def inference_agent(job: str, rank: int) -> str:
-    """The NIXL agent name of inference `rank` in `job`."""
-    return f"{job}.inference.{rank}"
 
 
 def check_job(job: str) -> str:
@@ -171,7 +150,7 @@ class Rendezvous:
         return f"weightplan/{self.job}/{key}"
 
     def _mac(self, key: str, value: bytes) -> bytes:
-        return hmac.new(self._secret, b"weightplan-rendezvous-v1\0" + self._key(key).encode() + b"\0" + value,
+        return hmac.new(self._secret, f"weightplan-rendezvous-v{PROTOCOL_VERSION}\0{self._key(key)}\0".encode() + value,
                         hashlib.sha256).digest()
 
     def put(self, key: str, value: bytes | dict) -> None:

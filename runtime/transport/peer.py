@@ -1,0 +1,97 @@
+"""A reader's connection to one incarnation of a peer process: its info, its agent, the READs prepared from it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import numpy as np
+import torch
+
+from ..errors import SyncError
+from .nixl_agent import NixlAgent
+from .protocol import Endpoint
+from .rendezvous import Rendezvous
+
+
+class Peer:
+    """Incarnation `incarnation` of `endpoint` as one reader sees it: `info` is its published info, read at
+    construction; `load()` loads its agent once the caller checked that info; every list and READ prepared
+    through it is released, and its agent removed, by `drop()`."""
+
+    def __init__(self, agent: NixlAgent, rendezvous: Rendezvous, endpoint: Endpoint, incarnation: str):
+        self.endpoint, self.incarnation = endpoint, incarnation
+        self.name = endpoint.agent(rendezvous.job)
+        self.info = rendezvous.get_json(endpoint.info_key(incarnation))
+        self._agent, self._rendezvous = agent, rendezvous
+        self._handles: list = []
+        self._lists: list = []
+
+    def load(self) -> None:
+        """Load its agent metadata, refusing metadata that names any other agent."""
+        self._agent.add_peer(self._rendezvous.get_bytes(self.endpoint.metadata_key(self.incarnation)), self.name)
+
+    def prepare(self, rows: np.ndarray, local: bool = False):
+        """A descriptor list of (address, bytes) rows on this peer (or, `local`, on the reader), released with it."""
+        prepared = self._agent.prepare(None if local else self.name, rows)
+        self._lists.append(prepared)
+        return prepared
+
+    def reads(self, local, remote, rows: np.ndarray) -> list:
+        """READs of descriptor rows `rows` of two prepared lists (NixlAgent.make_reads), released with this peer."""
+        handles = self._agent.make_reads(local, remote, rows)
+        self._handles += handles
+        return handles
+
+    def word(self, local, address: int, nbytes: int):
+        """A READ of `nbytes` at `address` on this peer (a sequence, ring or landed word) into the prepared `local`."""
+        handle = self._agent.make_read(local, self.prepare(np.array([[address, nbytes]])), np.zeros(1))
+        self._handles.append(handle)
+        return handle
+
+    def drop(self) -> None:
+        for handle in self._handles:
+            self._agent.release(handle)
+        for prepared in self._lists:
+            self._agent.release_list(prepared)
+        self._agent.remove_peer(self.name)
+
+
+T = TypeVar("T")
+
+
+class Connections(Generic[T]):
+    """A reader's connection to each peer rank, made by `connect(rank, incarnation)` (an object with a `peer`) and
+    made again when that rank runs a new incarnation (a restarted process)."""
+
+    def __init__(self, connect: Callable[[int, str], T]):
+        self._connect = connect
+        self.by_rank: dict[int, T] = {}
+
+    def to(self, rank: int, incarnation: str) -> T:
+        """The connection to incarnation `incarnation` of `rank`, dropping one to an older incarnation first."""
+        current = self.by_rank.get(rank)
+        if current is not None and current.peer.incarnation == incarnation:
+            return current
+        if current is not None:
+            self.drop(rank)
+        self.by_rank[rank] = connection = self._connect(rank, incarnation)
+        return connection
+
+    def drop(self, rank: int) -> None:
+        self.by_rank.pop(rank).peer.drop()
+
+    def drop_all(self) -> None:
+        for rank in list(self.by_rank):
+            self.drop(rank)
+
+
+def check_sequence(agent: NixlAgent, seq_reads: dict[int, object], words: torch.Tensor, version: int, deadline: float,
+                   what: str, unstable: Callable[[int, int], str]) -> None:
+    """The seqlock check of a read: READ the sequence word of every trainer rank in `seq_reads` ({rank: its READ into
+    words[rank]}); SyncError(unstable(rank, word)) for the first that does not hold `version` stable (2 * version)."""
+    agent.read_now([(handle, f"trainer rank {rank}") for rank, handle in seq_reads.items()], deadline, what)
+    for rank in seq_reads:
+        seq = int(words[rank])
+        if seq != 2 * version:
+            raise SyncError(unstable(rank, seq))

@@ -1,0 +1,179 @@
+"""The sync protocol between a job's processes: every rendezvous key, agent name and notification message, built and parsed here."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..errors import SyncError
+
+if TYPE_CHECKING:
+    from .nixl_agent import NixlAgent
+    from .rendezvous import Rendezvous
+
+log = logging.getLogger("weightplan.runtime")
+
+# Bump when a key, a record or a message changes meaning: it is in every record's tag and authentication code,
+# so processes of different protocol versions refuse each other's records (docs/runtime.md, "The protocol").
+PROTOCOL_VERSION = 1
+INCARNATION = re.compile(r"[0-9a-f]{32}")  # a Sender's or Receiver's uuid4().hex
+TRAINER, INFERENCE = "trainer", "inference"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One process of a job as the protocol names it: trainer or inference `rank`."""
+
+    role: str  # TRAINER or INFERENCE
+    rank: int
+
+    def __str__(self) -> str:
+        return f"{self.role} rank {self.rank}"
+
+    def agent(self, job: str) -> str:
+        """Its NIXL agent's name: a reader refuses agent metadata naming any other."""
+        return f"{job}.{self.role}.{self.rank}"
+
+    def metadata_key(self, incarnation: str) -> str:
+        """Its NIXL agent metadata, one record per process incarnation."""
+        return f"{self.role}/{self.rank}/metadata/{incarnation}"
+
+    def info_key(self, incarnation: str) -> str:
+        """What readers check and need before loading its agent (trainer_info_key, inference_info_key)."""
+        return trainer_info_key(self.rank) if self.role == TRAINER else inference_info_key(self.rank, incarnation)
+
+
+def trainer(rank: int) -> Endpoint:
+    return Endpoint(TRAINER, rank)
+
+
+def inference(rank: int) -> Endpoint:
+    return Endpoint(INFERENCE, rank)
+
+
+def trainer_info_key(rank: int) -> str:
+    """Trainer `rank`'s info: plan fingerprint, incarnation, agent, region addresses. One record, rewritten by a restarted
+    process: a reader checks that it names the incarnation the version record gave."""
+    return f"trainer/{rank}/info"
+
+
+def inference_info_key(rank: int, incarnation: str) -> str:
+    """A puller's info (fan-out): its landed word and the [entry, address, bytes] its node's peers read, per incarnation."""
+    return f"inference/{rank}/info/{incarnation}"
+
+
+def version_key(rank: int, version: int) -> str:
+    """Trainer `rank` published `version` (value: its incarnation); receivers start reading only after it."""
+    return f"trainer/{rank}/version/{version}"
+
+
+def digests_key(rank: int, version: int) -> str:
+    """Trainer `rank`'s SHA-256 per destination entry of `version` (a Sender with digests=True; read with verify=True)."""
+    return f"trainer/{rank}/digests/{version}"
+
+
+def staged_key(rank: int, version: int) -> str:
+    """Trainer `rank`'s bf16 for `version` is exposed and stable (value: its incarnation), for peers that gather from it."""
+    return f"trainer/{rank}/staged/{version}"
+
+
+def gathered_key(rank: int, version: int) -> str:
+    """Trainer `rank` finished reading its peers' bytes of `version`; they may release it."""
+    return f"trainer/{rank}/gathered/{version}"
+
+
+def joined_key(rank: int) -> str:
+    """Inference `rank` joined the job (value: `joined_record`); trainers and pullers wait for the ranks that joined."""
+    return f"inference/{rank}/joined"
+
+
+def joined_record(incarnation: str, agent: str) -> dict:
+    return {"incarnation": incarnation, "agent": agent}
+
+
+def joined_incarnation(rendezvous: Rendezvous, rank: int) -> str | None:
+    """The incarnation inference `rank` joined with, None if it has not joined; SyncError if the record is unreadable
+    or holds no valid incarnation."""
+    key = joined_key(rank)
+    if not rendezvous.exists(key):
+        return None
+    incarnation = rendezvous.get_json(key).get("incarnation")
+    if not isinstance(incarnation, str) or not INCARNATION.fullmatch(incarnation):
+        raise SyncError(f"inference rank {rank}: its joined record has no valid incarnation")
+    return incarnation
+
+
+class Kind(enum.Enum):
+    """What a notification says about a version."""
+
+    BEGIN = "begin"  # receiver -> trainer: it starts reading
+    ACK = "ack"  # receiver -> trainer: it read every byte it needs
+    FAIL = "fail"  # receiver -> trainer: its sync failed; it reads no more
+    RING = "ring"  # receiver -> trainer: it read ring chunk `chunk`
+    HOP = "hop"  # peer -> puller: it is done with the puller's first hop (read, or failed)
+
+
+@dataclass(frozen=True)
+class Message:
+    """One notification: `kind` of `version` (and for RING, the ring chunk)."""
+
+    kind: Kind
+    version: int
+    chunk: int = -1
+
+    @property
+    def text(self) -> str:
+        return f"ring:{self.version}:{self.chunk}" if self.kind is Kind.RING else f"{self.kind.value}:{self.version}"
+
+
+# Versions are below 2**62 (runtime/checks.py) and ring chunks fewer: 19 digits bound both.
+_MESSAGE = re.compile(r"(begin|ack|fail|hop):(\d{1,19})|ring:(\d{1,19}):(\d{1,19})")
+
+
+def parse_message(text: str) -> Message | None:
+    """The message `text` spells in full, None for anything else."""
+    match = _MESSAGE.fullmatch(text)
+    if match is None:
+        return None
+    if match[1] is None:
+        return Message(Kind.RING, int(match[3]), int(match[4]))
+    return Message(Kind(match[1]), int(match[2]))
+
+
+def begin(version: int) -> str:
+    return Message(Kind.BEGIN, version).text
+
+
+def ack(version: int) -> str:
+    return Message(Kind.ACK, version).text
+
+
+def fail(version: int) -> str:
+    return Message(Kind.FAIL, version).text
+
+
+def ring(version: int, chunk: int) -> str:
+    return Message(Kind.RING, version, chunk).text
+
+
+def hop(version: int) -> str:
+    return Message(Kind.HOP, version).text
+
+
+def received(agent: NixlAgent, senders: dict[str, int], kinds: frozenset[Kind], who: str):
+    """(rank, Message) for each new notification of one of `kinds` from an agent in `senders` ({agent name: rank});
+    notifications from other agents, or of other kinds or malformed, are logged and dropped (peers are not trusted)."""
+    for name, texts in agent.notifications().items():
+        rank = senders.get(name)
+        if rank is None:
+            log.warning("%s: ignoring notifications from unknown agent %r", who, name)
+            continue
+        for text in texts:
+            message = parse_message(text)
+            if message is None or message.kind not in kinds:
+                log.warning("%s: ignoring malformed notification from %s", who, name)
+                continue
+            yield rank, message
