@@ -30,6 +30,7 @@ import torch.distributed as dist
 from weightplan.runtime import Receiver, Rendezvous, Sender, load_plan
 from weightplan.runtime.casts import cast_along
 from weightplan.runtime.tables.ranks import reads_of, row_pieces, served_regions
+from weightplan.runtime.transport import protocol
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 IOV_MAX = 1024

@@ -3,7 +3,6 @@ at their rates, a cut link cuts, and nothing is left behind."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 

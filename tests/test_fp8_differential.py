@@ -12,20 +12,7 @@ from weightplan.runtime.plan.schema import GATHER, RECEIVER, SENDER
 from weightplan.runtime.fp8.numerics import span_elements
 
 from .conftest import config_dir
-
-CASES = {
-    # 256-row tensors over 2 trainer ranks: 128-row shards, block-aligned (fused_qkv_a mixes both ranks)
-    "aligned": ("fp8-glm", "hf", "fsdp=2", "tp=1"),
-    # 86-row shards: blocks straddle trainer ranks and are quantized on the receiver
-    "unaligned": ("fp8-glm", "hf", "fsdp=3", "tp=1"),
-    # stacked experts over EP, DP-attention + EP inference
-    "mixed": ("fp8-glm", "stacked", "fsdp=4,ep=2", "dp=2,ep"),
-    # DeepSeek-V3 shapes: 96-wide experts padded to 128, 192-wide q_b_proj input (edge blocks), TP; unaligned
-    # shards: straddling blocks of TP-sharded tensors go to the receiver, of replicated ones (q_a, kv_a) to a gatherer
-    "deepseek": ("fp8-deepseek-v3", "hf", "fsdp=3", "tp=2"),
-    # 86-row shards, replicated on 2 inference ranks: straddling blocks are gathered on one trainer rank
-    "gathered": ("fp8-glm", "hf", "fsdp=3", "dp=2"),
-}
+from .support.fp8 import CASES
 
 
 @pytest.fixture(scope="module")

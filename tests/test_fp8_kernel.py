@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from weightplan.runtime.fp8.kernel import f32_bits_to_e4m3fn, scaled_bf16_to_e4m3fn
 from weightplan.runtime.fp8.numerics import BlockQuantizer
 
-from .test_fp8_quant import _same, _vllm
+from .support.fp8 import same_bytes, vllm_per_block
 
 BF16_MAX = torch.finfo(torch.bfloat16).max
 
@@ -70,10 +70,10 @@ def _quantize(x: torch.Tensor, use_kernel: bool = True, out_pad: int = 0) -> tup
 def _check(x: torch.Tensor, out_pad: int = 0) -> None:
     """The kernel path gives vLLM's bytes and the torch path's bytes."""
     values, scales = _quantize(x, out_pad=out_pad)
-    ref_values, ref_scales = _vllm(x.contiguous())
-    assert _same(values.contiguous(), ref_values) and _same(scales, ref_scales)
+    ref_values, ref_scales = vllm_per_block(x.contiguous())
+    assert same_bytes(values.contiguous(), ref_values) and same_bytes(scales, ref_scales)
     torch_values, torch_scales = _quantize(x, use_kernel=False)
-    assert _same(values.contiguous(), torch_values.contiguous()) and _same(scales, torch_scales)
+    assert same_bytes(values.contiguous(), torch_values.contiguous()) and same_bytes(scales, torch_scales)
 
 
 def _embedded(x: torch.Tensor, left: int, right: int) -> torch.Tensor:
@@ -145,9 +145,9 @@ def test_nan_tiles_are_nan_like_vllm():
     x[5, 7] = float("nan")
     x[130, 300] = -float("nan")
     values, scales = _quantize(x)
-    ref_values, ref_scales = _vllm(x)
+    ref_values, ref_scales = vllm_per_block(x)
     torch_values, torch_scales = _quantize(x, use_kernel=False)
-    assert _same(values, torch_values) and _same(scales, torch_scales)
+    assert same_bytes(values, torch_values) and same_bytes(scales, torch_scales)
     nan_tile = torch.zeros(2, 3, dtype=torch.bool)
     nan_tile[0, 0] = nan_tile[1, 2] = True
     assert torch.equal(scales.isnan(), nan_tile) and torch.equal(ref_scales.isnan(), nan_tile)
@@ -161,8 +161,8 @@ def test_column_strided_input_falls_back_to_torch():
     """A transposed view (no unit column stride) cannot go to the kernel; the result is still vLLM's."""
     x = torch.randn(300, 256, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
     values, scales = _quantize(x.t())
-    ref_values, ref_scales = _vllm(x.t().contiguous())
-    assert _same(values.contiguous(), ref_values) and _same(scales, ref_scales)
+    ref_values, ref_scales = vllm_per_block(x.t().contiguous())
+    assert same_bytes(values.contiguous(), ref_values) and same_bytes(scales, ref_scales)
 
 
 def test_warm_up_loads_the_kernel_before_the_first_quantization():

@@ -9,10 +9,18 @@ from hypothesis import strategies as st
 
 from weightplan.compiler.ir import Program, QuantTarget, Runs, TensorEntry
 from weightplan.compiler.passes.place_quant import place_quant
-from weightplan.compiler.passes.quant_blocks import block_ranges
+from weightplan.compiler.passes.quant_blocks import BlockGrids, block_intervals
 from weightplan.compiler.passes.verify import PlanInvariantError
 from weightplan.compiler.passes.verify_quant import verify_quant
 from weightplan.runtime.fp8.numerics import block_grid
+
+
+def block_ranges(shape: tuple[int, ...], off: int, length: int) -> list[tuple[int, int]]:
+    """Flat block-id ranges [lo, hi) touched by elements [off, off + length) of one 2-D/3-D tensor (may overlap)."""
+    grids = BlockGrids.of([shape])
+    zero = np.zeros(1, dtype=np.int64)
+    _, lo, hi = block_intervals(grids, zero, np.array([off], dtype=np.int64), np.array([length], dtype=np.int64))
+    return list(zip(lo.tolist(), hi.tolist()))
 
 
 def block_owners(shape: tuple[int, ...], offs, lengths, ranks) -> np.ndarray:

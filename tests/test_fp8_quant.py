@@ -9,15 +9,7 @@ from hypothesis import strategies as st
 
 from weightplan.runtime.fp8.numerics import block_grid, per_block_fp8, quantize_span, span_dest_segments, span_elements
 
-
-def _vllm(x: torch.Tensor):
-    from vllm.utils.deep_gemm import per_block_cast_to_fp8
-
-    return per_block_cast_to_fp8(x, block_size=[128, 128], use_ue8m0=False)
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+from .support.fp8 import same_bytes, vllm_per_block
 
 
 @pytest.mark.parametrize("shape", [(128, 128), (256, 384), (1, 1), (5, 300), (300, 5), (129, 257), (448, 256)])
@@ -25,8 +17,8 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_whole_tensor_matches_vllm(shape, scale):
     x = (torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape))) * scale).to(torch.bfloat16)
     values, scales = per_block_fp8(x)
-    ref_values, ref_scales = _vllm(x)
-    assert _same(values, ref_values) and _same(scales, ref_scales)
+    ref_values, ref_scales = vllm_per_block(x)
+    assert same_bytes(values, ref_values) and same_bytes(scales, ref_scales)
 
 
 def test_zero_and_extreme_blocks_match_vllm():
@@ -34,8 +26,8 @@ def test_zero_and_extreme_blocks_match_vllm():
     x[128:, :128] = torch.finfo(torch.bfloat16).max
     x[:128, 128:] = -3e-5
     values, scales = per_block_fp8(x)
-    ref_values, ref_scales = _vllm(x)
-    assert _same(values, ref_values) and _same(scales, ref_scales)
+    ref_values, ref_scales = vllm_per_block(x)
+    assert same_bytes(values, ref_values) and same_bytes(scales, ref_scales)
 
 
 @settings(max_examples=15, deadline=None)
@@ -55,7 +47,7 @@ def test_any_span_quantizes_like_vllm_on_the_whole_tensor(experts, rows, cols, d
     weight = torch.zeros(shape, dtype=torch.float8_e4m3fn)
     scale = torch.zeros((experts, nbr, nbc), dtype=torch.float32)
     quantize_span(x, weight, scale, first, count)
-    ref = [_vllm(x[e]) for e in range(experts)]
+    ref = [vllm_per_block(x[e]) for e in range(experts)]
     ref_w = torch.stack([r[0] for r in ref]).view(-1).view(torch.uint8)
     ref_s = torch.stack([r[1] for r in ref]).view(-1)
     touched = torch.zeros(x.numel(), dtype=torch.bool)
@@ -91,5 +83,5 @@ def test_block_quantizer_on_strided_views_matches_vllm(shape):
     values = torch.zeros(rows, cols + 50, dtype=torch.float8_e4m3fn)[:, 7 : 7 + cols]
     scales = torch.zeros(-(-rows // 128), -(-cols // 128))
     BlockQuantizer(chunk_elements=1 << 14)(wide[:, 13 : 13 + cols], values, scales)
-    ref_values, ref_scales = _vllm(x)
-    assert _same(values.contiguous(), ref_values) and _same(scales, ref_scales)
+    ref_values, ref_scales = vllm_per_block(x)
+    assert same_bytes(values.contiguous(), ref_values) and same_bytes(scales, ref_scales)

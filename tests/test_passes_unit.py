@@ -9,38 +9,20 @@ import numpy as np
 import pytest
 import torch
 
-from weightplan.compiler.frontend.lazy_weight import LazyWeight, Tracer, tracing
 from weightplan.compiler.ir import Copy, Geometry, Program, Runs, TensorEntry
 from weightplan.compiler.passes.coalesce import coalesce
 from weightplan.compiler.passes.fold_views import fold_views
 from weightplan.compiler.passes.lower_runs import lower_runs, strided_runs
-from weightplan.compiler.passes.pipeline import Stage, join_ranks, run_all, run_stage, timer
+from weightplan.compiler.passes.pipeline import Stage, join_ranks, run_stage
 from weightplan.compiler.passes.verify import PlanInvariantError, descriptors_lower_bound, verify
 
-
-def trace(sources: dict, dests: dict, body) -> Program:
-    """Trace `body(w, d)`; w: name -> LazyWeight, d: name -> meta destination. Specs are (shape, dtype)."""
-    metas = {n: torch.empty(s, dtype=getattr(torch, dt), device="meta") for n, (s, dt) in dests.items()}
-    tracer = Tracer(metas)
-    with tracing(tracer):
-        lazy = {n: LazyWeight.source(n, s, getattr(torch, dt)) for n, (s, dt) in sources.items()}
-        body(lazy, metas)
-    return Program(
-        sources=tuple(TensorEntry(n, tuple(s), dt) for n, (s, dt) in sources.items()),
-        dests=tuple(TensorEntry(n, tuple(s), dt) for n, (s, dt) in dests.items()),
-        assignments=tuple(tracer.assignments),
-    )
+from .support.pipeline_runs import run_all, timer
+from .support.tracing import W46, runs_table, trace
 
 
 def one_copy(program: Program) -> Copy:
     (copy,) = fold_views(program).copies
     return copy
-
-
-def runs_table(program: Program) -> list[tuple[int, ...]]:
-    """Runs as (src, src_off, dest, dst_off, length, wire) rows (strided runs expanded), in their stored order."""
-    r = program.runs.expand()
-    return list(zip(*(getattr(r, f).tolist() for f in ("src", "src_off", "dest", "dst_off", "length", "wire"))))
 
 
 def stored(program: Program) -> list[tuple[int, ...]]:
@@ -56,7 +38,6 @@ def make_runs(rows, ranks=None) -> Runs:
     return Runs.plain(*cols, zeros)
 
 
-W46 = {"w": ((4, 6), "float32")}
 
 
 # --- fold_views ----------------------------------------------------------------------------

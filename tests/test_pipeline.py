@@ -8,12 +8,14 @@ import numpy as np
 import pytest
 
 from tests.conftest import config_dir
-from tests.test_passes_unit import W46, runs_table, trace
 from weightplan.compiler.compile import CompileOptions, compile_plan
 from weightplan.compiler.ir import Runs
 from weightplan.compiler.passes import pipeline
-from weightplan.compiler.passes.pipeline import PIPELINE, Fact, Pass, PassCheckError, Stage, run_all, timer
+from weightplan.compiler.passes.pipeline import PIPELINE, Fact, Pass, PassCheckError, Stage
 from weightplan.compiler.passes.verify import PlanInvariantError
+
+from .support.pipeline_runs import run_all, timer
+from .support.tracing import W46, runs_table, trace
 
 SEED_ANALOGUE = ("tiny-glm", "stacked", "bf16", "fsdp=4,ep=2", "dp=4,ep", "none")  # the seed topology, small
 FP8_CASE = ("fp8-glm", "stacked", "bf16", "fsdp=4,ep=2", "dp=2,ep", "fp8_per_block")

@@ -9,7 +9,7 @@ from weightplan.runtime.plan.schema import GATHER, RECEIVER, SENDER
 
 from .conftest import config_dir
 from .runtime_harness import Job
-from .test_fp8_differential import CASES
+from .support.fp8 import CASES
 
 VERSIONS = (1, 2)
 

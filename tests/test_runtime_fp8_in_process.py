@@ -14,7 +14,7 @@ from weightplan.runtime.plan.schema import GATHER, RECEIVER, SENDER
 from weightplan.runtime.transport import protocol
 
 from .runtime_worker import byte_equal, full_weights, plain_destination, shard
-from .test_fp8_differential import CASES
+from .support.fp8 import CASES
 
 
 @pytest.fixture

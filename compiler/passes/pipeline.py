@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import os
 import sys
@@ -124,25 +123,6 @@ def join_ranks(programs: list[Program], cast_chains: tuple, *, check_each: bool 
     start = time.perf_counter()
     joined = step.run(programs, cast_chains)
     return _finish(step, joined, time.perf_counter() - start, check_each, observe, step.requires | step.ensures)
-
-
-def run_all(program: Program, *, check_each: bool = False, observe: Observer | None = None,
-            pipeline: Sequence[Pass] | None = None) -> Program:
-    """Every stage on one traced single-rank program, as compile_plan runs them (tests, small tools)."""
-    program = run_stage(Stage.PER_RANK, program, check_each=check_each, observe=observe, pipeline=pipeline)
-    program = join_ranks([program], program.cast_chains, check_each=check_each, observe=observe, pipeline=pipeline)
-    program = run_stage(Stage.WHOLE_PLAN, program, check_each=check_each, observe=observe, pipeline=pipeline)
-    program = run_stage(Stage.QUANT, program, check_each=check_each, observe=observe, pipeline=pipeline)
-    return run_stage(Stage.FANOUT, program, check_each=check_each, observe=observe, pipeline=pipeline)
-
-
-def timer(timings: dict[str, float]) -> Observer:
-    """An observer adding each pass's wall time to `timings[name]`."""
-
-    def observe(name: str, program: Program, seconds: float) -> None:
-        timings[name] = timings.get(name, 0.0) + seconds
-
-    return observe
 
 
 def _entry_facts(stage: Stage, pipeline, program: Program) -> frozenset[Fact]:

@@ -60,10 +60,3 @@ def block_intervals(grids: BlockGrids, tensor: np.ndarray, off: np.ndarray, leng
     hi = np.concatenate([first_hi, middle_hi[pick_m], last_hi[pick_l]])
     return item, base[item] + lo, base[item] + hi
 
-
-def block_ranges(shape: tuple[int, ...], off: int, length: int) -> list[tuple[int, int]]:
-    """Flat block-id ranges [lo, hi) touched by elements [off, off + length) of one 2-D/3-D tensor (may overlap)."""
-    grids = BlockGrids.of([shape])
-    zero = np.zeros(1, dtype=np.int64)
-    _, lo, hi = block_intervals(grids, zero, np.array([off], dtype=np.int64), np.array([length], dtype=np.int64))
-    return list(zip(lo.tolist(), hi.tolist()))
