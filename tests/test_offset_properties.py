@@ -33,9 +33,8 @@ from weightplan.compiler.ir import Program, Runs, TensorEntry, itemsize
 from weightplan.compiler.passes.coalesce import coalesce
 from weightplan.compiler.passes.fold_views import fold_views
 from weightplan.compiler.passes.lower_runs import lower_runs
+from weightplan.compiler.passes.pipeline import run_all
 from weightplan.compiler.passes.verify import PlanInvariantError, descriptors_lower_bound, verify
-
-from .support.pipeline_runs import run_all
 
 DTYPES = ("float32", "bfloat16", "float16")
 # Generated values stay below this many elements before an op that can grow them (cat, expand).

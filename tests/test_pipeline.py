@@ -11,10 +11,10 @@ from tests.conftest import config_dir
 from weightplan.compiler.compile import CompileOptions, compile_plan
 from weightplan.compiler.ir import Runs
 from weightplan.compiler.passes import pipeline
-from weightplan.compiler.passes.pipeline import PIPELINE, Fact, Pass, PassCheckError, Stage
+from weightplan.compiler.passes.pipeline import PIPELINE, Fact, Pass, PassCheckError, Stage, run_all
 from weightplan.compiler.passes.verify import PlanInvariantError
 
-from .support.pipeline_runs import run_all, timer
+from .support.pipeline_runs import timer
 from .support.tracing import W46, runs_table, trace
 
 SEED_ANALOGUE = ("tiny-glm", "stacked", "bf16", "fsdp=4,ep=2", "dp=4,ep", "none")  # the seed topology, small

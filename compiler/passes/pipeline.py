@@ -125,6 +125,16 @@ def join_ranks(programs: list[Program], cast_chains: tuple, *, check_each: bool 
     return _finish(step, joined, time.perf_counter() - start, check_each, observe, step.requires | step.ensures)
 
 
+def run_all(program: Program, *, check_each: bool = False, observe: Observer | None = None,
+            pipeline: Sequence[Pass] | None = None) -> Program:
+    """Every stage on one traced single-rank program, as compile_plan runs them (the Python API, docs/python-api.md)."""
+    program = run_stage(Stage.PER_RANK, program, check_each=check_each, observe=observe, pipeline=pipeline)
+    program = join_ranks([program], program.cast_chains, check_each=check_each, observe=observe, pipeline=pipeline)
+    program = run_stage(Stage.WHOLE_PLAN, program, check_each=check_each, observe=observe, pipeline=pipeline)
+    program = run_stage(Stage.QUANT, program, check_each=check_each, observe=observe, pipeline=pipeline)
+    return run_stage(Stage.FANOUT, program, check_each=check_each, observe=observe, pipeline=pipeline)
+
+
 def _entry_facts(stage: Stage, pipeline, program: Program) -> frozenset[Fact]:
     """What a program entering `stage` satisfies: it was traced, and every earlier stage ran (its passes that apply
     to this program: what decides whether a pass applies, e.g. the quant targets, does not change along the pipeline)."""
