@@ -1,7 +1,7 @@
 """A child process of tests/test_glm_full.py: one full-size GLM-5.2 compile or sampled verify, reported as one JSON line.
 
-Each full-size step runs in its own process so that no test process holds more than one of them (issue 25:
-every test process under 8 GB); the line carries the child's peak resident memory.
+Each full-size step runs in its own process so that no process holds more than one of them and the test
+process stays small; the line carries the child's peak resident memory.
 Usage: python tests/glm_full_worker.py compile INDEX OUT | verify PLAN SAMPLE SEED [RANK,RANK,...]
 """
 
