@@ -9,7 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from weightplan.runtime import Rendezvous
+from weightplan.runtime import Rendezvous, load_plan
+from weightplan.runtime.tables.fanout import second_hops
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -107,6 +108,22 @@ class Job:
                 raise AssertionError(f"{key} exited ({self.procs[key].returncode}) before {kind} v{version}:\n{self.stderr(key)}")
             time.sleep(0.1)
         raise AssertionError(f"{key}: no {kind} v{version} within {timeout} s:\n{self.stderr(key)}")
+
+    def assert_fanout_syncs(self, cases: dict[str, Path | str], versions: tuple[int, ...], readers: int, trainers: int,
+                            timeout: float = 240.0) -> None:
+        """Every reader synced every version of every case (job name -> plan) with vLLM's digests, reading its
+        second hops whole from its node's pullers, and every trainer's release saw every reader acknowledge."""
+        for case, path in cases.items():
+            plan = load_plan(path)
+            for version in versions:
+                for k in range(readers):
+                    e = self.event(f"inf{k}", "synced", version, job=case, timeout=timeout)
+                    assert e["reported"] == version and e["n_differ"] == 0, e
+                    hop = sum(plan.dests[d].nbytes for ds in second_hops(plan, k).values() for d in ds)
+                    assert e["second_hop_bytes"] == hop > 0
+                for r in range(trainers):
+                    released = self.event(f"tr{r}", "released", version, job=case, timeout=timeout)
+                    assert released["timed_out"] == [] and released["failed"] == []
 
     def stderr(self, key: str) -> str:
         return "\n".join((self.tmp / f"{key}.err").read_text().splitlines()[-30:])

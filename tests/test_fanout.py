@@ -164,17 +164,7 @@ def test_four_inference_processes_on_two_nodes_sync_bf16_and_fp8_over_nixl(plan_
             job.start(f"inf{k}", "inference", k, "--versions", "1,2", "--model", models, "--verify", "--timeout", "120")
         for r in range(2):
             job.start(f"tr{r}", "trainer", r, "--versions", "1,2", "--digests", "--wait-joined", "--timeout", "120")
-        for case, path in zip(("fanout-bf16", "fanout-fp8"), plans):
-            plan = load_plan(path)
-            for version in (1, 2):
-                for k in range(4):
-                    e = job.event(f"inf{k}", "synced", version, job=case)
-                    assert e["reported"] == version and e["n_differ"] == 0, e
-                    hop = sum(plan.dests[d].nbytes for ds in second_hops(plan, k).values() for d in ds)
-                    assert e["second_hop_bytes"] == hop > 0
-                for r in range(2):
-                    released = job.event(f"tr{r}", "released", version, job=case)
-                    assert released["timed_out"] == [] and released["failed"] == []
+        job.assert_fanout_syncs(dict(zip(("fanout-bf16", "fanout-fp8"), plans)), (1, 2), readers=4, trainers=2)
         job.assert_clean_exit()
 
 

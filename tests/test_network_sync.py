@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from weightplan.runtime import load_plan
-from weightplan.runtime.tables.fanout import second_hops
-
 from .conftest import config_dir
 from .runtime_harness import Job
 from .support.emulated_cluster import EmulatedCluster
@@ -29,17 +26,7 @@ def test_two_trainer_nodes_sync_two_inference_nodes_over_tcp_with_fanout(plan_ca
         for r in range(4):
             job.start(f"tr{r}", "trainer", r, "--versions", "1,2", "--digests", "--wait-joined", "--timeout", "300",
                       node=f"t{r // 2}")
-        for case, path in zip(("net-bf16", "net-fp8"), plans):
-            plan = load_plan(path)
-            for version in (1, 2):
-                for k in range(4):
-                    e = job.event(f"inf{k}", "synced", version, job=case, timeout=600)
-                    assert e["reported"] == version and e["n_differ"] == 0, e
-                    hop = sum(plan.dests[d].nbytes for ds in second_hops(plan, k).values() for d in ds)
-                    assert e["second_hop_bytes"] == hop > 0
-                for r in range(4):
-                    released = job.event(f"tr{r}", "released", version, job=case, timeout=600)
-                    assert released["timed_out"] == [] and released["failed"] == []
+        job.assert_fanout_syncs(dict(zip(("net-bf16", "net-fp8"), plans)), (1, 2), readers=4, trainers=4, timeout=600)
         job.assert_clean_exit(*(f"inf{k}" for k in range(4)), *(f"tr{r}" for r in range(4)))
 
 

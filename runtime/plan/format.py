@@ -37,11 +37,15 @@ from .atomic_file import write_atomically
 from .columns import BlockSpans, Runs, StageRuns
 from .header import MAX_ELEMENTS, PlanHeader, canonical_json, fingerprint
 from .invariants import check_constants, check_fanout, check_quant_tables, check_runs
-from .schema import (DTYPE_SIZES, RUN_COLUMNS, SPAN_COLUMNS, STAGE_COLUMNS, ConstantRun, DerivedItem, Fanout, StagingEntry,
-                     TensorEntry)
+from .schema import DTYPE_SIZES, RUN_COLUMNS, SPAN_COLUMNS, STAGE_COLUMNS, TensorEntry
 
 MAGIC = b"WPLAN\x00\r\n"
 _ZLIB_MAX_RATIO = 1032  # deflate expands at most about 1032:1
+
+
+def _from_header(name: str) -> property:
+    """A read-only Plan attribute that is the header's field `name`."""
+    return property(lambda plan: getattr(plan.header, name), doc=f"The header's `{name}`.")
 
 
 @dataclass(frozen=True)
@@ -57,37 +61,15 @@ class Plan:
     stage: StageRuns = field(default_factory=StageRuns.empty, repr=False)
     spans: BlockSpans = field(default_factory=BlockSpans.empty, repr=False)
 
-    @property
-    def sources(self) -> tuple[TensorEntry, ...]:
-        return self.header.sources
-
-    @property
-    def dests(self) -> tuple[TensorEntry, ...]:
-        return self.header.dests
-
-    @property
-    def cast_chains(self) -> tuple[tuple[str, ...], ...]:
-        return self.header.cast_chains
-
-    @property
-    def staging(self) -> tuple[StagingEntry, ...]:
-        return self.header.staging
-
-    @property
-    def constants(self) -> tuple[ConstantRun, ...]:
-        return self.header.constants
-
-    @property
-    def derived(self) -> tuple[DerivedItem, ...]:
-        return self.header.derived
-
-    @property
-    def fanout(self) -> Fanout | None:
-        return self.header.fanout
-
-    @property
-    def fingerprint(self) -> str:
-        return self.header.fingerprint
+    # The tensor tables and the fingerprint live in the header (typed there); a plan reads them through.
+    sources = _from_header("sources")
+    dests = _from_header("dests")
+    cast_chains = _from_header("cast_chains")
+    staging = _from_header("staging")
+    constants = _from_header("constants")
+    derived = _from_header("derived")
+    fanout = _from_header("fanout")
+    fingerprint = _from_header("fingerprint")
 
     @property
     def unloaded(self) -> tuple[TensorEntry, ...]:
