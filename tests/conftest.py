@@ -19,6 +19,23 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Print the host's CPU and the features vLLM and torch choose kernels by: results that differ between hosts
+    show with the host they ran on (also under -q)."""
+    import platform
+
+    import torch
+
+    probes = ("avx2", "avx512", "avx512_bf16", "vnni", "amx_tile", "amx_fp16")
+    have = [name for name in probes if getattr(torch.cpu, f"_is_{name}_supported", lambda: False)()]
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    terminalreporter.write_line(f"host cpu: {model or 'unknown'}; {os.cpu_count()} cores; "
+                                f"features: {' '.join(have) or 'none'}")
+
+
 CONFIGS = Path(__file__).parent / "configs"
 TINY_MODELS = ("tiny-glm", "tiny-deepseek-v3", "tiny-qwen3-moe", "tiny-llama")
 

@@ -109,6 +109,20 @@ class Job:
             time.sleep(0.1)
         raise AssertionError(f"{key}: no {kind} v{version} within {timeout} s:\n{self.stderr(key)}")
 
+    def outcome(self, key: str, version: int, timeout: float = 240.0) -> dict:
+        """The worker's `synced` or `failed` event for `version`, whichever it reports."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for e in self.events(key):
+                if e["event"] in ("synced", "failed") and e.get("version") == version:
+                    return e
+            if self.procs[key].poll() is not None and not any(
+                    e["event"] in ("synced", "failed") and e.get("version") == version for e in self.events(key)):
+                raise AssertionError(f"{key} exited ({self.procs[key].returncode}) before syncing or failing v{version}:\n"
+                                     f"{self.stderr(key)}")
+            time.sleep(0.1)
+        raise AssertionError(f"{key}: no outcome of v{version} within {timeout} s:\n{self.stderr(key)}")
+
     def assert_fanout_syncs(self, cases: dict[str, Path | str], versions: tuple[int, ...], readers: int, trainers: int,
                             timeout: float = 240.0) -> None:
         """Every reader synced every version of every case (job name -> plan) with vLLM's digests, reading its

@@ -226,8 +226,8 @@ def run_quantized_inference(args, plan) -> None:
     from weightplan.compiler.frontend.vllm_model import make_vllm_config
     from weightplan.compiler.verify_plan import vllm_load_quantized
 
-    # vLLM torch.compiles per_block_cast_to_fp8; compiling it for every new shape costs ~35 s per process here.
-    # The reference runs it eagerly (same function, same bytes); test_fp8_differential covers the compiled path.
+    # The reference quantizes eagerly (vllm_patches.eager_block_quantization); nothing else here needs torch.compile,
+    # whose first compile costs ~35 s per process.
     torch._dynamo.config.disable = True
     info, quant = plan.header.inference, plan.header.quant
     tp_rank, dp_rank = args.rank % info.tp, args.rank // info.tp

@@ -197,3 +197,32 @@ def test_poisoned_metadata_and_digests_fail_the_sync_cleanly(request, plan, key,
         receiver.sync(1)
     assert receiver.version is None
     assert sender.release(1, timeout=2).acked == ()
+
+
+def test_a_write_to_a_store_whose_host_died_is_one_sync_error(request):
+    """The store's process is gone: a put fails at once with one SyncError line, not a raw DistNetworkError."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from weightplan.runtime.errors import SyncError
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    serve = ("import sys, time\nfrom weightplan.runtime import Rendezvous\n"
+             "store = Rendezvous.connect(sys.argv[1], sys.argv[2], serve=True)\nprint('serving', flush=True)\ntime.sleep(600)\n")
+    host = subprocess.Popen([sys.executable, "-c", serve, _job(request), f"127.0.0.1:{port}"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout.readline().strip() == "serving"
+        client = Rendezvous.connect(_job(request), f"127.0.0.1:{port}", timeout=5)
+        client.put("probe", b"1")
+    finally:
+        host.kill()
+        host.wait()
+    began = time.monotonic()
+    with pytest.raises(SyncError, match=r"rendezvous key 'probe': cannot write it \(\w+\); is the store's host reachable\?"):
+        for _ in range(3):  # the first write after the peer's exit may still land in the socket's buffer
+            client.put("probe", b"2")
+    assert time.monotonic() - began < 10

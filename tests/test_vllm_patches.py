@@ -82,6 +82,26 @@ def fake_host(monkeypatch, has_features: bool):
         yield
 
 
+def test_vllm_block_quantization_runs_eagerly_inside_the_pins():
+    """Inductor compiles per_block_cast_to_fp8 for the host's ISA; inside the pins vLLM's online fp8 calls it under the
+    force_eager stance, and its bytes are the ones the runtime's quantizer reproduces."""
+    from vllm.model_executor.layers.quantization.online import fp8 as online_fp8
+
+    from weightplan.runtime.fp8.numerics import per_block_fp8
+
+    compiled = online_fp8.per_block_cast_to_fp8
+    stances = []
+    x = torch.randn(256, 384, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with vllm_patches.host_independent(), contextlib.ExitStack() as stack:
+        stack.enter_context(pytest.MonkeyPatch.context()).setattr(
+            torch.compiler, "set_stance", lambda stance, _set=torch.compiler.set_stance: stances.append(stance) or _set(stance))
+        values, scales = online_fp8.per_block_cast_to_fp8(x, block_size=[128, 128], use_ue8m0=False)
+    assert stances == ["force_eager"]
+    ours = per_block_fp8(x)
+    assert torch.equal(values.view(torch.uint8), ours[0].view(torch.uint8)) and torch.equal(scales, ours[1])
+    assert online_fp8.per_block_cast_to_fp8 is compiled  # restored on exit
+
+
 def test_pins_answer_the_same_on_every_host(monkeypatch):
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm  # noqa: F401  (import before faking)
     from vllm.platforms import current_platform

@@ -9,7 +9,8 @@ trainer's transformers model) is built with no patch active: `check_unpatched` r
 Plans must be a function of (model, layouts, quant, vLLM version), never of the compiling host.
 vLLM's CPU platform makes choices from the host's CPU features (AMX, AVX-512, AMD Zen): the MLA
 attention backend (`AMX_MLA` or `CPU_MLA`), the unquantized GEMM's post-load packing (sgl-kernel,
-oneDNN, zentorch or none), MoE repacking, cache layouts. `host_independent()` pins all of them to
+oneDNN, zentorch or none), MoE repacking, cache layouts; torch.compile'd helpers are compiled for the
+host's ISA. `host_independent()` pins all of them to
 one documented choice, `HOST_PROFILE`, recorded in every plan's header (`inference.vllm_host`).
 """
 
@@ -191,6 +192,25 @@ def plain_cpu_gemm(original):
     return (dispatch,)
 
 
+@replaces("vllm.model_executor.layers.quantization.online.fp8:per_block_cast_to_fp8")
+def eager_block_quantization(original):
+    """Run vLLM's online fp8 block quantization op by op, not through the code torch.compile makes of it.
+
+    `per_block_cast_to_fp8` is torch.compile'd; on CPU inductor compiles it to C++ for the host's
+    vector ISA (with -march=native), so its bytes are the compiling host's. Seen on CI (an Intel
+    host, not this AVX2 one): the compiled function, called inside these pins, quantized the
+    routed experts' w13 of every fp8 test plan differently from its own eager definition, while
+    the eager reference of the runtime workers matched the plans. The eager ops are the
+    definition the runtime's quantizer is proven bit-exact against (tests/test_fp8_kernel.py), and
+    skipping the compile also saves ~12-35 s per process.
+    """
+    def quantize(*args, **kwargs):
+        with torch.compiler.set_stance("force_eager"):
+            return original(*args, **kwargs)
+
+    return (quantize,)
+
+
 @replaces("vllm.model_executor.layers.fused_moe.expert_map_manager:ExpertMapManager.__init__")
 def expert_maps_on_cpu(original):
     """Build vLLM's expert placement tables on the CPU while the model is built on meta.
@@ -370,7 +390,7 @@ def share_with_target(draft: torch.nn.Module) -> tuple[str, ...]:
 @contextlib.contextmanager
 def host_independent() -> Iterator[None]:
     """Every host-dependent choice vLLM makes while configuring, building, loading or post-processing, pinned."""
-    with pinned_cpu_features(), dense_mla_backend(), plain_cpu_gemm():
+    with pinned_cpu_features(), dense_mla_backend(), plain_cpu_gemm(), eager_block_quantization():
         yield
 
 

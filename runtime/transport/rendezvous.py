@@ -156,7 +156,11 @@ class Rendezvous:
     def put(self, key: str, value: bytes | dict) -> None:
         raw = value if isinstance(value, bytes) else json.dumps(value, sort_keys=True).encode()
         record = _SIGNED + self._mac(key, raw) + raw if self._secret is not None else _PLAIN + raw
-        self.store.set(self._key(key), record)
+        try:
+            self.store.set(self._key(key), record)
+        except Exception as exc:  # DistNetworkError / DistStoreError when the store's host is gone or unreachable
+            raise SyncError(f"rendezvous key {key!r}: cannot write it ({type(exc).__name__}); is the store's host "
+                            "reachable?") from None
 
     def exists(self, key: str) -> bool:
         """Whether `key` holds a record this job wrote (a forged or malformed one counts as absent, and is logged)."""

@@ -18,6 +18,7 @@ import ipaddress
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -128,6 +129,24 @@ class EmulatedCluster:
 
     def link_up(self, node: str) -> None:
         self._ip("-n", self.bridge_namespace, "link", "set", self.nodes[node].bridge_port, "up")
+
+    def wait_reachable(self, node: str, address: str, port: int, timeout: float = 10.0) -> float:
+        """Wait until a TCP connect from inside `node` to `address:port` succeeds (a link that came back carries
+        traffic); returns the seconds it took, or raises EmulatedClusterError after `timeout`."""
+        probe = ("import socket, sys, time\n"
+                 "start = time.monotonic()\n"
+                 "while time.monotonic() - start < float(sys.argv[3]):\n"
+                 "    try:\n"
+                 "        socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=0.5).close()\n"
+                 "        print(time.monotonic() - start)\n"
+                 "        sys.exit(0)\n"
+                 "    except OSError:\n"
+                 "        time.sleep(0.05)\n"
+                 "sys.exit(1)\n")
+        done = self.run(node, [sys.executable, "-c", probe, address, str(port), str(timeout)], timeout=timeout + 10)
+        if done.returncode != 0:
+            raise EmulatedClusterError(f"node {node!r} cannot reach {address}:{port} within {timeout:g} s")
+        return float(done.stdout)
 
     def set_rate(self, node: str, mbit: float) -> None:
         """Limit `node`'s link to `mbit` Mbit/s in each direction (tbf: burst of 1 ms at that rate, at least 64 KiB)."""
