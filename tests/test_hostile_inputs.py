@@ -45,7 +45,7 @@ def test_trainer_ep_beyond_the_expert_count_is_refused(tmp_path):
     (b"[1, 2]", "holds a JSON list, expected an object"),
     (b"\xff\xfe{}", "is not UTF-8 text"),
     (b"{", "is not valid JSON"),
-    (json.dumps({"num_attention_heads": "8"}).encode(), "field 'num_attention_heads' is '8', expected a non-negative integer"),
+    (json.dumps({"num_attention_heads": "8"}).encode(), "field 'num_attention_heads' is '8', expected an integer in 0..65536"),
     (b"[" * 100000, "is not valid JSON"),
 ])
 def test_malformed_config_json_names_the_file_and_field(tmp_path, content, message):

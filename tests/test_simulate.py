@@ -189,7 +189,7 @@ def test_plan_transfers_count_each_holder(tmp_path):
 def test_cli_bad_cluster_file_is_one_error_line(tmp_path, capsys):
     plan = two_rank_plan(tmp_path / "p.plan")
     bad = tmp_path / "bad.json"
-    for text, needle in (("{", "is not JSON"), (json.dumps(cluster(nic_gbytes_per_s=None)), "'nic_gbytes_per_s'"),
+    for text, needle in (("{", "is not valid JSON"), (json.dumps(cluster(nic_gbytes_per_s=None)), "'nic_gbytes_per_s'"),
                          (json.dumps(cluster(nodes={"t": {"count": 1, "gpus_per_node": 1}, "i": {"count": 2, "gpus_per_node": 1}})),
                           "2 trainer ranks")):
         bad.write_text(text)

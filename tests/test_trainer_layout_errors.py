@@ -91,7 +91,7 @@ def test_inconsistent_layout_is_refused_naming_the_culprit(tmp_path, good, specs
 
 
 def test_bad_json_is_refused(tmp_path, specs):
-    with pytest.raises(LayoutError, match=r"is not valid JSON \(Expecting .*line 1 column"):
+    with pytest.raises(LayoutError, match=r"is not valid JSON: Expecting .* at line 1 column"):
         _bind(tmp_path, '{"format": ', specs)
 
 

@@ -20,8 +20,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
-import stat
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -31,10 +29,12 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import PlanFormatError
+from ..files import MAX_PLAN_BYTES, read_regular_file
 from ..layout.placements import Box
 from ..layout.shards import ShardLayout
 from .atomic_file import write_atomically
 from .columns import BlockSpans, Runs, StageRuns
+from .coverage import check_coverage
 from .header import MAX_ELEMENTS, PlanHeader, canonical_json, fingerprint
 from .invariants import check_constants, check_fanout, check_quant_tables, check_runs
 from .schema import DTYPE_SIZES, RUN_COLUMNS, SPAN_COLUMNS, STAGE_COLUMNS, TensorEntry
@@ -198,19 +198,12 @@ def decode_plan(data: bytes, origin: str = "<bytes>") -> Plan:
     check_quant_tables(plan, origin)
     check_constants(plan, origin)
     check_fanout(plan, origin)
+    check_coverage(plan, origin)
     return plan
 
 
 def load_plan(path: str | Path) -> Plan:
     """Read and validate a plan file; raises PlanFormatError with the reason on any defect."""
-    path = Path(path)
-    try:
-        # O_NONBLOCK: opening a FIFO must not wait for a writer; only regular files are read.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        with os.fdopen(fd, "rb") as file:
-            if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
-                raise PlanFormatError(f"plan {path} is not a regular file")
-            data = file.read()
-    except OSError as exc:
-        raise PlanFormatError(f"cannot read plan {path}: {exc.strerror or exc}") from None
-    return decode_plan(data, str(path))
+    if "\0" in str(path):
+        raise PlanFormatError(f"plan path {str(path)[:80]!r} holds a NUL byte")
+    return decode_plan(read_regular_file(path, MAX_PLAN_BYTES, PlanFormatError, "plan"), str(path))
