@@ -56,6 +56,8 @@ def fits_dtype(value: int | float | bool, dtype: str) -> bool:
     """`value` (finite) is one `dtype` holds without overflow: integral and in range for integer dtypes, 0 or 1 for bool,
     within the largest finite magnitude for floating dtypes (Python compares ints and floats exactly)."""
     torch_dtype = getattr(torch, dtype)
+    if type(value) is int and not -(1 << 63) <= value < 1 << 63:  # torch takes integer scalars as int64
+        return False
     if torch_dtype is torch.bool:
         return value in (0, 1)
     if torch_dtype.is_floating_point:
