@@ -8,11 +8,11 @@ import os
 import sys
 from pathlib import Path
 
-from ..runtime.errors import WeightplanError
+from ..runtime.errors import WeightplanError, one_line
 
 
 def _fail(exc: Exception) -> int:
-    print(f"error: {exc}", file=sys.stderr)
+    print(f"error: {one_line(exc)}", file=sys.stderr)
     return 2
 
 

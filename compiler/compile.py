@@ -7,6 +7,7 @@ import dataclasses
 import gc
 import os
 import resource
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,13 +94,25 @@ def check_output(path: Path | None) -> None:
     if not str(path).strip():
         raise ModelConfigError("-o/--output is empty; give a plan file path")
     path = Path(path)
-    if path.is_dir():
-        raise ModelConfigError(f"-o/--output {path} is a directory; give a plan file path inside it")
-    if path.exists() and not path.is_file():
-        raise ModelConfigError(f"-o/--output {path} exists and is not a regular file")
-    parent = next((p for p in path.absolute().parents if p.exists()), None)
-    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK) or str(path.absolute()).startswith("/proc/"):
-        raise ModelConfigError(f"-o/--output {path}: cannot create files under {parent}")
+    try:
+        if path.is_dir():
+            raise ModelConfigError(f"-o/--output {path} is a directory; give a plan file path inside it")
+        if path.exists() and not path.is_file():
+            raise ModelConfigError(f"-o/--output {path} exists and is not a regular file")
+        parent = next((p for p in path.absolute().parents if p.exists()), None)
+        if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK) or str(path.absolute()).startswith("/proc/"):
+            raise ModelConfigError(f"-o/--output {path}: cannot create files under {parent}")
+        # The writer's temporary name (runtime/plan/atomic_file.py) is the longest name it creates.
+        longest = max([len(part.encode()) for part in path.parent.parts] + [len(f".{path.name}.12345678.tmp".encode())])
+        if longest > os.pathconf(parent, "PC_NAME_MAX"):
+            raise ModelConfigError(f"-o/--output {str(path)[:80]}...: a file name is longer than the "
+                                   f"{os.pathconf(parent, 'PC_NAME_MAX')} bytes {parent} allows (with the writer's temporary suffix)")
+        if parent == path.absolute().parent:  # try creating (and remove) a file there: /sys and the like refuse only then
+            probe, name = tempfile.mkstemp(prefix=".weightplan-probe.", dir=parent)
+            os.close(probe)
+            os.unlink(name)
+    except OSError as exc:
+        raise ModelConfigError(f"-o/--output {str(path)[:80]}: cannot create files there: {exc.strerror or exc}") from None
 
 
 def check_inputs(opts: CompileOptions) -> _Inputs:

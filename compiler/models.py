@@ -6,6 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from ..runtime.files import read_json_file
 from .frontend.errors import ModelConfigError
 
 CONFIG_ROOT = Path(__file__).parent / "configs"
@@ -32,28 +33,23 @@ def resolve_model(model: str) -> tuple[str, Path]:
     )
 
 
-# Fields the compiler reads itself (layout checks): each must be a positive integer when present.
-_INTEGER_FIELDS = ("num_attention_heads", "num_key_value_heads", "n_routed_experts", "num_experts", "num_local_experts",
-                   "hidden_size", "num_hidden_layers", "vocab_size")
+# Fields the compiler reads itself (layout checks): each must be a non-negative integer when present, at most its bound
+# (far above any real model's; building a model of more layers or experts than this would take unbounded time and memory).
+_INTEGER_FIELDS = {"num_attention_heads": 1 << 16, "num_key_value_heads": 1 << 16, "n_routed_experts": 1 << 16,
+                   "num_experts": 1 << 16, "num_local_experts": 1 << 16, "hidden_size": 1 << 20, "num_hidden_layers": 1 << 12,
+                   "vocab_size": 1 << 24}
 
 
 def load_config_json(config_dir: Path) -> dict:
     """The config as a dict; ModelConfigError naming the file (and field) if it is not a JSON object of sane fields."""
     path = config_dir / "config.json"
-    try:
-        config = json.loads(path.read_bytes().decode("utf-8"))
-    except OSError as exc:
-        raise ModelConfigError(f"cannot read {path}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise ModelConfigError(f"{path} is not UTF-8 text (byte {exc.start})") from None
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise ModelConfigError(f"{path} is not valid JSON: {exc}") from None
+    config = read_json_file(path, ModelConfigError, "model config")
     if not isinstance(config, dict):
         raise ModelConfigError(f"{path} holds a JSON {type(config).__name__}, expected an object of config fields")
-    for field in _INTEGER_FIELDS:
+    for field, bound in _INTEGER_FIELDS.items():
         value = config.get(field)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            raise ModelConfigError(f"{path}: field {field!r} is {value!r}, expected a non-negative integer")
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= bound):
+            raise ModelConfigError(f"{path}: field {field!r} is {repr(value)[:40]}, expected an integer in 0..{bound}")
     return config
 
 

@@ -1,6 +1,13 @@
 """Errors shared by the compiler and the runtime; the CLI prints them without a traceback."""
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line (pydantic and others span several), or its type's name when it has none
+    (a MemoryError), at most 400 characters."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
 class WeightplanError(Exception):
     """Base class of every error weightplan reports to users."""
 

@@ -45,7 +45,7 @@ def test_trainer_ep_beyond_the_expert_count_is_refused(tmp_path):
     (b"[1, 2]", "holds a JSON list, expected an object"),
     (b"\xff\xfe{}", "is not UTF-8 text"),
     (b"{", "is not valid JSON"),
-    (json.dumps({"num_attention_heads": "8"}).encode(), "field 'num_attention_heads' is '8', expected a non-negative integer"),
+    (json.dumps({"num_attention_heads": "8"}).encode(), "field 'num_attention_heads' is '8', expected an integer in 0..65536"),
     (b"[" * 100000, "is not valid JSON"),
 ])
 def test_malformed_config_json_names_the_file_and_field(tmp_path, content, message):
@@ -118,12 +118,16 @@ def test_versions_are_checked_before_anything_moves(llama_plan, rendezvous, vers
     ("{tmp}", "is a directory"),
     ("/proc/weightplan.plan", "cannot create files under /proc"),
     ("/dev/null", "exists and is not a regular file"),
+    ("{tmp}/" + "p" * 300 + ".plan", "File name too long"),
+    ("{tmp}/" + "p" * 250 + ".plan", "file name is longer than"),  # fits, but the writer's temporary name would not
+    ("/sys/kernel/x.plan", "cannot create files"),
 ])
 def test_unwritable_outputs_are_refused_before_compiling(tmp_path, output, message):
     from pathlib import Path
 
-    with pytest.raises(ModelConfigError, match=message):
+    with pytest.raises(ModelConfigError, match=message) as info:
         compile_plan(CompileOptions(str(config_dir("tiny-llama")), output=Path(output.format(tmp=tmp_path))))
+    assert "\n" not in str(info.value) and not list(tmp_path.iterdir())
 
 
 def test_concurrent_writers_never_show_a_reader_half_a_plan(plan_cache, tmp_path):

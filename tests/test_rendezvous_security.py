@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import psutil
 import pytest
@@ -119,6 +120,27 @@ POISON = {
     "info regions mistyped": ("trainer/0/info", "regions"),
     "info seq beyond 64 bits": ("trainer/0/info", "seq-wild"),
 }
+# A well-formed info whose addresses are not memory the trainer registered: (field, new value from the real info).
+BAD_ADDRESSES = {
+    "seq at 0": ("seq", lambda info: 0),
+    "seq at 4096": ("seq", lambda info: 4096),
+    "ring at 0": ("ring", lambda info: [0, info["ring"][1]]),
+    "ring off by 8": ("ring", lambda info: [info["ring"][0] + info["ring"][1] - 8, info["ring"][1]]),
+    "packed at 4096": ("packed", lambda info: [4096, info["packed"][1]]),
+    "region at 0": ("regions", lambda info: _moved_largest_region(info, lambda address: 0)),
+    "region off by 8": ("regions", lambda info: _moved_largest_region(info, lambda address: address + 8)),
+}
+
+
+def _largest_region(info) -> int:
+    """The index of the trainer's largest region: read directly, not packed (tables/ranks.py PACK_BELOW_BYTES)."""
+    return max(range(len(info["regions"])), key=lambda i: info["regions"][i][3])
+
+
+def _moved_largest_region(info, move) -> list:
+    regions = [list(r) for r in info["regions"]]
+    regions[_largest_region(info)][2] = move(regions[_largest_region(info)][2])
+    return regions
 
 
 @pytest.mark.parametrize("case", sorted(POISON))
@@ -142,6 +164,24 @@ def test_poisoned_trainer_records_fail_the_sync_cleanly_and_the_trainer_reports(
     assert receiver.version is None
     report = sender.release(1, timeout=2)  # the trainer is told (fail:1) or times out; it does not raise
     assert report.acked == ()
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ADDRESSES))
+def test_trainer_info_with_unregistered_addresses_fails_the_sync_naming_the_field(request, plan, plan_cache, case):
+    if case.startswith("region"):  # tiny-glm's regions are all packed; vocab-llama's embedding is read directly
+        plan = load_plan(plan_cache("vocab-llama", "hf", "bf16", "fsdp=1", "tp=1"))
+    served = Rendezvous.connect(_job(request), "127.0.0.1:0", serve=True)
+    sender = Sender(plan, 0, shard(plan, full_weights(plan, 0, 1), 0), rendezvous=served, timeout=5, progress_thread=True).start()
+    receiver = Receiver(plan, 0, plain_destination(plan, 0), rendezvous=served, timeout=2, derived="caller").start()
+    sender.publish(1)
+    field, change = BAD_ADDRESSES[case]
+    info = served.get_json("trainer/0/info")
+    served.put("trainer/0/info", dict(info, **{field: change(info)}))
+    field = f"regions[{_largest_region(info)}]" if field == "regions" else field
+    with pytest.raises(SyncError, match=rf"trainer rank 0: its info's '{re.escape(field)}' .*name memory it did not register") as err:
+        receiver.sync(1)
+    assert "\n" not in str(err.value) and receiver.version is None
+    assert sender.release(1, timeout=2).acked == ()
 
 
 def test_a_garbage_join_record_does_not_make_the_trainer_fail(request, plan, caplog):

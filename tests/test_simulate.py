@@ -189,7 +189,7 @@ def test_plan_transfers_count_each_holder(tmp_path):
 def test_cli_bad_cluster_file_is_one_error_line(tmp_path, capsys):
     plan = two_rank_plan(tmp_path / "p.plan")
     bad = tmp_path / "bad.json"
-    for text, needle in (("{", "is not JSON"), (json.dumps(cluster(nic_gbytes_per_s=None)), "'nic_gbytes_per_s'"),
+    for text, needle in (("{", "is not valid JSON"), (json.dumps(cluster(nic_gbytes_per_s=None)), "'nic_gbytes_per_s'"),
                          (json.dumps(cluster(nodes={"t": {"count": 1, "gpus_per_node": 1}, "i": {"count": 2, "gpus_per_node": 1}})),
                           "2 trainer ranks")):
         bad.write_text(text)
@@ -318,3 +318,32 @@ def test_text_report_renders_for_plans_with_and_without_fanout(plan_cache, tmp_p
     text = capsys.readouterr().out
     assert text.startswith("predicted sync on ") and "critical path" in text
     assert ("second hops" in text) == (inference == FANOUT)
+
+
+@pytest.mark.parametrize("kind,needle", [
+    ("fifo", "is not a regular file"), ("device", "is not a regular file"), ("not utf-8", "is not UTF-8 text"),
+    ("deep nesting", "nested too deeply"), ("5000-digit integer", "Exceeds the limit"),
+    ("rate 1e-300", "'nic_gbytes_per_s' must be a number in 0.001..1e+06"),
+    ("descriptor_us 1e308", "'descriptor_us' must be a number in 0..1e+06"),
+    ("a billion nodes", "'nodes.t.count' must be an integer in 1..4096"),
+])
+def test_cli_hostile_cluster_files_are_one_line_in_bounded_time(tmp_path, capsys, kind, needle):
+    import os
+
+    plan = two_rank_plan(tmp_path / "p.plan")
+    path = tmp_path / "cluster.json"
+    texts = {"not utf-8": b'{"name": "\xff"}', "deep nesting": b"[" * 100_000 + b"]" * 100_000,
+             "5000-digit integer": b'{"nics_per_gpu": ' + b"9" * 5000 + b"}",
+             "rate 1e-300": json.dumps(cluster(nic_gbytes_per_s=1e-300)).encode(),
+             "descriptor_us 1e308": json.dumps(cluster(descriptor_us=1e308)).encode(),
+             "a billion nodes": json.dumps(cluster(nodes={"t": {"count": 10**9, "gpus_per_node": 1},
+                                                          "i": {"count": 2, "gpus_per_node": 1}})).encode()}
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        path = Path("/dev/zero")
+    else:
+        path.write_bytes(texts[kind])
+    assert simulate_main([plan, "--cluster", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and needle in err and err.count("\n") == 1

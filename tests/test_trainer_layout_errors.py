@@ -91,7 +91,7 @@ def test_inconsistent_layout_is_refused_naming_the_culprit(tmp_path, good, specs
 
 
 def test_bad_json_is_refused(tmp_path, specs):
-    with pytest.raises(LayoutError, match=r"is not valid JSON \(Expecting .*line 1 column"):
+    with pytest.raises(LayoutError, match=r"is not valid JSON: Expecting .* at line 1 column"):
         _bind(tmp_path, '{"format": ', specs)
 
 
@@ -116,3 +116,34 @@ def test_compile_refuses_before_tracing_and_writes_nothing(tmp_path, good):
     with pytest.raises(LayoutError, match=f"tensor '{EMBED}' has global shape"):
         compile_plan(CompileOptions(str(MODEL), output=out, trainer_layout=tmp_path / "l.json"))
     assert not out.exists()
+
+
+@pytest.mark.parametrize("what,change,message", [
+    ("more ranks than a plan holds", lambda d: d.__setitem__("world_size", 4097), r"\"world_size\" \(an integer in 1..4096"),
+    ("huge split factor", lambda d: d["tensors"][EMBED].__setitem__("placements", ["_StridedShard(0, split_factor=99999999999999)"]),
+     r"unknown placement '_StridedShard\(0, split_factor=9+\)'; use .* with k in 1..4096"),
+])
+def test_sizes_beyond_the_plan_limits_are_refused_before_compiling(tmp_path, good, specs, what, change, message):
+    with pytest.raises(LayoutError, match=message) as info:
+        _bind(tmp_path, _edit(good, change), specs)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("fifo", "is not a regular file"), ("device", "is not a regular file"), ("not utf-8", "is not UTF-8 text"),
+    ("deep nesting", "nested too deeply"), ("5000-digit integer", "is not valid JSON: Exceeds the limit"),
+])
+def test_files_that_are_not_layouts_are_one_line_without_reading_them_whole(tmp_path, specs, kind, message):
+    import os
+
+    path = tmp_path / "layout.json"
+    if kind == "fifo":
+        os.mkfifo(path)  # opening it for reading would block without O_NONBLOCK
+    elif kind == "device":
+        path = "/dev/zero"  # never ends: read unbounded, it fills memory
+    else:
+        path.write_bytes({"not utf-8": b'{"format": "\xff"}', "deep nesting": b"[" * 100_000 + b"]" * 100_000,
+                          "5000-digit integer": b'{"world_size": ' + b"9" * 5000 + b"}"}[kind])
+    with pytest.raises(LayoutError, match=message) as info:
+        parse_trainer("fsdp=1", path, "hf").bind(specs)
+    assert "\n" not in str(info.value)

@@ -51,14 +51,18 @@ def test_registration_is_idempotent_and_lazy():
 @pytest.mark.parametrize("field,value", [("plan", 3), ("plan", []), ("address", "host"), ("job", ""), ("timeout", 0),
                                          ("timeout", True), ("verify", 1), ("rank_offset", -1), ("mode", "fast"),
                                          ("fingerprint", 5), ("extra", 1), ("draft_plan", 3), ("draft_plan", []),
-                                         ("draft_plan", ""), ("draft_plan", ["d.plan", 1])])
+                                         ("draft_plan", ""), ("draft_plan", ["d.plan", 1]), ("address", "h:99999"),
+                                         ("address", "h:\uff11\uff12"), ("job", "../x"), ("job", "a\nb"), ("job", "j" * 1000),
+                                         ("rank_offset", 10**30), ("rank_offset", 4096), ("plan", "p\0.plan"),
+                                         ("draft_plan", ["d\0.plan"]), ("plan", "p" * 5000)])
 def test_bad_init_info_names_the_field(field, value):
     from weightplan.vllm_backend.init_info import InitInfoError, WeightplanInitInfo
 
     good = {"plan": "p.plan", "address": "127.0.0.1:1", "job": "j"}
     assert WeightplanInitInfo.from_dict(good).plans == ["p.plan"]
-    with pytest.raises(InitInfoError, match=f"field '{field}'"):
+    with pytest.raises(InitInfoError, match=f"field '{field}'") as info:
         WeightplanInitInfo.from_dict({**good, field: value})
+    assert "\n" not in str(info.value) and len(str(info.value)) < 500
     with pytest.raises(InitInfoError, match="field 'job' is required"):
         WeightplanInitInfo.from_dict({"plan": "p", "address": "h:1"})
 
@@ -78,7 +82,8 @@ def test_update_info_is_one_positive_version():
     from weightplan.vllm_backend.init_info import InitInfoError, WeightplanUpdateInfo
 
     assert WeightplanUpdateInfo.from_dict({"version": 3}).version == 3
-    for bad in ({"version": 0}, {"version": "3"}, {"version": 3, "x": 1}, [3]):
+    assert WeightplanUpdateInfo.from_dict({"version": 2**62 - 1}).version == 2**62 - 1
+    for bad in ({"version": 0}, {"version": "3"}, {"version": 3, "x": 1}, [3], {"version": 2**62}):
         with pytest.raises(InitInfoError):
             WeightplanUpdateInfo.from_dict(bad)
 

@@ -7,9 +7,15 @@ from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
+from ..runtime.checks import MAX_VERSION
+from ..runtime.errors import WeightplanError, one_line
+from ..runtime.layout.shards import MAX_RANKS
+from ..runtime.transport.rendezvous import check_job, parse_address
+
 MODES = ("auto", "staged", "direct")
 DRAFT_JOB_SUFFIX = ".draft"  # the draft plan's job id is the target's job id plus this
 MAX_JOB = 64  # runtime/transport/rendezvous.py: job ids are 1-64 characters
+MAX_PATH = 4096  # bytes of a plan path (PATH_MAX)
 
 
 class InitInfoError(ValueError):
@@ -18,7 +24,7 @@ class InitInfoError(ValueError):
 
 def _str(name: str, value: Any) -> str:
     if not isinstance(value, str) or not value:
-        raise InitInfoError(f"weightplan init_info field {name!r} must be a non-empty string, got {value!r}")
+        raise InitInfoError(f"weightplan init_info field {name!r} must be a non-empty string, got {repr(value)[:60]}")
     return value
 
 
@@ -28,10 +34,18 @@ def _number(name: str, value: Any, low: float, high: float) -> float:
     return float(value)
 
 
-def _int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise InitInfoError(f"weightplan init_info field {name!r} must be an integer >= {low}, got {value!r}")
+def _int(name: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InitInfoError(f"weightplan init_info field {name!r} must be an integer in {low}..{high}, got {repr(value)[:40]}")
     return value
+
+
+def _runtime_checked(name: str, check, value: str):
+    """`check(value)` of the runtime (the rendezvous' own rule for this field), its refusal as an InitInfoError."""
+    try:
+        return check(value)
+    except WeightplanError as exc:
+        raise InitInfoError(f"weightplan init_info field {name!r}: {one_line(exc)}") from None
 
 
 def _bool(name: str, value: Any) -> bool:
@@ -92,12 +106,12 @@ class WeightplanInitInfo(WeightTransferInitInfo):
         plan = _plan_field("plan", info["plan"])
         draft_plan = None if info.get("draft_plan") is None else _plan_field("draft_plan", info["draft_plan"])
         job = _str("job", info["job"])
+        _runtime_checked("job", check_job, job)
         if draft_plan is not None and len(job) + len(DRAFT_JOB_SUFFIX) > MAX_JOB:
             raise InitInfoError(f"weightplan init_info field 'draft_plan' syncs in job {job + DRAFT_JOB_SUFFIX!r}, longer than "
                                 f"{MAX_JOB} characters: shorten field 'job'")
         address = _str("address", info["address"])
-        if ":" not in address or not address.rpartition(":")[2].isdigit():
-            raise InitInfoError(f"weightplan init_info field 'address' must be HOST:PORT, got {address!r}")
+        _runtime_checked("address", parse_address, address)
         mode = _str("mode", info.get("mode", "auto"))
         if mode not in MODES:
             raise InitInfoError(f"weightplan init_info field 'mode' must be one of {', '.join(MODES)}, got {mode!r}")
@@ -107,7 +121,8 @@ class WeightplanInitInfo(WeightTransferInitInfo):
         return cls(plan=plan, address=address, job=job,
                    timeout=_number("timeout", info.get("timeout", 60.0), 0, 86400),
                    verify=_bool("verify", info.get("verify", False)),
-                   rank_offset=_int("rank_offset", info.get("rank_offset", 0), 0), mode=mode, fingerprint=fingerprint,
+                   rank_offset=_int("rank_offset", info.get("rank_offset", 0), 0, MAX_RANKS - 1), mode=mode,
+                   fingerprint=fingerprint,
                    draft_plan=draft_plan)
 
 
@@ -116,8 +131,16 @@ def _plan_field(name: str, value: Any) -> str | list[str]:
     if isinstance(value, list):
         if not value:
             raise InitInfoError(f"weightplan init_info field {name!r} is an empty list")
-        return [_str(name, p) for p in value]
-    return _str(name, value)
+        return [_plan_path(name, p) for p in value]
+    return _plan_path(name, value)
+
+
+def _plan_path(name: str, value: Any) -> str:
+    path = _str(name, value)
+    if "\0" in path or len(path.encode("utf-8", "surrogatepass")) > MAX_PATH:
+        raise InitInfoError(f"weightplan init_info field {name!r} must be a file path (no NUL byte, at most {MAX_PATH} "
+                            f"bytes), got {path[:60]!r}")
+    return path
 
 
 def _paths(value: str | list[str]) -> list[str]:
@@ -133,5 +156,5 @@ class WeightplanUpdateInfo(WeightTransferUpdateInfo):
     @classmethod
     def from_dict(cls, info: Any) -> "WeightplanUpdateInfo":
         if not isinstance(info, dict) or set(info) != {"version"}:
-            raise InitInfoError(f"weightplan update_info must be {{'version': <int >= 1>}}, got {info!r}")
-        return cls(version=_int("version", info["version"], 1))
+            raise InitInfoError(f"weightplan update_info must be {{'version': <int in 1..{MAX_VERSION}>}}, got {repr(info)[:80]}")
+        return cls(version=_int("version", info["version"], 1, MAX_VERSION))

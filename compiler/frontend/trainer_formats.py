@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..ir import TensorEntry
+from ...runtime.errors import one_line
 from .errors import ModelConfigError
 from .lazy_weight import dtype_name
 
@@ -116,7 +117,7 @@ def _load_trainer_model(config_dir: Path, dtype: torch.dtype, config_sha256: str
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     except Exception as exc:
-        raise ModelConfigError(f"transformers cannot build the trainer model from {config_dir}: {exc}") from None
+        raise ModelConfigError(f"transformers cannot build the trainer model from {config_dir}: {one_line(exc)}") from None
     # What revert_weight_conversion derives for a model not loaded by from_pretrained, computed once
     # (it walks every module): the model's mapping without legacy renames and without PrefixChange.
     model._weight_conversions = [t for t in get_model_conversion_mapping(model, add_legacy=False)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ...runtime.errors import one_line
 from .errors import ModelConfigError
 from .vllm_patches import clear_layer_registry, host_independent, model_build, parallel_rank, share_with_target
 
@@ -42,7 +43,7 @@ def make_vllm_config(config_dir: Path, *, tp: int = 1, dp: int = 1, ep: bool = F
         with host_independent():  # the CPU platform adjusts the config from CPU features
             return args.create_engine_config()
     except Exception as exc:  # vLLM raises ValueError/TypeError/pydantic errors here
-        raise ModelConfigError(f"vLLM cannot build an engine config from {config_dir / 'config.json'}: {exc}") from None
+        raise ModelConfigError(f"vLLM cannot build an engine config from {config_dir / 'config.json'}: {one_line(exc)}") from None
 
 
 def ensure_single_process_distributed(vllm_config) -> None:
@@ -95,7 +96,7 @@ def build_model(vllm_config, device: str = "meta", *, tp_rank: int = 0, dp_rank:
     except (ValueError, TypeError, AttributeError, KeyError, AssertionError, NotImplementedError) as exc:
         raise ModelConfigError(
             f"vLLM cannot build {vllm_config.model_config.architecture} from {vllm_config.model_config.model}: "
-            f"{type(exc).__name__}: {exc}"
+            f"{type(exc).__name__}: {one_line(exc)}"
         ) from None
 
 

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from ...runtime.errors import WeightplanError
+from ...runtime.files import read_json_file
 
 RATES = ("nic_gbytes_per_s", "intra_node_gbytes_per_s", "sender_quant_gbytes_per_s", "receiver_quant_gbytes_per_s")
 REQUIRED = ("name", "nodes", "trainer", "inference", "nics_per_gpu", *RATES, "descriptor_us")
 OPTIONAL = ("description", "sources")
+# Bounds that keep every predicted time a sane float: rates from 1 MB/s to 1 PB/s, a descriptor from 0 to 1 s.
+RATE_RANGE = (1e-3, 1e6)
+DESCRIPTOR_US_RANGE = (0.0, 1e6)
+MAX_COUNT = 4096  # nodes in a group, GPUs per node, NICs per GPU
 
 
 class ClusterError(WeightplanError):
@@ -75,13 +78,7 @@ class Cluster:
 def load_cluster(path: Path | str) -> Cluster:
     """Read and validate a cluster file (JSON); every problem is one ClusterError naming the field."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except OSError as exc:
-        raise ClusterError(f"cannot read cluster file {path}: {exc.strerror or exc}") from None
-    except json.JSONDecodeError as exc:
-        raise ClusterError(f"cluster file {path} is not JSON: {exc.msg} at line {exc.lineno}") from None
-    return parse_cluster(data, str(path))
+    return parse_cluster(read_json_file(path, ClusterError, "cluster file"), str(path))
 
 
 def parse_cluster(data, where: str = "cluster") -> Cluster:
@@ -105,8 +102,8 @@ def parse_cluster(data, where: str = "cluster") -> Cluster:
     return Cluster(
         name=name, groups=groups, trainer=sides["trainer"], inference=sides["inference"],
         nics_per_gpu=_integer(data, "nics_per_gpu", where, data["nics_per_gpu"]),
-        **{k: _number(data, k, where, positive=True) for k in RATES},
-        descriptor_us=_number(data, "descriptor_us", where, positive=False),
+        **{k: _number(data, k, where, RATE_RANGE) for k in RATES},
+        descriptor_us=_number(data, "descriptor_us", where, DESCRIPTOR_US_RANGE),
         description=_string(data, "description", where) if "description" in data else "",
         sources=tuple(sorted(sources.items())),
     )
@@ -119,17 +116,17 @@ def _string(data: dict, key: str, where: str) -> str:
     return value
 
 
-def _number(data: dict, key: str, where: str, *, positive: bool) -> float:
+def _number(data: dict, key: str, where: str, bounds: tuple[float, float]) -> float:
     value = data[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \
-            or (positive and value == 0):
-        raise ClusterError(f"{where}: field {key!r} must be a {'positive' if positive else 'non-negative'} number, got {value!r}")
+    low, high = bounds
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ClusterError(f"{where}: field {key!r} must be a number in {low:g}..{high:g}, got {str(value)[:40]}")
     return float(value)
 
 
 def _integer(data: dict, key: str, where: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ClusterError(f"{where}: field {key!r} must be a positive integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
+        raise ClusterError(f"{where}: field {key!r} must be an integer in 1..{MAX_COUNT}, got {str(value)[:40]}")
     return value
 
 

@@ -18,10 +18,12 @@ from pathlib import Path
 import torch
 
 from ..errors import LayoutError
+from ..files import read_json_file
 from ..plan.atomic_file import write_atomically
 from ..plan.schema import DTYPE_SIZES
 from .module_tensors import trainer_tensors
 from .placements import Mesh, Placement, Sharding, mesh_boxes
+from .shards import MAX_RANKS
 
 FORMAT = "weightplan-trainer-layout"
 VERSION = 1
@@ -45,15 +47,7 @@ class TrainerLayoutFile:
 
 def read_trainer_layout(path: str | Path) -> TrainerLayoutFile:
     """Read a layout file and check it on its own; LayoutError names the defect and where it is."""
-    try:
-        text = Path(path).read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise LayoutError(f"cannot read trainer layout {path}: {getattr(exc, 'strerror', None) or exc}") from None
-    try:
-        data = json.loads(text, object_pairs_hook=lambda pairs: _unique_keys(path, pairs))
-    except json.JSONDecodeError as exc:
-        raise LayoutError(f"trainer layout {path} is not valid JSON ({exc}); write it with "
-                          "weightplan.runtime.write_trainer_layout") from None
+    data = read_json_file(path, LayoutError, "trainer layout", object_pairs_hook=lambda pairs: _unique_keys(path, pairs))
     return parse_trainer_layout(data, path)
 
 
@@ -63,9 +57,9 @@ def parse_trainer_layout(data, path: str | Path) -> TrainerLayoutFile:
         raise LayoutError(f"{path} is not a weightplan trainer layout: expected \"format\": \"{FORMAT}\", \"version\": {VERSION}")
     world = data.get("world_size")
     meshes, tensors = data.get("meshes"), data.get("tensors")
-    if type(world) is not int or world < 1 or not isinstance(meshes, list) or not isinstance(tensors, dict):
-        raise LayoutError(f"trainer layout {path} needs \"world_size\" (an integer >= 1), \"meshes\" (a list) "
-                          "and \"tensors\" (an object)")
+    if type(world) is not int or not 1 <= world <= MAX_RANKS or not isinstance(meshes, list) or not isinstance(tensors, dict):
+        raise LayoutError(f"trainer layout {path} needs \"world_size\" (an integer in 1..{MAX_RANKS}, the most trainer ranks a "
+                          f"plan holds; it is {str(world)[:40]}), \"meshes\" (a list) and \"tensors\" (an object)")
     parsed = [_mesh(path, i, m, world) for i, m in enumerate(meshes)]
     layouts = {name: _tensor(path, name, entry, parsed) for name, entry in tensors.items()}
     missing = sorted(set(range(world)) - {r for t in layouts.values() for r in t.sharding.mesh.ranks})

@@ -9,9 +9,10 @@ from functools import cached_property, lru_cache
 
 Box = tuple[tuple[int, int], ...]  # [start, stop) per tensor dim
 
-_SHARD = re.compile(r"^Shard\((?:dim=)?(\d+)\)$")
-_STRIDED = re.compile(r"^_StridedShard\((?:dim=)?(\d+), *(?:split_factor|sf)=(\d+)\)$")
-PLACEMENT_FORMS = "Shard(d), Replicate() or _StridedShard(d, split_factor=k)"
+_SHARD = re.compile(r"^Shard\((?:dim=)?(\d{1,3})\)$")
+_STRIDED = re.compile(r"^_StridedShard\((?:dim=)?(\d{1,3}), *(?:split_factor|sf)=(\d{1,5})\)$")
+MAX_SPLIT_FACTOR = 4096  # a split factor is a product of mesh sizes, so at most the 4096 ranks a plan holds
+PLACEMENT_FORMS = f"Shard(d), Replicate() or _StridedShard(d, split_factor=k) with k in 1..{MAX_SPLIT_FACTOR}"
 
 
 @dataclass(frozen=True)
@@ -29,9 +30,9 @@ class Placement:
             return REPLICATE
         if m := _SHARD.match(text):
             return Placement("shard", int(m[1]))
-        if (m := _STRIDED.match(text)) and int(m[2]) >= 1:
+        if (m := _STRIDED.match(text)) and 1 <= int(m[2]) <= MAX_SPLIT_FACTOR:
             return Placement("strided", int(m[1]), int(m[2]))
-        raise ValueError(f"unknown placement {text!r}; use {PLACEMENT_FORMS}")
+        raise ValueError(f"unknown placement {text[:60]!r}; use {PLACEMENT_FORMS}")
 
     def __str__(self) -> str:
         if self.kind == "replicate":

@@ -18,6 +18,7 @@ MAX_ELEMENTS = 1 << 48  # elements in one tensor, and any offset, length or stri
 MAX_DIMS = 8
 MAX_ROWS = 1 << 28  # rows of any one column table (about 2 GB per int64 column)
 QUANTS = ("none", "fp8_per_block")
+SOURCE_CHOICE_METHODS = ("flow", "greedy")
 KIND = "weightplan"
 FORMAT_VERSION = 6  # the newest format this reads: 6 adds node-local fan-out, 5 the constants table
 CONSTANTS_FORMAT_VERSION = 5  # plans with constants and no fan-out
@@ -177,12 +178,14 @@ class SourceChoice:
     def from_json(obj, fail) -> "SourceChoice":
         where = "stats.source_choice"
         _check_keys(obj, SourceChoice, where, fail)
-        for key in ("greedy_mean", "chosen_mean"):
-            if not isinstance(obj[key], float):
-                fail(f"{where}.{key}", "is not a number")
+        for key in ("greedy_mean", "chosen_mean"):  # means of bytes served: inspect-plan divides by them
+            if not (isinstance(obj[key], float) and math.isfinite(obj[key]) and obj[key] > 0):
+                fail(f"{where}.{key}", f"is {str(obj[key])[:40]}, not a positive number")
         counts = {key: _int(obj, key, 0, 1 << 62, where, fail) for key in ("greedy_max", "chosen_max", "shared_bytes")}
-        return SourceChoice(**counts, greedy_mean=obj["greedy_mean"], chosen_mean=obj["chosen_mean"],
-                            method=_str(obj, "method", where, fail))
+        method = _str(obj, "method", where, fail)
+        if method not in SOURCE_CHOICE_METHODS:
+            fail(f"{where}.method", f"is {method[:40]!r}, not one of {', '.join(SOURCE_CHOICE_METHODS)}")
+        return SourceChoice(**counts, greedy_mean=obj["greedy_mean"], chosen_mean=obj["chosen_mean"], method=method)
 
 
 @dataclass(frozen=True)

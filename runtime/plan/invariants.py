@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from ..casts import CHAIN_RULE, is_chain
 from ..errors import PlanFormatError
@@ -44,7 +45,25 @@ def check_constants(plan: Plan, origin: str) -> None:
         if c.length <= 0 or c.dst_off < 0 or c.dst_off + c.length > plan.dests[c.dest].numel:
             raise PlanFormatError(f"{origin}: a constant is empty or reaches outside its destination tensor")
         if type(c.value) not in (int, float, bool) or (type(c.value) is float and not np.isfinite(c.value)):
-            raise PlanFormatError(f"{origin}: a constant's value {c.value!r} is not a finite number")
+            raise PlanFormatError(f"{origin}: a constant's value {str(c.value)[:40]} is not a finite number")
+        dtype = plan.dests[c.dest].dtype
+        if not fits_dtype(c.value, dtype):
+            raise PlanFormatError(f"{origin}: a constant's value {str(c.value)[:40]} does not fit destination "
+                                  f"{plan.dests[c.dest].name!r} ({dtype})")
+
+
+def fits_dtype(value: int | float | bool, dtype: str) -> bool:
+    """`value` (finite) is one `dtype` holds without overflow: integral and in range for integer dtypes, 0 or 1 for bool,
+    within the largest finite magnitude for floating dtypes (Python compares ints and floats exactly)."""
+    torch_dtype = getattr(torch, dtype)
+    if type(value) is int and not -(1 << 63) <= value < 1 << 63:  # torch takes integer scalars as int64
+        return False
+    if torch_dtype is torch.bool:
+        return value in (0, 1)
+    if torch_dtype.is_floating_point:
+        return abs(value) <= torch.finfo(torch_dtype).max
+    info = torch.iinfo(torch_dtype)
+    return (type(value) is not float or value.is_integer()) and info.min <= value <= info.max
 
 
 def check_runs(plan: Plan, origin: str) -> None:

@@ -22,7 +22,7 @@ from ..transport import protocol
 from ..transport.lifecycle import AgentOwner
 from ..transport.nixl_agent import Backoff, NixlAgent
 from ..transport.peer import Connections, Peer, check_sequence
-from ..transport.peer_check import checked_regions, checked_word
+from ..transport.peer_check import checked_regions, checked_word, region_fields
 from ..transport.region_digests import byte_view, run_digests
 from ..transport.rendezvous import Rendezvous
 from .derived import DerivedRefresh
@@ -313,11 +313,17 @@ class Receiver(AgentOwner):
         peer.load()
         table = self._tables.descriptors[rank]
         bases = region_addresses(table.region, regions, {RemoteRegion.PACKED: packed_addr, **quant})
-        remote = peer.prepare(np.stack([bases + table.remote_off, table.nbytes], axis=1))
+        # The info's areas these READs use, to name the one the trainer did not register if NIXL refuses them.
+        areas = {RemoteRegion.PACKED: ("packed", (packed_addr, packed_bytes))} | {
+            region: (f"quant.{key}", tuple(info["quant"][key])) for region, key in
+            ((RemoteRegion.STAGE_PACKED, "stage_packed"), (RemoteRegion.SCALES, "scales"), (RemoteRegion.FP8, "fp8")) if quant}
+        fields = region_fields(info, table.region[table.region >= 0].tolist()) | dict(
+            areas[region] for region in areas if (table.region == region).any())
+        remote = peer.prepare(np.stack([bases + table.remote_off, table.nbytes], axis=1), fields=fields)
         direct = table.chunk < 0
         return _Trainer(
-            peer, peer.word(self._seq_local[rank], checked_word(rank, info, "seq")[0], 8),
-            peer.word(self._ring_local[rank], ring_addr, 16),
+            peer, peer.word(self._seq_local[rank], checked_word(rank, info, "seq")[0], 8, "seq"),
+            peer.word(self._ring_local[rank], ring_addr, 16, "ring"),
             {g: peer.reads(self._local[rank], remote, np.flatnonzero((table.group == g) & direct))
              for g in np.unique(table.group[direct]).tolist()},
             {c: peer.reads(self._local[rank], remote, np.flatnonzero(table.chunk == c))

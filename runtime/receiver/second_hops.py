@@ -216,9 +216,10 @@ class SecondHops:
             raise PlanMismatchError(f"inference rank {puller} does not serve {self.plan.dests[wrong[0]].name!r} as this "
                                     "rank's plan says: both ranks must load the same plan file")
         peer.load()
-        remote = peer.prepare(np.array([list(served[d]) for d in mine], dtype=np.int64))
+        remote = peer.prepare(np.array([list(served[d]) for d in mine], dtype=np.int64),
+                              fields={f"entries[{d}]": served[d] for d in mine})
         local, word_local = self._local[puller]
-        return _Puller(peer, peer.word(word_local, landed_at, 16), peer.reads(local, remote, np.arange(len(mine))))
+        return _Puller(peer, peer.word(word_local, landed_at, 16, "landed"), peer.reads(local, remote, np.arange(len(mine))))
 
     def drop(self, version: int | None = None) -> None:
         """Forget every puller's incarnation (after a failed sync of `version`, telling them this rank is done with it)."""

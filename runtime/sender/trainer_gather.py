@@ -14,7 +14,7 @@ from ..tables.ranks import contiguous_starts
 from ..transport import protocol
 from ..transport.nixl_agent import NixlAgent
 from ..transport.peer import Connections, Peer, check_sequence
-from ..transport.peer_check import checked_regions, checked_word
+from ..transport.peer_check import checked_regions, checked_word, region_fields
 from ..transport.rendezvous import Rendezvous
 
 
@@ -83,10 +83,10 @@ class TrainerGather:
         remote, local = remote[first], local[first]
         peer.load()
         local_list = peer.prepare(np.stack([local, nbytes], axis=1), local=True)
-        remote_list = peer.prepare(np.stack([remote, nbytes], axis=1))
+        remote_list = peer.prepare(np.stack([remote, nbytes], axis=1), fields=region_fields(peer.info, region_index(exposed_regions(self.plan, self.tables, rank), c)[first].tolist()))
         seq_local = peer.prepare(np.array([[self._seq.data_ptr() + 8 * rank, 8]]), local=True)
         return _Source(peer, peer.reads(local_list, remote_list, np.arange(len(nbytes))),
-                       peer.word(seq_local, checked_word(rank, peer.info, "seq")[0], 8))
+                       peer.word(seq_local, checked_word(rank, peer.info, "seq")[0], 8, "seq"))
 
     def _check_sequence(self, agent: NixlAgent, version: int, deadline: float, when: str) -> None:
         check_sequence(agent, {p: source.seq_read for p, source in self._sources.by_rank.items()}, self._seq, version,

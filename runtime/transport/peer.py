@@ -31,11 +31,29 @@ class Peer:
         """Load its agent metadata, refusing metadata that names any other agent."""
         self._agent.add_peer(self._rendezvous.get_bytes(self.endpoint.metadata_key(self.incarnation)), self.name)
 
-    def prepare(self, rows: np.ndarray, local: bool = False):
-        """A descriptor list of (address, bytes) rows on this peer (or, `local`, on the reader), released with it."""
-        prepared = self._agent.prepare(None if local else self.name, rows)
+    def prepare(self, rows: np.ndarray, local: bool = False, fields: dict[str, tuple[int, int]] | None = None):
+        """A descriptor list of (address, bytes) rows on this peer (or, `local`, on the reader), released with it.
+
+        Remote rows come from the peer's published info, `fields` ({info field: (address, bytes)}) naming the areas
+        they lie in: memory the peer did not register is a SyncError naming the first such field."""
+        try:
+            prepared = self._agent.prepare(None if local else self.name, rows)
+        except Exception as exc:  # NIXL raises per-status types, e.g. nixlNotFoundError for memory the peer did not register
+            if local:
+                raise
+            raise SyncError(f"{self.endpoint}: its info's {self._unregistered(fields or {}) or 'addresses'} name memory "
+                            f"it did not register ({type(exc).__name__}); is that record its own?") from None
         self._lists.append(prepared)
         return prepared
+
+    def _unregistered(self, fields: dict[str, tuple[int, int]]) -> str:
+        """The first field whose area alone the peer's memory does not hold (tried one at a time, on the error path)."""
+        for name, (address, nbytes) in fields.items():
+            try:
+                self._lists.append(self._agent.prepare(self.name, np.array([[address, nbytes]])))
+            except Exception:  # noqa: BLE001 - the refusal is the answer
+                return f"{name!r} ([{address:#x}, +{nbytes}))"
+        return ""
 
     def reads(self, local, remote, rows: np.ndarray) -> list:
         """READs of descriptor rows `rows` of two prepared lists (NixlAgent.make_reads), released with this peer."""
@@ -43,9 +61,11 @@ class Peer:
         self._handles += handles
         return handles
 
-    def word(self, local, address: int, nbytes: int):
-        """A READ of `nbytes` at `address` on this peer (a sequence, ring or landed word) into the prepared `local`."""
-        handle = self._agent.make_read(local, self.prepare(np.array([[address, nbytes]])), np.zeros(1))
+    def word(self, local, address: int, nbytes: int, field: str):
+        """A READ of `nbytes` at `address` on this peer (its info's `field`: a sequence, ring or landed word) into the
+        prepared `local`."""
+        handle = self._agent.make_read(local, self.prepare(np.array([[address, nbytes]]), fields={field: (address, nbytes)}),
+                                       np.zeros(1))
         self._handles.append(handle)
         return handle
 

@@ -23,6 +23,12 @@ def checked_regions(plan: Plan, tables: QuantTables | None, rank: int, info: dic
     return [a for _, _, a, _ in regions]
 
 
+def region_fields(info: dict, used) -> dict[str, tuple[int, int]]:
+    """{"regions[i]": (address, bytes)} of the regions `used` (indexes) of an info checked_regions accepted, to name the
+    one a peer lacks (a region served only packed is never read at its address)."""
+    return {f"regions[{i}]": (info["regions"][i][2], info["regions"][i][3]) for i in sorted(set(used))}
+
+
 def checked_word(rank: int, info: dict, key: str, n: int = 1) -> list[int]:
     """`info[key]` of trainer `rank`: `n` unsigned 64-bit integers (an address, a size), or a SyncError naming them."""
     value = info.get(key)
