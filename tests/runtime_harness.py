@@ -109,19 +109,22 @@ class Job:
             time.sleep(0.1)
         raise AssertionError(f"{key}: no {kind} v{version} within {timeout} s:\n{self.stderr(key)}")
 
-    def outcome(self, key: str, version: int, timeout: float = 240.0) -> dict:
-        """The worker's `synced` or `failed` event for `version`, whichever it reports."""
+    def outcome(self, key: str, version: int, timeout: float = 240.0, events: tuple[str, ...] = ("synced", "failed")) -> dict:
+        """The worker's first event for `version` among `events` (a reader's `synced` or `failed`, by default)."""
         deadline = time.monotonic() + timeout
+
+        def found() -> dict | None:
+            return next((e for e in self.events(key) if e["event"] in events and e.get("version") == version), None)
+
         while time.monotonic() < deadline:
-            for e in self.events(key):
-                if e["event"] in ("synced", "failed") and e.get("version") == version:
-                    return e
-            if self.procs[key].poll() is not None and not any(
-                    e["event"] in ("synced", "failed") and e.get("version") == version for e in self.events(key)):
-                raise AssertionError(f"{key} exited ({self.procs[key].returncode}) before syncing or failing v{version}:\n"
-                                     f"{self.stderr(key)}")
+            exited = self.procs[key].poll() is not None
+            if (e := found()) is not None:
+                return e
+            if exited:
+                raise AssertionError(f"{key} exited ({self.procs[key].returncode}) before any of {events} for "
+                                     f"v{version}:\n{self.stderr(key)}")
             time.sleep(0.1)
-        raise AssertionError(f"{key}: no outcome of v{version} within {timeout} s:\n{self.stderr(key)}")
+        raise AssertionError(f"{key}: none of {events} for v{version} within {timeout} s:\n{self.stderr(key)}")
 
     def assert_fanout_syncs(self, cases: dict[str, Path | str], versions: tuple[int, ...], readers: int, trainers: int,
                             timeout: float = 240.0) -> None:

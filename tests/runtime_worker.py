@@ -93,9 +93,14 @@ def run_trainer(args, plan) -> None:
         if version != args.versions[0]:  # an optimizer step: new values in the same tensors
             for name, value in shard(plan, full_weights(plan, args.seed, version), args.rank).items():
                 tensors[name].copy_(value)
-        sender.publish(version)
-        emit(event="published", rank=args.rank, version=version)
-        report = sender.release(version)
+        began = time.monotonic()
+        try:
+            sender.publish(version)
+            emit(event="published", rank=args.rank, version=version)
+            report = sender.release(version)
+        except SyncError as exc:  # e.g. the store unreachable: the trainer says so and goes on to the next version
+            emit(event="failed", rank=args.rank, version=version, error=str(exc), seconds=time.monotonic() - began)
+            continue
         emit(event="released", rank=args.rank, version=version, acked=list(report.acked), failed=list(report.failed),
              timed_out=list(report.timed_out), gatherers_timed_out=list(report.gatherers_timed_out), seconds=report.seconds,
              gather_seconds=sender.gather_seconds, quantize_seconds=sender.quantize_seconds,
@@ -137,7 +142,8 @@ def run_plain_inference(args, plan) -> None:
         emit(event="synced", rank=args.rank, version=version, reported=receiver.version, tensors=len(expected),
              differ=differ[:5], n_differ=len(differ), bytes=report.bytes, descriptors=report.descriptors,
              groups=report.groups, seconds=report.seconds, verify_seconds=report.verify_seconds,
-             second_hop_bytes=report.second_hop_bytes)
+             second_hop_bytes=report.second_hop_bytes, slowest_trainer=report.slowest_trainer,
+             slowest_share=report.slowest_share)
     receiver.close()  # with fan-out, after this node's peers finished reading its last version
 
 
@@ -206,6 +212,7 @@ def sync_versions(args, receiver, digests, extra=lambda report: {}) -> None:
              groups=report.groups, seconds=report.seconds, verify_seconds=report.verify_seconds,
              table_bytes=report.table_bytes, packed_bytes=report.packed_bytes,
              stored_runs=sum(len(r) for r in receiver.reads.values()), second_hop_bytes=report.second_hop_bytes,
+             slowest_trainer=report.slowest_trainer, slowest_share=report.slowest_share,
              **extra(report))
 
 

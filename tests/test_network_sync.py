@@ -77,3 +77,49 @@ def test_an_inference_node_cut_mid_sync_fails_clean_then_syncs_again_after_the_l
             e = job.event(f"inf{k}", "synced", 4, timeout=6 * LINK_TIMEOUT)
             assert e["reported"] == 4 and e["n_differ"] == 0, e
         job.assert_clean_exit(*(f"inf{k}" for k in range(4)), *(f"tr{r}" for r in range(4)))
+
+
+def test_the_store_node_unreachable_fails_every_process_clean_within_its_timeout(plan_cache, tmp_path):
+    """The store's node loses its link before version 2: every inference rank fails version 2 with a SyncError that
+    names the rendezvous and reports no version, and every trainer reports version 2 (failed or released), each
+    within a bounded multiple of its timeout: nothing hangs on the unreachable store."""
+    path = plan_cache(*BF16[:4], "dp=2,ep")
+    with EmulatedCluster({"s0": None, "t0": None, "i0": None}, tag="wpt-store") as cluster, \
+            Job(tmp_path, path, "net-store", cluster=cluster, store_node="s0") as job:
+        for r in range(4):
+            job.start(f"tr{r}", "trainer", r, "--versions", "1,2", "--gate", "--wait-joined",
+                      "--timeout", str(LINK_TIMEOUT), node="t0")
+        for k in range(2):
+            job.start(f"inf{k}", "inference", k, "--plain", "--gate", "--versions", "1,2", "--timeout", str(LINK_TIMEOUT),
+                      node="i0")
+        job.go(1)
+        for k in range(2):
+            assert job.event(f"inf{k}", "synced", 1)["n_differ"] == 0
+        cluster.link_down("s0")
+        job.go(2)
+        for k in range(2):
+            e = job.outcome(f"inf{k}", 2, timeout=4 * LINK_TIMEOUT)
+            assert e["event"] == "failed" and e["reported"] is None, e
+            assert "rendezvous" in e["error"] or "store" in e["error"], e
+        for r in range(4):
+            e = job.outcome(f"tr{r}", 2, timeout=4 * LINK_TIMEOUT, events=("released", "failed"))
+            assert e["event"] == "failed" or e["timed_out"], e
+
+
+def test_a_slow_trainer_node_is_named_in_the_sync_report(plan_cache, tmp_path):
+    """Trainer node t1 (ranks 2, 3) has a tenth of t0's link rate: syncs complete with vLLM's bytes, and every
+    inference rank's report names a rank of t1 as its slowest trainer, outstanding for most of the sync."""
+    path = plan_cache(*BF16[:4], "dp=2,ep")
+    rates = {"t0": 80.0, "t1": 8.0, "i0": 800.0}  # Mbit/s each way
+    with EmulatedCluster(rates, tag="wpt-slow") as cluster, \
+            Job(tmp_path, path, "net-slow", cluster=cluster, store_node="t0") as job:
+        for r in range(4):
+            job.start(f"tr{r}", "trainer", r, "--versions", "1,2", "--wait-joined", "--timeout", "60", node=f"t{r // 2}")
+        for k in range(2):
+            job.start(f"inf{k}", "inference", k, "--plain", "--versions", "1,2", "--timeout", "60", node="i0")
+        for version in (1, 2):
+            for k in range(2):
+                e = job.event(f"inf{k}", "synced", version, timeout=120)
+                assert e["n_differ"] == 0, e
+                assert e["slowest_trainer"] in (2, 3) and e["slowest_share"] > 0.5, e
+        job.assert_clean_exit(*(f"inf{k}" for k in range(2)), *(f"tr{r}" for r in range(4)))

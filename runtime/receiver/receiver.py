@@ -51,6 +51,10 @@ class SyncReport:
     packed_bytes: int = 0  # of `bytes`, those read from the trainers' packed regions of small runs
     second_hop_bytes: int = 0  # read from pullers of this node (fan-out), not in `bytes`
     second_hop_seconds: float = 0.0  # waiting for and reading them, inside `seconds`
+    # Straggler report over the grouped READs (not ring chunks or second hops): the trainer rank whose READs stayed
+    # outstanding longest, and that time as a share of `seconds`; None without grouped READs.
+    slowest_trainer: int | None = None
+    slowest_share: float = 0.0
 
     @property
     def gbps(self) -> float:
@@ -140,6 +144,7 @@ class Receiver(AgentOwner):
             raise WeightplanError(f"inference rank {rank}: {exc}") from None
         self._trainers: Connections[_Trainer] = Connections(self._connect)
         self._version: int | None = None
+        self._reading: dict[int, float] = {}  # trainer rank -> seconds its grouped READs were outstanding, this sync
         self.incarnation = uuid.uuid4().hex
         self.agent: NixlAgent | None = None  # created, with the destinations registered, by start()
         self._progress_thread = progress_thread
@@ -286,14 +291,20 @@ class Receiver(AgentOwner):
         self._hops.settle(deadline)  # this node's peers read what this rank pulled for them
         self._derived()  # after the ack: it reads only this rank's memory, so the trainers need not wait
         self._version = version
+        seconds = time.monotonic() - start
+        slowest = max(self._reading, key=self._reading.get, default=None)
         report = SyncReport(version, self.rank, self.bytes, self.descriptors, len(sources), self.n_groups,
-                            time.monotonic() - start, spent[0] if self.verify else None,
+                            seconds, spent[0] if self.verify else None,
                             self._quant.seconds if self._quant else 0.0, self._derived.seconds, self.table_bytes,
-                            self.packed_read_bytes, self._hops.bytes, self._hops.seconds if self._hops.inbound else 0.0)
+                            self.packed_read_bytes, self._hops.bytes, self._hops.seconds if self._hops.inbound else 0.0,
+                            slowest, self._reading[slowest] / seconds if slowest is not None and seconds > 0 else 0.0)
         log.info("weightplan sync v%d inference rank %d: %.3f GB, %d descriptors from %d trainer ranks, %.3f s, %.2f GB/s%s%s",
                  version, self.rank, report.bytes / 1e9, report.descriptors, report.trainer_ranks, report.seconds,
                  report.gbps, f", verified in {report.verify_seconds:.3f} s" if self.verify else "",
                  f", quantized in {report.quantize_seconds:.3f} s" if self._quant and self._quant.quantizes else "")
+        if slowest is not None:
+            log.info("weightplan sync v%d inference rank %d: slowest trainer rank %d, its READs outstanding for %.0f%% "
+                     "of the sync", version, self.rank, slowest, 100 * report.slowest_share)
         return report
 
     def _connect(self, rank: int, incarnation: str) -> _Trainer:
@@ -399,14 +410,20 @@ class Receiver(AgentOwner):
         window = 2 if post_op is not None else self.n_groups
         posted = 0
         shown = start
+        posted_at = {}
+        self._reading = {}
         for g in range(self.n_groups):
             while posted < min(self.n_groups, g + window):
+                posted_at[posted] = time.monotonic()
                 for t in self._trainers.by_rank.values():
                     for handle in t.group_reads.get(posted, ()):
                         self.agent.post(handle, f"trainer rank {t.rank}")
                 posted += 1
             handles = [(h, f"trainer rank {t.rank}") for t in self._trainers.by_rank.values() for h in t.group_reads.get(g, ())]
-            self.agent.wait(handles, deadline, f"version {version} group {g + 1}/{self.n_groups}")
+            done_at = self.agent.wait(handles, deadline, f"version {version} group {g + 1}/{self.n_groups}")
+            for t in self._trainers.by_rank.values():
+                if t.group_reads.get(g):
+                    self._reading[t.rank] = self._reading.get(t.rank, 0.0) + done_at[f"trainer rank {t.rank}"] - posted_at[g]
             if post_op is not None:
                 post_op(g)
             if time.monotonic() - shown > PROGRESS_EVERY:

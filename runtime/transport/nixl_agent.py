@@ -120,12 +120,17 @@ class NixlAgent:
         if state == "ERR":
             raise SyncError(f"NIXL refused to post a READ from {peer} (did that process die?)")
 
-    def wait(self, handles: list[tuple[object, str]], deadline: float, what: str) -> None:
-        """Wait until every posted (transfer, peer) is done; an error state or the deadline raises SyncError."""
+    def wait(self, handles: list[tuple[object, str]], deadline: float, what: str) -> dict[str, float]:
+        """Wait until every posted (transfer, peer) is done; an error state or the deadline raises SyncError.
+
+        Returns, per peer, the time (time.monotonic) its last transfer was seen done.
+        """
         pending = list(handles)
+        done_at = {peer: time.monotonic() for _, peer in handles}
         backoff = Backoff()
         while pending:
             still = []
+            now = time.monotonic()
             for handle, peer in pending:
                 try:
                     state = self._agent.check_xfer_state(handle)
@@ -135,12 +140,15 @@ class NixlAgent:
                     raise SyncError(f"{what}: a READ from {peer} failed (its process died or deregistered its memory)")
                 if state != "DONE":
                     still.append((handle, peer))
+                else:
+                    done_at[peer] = max(done_at[peer], now)
             pending = still
             if pending:
                 if time.monotonic() > deadline:
                     peers = sorted({peer for _, peer in pending})
                     raise SyncError(f"{what}: timed out waiting for READs from {', '.join(peers)}")
                 backoff.sleep()
+        return done_at
 
     def release(self, handle) -> None:
         try:

@@ -35,6 +35,7 @@ MIN_SECRET_BYTES = 16
 # record tags: HMAC-signed, or plain (a job without a secret)
 _SIGNED, _PLAIN = f"wp{PROTOCOL_VERSION}s".encode(), f"wp{PROTOCOL_VERSION}p".encode()
 _MAC_BYTES = 32
+SIGNED_JOB = "signed-job"  # a plain key a secured process sets, for the hint in Rendezvous.wait
 
 
 def check_job(job: str) -> str:
@@ -139,6 +140,8 @@ class Rendezvous:
         rendezvous = cls(store, job, key)
         if listener is not None:
             listener.detach()  # the store's event loop owns the descriptor now; a second close could hit a reused fd
+        if key is not None:  # tells a process started without the secret why it finds nothing (`wait`)
+            rendezvous.store.set(rendezvous._plain(SIGNED_JOB), b"1")
         return rendezvous
 
     @property
@@ -147,6 +150,18 @@ class Rendezvous:
         return f"{self.store.host}:{self.store.port}"
 
     def _key(self, key: str) -> str:
+        """The store key of protocol key `key`: with a job secret, a name derived from it.
+
+        TCPStore lets any client overwrite or delete any key it can name. Under names only holders of the
+        secret can derive, a process without it cannot replace a record the job reads (a forged trainer
+        info, a junk joined record): it can only write names nobody reads (`wait` reports them).
+        """
+        if self._secret is None:
+            return self._plain(key)
+        name = hmac.new(self._secret, f"weightplan-key-v{PROTOCOL_VERSION}\0{self.job}\0{key}".encode(), hashlib.sha256)
+        return f"weightplan/{self.job}/signed/{name.hexdigest()[:40]}"
+
+    def _plain(self, key: str) -> str:
         return f"weightplan/{self.job}/{key}"
 
     def _mac(self, key: str, value: bytes) -> bytes:
@@ -179,7 +194,23 @@ class Rendezvous:
         except Exception as exc:  # TCPStore raises DistStoreError on timeout, DistNetworkError when the store is gone
             if "Network" in type(exc).__name__:
                 raise SyncError(f"{what}: lost the rendezvous store ({type(exc).__name__}); is its host process alive?") from None
-            raise SyncError(f"{what}: not published within {timeout:.1f} s") from None
+            raise SyncError(f"{what}: not published within {timeout:.1f} s{self._why_missing(keys)}") from None
+
+    def _why_missing(self, keys: list[str]) -> str:
+        """What the store holds instead of `keys` that a process of another secret setting wrote, as a hint."""
+        try:
+            if self._secret is None:
+                if self.store.check([self._plain(SIGNED_JOB)]):
+                    return (f"; job {self.job!r} signs its records with a job secret this process does not have: set "
+                            f"{SECRET_FILE_ENV} or {SECRET_ENV} as on its other processes")
+                return ""
+            unsigned = [k for k in keys if self.store.check([self._plain(k)])]
+        except Exception:  # the hint is best effort; the timeout is the error
+            return ""
+        if unsigned:
+            log.warning("weightplan job %s: ignored %s, written without this job's secret", self.job, ", ".join(unsigned))
+            return f"; ignored {unsigned[0]!r} written by a process without this job's secret"
+        return ""
 
     def get_bytes(self, key: str) -> bytes:
         """The value at `key`, once its record authenticates; SyncError naming the key otherwise."""
