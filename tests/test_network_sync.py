@@ -31,6 +31,17 @@ def test_two_trainer_nodes_sync_two_inference_nodes_over_tcp_with_fanout(plan_ca
 LINK_TIMEOUT = 10.0  # the workers' sync and release timeout in the fault tests
 
 
+def start_gated(job: Job, versions: str, trainer_node, readers: int, inference_node, *extra) -> None:
+    """4 gated trainers (on `trainer_node(rank)`) and `readers` gated plain readers (on `inference_node(rank)`, each
+    with `extra(rank)` arguments), every timeout LINK_TIMEOUT; the trainers publish once every reader joined."""
+    for r in range(4):
+        job.start(f"tr{r}", "trainer", r, "--versions", versions, "--gate", "--wait-joined",
+                  "--timeout", str(LINK_TIMEOUT), node=trainer_node(r))
+    for k in range(readers):
+        job.start(f"inf{k}", "inference", k, "--plain", "--gate", "--versions", versions, "--timeout", str(LINK_TIMEOUT),
+                  *(extra[0](k) if extra else ()), node=inference_node(k))
+
+
 def test_an_inference_node_cut_mid_sync_fails_clean_then_syncs_again_after_the_link_returns(plan_cache, tmp_path):
     """Node i1 (inference ranks 2, 3) loses its link in the middle of version 2: its ranks fail version 2 with a
     SyncError and report no version (their weights are incomplete); node i0 completes version 2. Version 3 starts the
@@ -40,13 +51,8 @@ def test_an_inference_node_cut_mid_sync_fails_clean_then_syncs_again_after_the_l
     path = plan_cache(*BF16[:4], "dp=4,ep")
     with EmulatedCluster({"t0": None, "i0": None, "i1": None}, tag="wpt-cut") as cluster, \
             Job(tmp_path, path, "net-cut", cluster=cluster, store_node="t0") as job:
-        for r in range(4):
-            job.start(f"tr{r}", "trainer", r, "--versions", "1,2,3,4", "--gate", "--wait-joined",
-                      "--timeout", str(LINK_TIMEOUT), node="t0")
-        for k in range(4):
-            hold = ("--hold-at", "2") if k >= 2 else ()
-            job.start(f"inf{k}", "inference", k, "--plain", "--gate", "--versions", "1,2,3,4", "--timeout", str(LINK_TIMEOUT),
-                      *hold, node=f"i{k // 2}")
+        start_gated(job, "1,2,3,4", lambda r: "t0", 4, lambda k: f"i{k // 2}",
+                    lambda k: ("--hold-at", "2") if k >= 2 else ())
         job.go(1)
         for k in range(4):
             assert job.event(f"inf{k}", "synced", 1)["n_differ"] == 0
@@ -86,12 +92,7 @@ def test_the_store_node_unreachable_fails_every_process_clean_within_its_timeout
     path = plan_cache(*BF16[:4], "dp=2,ep")
     with EmulatedCluster({"s0": None, "t0": None, "i0": None}, tag="wpt-store") as cluster, \
             Job(tmp_path, path, "net-store", cluster=cluster, store_node="s0") as job:
-        for r in range(4):
-            job.start(f"tr{r}", "trainer", r, "--versions", "1,2", "--gate", "--wait-joined",
-                      "--timeout", str(LINK_TIMEOUT), node="t0")
-        for k in range(2):
-            job.start(f"inf{k}", "inference", k, "--plain", "--gate", "--versions", "1,2", "--timeout", str(LINK_TIMEOUT),
-                      node="i0")
+        start_gated(job, "1,2", lambda r: "t0", 2, lambda k: "i0")
         job.go(1)
         for k in range(2):
             assert job.event(f"inf{k}", "synced", 1)["n_differ"] == 0
