@@ -30,7 +30,7 @@ def run_one(model_type: str, architecture: str, workdir: Path) -> None:
     import torch
 
     from weightplan.compiler.compile import CompileOptions, compile_plan
-    from weightplan.compiler.frontend.trainer_formats import load_trainer_model
+    from weightplan.compiler.frontend.trainer_formats import TrainerFormat, load_trainer_model
     from weightplan.compiler.frontend.vllm_model import build_model, make_vllm_config
     from weightplan.compiler.verify_plan import verify_plan
 
@@ -47,8 +47,8 @@ def run_one(model_type: str, architecture: str, workdir: Path) -> None:
     except Exception as exc:
         return emit("-", compiled=False, verified=False, seconds=0.0, unbuildable=True,
                     reason=f"vLLM's CPU platform cannot build it: {_line(exc)}")
-    same = {s.name for s in trainer.specs("hf")} == {s.name for s in trainer.specs("transformers")}
-    for fmt in ("hf",) if same else ("hf", "transformers"):
+    same = {s.name for s in trainer.specs(TrainerFormat.HF)} == {s.name for s in trainer.specs(TrainerFormat.TRANSFORMERS)}
+    for fmt in (TrainerFormat.HF,) if same else (TrainerFormat.HF, TrainerFormat.TRANSFORMERS):
         label = "hf=transformers" if same else fmt
         start = time.perf_counter()
         plan = workdir / f"{model_type}-{fmt}.plan"
@@ -68,7 +68,7 @@ def run_one(model_type: str, architecture: str, workdir: Path) -> None:
         emit(label, compiled=True, verified=not reason, seconds=round(time.perf_counter() - start, 1), reason=reason)
 
 
-def vllm_refuses(config_dir: Path, trainer, fmt: str) -> str:
+def vllm_refuses(config_dir: Path, trainer, fmt) -> str:
     """Why vLLM's own loading of this format's checkpoint tensors (random values) fails, or "": DefaultModelLoader's
     steps on a CPU-built model (load_weights, then its check that every parameter was initialized)."""
     import torch

@@ -15,28 +15,30 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..runtime.plan.header import QUANTS, DraftHeader, InferenceHeader, PlanStats, TrainerHeader
+from ..runtime.plan.header import DraftHeader, InferenceHeader, PlanStats, TrainerHeader
 from .frontend.draft import DRAFT_METHOD, check_draft, check_draft_architecture, draft_trainer
 from .frontend.errors import ModelConfigError
 from .frontend.rank_models import RankTracer
-from .frontend.trainer_adapter import ADAPTER_FORMAT, check_adapter_spec, load_adapter
-from .frontend.trainer_formats import Conversion, canonical_format, load_trainer_model
+from .frontend.trainer_adapter import check_adapter_spec, load_adapter
+from .frontend.trainer_formats import Conversion, TrainerFormat, load_trainer_model
 from .frontend.vllm_model import build_model, current_platform_name, draft_config, make_vllm_config
 from .frontend.vllm_patches import HOST_PROFILE, host_independent
-from .layouts import check_trainer_experts, parse_inference, parse_trainer
+from .layouts import ExplicitTrainer, InferenceLayout, TrainerLayout, check_trainer_experts, parse_inference, parse_trainer
 from .ir import PlanOrigin, Program, TensorEntry
 from .models import config_hash, load_config_json, resolve_model
 from .passes.pipeline import Stage, join_ranks, run_stage
 from .passes.verify import descriptors_lower_bound, descriptors_posted
 from .plan_writer import write_program
+from .quant_compile import QuantMode, quant_mode
 from .timing import add, clock, phase
-from . import quant_compile
 
 TRAINER_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
 @dataclass(frozen=True)
 class CompileOptions:
+    """What compile-plan is asked, as its command line spells it (check_inputs parses it once)."""
+
     model: str
     trainer_format: str = "hf"
     trainer_dtype: str = "bf16"
@@ -65,24 +67,27 @@ def default_plan_path(model: str, trainer: TrainerHeader, inference: InferenceHe
     return Path("plans") / model / f"{draft}{trainer.format}-{trainer.dtype}-{trainer.token}__{inference.token}__{quant}.plan"
 
 
-def check_options(opts: CompileOptions) -> None:
-    canonical_format(opts.trainer_format)
+def check_options(opts: CompileOptions) -> tuple[TrainerFormat, QuantMode]:
+    """The trainer tensors' format (the adapter's, or --trainer-format) and the --quant mode; refuses unknown values."""
+    fmt = TrainerFormat.parse(opts.trainer_format)
     if opts.trainer_adapter is not None:
         check_adapter_spec(opts.trainer_adapter)
-        if opts.trainer_format != "hf":
+        if fmt is not TrainerFormat.HF:
             raise ModelConfigError("pass either --trainer-format or --trainer-adapter (the adapter names the trainer's tensors)")
+        fmt = TrainerFormat.ADAPTER
     if opts.trainer_dtype not in TRAINER_DTYPES:
         raise ModelConfigError(f"unknown --trainer-dtype {opts.trainer_dtype!r}; choose one of {', '.join(TRAINER_DTYPES)}")
-    if opts.quant not in QUANTS:
-        raise ModelConfigError(f"unknown --quant {opts.quant!r}; this version compiles: {', '.join(QUANTS)}")
+    return fmt, quant_mode(opts.quant)
 
 
 @dataclass(frozen=True)
 class _Inputs:
-    """The options, parsed and checked against the model config before vLLM is imported."""
+    """The options, parsed once and checked against the model config before vLLM is imported."""
 
-    trainer_layout: object
-    inference: object
+    trainer_format: TrainerFormat
+    quant: QuantMode
+    trainer_layout: TrainerLayout | ExplicitTrainer
+    inference: InferenceLayout
     name: str
     config_dir: Path
 
@@ -116,41 +121,39 @@ def check_output(path: Path | None) -> None:
 
 
 def check_inputs(opts: CompileOptions) -> _Inputs:
-    check_options(opts)
+    fmt, quant = check_options(opts)
     check_output(opts.output)
-    trainer_layout = parse_trainer(opts.trainer, opts.trainer_layout, trainer_format(opts))
+    trainer_layout = parse_trainer(opts.trainer, opts.trainer_layout, fmt)
     inference = parse_inference(opts.inference)
     name, config_dir = resolve_model(opts.model)
     config = load_config_json(config_dir)
     inference.check(config)
     check_trainer_experts(trainer_layout, config)
     if opts.draft:
-        check_draft(config, config_dir / "config.json", fmt=canonical_format(opts.trainer_format), adapter=opts.trainer_adapter,
-                    quant=opts.quant)
-    return _Inputs(trainer_layout, inference, name, config_dir)
+        check_draft(config, config_dir / "config.json", fmt=fmt, quant=quant)
+    return _Inputs(fmt, quant, trainer_layout, inference, name, config_dir)
 
 
 def compile_plan(opts: CompileOptions, *, log=None) -> CompileResult:
     """Compile and write one plan; `log(msg)` receives progress lines."""
     inputs = check_inputs(opts)
-    trainer_model = trainer_tensors(inputs.config_dir, opts.trainer_dtype, trainer_format(opts), opts.trainer_adapter)
+    trainer_model = trainer_tensors(inputs.config_dir, opts.trainer_dtype, opts.trainer_adapter)
     with gc_paused(), host_independent():
         return _compile(opts, inputs, trainer_model, log or (lambda msg: None))
 
 
 def _compile(opts: CompileOptions, inputs: _Inputs, trainer_model, log) -> CompileResult:
     trainer_layout, inference, name, config_dir = inputs.trainer_layout, inputs.inference, inputs.name, inputs.config_dir
+    fmt, quant = inputs.trainer_format, inputs.quant
     timings: dict[str, float] = {"setup": 0.0, "build": 0.0, "trace": 0.0, "passes": 0.0}
     start, start_cpu = time.perf_counter(), time.process_time()
 
     import vllm
 
-    quantization = quant_compile.vllm_quantization(opts.quant)
-    base = make_vllm_config(config_dir, quantization=quantization, draft=opts.draft)
-    vllm_config = (make_vllm_config(config_dir, tp=inference.tp, dp=inference.dp, ep=inference.ep, quantization=quantization,
-                                    draft=opts.draft)
+    base = make_vllm_config(config_dir, quantization=quant.vllm_quantization, draft=opts.draft)
+    vllm_config = (make_vllm_config(config_dir, tp=inference.tp, dp=inference.dp, ep=inference.ep,
+                                    quantization=quant.vllm_quantization, draft=opts.draft)
                    if inference.ranks > 1 else base)
-    fmt = trainer_format(opts)
     draft = None
     if opts.draft:  # the trainer's MTP tensors; the draft's own tensors are read off vLLM's one-rank draft
         check_draft_architecture(draft_config(base).architectures[0], config_dir / "config.json")
@@ -166,7 +169,7 @@ def _compile(opts: CompileOptions, inputs: _Inputs, trainer_model, log) -> Compi
     per_rank = []
     chains: tuple = ()
     assignments_total = 0
-    quant_hooks = quant_compile.hooks(opts.quant)
+    quant_hooks = quant.hooks()
     ranks = RankTracer(vllm_config, base, inference, sources, Conversion(trainer_model, fmt), timings, quant_hooks=quant_hooks)
     unloaded: dict[tuple, list[int]] = {}  # (name, shape, dtype) -> the inference ranks where vLLM's load never writes it
     for rank in range(inference.ranks):
@@ -183,18 +186,18 @@ def _compile(opts: CompileOptions, inputs: _Inputs, trainer_model, log) -> Compi
             del load, traced, lowered
 
     started = clock()
-    trainer = TrainerHeader(fmt, opts.trainer_dtype, trainer_layout.token, trainer_layout.classes, opts.trainer_adapter or None)
+    trainer = TrainerHeader(fmt.value, opts.trainer_dtype, trainer_layout.token, trainer_layout.classes, opts.trainer_adapter or None)
     inference_meta = InferenceHeader(inference.token, inference.tp, inference.dp, inference.ep, current_platform_name(),
                                      HOST_PROFILE, inference.gpus_per_node or None, draft)
     origin = PlanOrigin(vllm_version=vllm.__version__, model=name, config_sha256=config_hash(config_dir),
                         architecture=(draft_config(base) or base.model_config).architectures[0], trainer=trainer, inference=inference_meta,
-                        quant=opts.quant, src_ranks=trainer_layout.ranks, dst_ranks=inference.ranks)
-    quant_targets = quant_compile.quant_targets(opts.quant, quant_hooks)
+                        quant=quant.name, src_ranks=trainer_layout.ranks, dst_ranks=inference.ranks)
     program = dataclasses.replace(
-        join_ranks(per_rank, chains, check_each=opts.check_passes), origin=origin, trainer_layout=trainer_layout, quant_targets=quant_targets,
+        join_ranks(per_rank, chains, check_each=opts.check_passes), origin=origin, trainer_layout=trainer_layout,
+        quant_targets=quant.targets(quant_hooks),
         derived=tuple(quant_hooks.derived if quant_hooks else ranks.derived or ()),
         unloaded=tuple(TensorEntry(n, shape, dtype, ranks=tuple(r)) for (n, shape, dtype), r in sorted(unloaded.items())),
-        kernel_layout=quant_compile.kernel_layout(opts.quant))
+        kernel_layout=quant.kernel_layout())
     before_coalesce = {}
     compiled = run_stage(Stage.WHOLE_PLAN, program, check_each=opts.check_passes, observe=_before_coalesce(before_coalesce))
     compiled = run_stage(Stage.QUANT, compiled, check_each=opts.check_passes)
@@ -216,7 +219,7 @@ def _compile(opts: CompileOptions, inputs: _Inputs, trainer_model, log) -> Compi
     }
     if header_stats.source_choice is not None:
         stats["source_choice"] = header_stats.source_choice.to_json()
-    path = opts.output or default_plan_path(name, trainer, inference_meta, opts.quant)
+    path = opts.output or default_plan_path(name, trainer, inference_meta, quant.name)
     with phase(timings, "write"):
         size = write_program(compiled, path)
     timings["total"] = time.perf_counter() - start
@@ -240,12 +243,7 @@ def _before_coalesce(into: dict):
     return observe
 
 
-def trainer_format(opts: CompileOptions) -> str:
-    """The plan's trainer format: the adapter's, or --trainer-format."""
-    return ADAPTER_FORMAT if opts.trainer_adapter is not None else opts.trainer_format
-
-
-def trainer_tensors(config_dir: Path, dtype: str, fmt: str, adapter: str | None):
+def trainer_tensors(config_dir: Path, dtype: str, adapter: str | None):
     """The trainer's tensor table and checkpoint conversion: transformers' model, or the named adapter's."""
     if adapter is not None:
         return load_adapter(adapter, config_dir, getattr(torch, TRAINER_DTYPES[dtype]))

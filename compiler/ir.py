@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..runtime.layout.shards import ShardLayout, TrainerLayout
 from ..runtime.plan.columns import Runs
 from ..runtime.plan.header import InferenceHeader, PlanStats, QuantLayout, SourceChoice, TrainerHeader
 from ..runtime.plan.schema import DTYPE_SIZES, DerivedItem, Fanout, TensorEntry
@@ -234,10 +236,10 @@ class Program:
     cast_chains: tuple[tuple[str, ...], ...] = ()
     fills: tuple[Fill, ...] = ()
     constants: Constants = field(default_factory=Constants.empty)
-    last_writes: dict = field(default_factory=dict, compare=False)  # dest name -> the last write traced into it (for messages)
+    last_writes: Mapping[str, str] = field(default_factory=dict, compare=False)  # dest name -> its last traced write, described
     layer_reuse: tuple[LayerReuse, ...] = ()  # layers whose runs expand_layers derives from their template's
     origin: PlanOrigin | None = None
-    trainer_layout: object = None  # a runtime ShardLayout or TrainerLayout; None is one rank holding every tensor whole
+    trainer_layout: ShardLayout | TrainerLayout | None = None  # None is one rank holding every tensor whole
     shard_numel: np.ndarray | None = field(default=None, compare=False)  # [trainer rank, source], set by split_shards
     quant_targets: tuple[QuantTarget, ...] = ()
     quant_placement: QuantPlacement | None = field(default=None, compare=False)  # set by place_quant

@@ -10,7 +10,7 @@ from ..runtime.errors import LayoutError
 from ..runtime.layout.shards import MAX_RANKS, ShardLayout, TrainerLayout, layout_items
 from ..runtime.layout.layout_file import TrainerLayoutFile, read_trainer_layout
 from .frontend.errors import ModelConfigError
-from .frontend.trainer_formats import canonical_format
+from .frontend.trainer_formats import TrainerFormat
 
 __all__ = ["ExplicitTrainer", "InferenceLayout", "TrainerLayout", "parse_trainer", "parse_inference"]
 
@@ -54,7 +54,8 @@ class InferenceLayout:
                 raise ModelConfigError(f"inference ep over {self.ranks} ranks does not divide the {experts} routed experts")
 
 
-def parse_trainer(text: str, layout_file: Path | None = None, fmt: str = "hf") -> "TrainerLayout | ExplicitTrainer":
+def parse_trainer(text: str, layout_file: Path | None = None,
+                  fmt: TrainerFormat = TrainerFormat.HF) -> "TrainerLayout | ExplicitTrainer":
     """The trainer layout from `--trainer` or `--trainer-layout FILE` (checked on its own here;
     `.bind(trainer tensors)` then gives the plan's ShardLayout)."""
     if layout_file is not None:
@@ -65,7 +66,7 @@ def parse_trainer(text: str, layout_file: Path | None = None, fmt: str = "hf") -
         layout = TrainerLayout.parse(text)
     except ValueError as exc:
         raise ModelConfigError(str(exc)) from None
-    if layout.ep > 1 and fmt != "adapter" and canonical_format(fmt) != "transformers":
+    if layout.ep > 1 and fmt.checkpoint_names:
         raise ModelConfigError("trainer ep needs --trainer-format transformers (alias stacked: experts stacked on dim 0) "
                                "or a --trainer-adapter")
     return layout
@@ -93,7 +94,7 @@ class ExplicitTrainer:
     """A `--trainer-layout` file for trainer tensors of format `fmt`."""
 
     file: TrainerLayoutFile
-    fmt: str
+    fmt: TrainerFormat
 
     def bind(self, specs) -> ShardLayout:
         """Check the file against the trainer's tensors (names, global shapes, dtypes); LayoutError names the tensor."""

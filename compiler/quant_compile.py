@@ -1,50 +1,99 @@
-"""The --quant hooks of compile_plan: the build context and the post-load trace per rank, collected as QuantTargets."""
+"""The --quant modes of compile_plan, one object each: the vLLM quantization it builds with, its per-rank hooks, targets and kernel layout."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+from typing import ClassVar
 
-from ..runtime.plan.header import QuantLayout
+from ..runtime.plan.header import QUANTS, QuantLayout
 from .frontend.errors import ModelConfigError
 from .ir import QuantTarget
 
 
-def vllm_quantization(quant: str) -> str | None:
-    return None if quant == "none" else quant
+@dataclasses.dataclass(frozen=True)
+class QuantMode:
+    """One --quant value; the defaults are those of a mode that quantizes nothing."""
+
+    name: ClassVar[str]
+    vllm_quantization: ClassVar[str | None] = None  # the quantization vLLM's config is built with
+
+    @property
+    def quantizes(self) -> bool:
+        return self.vllm_quantization is not None
+
+    def hooks(self) -> QuantHooks | None:
+        """What RankTracer calls around each rank's build and trace (None: load_weights writes every parameter)."""
+        return None
+
+    def targets(self, hooks: QuantHooks | None) -> tuple[QuantTarget, ...]:
+        """What the post-load traces found to quantize."""
+        return ()
+
+    def kernel_layout(self) -> QuantLayout | None:
+        """How vLLM's kernels for this mode want weights and scales laid out (recorded in the plan header)."""
+        return None
 
 
-def build_context(quant: str):
-    """During model builds: stub only vLLM's fp8 kernel choice (frontend/vllm_patches.py: triton_fp8_kernels)."""
-    if quant == "none":
-        return contextlib.nullcontext()
-    from .frontend.vllm_patches import triton_fp8_kernels
+@dataclasses.dataclass(frozen=True)
+class NoQuant(QuantMode):
+    """--quant none: vLLM's bf16 model."""
 
-    return triton_fp8_kernels()
+    name: ClassVar[str] = "none"
 
 
-def prepare_trace(quant: str, model) -> None:
-    """Before tracing load_weights: let the quantized layers' loaders write their bf16 parameters."""
-    if quant != "none":
-        from .frontend.fp8_trace import unwrap_online_loaders
+@dataclasses.dataclass(frozen=True)
+class Fp8PerBlock(QuantMode):
+    """--quant fp8_per_block: vLLM's online 128x128 block fp8, quantized by its post-load step (traced per rank)."""
 
-        unwrap_online_loaders(model)
+    name: ClassVar[str] = "fp8_per_block"
+    vllm_quantization: ClassVar[str | None] = "fp8_per_block"
+
+    def hooks(self) -> QuantHooks:
+        return QuantHooks(self)
+
+    def targets(self, hooks: QuantHooks | None) -> tuple[QuantTarget, ...]:
+        """Refuses a model vLLM quantizes nothing of."""
+        targets = hooks.targets() if hooks else ()
+        if not targets:
+            raise ModelConfigError(f"--quant {self.name}: vLLM quantizes no layer of this model online; compile with --quant none")
+        return targets
+
+    def kernel_layout(self) -> QuantLayout:
+        from .frontend.fp8_kernels import KERNEL_LAYOUT
+
+        return KERNEL_LAYOUT
+
+
+QUANT_MODES: dict[str, QuantMode] = {mode.name: mode for mode in (NoQuant(), Fp8PerBlock())}
+
+
+def quant_mode(name: str) -> QuantMode:
+    """The mode of a --quant value (the plan header's QUANTS are the names allowed)."""
+    if name not in QUANTS:
+        raise ModelConfigError(f"unknown --quant {name!r}; this version compiles: {', '.join(QUANTS)}")
+    return QUANT_MODES[name]
 
 
 @dataclasses.dataclass
 class QuantHooks:
-    """What RankTracer calls around each rank's build and trace for `quant`; collects what post-load found."""
+    """What RankTracer calls around each rank's build and trace for fp8_per_block; collects what post-load found."""
 
-    quant: str
+    mode: Fp8PerBlock
     found: dict = dataclasses.field(default_factory=dict)
     derived: list = dataclasses.field(default_factory=list)  # DerivedItems, from the first rank
     padding: dict = dataclasses.field(default_factory=dict)  # bf16 name -> element ranges post-load sets to zero
 
     def build_context(self):
-        return build_context(self.quant)
+        """During model builds: stub only vLLM's fp8 kernel choice (frontend/vllm_patches.py: triton_fp8_kernels)."""
+        from .frontend.vllm_patches import triton_fp8_kernels
+
+        return triton_fp8_kernels()
 
     def prepare(self, model) -> None:
-        prepare_trace(self.quant, model)
+        """Before tracing load_weights: let the quantized layers' loaders write their bf16 parameters."""
+        from .frontend.fp8_trace import unwrap_online_loaders
+
+        unwrap_online_loaders(model)
 
     def post_load(self, model, classes, *, keep_model: bool):
         """Trace process_weights_after_loading on one rank's model (identical layers once, per `classes`);
@@ -58,33 +107,11 @@ class QuantHooks:
         for t in post.tensors:
             self.found[t.staging] = (t.weight, t.scale)
             if self.padding.setdefault(t.staging, t.padding) != t.padding:
-                raise ModelConfigError(f"fp8_per_block: the post-load zero padding of {t.staging} differs between ranks")
+                raise ModelConfigError(f"{self.mode.name}: the post-load zero padding of {t.staging} differs between ranks")
         if not self.derived:
             self.derived.extend(post.derived)
-
 
     def targets(self) -> tuple[QuantTarget, ...]:
         """What the post-load traces found, as the QuantTargets place_quant places (in the order found)."""
         return tuple(QuantTarget(staging, weight, scale, tuple(map(tuple, self.padding.get(staging, ()))))
                      for staging, (weight, scale) in self.found.items())
-
-
-def hooks(quant: str) -> QuantHooks | None:
-    return None if quant == "none" else QuantHooks(quant)
-
-
-def quant_targets(quant: str, found: QuantHooks | None) -> tuple[QuantTarget, ...]:
-    """What the post-load traces found to quantize; refuses `--quant` for a model vLLM quantizes nothing of."""
-    targets = found.targets() if found else ()
-    if quant != "none" and not targets:
-        raise ModelConfigError(f"--quant {quant}: vLLM quantizes no layer of this model online; compile with --quant none")
-    return targets
-
-
-def kernel_layout(quant: str) -> QuantLayout | None:
-    """How vLLM's kernels for `quant` want weights and scales laid out (recorded in the plan header)."""
-    if quant == "none":
-        return None
-    from .frontend.fp8_kernels import KERNEL_LAYOUT
-
-    return KERNEL_LAYOUT

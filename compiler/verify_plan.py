@@ -17,11 +17,12 @@ from ..runtime.host.executor import rows_view
 from ..runtime.plan.format import Plan
 from ..runtime.tables.fanout import second_hops
 from ..runtime.layout.shards import box_segments
-from .frontend.trainer_formats import Conversion
+from .frontend.trainer_formats import Conversion, TrainerFormat
 from .frontend.errors import ModelConfigError
 from .frontend.vllm_model import build_model, current_platform_name, make_vllm_config
 from .frontend.vllm_patches import HOST_PROFILE, host_independent, parallel_rank, triton_fp8_kernels
 from .models import config_hash, known_models, resolve_model
+from .quant_compile import quant_mode
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,7 @@ def verify_plan(
         )
     _, config_dir = resolve_model(model or plan.header.model)
     check_fingerprint(plan, config_dir)
+    quant = quant_mode(plan.header.quant)
     n_ranks = plan.header.dst_ranks
     ranks = set(range(n_ranks)) if ranks is None else set(ranks)
     outside = sorted(ranks - set(range(n_ranks)))
@@ -173,7 +175,7 @@ def verify_plan(
         if not small:
             raise PlanMismatchError(f"no destination tensor of at most {max_tensor_bytes} bytes to sample; raise --max-tensor-bytes")
         entries = sorted(random.Random(seed).sample(small, min(sample, len(small))))
-        if plan.header.quant != "none":
+        if quant.quantizes:
             entries = whole_modules(plan, entries, ranks)
     chosen = np.zeros(len(plan.dests), dtype=bool)
     chosen[entries] = True
@@ -188,11 +190,9 @@ def verify_plan(
     full = random_sources(plan, reads, seed)
     shards = sampled_shards(plan, full, reads)
     info = plan.header.inference
-    quant = plan.header.quant
-    quantization = None if quant == "none" else quant
     draft = info.draft is not None  # a draft plan (compile-plan --draft): vLLM's MTP draft model is the reference
-    base = make_vllm_config(config_dir, quantization=quantization, draft=draft)
-    vllm_config = (make_vllm_config(config_dir, tp=info.tp, dp=info.dp, ep=info.ep, quantization=quantization, draft=draft)
+    base = make_vllm_config(config_dir, quantization=quant.vllm_quantization, draft=draft)
+    vllm_config = (make_vllm_config(config_dir, tp=info.tp, dp=info.dp, ep=info.ep, quantization=quant.vllm_quantization, draft=draft)
                    if plan.header.dst_ranks > 1 else base)
 
     from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
@@ -206,7 +206,7 @@ def verify_plan(
             if not names:
                 continue
             tp_rank, dp_rank = rank % info.tp, rank // info.tp
-            if quantization is None:
+            if not quant.quantizes:
                 planned_of[rank] = _materialize(build_model(vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=base),
                                                 names, float("nan"))
             else:
@@ -216,7 +216,7 @@ def verify_plan(
             if rank not in ranks:  # a puller executed only for the peers of its node it serves
                 continue
             tp_rank, dp_rank = rank % info.tp, rank // info.tp
-            if quantization is None:
+            if not quant.quantizes:
                 untouched = {e.name for e in plan.unloaded if rank in e.ranks}
                 reference, written = _vllm_load(vllm_config, base, plan, full, set(planned), tp_rank, dp_rank, untouched)
                 mismatches += [f"{name} (inference rank {rank}, listed as never written)" for name in sorted(written)]
@@ -341,8 +341,8 @@ def plan_conversion(vllm_config, plan: Plan) -> Conversion:
     trainer = plan.header.trainer
     from .compile import trainer_tensors
 
-    return Conversion(trainer_tensors(Path(vllm_config.model_config.model), trainer.dtype, trainer.format,
-                                      trainer.adapter), trainer.format)
+    fmt = TrainerFormat.ADAPTER if trainer.adapter else TrainerFormat.parse(trainer.format)
+    return Conversion(trainer_tensors(Path(vllm_config.model_config.model), trainer.dtype, trainer.adapter), fmt)
 
 
 def _materialize(model: torch.nn.Module, names: set[str], fill: float) -> dict[str, torch.Tensor]:

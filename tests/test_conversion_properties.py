@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from weightplan.compiler.frontend.lazy_weight import LazyWeight, Tracer, tracing
-from weightplan.compiler.frontend.trainer_formats import load_trainer_model
+from weightplan.compiler.frontend.trainer_formats import TrainerFormat, load_trainer_model
 from weightplan.compiler.passes.fold_views import _evaluate
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
@@ -46,7 +46,7 @@ def test_traced_conversion_is_save_pretrained(tmp_path_factory, model_type, seed
 
     trainer = load_trainer_model(config_dir, torch_dtype)
     state = model.state_dict()
-    real = dict(trainer.checkpoint_tensors("transformers", ((n, state[n]) for n in trainer.in_memory)))
+    real = dict(trainer.checkpoint_tensors(TrainerFormat.TRANSFORMERS, ((n, state[n]) for n in trainer.in_memory)))
     assert list(real) == list(trainer.checkpoint)  # the feeding order the specs promise
     assert set(real) == set(expected)
     for name, tensor in real.items():
@@ -57,7 +57,7 @@ def test_traced_conversion_is_save_pretrained(tmp_path_factory, model_type, seed
     # bytes (fold_views' index evaluator), give save_pretrained's tensors too.
     with tracing(Tracer({})):
         lazy = {n: LazyWeight.source(n, tuple(t.shape), t.dtype) for n, t in trainer.in_memory.items()}
-        traced = dict(trainer.checkpoint_tensors("transformers", lazy.items()))
+        traced = dict(trainer.checkpoint_tensors(TrainerFormat.TRANSFORMERS, lazy.items()))
     assert list(traced) == list(real)
     bases, flat, offset = {}, [], 0
     for name in trainer.in_memory:

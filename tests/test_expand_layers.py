@@ -8,7 +8,7 @@ import torch
 
 from tests.conftest import config_dir
 from weightplan.compiler.frontend.trace import trace_load
-from weightplan.compiler.frontend.trainer_formats import Conversion, load_trainer_model
+from weightplan.compiler.frontend.trainer_formats import Conversion, TrainerFormat, load_trainer_model
 from weightplan.compiler.frontend.vllm_model import build_model, make_vllm_config
 from weightplan.compiler.frontend.vllm_patches import host_independent
 from weightplan.compiler.ir import LayerReuse, Program
@@ -27,7 +27,8 @@ def _rows(program: Program) -> list[tuple]:
     return runs + constants
 
 
-@pytest.mark.parametrize("model, fmt", [("tiny-glm", "transformers"), ("tiny-qwen3-moe", "hf"), ("tiny-llama", "hf")])
+@pytest.mark.parametrize("model, fmt", [("tiny-glm", TrainerFormat.TRANSFORMERS), ("tiny-qwen3-moe", TrainerFormat.HF),
+                                         ("tiny-llama", TrainerFormat.HF)])
 def test_reused_layers_equal_every_layer_traced(model, fmt):
     trainer = load_trainer_model(config_dir(model), torch.bfloat16)  # transformers' model: built outside vLLM's patches
     with host_independent():

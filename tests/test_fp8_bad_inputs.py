@@ -24,10 +24,19 @@ def test_unknown_quant_lists_the_supported_ones(tmp_path):
 
 
 def test_a_model_without_online_quantized_layers_is_refused():
-    from weightplan.compiler.quant_compile import QuantHooks, quant_targets
+    from weightplan.compiler.quant_compile import quant_mode
 
+    fp8 = quant_mode("fp8_per_block")
     with pytest.raises(ModelConfigError, match="vLLM quantizes no layer of this model online; compile with --quant none"):
-        quant_targets("fp8_per_block", QuantHooks("fp8_per_block"))
+        fp8.targets(fp8.hooks())
+
+
+def test_every_plan_header_quant_has_one_compile_mode():
+    from weightplan.compiler.quant_compile import QUANT_MODES, quant_mode
+    from weightplan.runtime.plan.header import QUANTS
+
+    assert tuple(QUANT_MODES) == QUANTS
+    assert all(quant_mode(name).name == name for name in QUANTS)
 
 
 def _tiny_fp8_plan_bytes(staging_rows, stage, spans) -> bytes:

@@ -12,7 +12,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from weightplan.compiler.compile import CompileOptions, compile_plan
-from weightplan.compiler.frontend.trainer_formats import trainer_specs
+from weightplan.compiler.frontend.trainer_formats import TrainerFormat, trainer_specs
 from weightplan.compiler.plan_summary import summarize
 from weightplan.compiler.verify_plan import verify_plan
 from weightplan.runtime import LayoutError, load_plan, write_trainer_layout
@@ -38,7 +38,7 @@ def _torchtitan_fsdp4_ep2(specs) -> dict[str, torch.Tensor]:
 
 def _write_tiny_glm_fsdp4_ep2(path):
     as_rank(0, 4)
-    write_trainer_layout(_torchtitan_fsdp4_ep2(trainer_specs(config_dir("tiny-glm"), "stacked", torch.bfloat16)), path)
+    write_trainer_layout(_torchtitan_fsdp4_ep2(trainer_specs(config_dir("tiny-glm"), TrainerFormat.STACKED, torch.bfloat16)), path)
 
 
 def test_layout_written_from_dtensors_gives_the_shorthand_plan_byte_for_byte(plan_cache, tmp_path):
@@ -90,7 +90,7 @@ def _partial_refused(path):
 def _explicit_llama_layout(path):
     """A 2-D mesh with Shard(0)+Shard(1), Shard(1)+Replicate(), FSDP-over-TP style _StridedShard, and
     replicated tensors on a 1-D mesh with permuted ranks: none of it is fsdp/ep/replicas."""
-    specs = trainer_specs(config_dir("tiny-llama"), "hf", torch.bfloat16)
+    specs = trainer_specs(config_dir("tiny-llama"), TrainerFormat.HF, torch.bfloat16)
     styles = [["Shard(0)", "Shard(1)"], ["Shard(1)", "Replicate()"], ["_StridedShard(0, split_factor=2)", "Shard(0)"]]
     tensors = {}
     for i, spec in enumerate(specs):

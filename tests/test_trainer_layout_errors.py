@@ -10,7 +10,7 @@ import torch
 
 from weightplan.compiler.compile import CompileOptions, compile_plan
 from weightplan.compiler.frontend.errors import ModelConfigError
-from weightplan.compiler.frontend.trainer_formats import trainer_specs
+from weightplan.compiler.frontend.trainer_formats import TrainerFormat, trainer_specs
 from weightplan.compiler.layouts import parse_trainer
 from weightplan.runtime import LayoutError
 
@@ -22,7 +22,7 @@ EMBED = "model.embed_tokens.weight"
 
 @pytest.fixture(scope="module")
 def specs():
-    return trainer_specs(MODEL, "hf", torch.bfloat16)
+    return trainer_specs(MODEL, TrainerFormat.HF, torch.bfloat16)
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ def good(specs):
     }
 
 
-def _bind(tmp_path, data, specs, fmt="hf"):
+def _bind(tmp_path, data, specs, fmt=TrainerFormat.HF):
     path = tmp_path / "layout.json"
     path.write_text(data if isinstance(data, str) else json.dumps(data))
     return parse_trainer("fsdp=1", path, fmt).bind(specs)
@@ -145,5 +145,5 @@ def test_files_that_are_not_layouts_are_one_line_without_reading_them_whole(tmp_
         path.write_bytes({"not utf-8": b'{"format": "\xff"}', "deep nesting": b"[" * 100_000 + b"]" * 100_000,
                           "5000-digit integer": b'{"world_size": ' + b"9" * 5000 + b"}"}[kind])
     with pytest.raises(LayoutError, match=message) as info:
-        parse_trainer("fsdp=1", path, "hf").bind(specs)
+        parse_trainer("fsdp=1", path, TrainerFormat.HF).bind(specs)
     assert "\n" not in str(info.value)

@@ -156,10 +156,10 @@ def test_loader_refusal_is_one_line(tmp_path):
 def test_tiny_configs_build_the_trainer_model(tmp_path, model_type, architecture):
     """Config classes whose defaults (or shrunk values) transformers' model refuses get per-model values (PER_MODEL);
     Gemma4's per_layer_config, keyed by layer index, is derived again for the cut layer list."""
-    from weightplan.compiler.frontend.trainer_formats import load_trainer_model
+    from weightplan.compiler.frontend.trainer_formats import TrainerFormat, load_trainer_model
 
     config_dir = write_config(tmp_path / model_type, model_type, architecture)
-    assert load_trainer_model(config_dir, torch.bfloat16).specs("hf")
+    assert load_trainer_model(config_dir, torch.bfloat16).specs(TrainerFormat.HF)
 
 
 @pytest.fixture(scope="module")

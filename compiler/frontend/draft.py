@@ -6,12 +6,17 @@ import dataclasses
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..ir import TensorEntry
 from .errors import ModelConfigError
 from .lazy_weight import dtype_name
+from .trainer_formats import TrainerFormat
+
+if TYPE_CHECKING:
+    from ..quant_compile import QuantMode
 
 DRAFT_METHOD = "mtp"
 # vLLM's draft classes whose loading and sharing this module and vllm_patches.share_with_target follow (models/deepseek_mtp.py).
@@ -24,16 +29,16 @@ def mtp_layers(config: dict) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
-def check_draft(config: dict, config_path, *, fmt: str, adapter: str | None, quant: str) -> None:
+def check_draft(config: dict, config_path, *, fmt: TrainerFormat, quant: QuantMode) -> None:
     """Refuse a draft compile this version cannot do, naming the option, before vLLM is imported."""
     if mtp_layers(config) < 1:
         raise ModelConfigError(f"--draft needs MTP layers, but {config_path} has num_nextn_predict_layers="
                                f"{config.get('num_nextn_predict_layers', 0)!r}")
-    if adapter is not None or fmt != "hf":
+    if fmt is not TrainerFormat.HF:
         raise ModelConfigError("--draft reads the trainer's MTP tensors under their checkpoint names: use --trainer-format hf "
                                "(the default) and no --trainer-adapter")
-    if quant != "none":
-        raise ModelConfigError(f"--draft compiles bf16 draft plans only; got --quant {quant}")
+    if quant.quantizes:
+        raise ModelConfigError(f"--draft compiles bf16 draft plans only; got --quant {quant.name}")
 
 
 def check_draft_architecture(architecture: str, config_path) -> None:
@@ -60,10 +65,10 @@ class DraftTrainer:
 
     checkpoint: tuple[TensorEntry, ...]
 
-    def specs(self, fmt: str) -> list[TensorEntry]:
+    def specs(self, fmt: TrainerFormat) -> list[TensorEntry]:
         return list(self.checkpoint)
 
-    def checkpoint_tensors(self, fmt: str, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def checkpoint_tensors(self, fmt: TrainerFormat, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         yield from pairs
 
 

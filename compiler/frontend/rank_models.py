@@ -30,6 +30,7 @@ from ..timing import phase
 from .fp8_trace import derived_state
 from .layer_classes import layer_classes
 from .trace import TracedLoad, trace_load
+from .trainer_formats import Conversion
 from .unloaded import split_unloaded
 from .vllm_model import build_model, nonlocal_experts, place_experts
 from .vllm_patches import parallel_rank
@@ -38,10 +39,10 @@ from .vllm_patches import parallel_rank
 class RankTracer:
     """`trace(rank)` -> (assignments, dests) of one inference rank; ranks are asked for in order."""
 
-    def __init__(self, vllm_config, base_config, layout, sources, fmt: str, timings: dict, *, share: bool = True,
+    def __init__(self, vllm_config, base_config, layout, sources, conversion: Conversion, timings: dict, *, share: bool = True,
                  quant_hooks=None):
         self.vllm_config, self.base_config, self.layout = vllm_config, base_config, layout
-        self.sources, self.fmt, self.timings = sources, fmt, timings
+        self.sources, self.conversion, self.timings = sources, conversion, timings
         self.hooks = quant_hooks
         self.share = share and layout.dp > 1
         self.models: dict[int, object] = {}  # TP rank -> model built for DP rank 0
@@ -144,7 +145,7 @@ class RankTracer:
         with phase(self.timings, "trace"), parallel_rank(self.vllm_config, tp_rank, dp_rank):
             # on a shared model, experts other ranks hold are not fed (checked by the guard's real build)
             absent = nonlocal_experts(model) if shared else None
-            traced = trace_load(model, self.sources, self.fmt, progress,
+            traced = trace_load(model, self.sources, self.conversion, progress,
                                 skip=None if absent is None else functools.partial(self._skip, absent))
             if self.hooks is None:  # with --quant, the post-load step writes what load_weights does not
                 traced = split_unloaded(model, self.vllm_config, traced, dp_rank * self.layout.tp + tp_rank)

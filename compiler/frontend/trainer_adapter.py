@@ -22,9 +22,9 @@ from ..ir import TensorEntry
 from ...runtime.errors import WeightplanError
 from .errors import ModelConfigError
 from .lazy_weight import dtype_name
+from .trainer_formats import TrainerFormat
 from .vllm_patches import check_unpatched
 
-ADAPTER_FORMAT = "adapter"  # the plan header's trainer format for an adapter's tensors
 _SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
@@ -36,12 +36,12 @@ class AdapterTrainer:
     adapter: object
     tensors: dict[str, torch.Tensor]
 
-    def specs(self, fmt: str = ADAPTER_FORMAT) -> list[TensorEntry]:
+    def specs(self, fmt: TrainerFormat = TrainerFormat.ADAPTER) -> list[TensorEntry]:
         is_expert = getattr(self.adapter, "is_expert", lambda name: False)
         return [TensorEntry(name, tuple(t.shape), dtype_name(t.dtype), "expert" if is_expert(name) else "dense")
                 for name, t in self.tensors.items()]
 
-    def checkpoint_tensors(self, fmt: str, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def checkpoint_tensors(self, fmt: TrainerFormat, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The adapter's `to_hf` of every trainer tensor in `pairs` (given all at once: it may combine them)."""
         given = dict(pairs)
         try:

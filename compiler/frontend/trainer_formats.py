@@ -11,6 +11,7 @@ tracing and on real tensors in verify-plan.
 
 from __future__ import annotations
 
+import enum
 import functools
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -23,15 +24,26 @@ from ...runtime.errors import one_line
 from .errors import ModelConfigError
 from .lazy_weight import dtype_name
 
-TRAINER_FORMATS = ("hf", "transformers", "stacked")
-_ALIASES = {"stacked": "transformers"}  # the name plans and docs used before transformers' mapping was traced
+class TrainerFormat(enum.StrEnum):
+    """The names trainer tensors go by, as the plan header records them (the --trainer-format value, or `adapter`)."""
 
+    HF = "hf"
+    TRANSFORMERS = "transformers"
+    STACKED = "stacked"  # transformers' in-memory names under the name plans and docs used before its mapping was traced
+    ADAPTER = "adapter"  # a --trainer-adapter's own names (frontend/trainer_adapter.py)
 
-def canonical_format(fmt: str) -> str:
-    """`hf` or `transformers` for any accepted --trainer-format name."""
-    if fmt not in TRAINER_FORMATS:
-        raise ModelConfigError(f"unknown --trainer-format {fmt!r}; choose one of {', '.join(TRAINER_FORMATS)}")
-    return _ALIASES.get(fmt, fmt)
+    @classmethod
+    def parse(cls, text: str) -> "TrainerFormat":
+        """A --trainer-format value (`adapter` comes with --trainer-adapter only)."""
+        options = [fmt.value for fmt in cls if fmt is not cls.ADAPTER]
+        if text not in options:
+            raise ModelConfigError(f"unknown --trainer-format {text!r}; choose one of {', '.join(options)}")
+        return cls(text)
+
+    @property
+    def checkpoint_names(self) -> bool:
+        """True if the trainer's tensors are the checkpoint's (no conversion before vLLM's load_weights)."""
+        return self is TrainerFormat.HF
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,22 +55,23 @@ class TrainerModel:
     checkpoint: Mapping[str, TensorEntry]  # checkpoint name -> spec, in feeding order
     group_of: Mapping[str, tuple[str, ...]]  # in-memory name -> the in-memory tensors converted together with it
 
-    def specs(self, fmt: str) -> list[TensorEntry]:
+    def specs(self, fmt: TrainerFormat) -> list[TensorEntry]:
         """The trainer tensors of format `fmt`, in feeding order."""
-        if canonical_format(fmt) == "hf":
+        if fmt.checkpoint_names:
             return list(self.checkpoint.values())
         plan = getattr(self.model, "ep_plan", {}) or {}
         return [TensorEntry(name, tuple(t.shape), dtype_name(t.dtype), "expert" if _expert_stacked(name, plan) else "dense")
                 for name, t in self.in_memory.items()]
 
-    def checkpoint_tensors(self, fmt: str, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def checkpoint_tensors(self, fmt: TrainerFormat,
+                           pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint tensors (name, tensor) vLLM's load_weights consumes for a stream of trainer tensors of `fmt`.
 
         Works on real, meta and Lazy tensors (Lazy ones inside an active trace). Tensors that
         transformers converts together are buffered until their group is complete; a group still
         incomplete at the end is converted as it is and refused if that changes a checkpoint shape.
         """
-        if canonical_format(fmt) == "hf":
+        if fmt.checkpoint_names:
             yield from pairs
             return
         pending: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
@@ -88,7 +101,7 @@ class Conversion:
     """One trainer format of one model: the trainer -> checkpoint conversion trace_load and verify-plan feed to vLLM."""
 
     trainer: TrainerModel
-    fmt: str
+    fmt: TrainerFormat
 
     def __call__(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         return self.trainer.checkpoint_tensors(self.fmt, pairs)
@@ -174,6 +187,6 @@ def _expert_stacked(name: str, ep_plan: Mapping[str, str]) -> bool:
     return bool(getattr(style, "shards_expert_dim", False))
 
 
-def trainer_specs(config_dir: Path, fmt: str, dtype: torch.dtype) -> list[TensorEntry]:
+def trainer_specs(config_dir: Path, fmt: TrainerFormat, dtype: torch.dtype) -> list[TensorEntry]:
     """The trainer tensors of this format, in feeding order."""
     return load_trainer_model(config_dir, dtype).specs(fmt)

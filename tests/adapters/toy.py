@@ -6,14 +6,14 @@ from pathlib import Path
 
 import torch
 
-from weightplan.compiler.frontend.trainer_formats import load_trainer_model
+from weightplan.compiler.frontend.trainer_formats import TrainerFormat, load_trainer_model
 
 
 class Renamed:
     """The checkpoint tensors under a `trainer.` prefix, transposed on the trainer side: to_hf undoes both."""
 
     def __init__(self, config_dir: Path, dtype: torch.dtype):
-        self._checkpoint = load_trainer_model(config_dir, dtype).specs("hf")
+        self._checkpoint = load_trainer_model(config_dir, dtype).specs(TrainerFormat.HF)
 
     def state_dict(self):
         return {f"trainer.{s.name}": torch.empty(tuple(reversed(s.shape)), dtype=getattr(torch, s.dtype), device="meta")
