@@ -52,7 +52,8 @@ class SyncReport:
     second_hop_bytes: int = 0  # read from pullers of this node (fan-out), not in `bytes`
     second_hop_seconds: float = 0.0  # waiting for and reading them, inside `seconds`
     # Straggler report over the grouped READs (not ring chunks or second hops): the trainer rank whose READs stayed
-    # outstanding longest, and that time as a share of `seconds`; None without grouped READs.
+    # outstanding longest (summed over groups, from posting to done), and that time as a share of the grouped READs'
+    # wall time (at most 1; groups in flight together can count twice); None without grouped READs.
     slowest_trainer: int | None = None
     slowest_share: float = 0.0
 
@@ -145,6 +146,7 @@ class Receiver(AgentOwner):
         self._trainers: Connections[_Trainer] = Connections(self._connect)
         self._version: int | None = None
         self._reading: dict[int, float] = {}  # trainer rank -> seconds its grouped READs were outstanding, this sync
+        self._read_seconds = 0.0  # the grouped READs' phase of this sync, wall time
         self.incarnation = uuid.uuid4().hex
         self.agent: NixlAgent | None = None  # created, with the destinations registered, by start()
         self._progress_thread = progress_thread
@@ -293,18 +295,19 @@ class Receiver(AgentOwner):
         self._version = version
         seconds = time.monotonic() - start
         slowest = max(self._reading, key=self._reading.get, default=None)
+        share = min(1.0, self._reading[slowest] / self._read_seconds) if slowest is not None and self._read_seconds > 0 else 0.0
         report = SyncReport(version, self.rank, self.bytes, self.descriptors, len(sources), self.n_groups,
                             seconds, spent[0] if self.verify else None,
                             self._quant.seconds if self._quant else 0.0, self._derived.seconds, self.table_bytes,
                             self.packed_read_bytes, self._hops.bytes, self._hops.seconds if self._hops.inbound else 0.0,
-                            slowest, self._reading[slowest] / seconds if slowest is not None and seconds > 0 else 0.0)
+                            slowest, share)
         log.info("weightplan sync v%d inference rank %d: %.3f GB, %d descriptors from %d trainer ranks, %.3f s, %.2f GB/s%s%s",
                  version, self.rank, report.bytes / 1e9, report.descriptors, report.trainer_ranks, report.seconds,
                  report.gbps, f", verified in {report.verify_seconds:.3f} s" if self.verify else "",
                  f", quantized in {report.quantize_seconds:.3f} s" if self._quant and self._quant.quantizes else "")
         if slowest is not None:
             log.info("weightplan sync v%d inference rank %d: slowest trainer rank %d, its READs outstanding for %.0f%% "
-                     "of the sync", version, self.rank, slowest, 100 * report.slowest_share)
+                     "of the read phase", version, self.rank, slowest, 100 * report.slowest_share)
         return report
 
     def _connect(self, rank: int, incarnation: str) -> _Trainer:
@@ -412,6 +415,7 @@ class Receiver(AgentOwner):
         shown = start
         posted_at = {}
         self._reading = {}
+        began = time.monotonic()
         for g in range(self.n_groups):
             while posted < min(self.n_groups, g + window):
                 posted_at[posted] = time.monotonic()
@@ -424,6 +428,7 @@ class Receiver(AgentOwner):
             for t in self._trainers.by_rank.values():
                 if t.group_reads.get(g):
                     self._reading[t.rank] = self._reading.get(t.rank, 0.0) + done_at[f"trainer rank {t.rank}"] - posted_at[g]
+            self._read_seconds = time.monotonic() - began
             if post_op is not None:
                 post_op(g)
             if time.monotonic() - shown > PROGRESS_EVERY:

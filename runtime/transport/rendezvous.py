@@ -18,6 +18,7 @@ import os
 import re
 import socket
 import stat
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -35,6 +36,7 @@ MIN_SECRET_BYTES = 16
 # record tags: HMAC-signed, or plain (a job without a secret)
 _SIGNED, _PLAIN = f"wp{PROTOCOL_VERSION}s".encode(), f"wp{PROTOCOL_VERSION}p".encode()
 _MAC_BYTES = 32
+STORE_MARGIN = 2.0  # seconds a store call may take beyond its own timeout before the caller gives up on it
 SIGNED_JOB = "signed-job"  # a plain key a secured process sets, for the hint in Rendezvous.wait
 
 
@@ -93,10 +95,48 @@ def is_loopback(host: str) -> bool:
 class Rendezvous:
     """The job's keys in a shared store: every key is prefixed `weightplan/<job>/`; records signed with the job secret."""
 
-    def __init__(self, store, job: str, secret: bytes | None = None):
+    def __init__(self, store, job: str, secret: bytes | None = None, timeout: float = 60.0, reconnect=None):
         self.store = store
         self.job = check_job(job)
         self._secret = secret
+        self._timeout = timeout
+        self._reconnect = reconnect  # () -> a new client of the same store; None for the process serving it
+
+    def _call(self, what: str, op, *args, timeout: float | None = None):
+        """`op(*args)` on the store, answered within `timeout` (default: the store's) plus a margin, else SyncError.
+
+        TCPStore's client can block without bound once its server is unreachable (a `wait` that timed
+        out waits, with no timeout, for the answer to its cancellation), so each call runs in a thread
+        this one stops waiting for. A client left blocked there is dropped: the next call connects a new
+        one, if the store is reachable again.
+        """
+        if self.store is None:
+            self.store = self._new_client(what)
+        store, result, done = self.store, [], threading.Event()
+
+        def run() -> None:
+            try:
+                result.append((True, op(store, *args)))
+            except BaseException as exc:  # handed to the caller below
+                result.append((False, exc))
+            done.set()
+
+        threading.Thread(target=run, name=f"weightplan-store-{what}", daemon=True).start()
+        limit = (self._timeout if timeout is None else timeout) + STORE_MARGIN
+        if not done.wait(limit):
+            if self._reconnect is not None:
+                self.store = None  # that client is blocked mid-request; the next call connects a new one
+            raise SyncError(f"{what}: the rendezvous store did not answer within {limit:.1f} s; is its host reachable?")
+        ok, value = result[0]
+        if not ok:
+            raise value
+        return value
+
+    def _new_client(self, what: str):
+        try:
+            return self._reconnect()
+        except Exception as exc:  # WeightplanError from _wait_reachable, DistNetworkError from TCPStore
+            raise SyncError(f"{what}: cannot reach the rendezvous store again ({exc})") from None
 
     @property
     def authenticated(self) -> bool:
@@ -137,17 +177,22 @@ class Rendezvous:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise WeightplanError(f"cannot {'serve' if serve else 'reach'} the rendezvous store at {address} "
                                   f"within {timeout:g} s: {first}") from None
-        rendezvous = cls(store, job, key)
+        def reconnect():
+            _wait_reachable(host, port, timeout, address)
+            return TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout))
+
+        rendezvous = cls(store, job, key, timeout, None if serve else reconnect)
         if listener is not None:
             listener.detach()  # the store's event loop owns the descriptor now; a second close could hit a reused fd
         if key is not None:  # tells a process started without the secret why it finds nothing (`wait`)
-            rendezvous.store.set(rendezvous._plain(SIGNED_JOB), b"1")
+            rendezvous._call("marking the job as signed", type(store).set, rendezvous._plain(SIGNED_JOB), b"1")
         return rendezvous
 
     @property
     def address(self) -> str:
         """HOST:PORT of the store, with the port it actually listens on."""
-        return f"{self.store.host}:{self.store.port}"
+        store = self.store or self._new_client("the store's address")
+        return f"{store.host}:{store.port}"
 
     def _key(self, key: str) -> str:
         """The store key of protocol key `key`: with a job secret, a name derived from it.
@@ -172,15 +217,22 @@ class Rendezvous:
         raw = value if isinstance(value, bytes) else json.dumps(value, sort_keys=True).encode()
         record = _SIGNED + self._mac(key, raw) + raw if self._secret is not None else _PLAIN + raw
         try:
-            self.store.set(self._key(key), record)
+            self._call(f"rendezvous key {key!r}", lambda store: store.set(self._key(key), record))
+        except SyncError:
+            raise
         except Exception as exc:  # DistNetworkError / DistStoreError when the store's host is gone or unreachable
             raise SyncError(f"rendezvous key {key!r}: cannot write it ({type(exc).__name__}); is the store's host "
                             "reachable?") from None
 
     def exists(self, key: str) -> bool:
         """Whether `key` holds a record this job wrote (a forged or malformed one counts as absent, and is logged)."""
-        if not self.store.check([self._key(key)]):
-            return False
+        try:
+            if not self._call(f"rendezvous key {key!r}", lambda store: store.check([self._key(key)])):
+                return False
+        except SyncError:
+            raise
+        except Exception as exc:  # as in put()
+            raise SyncError(f"rendezvous key {key!r}: cannot check it ({type(exc).__name__})") from None
         try:
             self.get_bytes(key)
         except SyncError as exc:
@@ -190,7 +242,10 @@ class Rendezvous:
 
     def wait(self, keys: list[str], timeout: float, what: str) -> None:
         try:
-            self.store.wait([self._key(k) for k in keys], timedelta(seconds=max(timeout, 0.001)))
+            self._call(what, lambda store: store.wait([self._key(k) for k in keys], timedelta(seconds=max(timeout, 0.001))),
+                       timeout=max(timeout, 0.001))
+        except SyncError:
+            raise
         except Exception as exc:  # TCPStore raises DistStoreError on timeout, DistNetworkError when the store is gone
             if "Network" in type(exc).__name__:
                 raise SyncError(f"{what}: lost the rendezvous store ({type(exc).__name__}); is its host process alive?") from None
@@ -198,13 +253,16 @@ class Rendezvous:
 
     def _why_missing(self, keys: list[str]) -> str:
         """What the store holds instead of `keys` that a process of another secret setting wrote, as a hint."""
+        def present(key: str) -> bool:
+            return self._call("a hint", lambda store: store.check([key]), timeout=min(self._timeout, 1.0))
+
         try:
             if self._secret is None:
-                if self.store.check([self._plain(SIGNED_JOB)]):
+                if present(self._plain(SIGNED_JOB)):
                     return (f"; job {self.job!r} signs its records with a job secret this process does not have: set "
                             f"{SECRET_FILE_ENV} or {SECRET_ENV} as on its other processes")
                 return ""
-            unsigned = [k for k in keys if self.store.check([self._plain(k)])]
+            unsigned = [k for k in keys if present(self._plain(k))]
         except Exception:  # the hint is best effort; the timeout is the error
             return ""
         if unsigned:
@@ -215,7 +273,9 @@ class Rendezvous:
     def get_bytes(self, key: str) -> bytes:
         """The value at `key`, once its record authenticates; SyncError naming the key otherwise."""
         try:
-            record = self.store.get(self._key(key))
+            record = self._call(f"rendezvous key {key!r}", lambda store: store.get(self._key(key)))
+        except SyncError:
+            raise
         except Exception as exc:
             raise SyncError(f"rendezvous key {key!r}: cannot read it ({type(exc).__name__})") from None
         tag = record[:4]
