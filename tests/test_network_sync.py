@@ -124,3 +124,42 @@ def test_a_slow_trainer_node_is_named_in_the_sync_report(plan_cache, tmp_path):
                 assert e["n_differ"] == 0, e
                 assert e["slowest_trainer"] in (2, 3) and e["slowest_share"] > 0.5, e
         job.assert_clean_exit(*(f"inf{k}" for k in range(2)), *(f"tr{r}" for r in range(4)))
+
+
+def test_a_lost_trainer_node_fails_readers_clean_and_replacement_trainers_resume_the_syncs(plan_cache, tmp_path):
+    """Trainer node t1 (ranks 2, 3) loses its link and its processes in the middle of version 2: every reader fails
+    version 2 naming a trainer rank of t1 and reports no version. Replacement trainers for ranks 2 and 3 (new
+    processes, new incarnations) start on t1 once its link is back, and version 3 syncs on every reader."""
+    path = plan_cache(*BF16[:4], "dp=2,ep")
+    with EmulatedCluster({"t0": None, "t1": None, "i0": None}, tag="wpt-lost") as cluster, \
+            Job(tmp_path, path, "net-lost", cluster=cluster, store_node="t0") as job:
+        start_gated(job, "1,2,3", lambda r: f"t{r // 2}", 2, lambda k: "i0", lambda k: ("--hold-at", "2"))
+        job.go(1)
+        for k in range(2):
+            assert job.event(f"inf{k}", "synced", 1)["n_differ"] == 0
+        job.go(2)
+        for k in range(2):
+            job.event(f"inf{k}", "mid-sync", 2)
+        cluster.link_down("t1")
+        job.kill("tr2")
+        job.kill("tr3")
+        job.resume(2)
+        for k in range(2):
+            e = job.outcome(f"inf{k}", 2, timeout=4 * LINK_TIMEOUT)
+            assert e["event"] == "failed" and e["reported"] is None, e
+            assert "trainer rank 2" in e["error"] or "trainer rank 3" in e["error"], e
+        for r in (0, 1):
+            e = job.event(f"tr{r}", "released", 2, timeout=4 * LINK_TIMEOUT)
+            assert e["acked"] == [], e
+        cluster.link_up("t1")
+        host, port = job.address.rsplit(":", 1)
+        cluster.wait_reachable("t1", host, int(port))
+        for r in (2, 3):
+            job.start(f"tr{r}b", "trainer", r, "--versions", "3", "--gate", "--wait-joined", "--timeout", str(LINK_TIMEOUT),
+                      node="t1")
+            job.event(f"tr{r}b", "ready", timeout=120)
+        job.go(3)
+        for k in range(2):
+            e = job.event(f"inf{k}", "synced", 3, timeout=6 * LINK_TIMEOUT)
+            assert e["reported"] == 3 and e["n_differ"] == 0, e
+        job.assert_clean_exit("inf0", "inf1", "tr0", "tr1", "tr2b", "tr3b")
