@@ -21,6 +21,9 @@ WORKER = Path(__file__).with_name("glm_full_worker.py")
 # Peak memory of each child: every step `make test` runs stays under 8 GB. Two sampled verifies of the 32-rank
 # seed plans (bf16 seed 3, fp8 expert module) peaked at 15.4 and 15.7 GB on 2026-12-02: they run only in
 # `make verify-glm-full` (WEIGHTPLAN_FULL_VERIFY=1), bounded at 17 GB, until verify-plan's memory comes down.
+# Where it goes (py-spy during the bf16 one): transformers' reverse conversion of the stacked experts,
+# `Chunk.convert`, makes each chunk `.contiguous()`, copying the whole expert stack although the sample reads
+# a few experts of it.
 FULL_VERIFY = os.environ.get("WEIGHTPLAN_FULL_VERIFY") == "1"
 MAX_RSS_MB = {"compile": 8 * 1024, "verify": (17 if FULL_VERIFY else 8) * 1024}
 heavy = pytest.mark.skipif(not FULL_VERIFY, reason="needs ~16 GB: `make verify-glm-full` (WEIGHTPLAN_FULL_VERIFY=1)")
