@@ -165,17 +165,20 @@ def test_missing_field_and_unknown_shipped_name():
     assert resolve_cluster("dgx-h200-seed").gpus("trainer") == 64 and resolve_cluster("loopback").name == "loopback"
 
 
-def two_rank_plan(path) -> str:
-    """Two trainer ranks (fsdp=2) serving one 8x4 bf16 tensor whole to two inference ranks."""
-    sources = (TensorEntry("w", (8, 4), "bfloat16"),)
-    layout = TrainerLayout(2).bind(sources)
-    runs = Runs.plain([0, 0], [0, 0], [0, 0], [0, 16], [16, 16], [0, 0], [0, 1])
+def two_rank_plan(path, ranks: int = 2) -> str:
+    """`ranks` trainer ranks (fsdp) serving one (4 * ranks)x4 bf16 tensor whole to `ranks` inference ranks (dp)."""
+    shape = (4 * ranks, 4)
+    sources = (TensorEntry("w", shape, "bfloat16"),)
+    layout = TrainerLayout(ranks).bind(sources)
+    zeros, each = np.zeros(ranks, dtype=np.int64), np.arange(ranks)
+    runs = Runs.plain(zeros, zeros, zeros, 16 * each, np.full(ranks, 16), zeros, each)
     program = Program(
-        sources=sources, dests=(TensorEntry("w", (8, 4), "bfloat16", ranks=(0, 1)),), runs=runs, cast_chains=(("bfloat16",),),
+        sources=sources, dests=(TensorEntry("w", shape, "bfloat16", ranks=tuple(range(ranks))),), runs=runs,
+        cast_chains=(("bfloat16",),),
         origin=PlanOrigin(vllm_version="test", model="two-rank", config_sha256="", architecture="none",
                           trainer=TrainerHeader("hf", "bf16", layout.token, layout.classes),
-                          inference=InferenceHeader("tp1-dp2", 1, 2, False, "cpu"),
-                          quant="none", src_ranks=2, dst_ranks=2),
+                          inference=InferenceHeader(f"tp1-dp{ranks}", 1, ranks, False, "cpu"),
+                          quant="none", src_ranks=ranks, dst_ranks=ranks),
         trainer_layout=layout)
     write_program(program, path)
     return str(path)
@@ -347,3 +350,16 @@ def test_cli_hostile_cluster_files_are_one_line_in_bounded_time(tmp_path, capsys
     assert simulate_main([plan, "--cluster", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and needle in err and err.count("\n") == 1
+
+
+def test_the_html_report_of_4096_by_4096_ranks_is_bounded(tmp_path):
+    """Issue 27 item 6: beyond 128 ranks per axis the heat map draws bins of consecutive ranks, beyond 512 the bars
+    do: the page stays a few MB whatever the rank count (it drew one cell per rank pair, 16M here, before)."""
+    plan = two_rank_plan(tmp_path / "p.plan", ranks=4096)
+    assert inspect_main([plan, "--html", str(tmp_path / "inspect.html")]) == 0
+    text = (tmp_path / "inspect.html").read_text()
+    parser = _Tags()
+    parser.feed(text)
+    assert sum(tag == "rect" for tag, _ in parser.tags) <= 128 * 128 + 2 * 512
+    assert len(text) < 8 << 20
+    assert "trainer ranks 0-31 -&gt; inference ranks 0-31: 32,768 bytes" in text  # 32 x 32 pairs of 32 bytes each

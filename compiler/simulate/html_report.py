@@ -110,9 +110,27 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:.3f} GB"
 
 
+MAX_CELLS = 128  # per axis of a heat map: more ranks than this are drawn in bins of consecutive ranks
+MAX_BARS = 512  # per bar chart, likewise
+
+
+def _bins(n: int, limit: int) -> np.ndarray:
+    """Start indices of at most `limit` bins of consecutive ranks covering 0..n-1 (one rank per bin when n <= limit)."""
+    return np.unique(np.arange(min(n, limit)) * n // max(min(n, limit), 1))
+
+
+def _span(side: str, starts: np.ndarray, k: int, n: int) -> str:
+    last = (starts[k + 1] if k + 1 < len(starts) else n) - 1
+    return f"{side} {starts[k]}" if last == starts[k] else f"{side} ranks {starts[k]}-{last}"
+
+
 def _matrix(m: np.ndarray, svg_id: str, title: str, rows_side: str, cols_side: str, cell_max: int = 14, left: int = 70,
             top: int = 20) -> dict:
-    rows, cols = m.shape
+    n_rows, n_cols = m.shape
+    row_bins, col_bins = _bins(n_rows, MAX_CELLS), _bins(n_cols, MAX_CELLS)
+    if m.size:  # sums over bins of consecutive ranks: the page stays bounded for any rank count
+        m = np.add.reduceat(np.add.reduceat(m, row_bins, axis=0), col_bins, axis=1)
+    rows, cols = len(row_bins), len(col_bins)
     cell = max(2, min(cell_max, 900 // max(cols, 1), 900 // max(rows, 1)))
     peak = float(m.max(initial=0.0)) or 1.0
     cells = []
@@ -121,17 +139,23 @@ def _matrix(m: np.ndarray, svg_id: str, title: str, rows_side: str, cols_side: s
         shade = int(round(255 - 200 * level))
         cells.append({"x": left + i * cell, "y": top + t * cell, "w": cell, "h": cell,
                       "fill": f"rgb({shade},{shade},255)" if m[t, i] else "#f4f4f4",
-                      "title": f"{rows_side} {t} -> {cols_side} {i}: {int(m[t, i]):,} bytes"})
+                      "title": f"{_span(rows_side, row_bins, t, n_rows)} -> {_span(cols_side, col_bins, i, n_cols)}: "
+                               f"{int(m[t, i]):,} bytes"})
     labels = [{"x": left - 6, "y": top + cell * 0.8, "text": f"{rows_side} 0", "anchor": "end"},
-              {"x": left - 6, "y": top + rows * cell, "text": f"{rows_side} {rows - 1}", "anchor": "end"},
+              {"x": left - 6, "y": top + rows * cell, "text": f"{rows_side} {n_rows - 1}", "anchor": "end"},
               {"x": left, "y": top - 6, "text": f"{cols_side} 0", "anchor": "start"},
-              {"x": left + cols * cell, "y": top - 6, "text": f"{cols - 1}", "anchor": "end"}]
+              {"x": left + cols * cell, "y": top - 6, "text": f"{n_cols - 1}", "anchor": "end"}]
     return {"id": svg_id, "title": title, "cells": cells, "labels": labels, "width": left + cols * cell + 10,
             "height": top + rows * cell + 10, "max_label": _gb(peak)}
 
 
 def _bars(title: str, side: str, stacks: list[list[int]], note: str = "", height: int = 120, left: int = 70, top: int = 10) -> dict:
-    """One bar per rank; with two value lists, first hops (blue) with second hops (red) stacked on top."""
+    """One bar per rank (per bin of consecutive ranks beyond MAX_BARS); with two value lists, first hops (blue) with
+    second hops (red) stacked on top."""
+    n_ranks = len(stacks[0]) if stacks else 0
+    starts = _bins(n_ranks, MAX_BARS)
+    if n_ranks > len(starts):
+        stacks = [np.add.reduceat(np.asarray(vs, dtype=np.int64), starts).tolist() for vs in stacks]
     totals = [sum(vs) for vs in zip(*stacks)]
     n = len(totals)
     width = max(2, min(24, 900 // max(n, 1)))
@@ -142,12 +166,13 @@ def _bars(title: str, side: str, stacks: list[list[int]], note: str = "", height
         for v, (cls, fill, what) in zip(values, (("first-hop", FIRST_HOP, " first hop" if len(stacks) > 1 else ""), ("second-hop", SECOND_HOP, " second hop"))):
             if v or (cls == "first-hop" and len(stacks) == 1):
                 bars.append({"x": left + k * width, "y": top + height - height * (base + v) / peak, "w": max(width - 1, 1),
-                             "h": height * v / peak, "fill": fill, "cls": cls, "title": f"{side} {k}: {v:,}{what} bytes"})
+                             "h": height * v / peak, "fill": fill, "cls": cls,
+                             "title": f"{_span(side, starts, k, n_ranks)}: {v:,}{what} bytes"})
             base += v
     labels = [{"x": left - 6, "y": top + 10, "text": _gb(peak), "anchor": "end"},
               {"x": left - 6, "y": top + height, "text": "0", "anchor": "end"},
               {"x": left, "y": top + height + 14, "text": f"{side} 0", "anchor": "start"},
-              {"x": left + n * width, "y": top + height + 14, "text": f"{n - 1}", "anchor": "end"}]
+              {"x": left + n * width, "y": top + height + 14, "text": f"{n_ranks - 1}", "anchor": "end"}]
     return {"title": title, "note": note, "bars": bars, "labels": labels, "width": left + n * width + 20,
             "height": top + height + 24}
 
