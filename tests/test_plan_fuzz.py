@@ -89,7 +89,8 @@ def _accepts_or_refuses(data: bytes, what: str = "") -> None:
 def base_plans(plan_cache):
     plans = [plan_cache("tiny-llama", "hf", "fp32", "fsdp=2", "tp=2"),
              plan_cache("fp8-glm", "hf", "bf16", "fsdp=3", "dp=2", quant="fp8_per_block"),
-             plan_cache("vocab-llama", "hf", "bf16", "fsdp=1", "tp=2")]
+             plan_cache("vocab-llama", "hf", "bf16", "fsdp=1", "tp=2"),
+             plan_cache("tiny-qwen3-moe", "transformers", "bf16", "fsdp=2", "dp=4,ep,gpus-per-node=2")]  # format 6
     return [_split(p.read_bytes()) for p in plans]
 
 
@@ -283,8 +284,9 @@ CLI_EXAMPLES = int(os.environ.get("WEIGHTPLAN_CLI_FUZZ_EXAMPLES", "60"))
 @settings(max_examples=CLI_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_resigned_mutations_through_the_commands_are_one_error_line_or_a_report(base_plans, tmp_path, capsys, data):
-    """Header fields and table entries of formats 4-5 (and fp8), re-signed, through inspect-plan (text, JSON, HTML) and
-    simulate-plan (text, JSON): exit 0 with a report or exit 2 with one `error:` line, never a traceback."""
+    """Header fields and table entries of formats 4-5 (and fp8), re-signed, through inspect-plan (text, JSON, HTML),
+    simulate-plan (text, JSON) and, where they accept the plan, execute_local: exit 0 with a report or exit 2 with one
+    `error:` line, and the executor runs or raises one WeightplanError, never a traceback."""
     from weightplan.compiler.cli import inspect_main, simulate_main
 
     header, columns = data.draw(st.sampled_from(base_plans))
@@ -313,3 +315,16 @@ def test_resigned_mutations_through_the_commands_are_one_error_line_or_a_report(
     # One reader for every command: each command agrees across its output forms, and a plan inspect-plan refuses
     # simulate-plan refuses too (simulate-plan also refuses plans with more ranks than the loopback cluster has GPUs).
     assert len(set(codes[:3])) == 1 and len(set(codes[3:])) == 1 and (codes[0] == 0 or codes[3] == 2), codes
+    if codes[0] == 0:  # a plan every reader accepts runs through the host executor, or is refused in one WeightplanError
+        from weightplan.runtime import execute_local, load_plan
+        from weightplan.runtime.errors import WeightplanError
+
+        from .runtime_worker import full_weights, plain_destination, shard
+
+        plan = load_plan(path)
+        full = full_weights(plan, 0, 1)
+        try:
+            execute_local(plan, {r: shard(plan, full, r) for r in range(plan.header.src_ranks)},
+                          {k: plain_destination(plan, k) for k in range(plan.header.dst_ranks)})
+        except WeightplanError as exc:
+            assert "\n" not in str(exc), exc
