@@ -284,7 +284,7 @@ CLI_EXAMPLES = int(os.environ.get("WEIGHTPLAN_CLI_FUZZ_EXAMPLES", "60"))
 @settings(max_examples=CLI_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_resigned_mutations_through_the_commands_are_one_error_line_or_a_report(base_plans, tmp_path, capsys, data):
-    """Header fields and table entries of formats 4-5 (and fp8), re-signed, through inspect-plan (text, JSON, HTML),
+    """Header fields and table entries of formats 4-6 (fp8 and fan-out included), re-signed, through inspect-plan (text, JSON, HTML),
     simulate-plan (text, JSON) and, where they accept the plan, execute_local: exit 0 with a report or exit 2 with one
     `error:` line, and the executor runs or raises one WeightplanError, never a traceback."""
     from weightplan.compiler.cli import inspect_main, simulate_main
