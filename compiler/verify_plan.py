@@ -323,7 +323,7 @@ def _vllm_load_quantized(vllm_config, base, plan: Plan, conversion: Conversion, 
             owners = {_module_of(name) for name in chosen}
             layers = torch.nn.ModuleList([m for name, m in model.named_modules() if name in owners])
         with torch.no_grad(), parallel_rank(vllm_config, tp_rank, dp_rank):
-            model.load_weights(conversion(stream()))
+            model.load_weights(as_views(conversion, stream()))
             # Layers vLLM did not process while loading (padding left them incomplete) are processed here.
             finalize_layerwise_processing(layers, vllm_config.model_config)
             for module in layers.modules():
@@ -331,6 +331,26 @@ def _vllm_load_quantized(vllm_config, base, plan: Plan, conversion: Conversion, 
                 if isinstance(method, QuantizeMethodBase):
                     method.process_weights_after_loading(module)
     return {name: p for name, p in model.named_parameters() if chosen is None or name in chosen}
+
+
+class _ChunkViews(torch.Tensor):
+    """A trainer tensor on its way through the trainer -> checkpoint conversion of verify-plan: `.contiguous()` keeps a
+    view. transformers' reverse conversion makes every chunk of a stacked tensor contiguous, which copies the whole
+    stack (GLM-5.2's routed experts: ~13 GB) although random_sources wrote only the bytes the sample reads."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.contiguous:
+            return args[0]
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def as_views(conversion: Conversion, pairs):
+    """`conversion(pairs)` with chunks left as views of the trainer tensors; vLLM's loaders get plain tensors (they
+    narrow and copy_, whatever the strides)."""
+    wrapped = ((name, t.as_subclass(_ChunkViews) if t.device.type != "meta" else t) for name, t in pairs)
+    for name, tensor in conversion(wrapped):
+        yield name, tensor.as_subclass(torch.Tensor) if isinstance(tensor, _ChunkViews) else tensor
 
 
 def plan_conversion(vllm_config, plan: Plan) -> Conversion:
@@ -405,7 +425,7 @@ def _vllm_load_patched(vllm_config, base, conversion: Conversion, plan: Plan, fu
             yield entry.name, tensor
 
     with torch.no_grad(), parallel_rank(vllm_config, tp_rank, dp_rank):
-        model.load_weights(conversion(stream()))
+        model.load_weights(as_views(conversion, stream()))
     held = named_tensors(model, sentinels)  # a loader that replaces a parameter wrote it too
     written = {n for n, t in sentinels.items()
                if n not in held or held[n].data_ptr() != t.data_ptr() or not torch.equal(_bytes(t), before[n])}
