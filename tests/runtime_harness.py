@@ -90,12 +90,15 @@ class Job:
         lines = (self.tmp / f"{key}.out").read_text().splitlines()
         return [json.loads(line) for line in lines if line.startswith("{")]
 
-    def event(self, key: str, kind: str, version: int | None = None, timeout: float = 240.0, job: str | None = None) -> dict:
-        """Wait for the worker's event of `kind` (for `version`, of case `job`); fail with its stderr if it exits first."""
+    def event(self, key: str, kind: str | tuple[str, ...], version: int | None = None, timeout: float = 240.0,
+              job: str | None = None) -> dict:
+        """Wait for the worker's first event of `kind` (or of any kind in a tuple; for `version`, of case `job`); fail
+        with its stderr if it exits first."""
+        kinds = (kind,) if isinstance(kind, str) else kind
         deadline = time.monotonic() + timeout
 
         def wanted(e: dict) -> bool:
-            return e["event"] == kind and version in (None, e.get("version")) and job in (None, e.get("job"))
+            return e["event"] in kinds and version in (None, e.get("version")) and job in (None, e.get("job"))
 
         while time.monotonic() < deadline:
             for e in self.events(key):
@@ -108,23 +111,6 @@ class Job:
                 raise AssertionError(f"{key} exited ({self.procs[key].returncode}) before {kind} v{version}:\n{self.stderr(key)}")
             time.sleep(0.1)
         raise AssertionError(f"{key}: no {kind} v{version} within {timeout} s:\n{self.stderr(key)}")
-
-    def outcome(self, key: str, version: int, timeout: float = 240.0, events: tuple[str, ...] = ("synced", "failed")) -> dict:
-        """The worker's first event for `version` among `events` (a reader's `synced` or `failed`, by default)."""
-        deadline = time.monotonic() + timeout
-
-        def found() -> dict | None:
-            return next((e for e in self.events(key) if e["event"] in events and e.get("version") == version), None)
-
-        while time.monotonic() < deadline:
-            exited = self.procs[key].poll() is not None
-            if (e := found()) is not None:
-                return e
-            if exited:
-                raise AssertionError(f"{key} exited ({self.procs[key].returncode}) before any of {events} for "
-                                     f"v{version}:\n{self.stderr(key)}")
-            time.sleep(0.1)
-        raise AssertionError(f"{key}: none of {events} for v{version} within {timeout} s:\n{self.stderr(key)}")
 
     def assert_fanout_syncs(self, cases: dict[str, Path | str], versions: tuple[int, ...], readers: int, trainers: int,
                             timeout: float = 240.0) -> None:

@@ -84,10 +84,10 @@ def fake_host(monkeypatch, has_features: bool):
 
 def test_vllm_block_quantization_runs_eagerly_inside_the_pins():
     """Inductor compiles per_block_cast_to_fp8 for the host's ISA; inside the pins vLLM's online fp8 calls it under the
-    force_eager stance, and its bytes are the ones the runtime's quantizer reproduces."""
+    force_eager stance, with the bytes of vLLM's compiled function on this host."""
     from vllm.model_executor.layers.quantization.online import fp8 as online_fp8
 
-    from weightplan.runtime.fp8.numerics import per_block_fp8
+    from .support.fp8 import vllm_per_block
 
     compiled = online_fp8.per_block_cast_to_fp8
     stances = []
@@ -97,8 +97,8 @@ def test_vllm_block_quantization_runs_eagerly_inside_the_pins():
             torch.compiler, "set_stance", lambda stance, _set=torch.compiler.set_stance: stances.append(stance) or _set(stance))
         values, scales = online_fp8.per_block_cast_to_fp8(x, block_size=[128, 128], use_ue8m0=False)
     assert stances == ["force_eager"]
-    ours = per_block_fp8(x)
-    assert torch.equal(values.view(torch.uint8), ours[0].view(torch.uint8)) and torch.equal(scales, ours[1])
+    compiled_values, compiled_scales = vllm_per_block(x)  # vLLM's own, compiled, outside the pins
+    assert torch.equal(values.view(torch.uint8), compiled_values.view(torch.uint8)) and torch.equal(scales, compiled_scales)
     assert online_fp8.per_block_cast_to_fp8 is compiled  # restored on exit
 
 

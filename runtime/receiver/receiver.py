@@ -414,7 +414,7 @@ class Receiver(AgentOwner):
         posted = 0
         shown = start
         posted_at = {}
-        self._reading = {}
+        self._reading, self._read_seconds = {}, 0.0
         began = time.monotonic()
         for g in range(self.n_groups):
             while posted < min(self.n_groups, g + window):

@@ -102,8 +102,8 @@ class Rendezvous:
         self._timeout = timeout
         self._reconnect = reconnect  # () -> a new client of the same store; None for the process serving it
 
-    def _call(self, what: str, op, *args, timeout: float | None = None):
-        """`op(*args)` on the store, answered within `timeout` (default: the store's) plus a margin, else SyncError.
+    def _call(self, what: str, op, timeout: float | None = None):
+        """`op(store)` on the store, answered within `timeout` (default: the store's) plus a margin, else SyncError.
 
         TCPStore's client can block without bound once its server is unreachable (a `wait` that timed
         out waits, with no timeout, for the answer to its cancellation), so each call runs in a thread
@@ -116,7 +116,7 @@ class Rendezvous:
 
         def run() -> None:
             try:
-                result.append((True, op(store, *args)))
+                result.append((True, op(store)))
             except BaseException as exc:  # handed to the caller below
                 result.append((False, exc))
             done.set()
@@ -185,7 +185,7 @@ class Rendezvous:
         if listener is not None:
             listener.detach()  # the store's event loop owns the descriptor now; a second close could hit a reused fd
         if key is not None:  # tells a process started without the secret why it finds nothing (`wait`)
-            rendezvous._call("marking the job as signed", type(store).set, rendezvous._plain(SIGNED_JOB), b"1")
+            rendezvous._call("marking the job as signed", lambda client: client.set(rendezvous._plain(SIGNED_JOB), b"1"))
         return rendezvous
 
     @property
