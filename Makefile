@@ -25,7 +25,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 test-engine-slow: $(STAMP)
-	WEIGHTPLAN_SLOW_ENGINE=1 $(BIN)/python -m pytest -q tests/test_vllm_backend_serve.py tests/test_vllm_backend_async.py tests/test_vllm_backend_tp2.py tests/test_vllm_backend_dp2.py tests/test_vllm_backend_draft.py
+	WEIGHTPLAN_SLOW_ENGINE=1 $(BIN)/python -m pytest -q tests/vllm_backend/test_vllm_backend_serve.py tests/vllm_backend/test_vllm_backend_async.py tests/vllm_backend/test_vllm_backend_tp2.py tests/vllm_backend/test_vllm_backend_dp2.py tests/vllm_backend/test_vllm_backend_draft.py
 
 bench-compile: $(STAMP)
 	$(BIN)/python benchmarks/bench_compile.py
@@ -44,7 +44,7 @@ bench-trainer: $(STAMP)
 
 # Every benchmark above and the sweep in its smallest configuration (--smoke): they run, their JSON lines have their keys.
 bench-smoke: $(STAMP)
-	$(BIN)/python -m pytest -q tests/test_benchmark_smoke.py
+	$(BIN)/python -m pytest -q tests/e2e/test_benchmark_smoke.py
 
 sweep: $(STAMP)
 	$(BIN)/python benchmarks/sweep.py

@@ -16,7 +16,7 @@ with keys bf16_s, fp8_s, fp8_fanout_s, max_nic_gb, calibration_error_local, cali
 calibration_source, calibration_measured_at and calibration_age_h (and a few more).
 --smoke compiles a tiny fan-out plan (tests/configs/fp8-glm, fsdp=2 -> dp=4,ep,gpus-per-node=2) instead of
 GLM-5.2's and needs --bench-output or --measure (it never falls back to a saved file): it checks that
-everything runs, not the figures (tests/test_benchmark_smoke.py).
+everything runs, not the figures (tests/e2e/test_benchmark_smoke.py).
 """
 
 from __future__ import annotations

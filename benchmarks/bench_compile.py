@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/bench_compile.py [--out DIR] [--only TEXT] [--smoke]   (make bench-compile)
 --smoke compiles one tiny plan instead (tests/configs/fp8-glm, fsdp=2 -> dp=2,ep, fp8_per_block): it checks that
-every step runs, not the figures (tests/test_benchmark_smoke.py).
+every step runs, not the figures (tests/e2e/test_benchmark_smoke.py).
 Each plan is compiled in a fresh worker process, which then loads and summarizes the plan
 (src_balance); wall_s/cpu_s run from launching the worker to the plan being written, and
 worker_wall_s/worker_cpu_s cover the whole worker, summary included.

@@ -4,7 +4,7 @@ Usage: python benchmarks/bench_engine.py [--updates N] [--smoke]   (make bench-e
 
 A DeepSeek-V3-shaped MLA model of about 1 GB in bf16 (benchmarks/configs/bench-deepseek-v3), bf16
 trainer tensors on 2 trainer processes (FSDP=2: this process is rank 0 and drives the engine,
-tests/vllm_trainer_worker.py is rank 1), one `vllm.LLM` CPU engine (tp=1) started with
+tests/support/vllm_trainer_worker.py is rank 1), one `vllm.LLM` CPU engine (tp=1) started with
 `load_format="dummy"`:
   (a)  our update (send_weights at trainer rank 0: publish, start/update/finish on the engine,
        release), split on the engine into transfer (the NIXL sync into staging) and
@@ -16,7 +16,7 @@ tests/vllm_trainer_worker.py is rank 1), one `vllm.LLM` CPU engine (tp=1) starte
   (c)  vLLM's own layerwise reload (initialize_layerwise_reload + load_weights of full in-memory
        tensors + finalize_layerwise_reload, what its nccl/ipc backends run), or null and why.
 --smoke runs the same steps on tests/configs/engine-deepseek-v3 (a tiny MLA model) with 2 updates: it checks that
-they run, not the figures (tests/test_benchmark_smoke.py). The last line is one JSON object.
+they run, not the figures (tests/e2e/test_benchmark_smoke.py). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def main() -> None:
         args.updates = 2 if args.smoke else 4
     if args.updates < 1:
         parser.error("--updates must be at least 1")
-    from tests.vllm_engine_support import full_weights, greedy, local_shards, make_llm, pin_no_amx, shutdown, write_checkpoint
+    from tests.support.vllm_engine_support import full_weights, greedy, local_shards, make_llm, pin_no_amx, shutdown, write_checkpoint
     from weightplan.compiler.compile import CompileOptions, compile_plan
     from weightplan.runtime import Rendezvous, load_plan
     from weightplan.vllm_backend.clients import LLMClient
@@ -95,7 +95,7 @@ def main() -> None:
     gate = Rendezvous.connect("bench-engine", info.address, timeout=300)
     sets = ",".join(str(v) for v in range(1, args.updates + 1))
     out = open(tmp / "rank1.out", "w")
-    rank1 = subprocess.Popen([sys.executable, "-m", "tests.vllm_trainer_worker", "--plan", str(plan_path), "--rank", "1",
+    rank1 = subprocess.Popen([sys.executable, "-m", "tests.support.vllm_trainer_worker", "--plan", str(plan_path), "--rank", "1",
                               "--address", info.address, "--job", "bench-engine", "--timeout", "300", "--sets", sets],
                              cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     while '"ready"' not in (tmp / "rank1.out").read_text():

@@ -25,7 +25,7 @@ sync's, their ratio, and the sender- and receiver-side quantization times. It al
 time the trainers' publishes used (process CPU time, every thread) divided by the cores this
 process may run on: a floor for the fp8 sync on this host, since receivers wait for every publish.
 --smoke runs every round on the smallest configuration (tests/configs/fp8-glm, a 4-matrix tp-style case, a 128 KiB
-ring, 2 repetitions): tests/test_benchmark_smoke.py checks its JSON keys, never its figures.
+ring, 2 repetitions): tests/e2e/test_benchmark_smoke.py checks its JSON keys, never its figures.
 The last line is one JSON object; `config` names the model config and `measured_at` when the run started (UTC).
 """
 

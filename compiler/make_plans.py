@@ -7,7 +7,7 @@ import sys
 from .cli import quiet_vllm
 from .compile import CompileOptions, compile_plan
 
-# The plans checked in under plans/; tests/test_glm_full.py fails when one is stale.
+# The plans checked in under plans/; tests/e2e/test_glm_full.py fails when one is stale.
 CHECKED_IN = (
     # The seed topology: FSDP=64, EP=8 trainer (stacked experts) -> vLLM DP-attention + EP=32.
     CompileOptions("glm-5.2", trainer_format="stacked", trainer_dtype="bf16", trainer="fsdp=64,ep=8", inference="dp=32,ep"),

@@ -14,7 +14,7 @@ outputs (an "all-gather dispatcher"; gloo has no all-to-all worth using here).
 
 The toy objective (`toy_batch`, `loss_fn`): next-token cross entropy that teaches the model to
 continue every prompt with one fixed target phrase, so a few optimizer steps visibly change the
-greedy output. Used by examples/rl_loop.py and tests/test_live_trainer.py.
+greedy output. Used by examples/rl_loop.py and tests/runtime/test_live_trainer.py.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ full_state_dict=True)`), the trainers publish digests and the inference side che
 bytes against them. Engine: after the last step a fresh engine loaded from a safetensors
 checkpoint of that state dict must generate the same tokens and logprobs. Receiver: every step,
 vLLM's own `load_weights` of it must give the same digests and a fresh transformers load the same
-tokens (tests/test_live_trainer.py).
+tokens (tests/runtime/test_live_trainer.py).
 """
 
 from __future__ import annotations

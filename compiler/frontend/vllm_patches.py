@@ -2,7 +2,7 @@
 
 Each patch is declared once, with `@replaces(targets...)`: its targets (`module:attribute`), why it
 is needed (its docstring) and the vLLM version it was written against, and it is one context
-manager that restores what it changed on exit. `PATCHES` lists them all; tests/test_vllm_patches.py
+manager that restores what it changed on exit. `PATCHES` lists them all; tests/compiler/test_vllm_patches.py
 fails, naming the attribute, when an upgraded vLLM no longer has a target. Code outside vLLM (the
 trainer's transformers model) is built with no patch active: `check_unpatched` refuses otherwise.
 
@@ -201,7 +201,7 @@ def eager_block_quantization(original):
     host, not this AVX2 one): the compiled function, called inside these pins, quantized the
     routed experts' w13 of every fp8 test plan differently from its own eager definition, while
     the eager reference of the runtime workers matched the plans. The eager ops are the
-    definition the runtime's quantizer is proven bit-exact against (tests/test_fp8_kernel.py), and
+    definition the runtime's quantizer is proven bit-exact against (tests/runtime/test_fp8_kernel.py), and
     skipping the compile also saves ~12-35 s per process.
     """
     def quantize(*args, **kwargs):

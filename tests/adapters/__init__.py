@@ -1,1 +1,1 @@
-"""Small trainer adapters for tests/test_trainer_adapter.py, good and broken."""
+"""Small trainer adapters for tests/compiler/test_trainer_adapter.py, good and broken."""

@@ -1,0 +1,110 @@
+"""Every benchmark the README lists runs to its JSON line in its smallest configuration (--smoke); keys, never figures.
+
+`make demo` (examples/rl_loop.py with a vLLM engine) runs in tests/runtime/test_live_trainer.py, which checks more than keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks"
+TIMEOUT = 600  # seconds per benchmark process; the smoke runs take 20-120 s each on 2 shared cores
+
+
+def last_json(script: str, *args: str, cwd: Path = ROOT) -> tuple[dict | list, str]:
+    """Run benchmarks/`script` with `args`; its last stdout line as JSON, and its whole stdout."""
+    proc = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    assert proc.returncode == 0, f"{script} exited with {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    lines = proc.stdout.strip().splitlines()
+    assert lines, f"{script} printed nothing:\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1]), proc.stdout
+
+
+def assert_keys(figures: dict, keys: set[str], script: str) -> None:
+    missing = keys - set(figures)
+    assert not missing, f"{script}'s JSON line lacks {sorted(missing)}: {figures}"
+
+
+@pytest.fixture(scope="module")
+def runtime_output(tmp_path_factory) -> Path:
+    """One bench_runtime.py --smoke run with its fp8 job; bench_cluster's local calibration reads it too."""
+    figures, stdout = last_json("bench_runtime.py", "--smoke", "--quant", "fp8_per_block")
+    path = tmp_path_factory.mktemp("bench-runtime") / "bench_runtime_smoke.txt"
+    path.write_text(stdout)
+    return path
+
+
+def test_bench_compile_smoke():
+    rows, _ = last_json("bench_compile.py", "--smoke")
+    assert isinstance(rows, list) and len(rows) == 1, rows
+    assert_keys(rows[0], {"plan", "compile_s", "wall_s", "peak_rss_mb", "descriptors", "descriptors_lower_bound",
+                          "plan_bytes", "src_balance", "wire_over_dst", "identical_to_checked_in"}, "bench_compile.py")
+
+
+def test_bench_runtime_smoke(runtime_output):
+    figures = json.loads(runtime_output.read_text().strip().splitlines()[-1])
+    assert_keys(figures, {"config", "measured_at", "bytes", "memcpy_gbps", "ceiling_gbps", "sync_gbps", "baseline_gbps",
+                          "sync_vs_ceiling", "speedup_vs_baseline", "host_overhead_ms_10k", "host_overhead_ms_100k",
+                          "strided_sync_vs_ceiling", "strided_table_bytes", "strided_ring_sync_vs_ceiling", "cores",
+                          "fp8_s_per_gb", "fp8_vs_bf16_per_gb", "fp8_identical"}, "bench_runtime.py")
+    assert figures["config"] == "tests/configs/fp8-glm"
+
+
+def test_bench_cluster_smoke(runtime_output):
+    figures, stdout = last_json("bench_cluster.py", "--smoke", "--bench-output", str(runtime_output))
+    assert_keys(figures, {"bf16_s", "fp8_s", "fp8_fanout_s", "max_nic_gb", "calibration_error_local",
+                          "calibration_error_published", "calibration_source", "calibration_measured_at",
+                          "calibration_age_h"}, "bench_cluster.py")
+    assert figures["calibration_source"] == str(runtime_output)  # the run just made, named, never a saved file
+
+
+def test_bench_cluster_smoke_refuses_to_read_a_saved_output():
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_cluster.py"), "--smoke"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=TIMEOUT)
+    assert proc.returncode != 0 and "--smoke needs --bench-output FILE or --measure" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_bench_engine_smoke():
+    figures, _ = last_json("bench_engine.py", "--smoke")
+    assert_keys(figures, {"update_s", "transfer_s", "post_process_s", "checkpoint_reload_s", "checkpoint_path",
+                          "speedup_vs_checkpoint", "cold_start_s", "gb", "load_weights_unavailable"}, "bench_engine.py")
+
+
+def test_bench_trainer_smoke():
+    figures, _ = last_json("bench_trainer.py", "--smoke")
+    assert_keys(figures, {"publish_s", "sync_s", "end_to_end_s", "baseline_s", "speedup", "staging_bytes",
+                          "staging_ratio", "identical", "digests"}, "bench_trainer.py")
+
+
+def test_sweep_smoke(tmp_path):
+    figures, _ = last_json("sweep.py", "--only", "llama", "--workdir", str(tmp_path))
+    assert_keys(figures, {"attempted", "compiled", "verified", "failures", "vllm_cpu_cannot_build", "vllm_cannot_load"},
+                "sweep.py")
+    assert figures["attempted"] > 0, figures
+
+
+def test_ceiling_reads_continue_after_a_short_read_and_name_what_failed():
+    """runtime_bench_worker._readv: every iovec read whole, and a failing one raises naming pid, address and bytes read."""
+    sys.path.insert(0, str(BENCH))
+    from runtime_bench_worker import _readv
+
+    src, dst = np.arange(256, dtype=np.uint8), np.zeros(256, dtype=np.uint8)
+    base_src, base_dst = src.ctypes.data, dst.ctypes.data
+    pid = os.getpid()
+    sizes = np.array([64, 1, 63], dtype=np.int64)
+    starts = np.array([0, 100, 190], dtype=np.int64)
+    assert _readv(pid, base_dst + starts, base_src + starts, sizes) == 128
+    for start, size in zip(starts.tolist(), sizes.tolist()):
+        assert (dst[start:start + size] == src[start:start + size]).all()
+    with pytest.raises(OSError, match=rf"pid {pid} at remote address 0x10: read 64 of 128 bytes"):
+        # the kernel reads the first iovec, then the next call faults on address 0x10
+        _readv(pid, base_dst + np.array([0, 64]), np.array([base_src, 16]), np.array([64, 64]))

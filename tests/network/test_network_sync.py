@@ -1,0 +1,169 @@
+"""Syncs across emulated nodes (network namespaces on a bridge, UCX over TCP, the store off loopback with the job
+secret): 2 trainer nodes x 2 ranks to 2 inference nodes x 2 ranks, with node-local fan-out, bf16 and fp8_per_block,
+every version's digests equal to vLLM's own load."""
+
+from __future__ import annotations
+
+from ..conftest import config_dir
+from ..support.runtime_harness import Job
+from ..support.emulated_cluster import EmulatedCluster
+
+BF16 = ("tiny-qwen3-moe", "transformers", "bf16", "fsdp=4", "dp=4,ep,gpus-per-node=2")
+FP8 = ("fp8-deepseek-v3", "transformers", "bf16", "fsdp=4", "dp=4,ep,gpus-per-node=2", "fp8_per_block")
+NODES = {"t0": None, "t1": None, "i0": None, "i1": None}  # trainer ranks 0-1, 2-3; inference ranks 0-1, 2-3
+
+
+def test_two_trainer_nodes_sync_two_inference_nodes_over_tcp_with_fanout(plan_cache, tmp_path):
+    plans = [plan_cache(*BF16), plan_cache(*FP8)]
+    models = ",".join(str(config_dir(case[0])) for case in (BF16, FP8))
+    with EmulatedCluster(NODES, tag="wpt-sync") as cluster, \
+            Job(tmp_path, ",".join(map(str, plans)), "net-bf16,net-fp8", cluster=cluster, store_node="t0") as job:
+        for k in range(4):
+            job.start(f"inf{k}", "inference", k, "--versions", "1,2", "--model", models, "--verify", "--timeout", "300",
+                      node=f"i{k // 2}")
+        for r in range(4):
+            job.start(f"tr{r}", "trainer", r, "--versions", "1,2", "--digests", "--wait-joined", "--timeout", "300",
+                      node=f"t{r // 2}")
+        job.assert_fanout_syncs(dict(zip(("net-bf16", "net-fp8"), plans)), (1, 2), readers=4, trainers=4, timeout=600)
+        job.assert_clean_exit(*(f"inf{k}" for k in range(4)), *(f"tr{r}" for r in range(4)))
+
+
+LINK_TIMEOUT = 10.0  # the workers' sync and release timeout in the fault tests
+
+
+def assert_failed_clean(job: Job, readers: int, version: int, *named: str) -> None:
+    """Every reader failed `version` within a bounded multiple of its timeout, reported no version (its weights are
+    incomplete), and its error names one of `named`."""
+    for k in range(readers):
+        e = job.event(f"inf{k}", ("synced", "failed"), version, timeout=4 * LINK_TIMEOUT)
+        assert e["event"] == "failed" and e["reported"] is None, e
+        assert any(name in e["error"] for name in named), e
+
+
+def start_gated(job: Job, versions: str, trainer_node, readers: int, inference_node, *extra) -> None:
+    """4 gated trainers (on `trainer_node(rank)`) and `readers` gated plain readers (on `inference_node(rank)`, each
+    with `extra(rank)` arguments), every timeout LINK_TIMEOUT; the trainers publish once every reader joined."""
+    for r in range(4):
+        job.start(f"tr{r}", "trainer", r, "--versions", versions, "--gate", "--wait-joined",
+                  "--timeout", str(LINK_TIMEOUT), node=trainer_node(r))
+    for k in range(readers):
+        job.start(f"inf{k}", "inference", k, "--plain", "--gate", "--versions", versions, "--timeout", str(LINK_TIMEOUT),
+                  *(extra[0](k) if extra else ()), node=inference_node(k))
+
+
+def test_an_inference_node_cut_mid_sync_fails_clean_then_syncs_again_after_the_link_returns(plan_cache, tmp_path):
+    """Node i1 (inference ranks 2, 3) loses its link in the middle of version 2: its ranks fail version 2 with a
+    SyncError and report no version (their weights are incomplete); node i0 completes version 2. Version 3 starts the
+    moment the link is back: i1's ranks either sync it or fail it cleanly within their timeout (TCP connections that
+    backed off during the cut may not carry traffic yet). Once the link carries traffic, version 4 syncs everywhere,
+    with no process restarted."""
+    path = plan_cache(*BF16[:4], "dp=4,ep")
+    with EmulatedCluster({"t0": None, "i0": None, "i1": None}, tag="wpt-cut") as cluster, \
+            Job(tmp_path, path, "net-cut", cluster=cluster, store_node="t0") as job:
+        start_gated(job, "1,2,3,4", lambda r: "t0", 4, lambda k: f"i{k // 2}",
+                    lambda k: ("--hold-at", "2") if k >= 2 else ())
+        job.go(1)
+        for k in range(4):
+            assert job.event(f"inf{k}", "synced", 1)["n_differ"] == 0
+        job.go(2)
+        for k in (2, 3):
+            job.event(f"inf{k}", "mid-sync", 2)
+        cluster.link_down("i1")
+        job.resume(2)
+        for k in (0, 1):
+            assert job.event(f"inf{k}", "synced", 2)["n_differ"] == 0
+        for k in (2, 3):
+            failed = job.event(f"inf{k}", "failed", 2, timeout=6 * LINK_TIMEOUT)
+            assert failed["reported"] is None, failed  # incomplete weights: no version until a sync succeeds
+        for r in range(4):  # the cut readers cost the others one release timeout before the next publish, no more
+            e = job.event(f"tr{r}", "released", 2, timeout=6 * LINK_TIMEOUT)
+            assert e["acked"] == [0, 1] and e["timed_out"] == [2, 3] and e["seconds"] < LINK_TIMEOUT + 5, e
+        cluster.link_up("i1")
+        job.go(3)
+        for k in range(4):
+            e = job.event(f"inf{k}", ("synced", "failed"), 3, timeout=6 * LINK_TIMEOUT)
+            assert (e["event"], e["reported"], e.get("n_differ", 0)) in {("synced", 3, 0), ("failed", None, 0)}, e
+            assert k >= 2 or e["event"] == "synced", e  # node i0 never lost its link
+        for r in range(4):
+            job.event(f"tr{r}", "released", 3, timeout=6 * LINK_TIMEOUT)
+        host, port = job.address.rsplit(":", 1)
+        cluster.wait_reachable("i1", host, int(port))  # the link carries traffic again
+        job.go(4)
+        for k in range(4):
+            e = job.event(f"inf{k}", "synced", 4, timeout=6 * LINK_TIMEOUT)
+            assert e["reported"] == 4 and e["n_differ"] == 0, e
+        job.assert_clean_exit(*(f"inf{k}" for k in range(4)), *(f"tr{r}" for r in range(4)))
+
+
+def test_the_store_node_unreachable_fails_every_process_clean_within_its_timeout(plan_cache, tmp_path):
+    """The store's node loses its link before version 2: every inference rank fails version 2 with a SyncError that
+    names the store and reports no version, and every trainer reports version 2 (failed, or released with no
+    reader acknowledging), each within a bounded multiple of its timeout: nothing hangs on the unreachable store."""
+    path = plan_cache(*BF16[:4], "dp=2,ep")
+    with EmulatedCluster({"s0": None, "t0": None, "i0": None}, tag="wpt-store") as cluster, \
+            Job(tmp_path, path, "net-store", cluster=cluster, store_node="s0") as job:
+        start_gated(job, "1,2", lambda r: "t0", 2, lambda k: "i0")
+        job.go(1)
+        for k in range(2):
+            assert job.event(f"inf{k}", "synced", 1)["n_differ"] == 0
+        cluster.link_down("s0")
+        job.go(2)
+        assert_failed_clean(job, 2, 2, "rendezvous", "store")
+        for r in range(4):
+            e = job.event(f"tr{r}", ("released", "failed"), 2, timeout=4 * LINK_TIMEOUT)
+            assert e["event"] == "failed" or (e["acked"] == [] and e["failed"] + e["timed_out"]), e
+
+
+def test_a_slow_trainer_node_is_named_in_the_sync_report(plan_cache, tmp_path):
+    """Trainer node t1 (ranks 2, 3) has a tenth of t0's link rate: syncs complete with vLLM's bytes, and every
+    inference rank's report names a rank of t1 as its slowest trainer, outstanding for most of the sync."""
+    path = plan_cache(*BF16[:4], "dp=2,ep")
+    rates = {"t0": 80.0, "t1": 8.0, "i0": 800.0}  # Mbit/s each way
+    with EmulatedCluster(rates, tag="wpt-slow") as cluster, \
+            Job(tmp_path, path, "net-slow", cluster=cluster, store_node="t0") as job:
+        for r in range(4):
+            job.start(f"tr{r}", "trainer", r, "--versions", "1,2", "--wait-joined", "--timeout", "60", node=f"t{r // 2}")
+        for k in range(2):
+            job.start(f"inf{k}", "inference", k, "--plain", "--versions", "1,2", "--timeout", "60", node="i0")
+        for version in (1, 2):
+            for k in range(2):
+                e = job.event(f"inf{k}", "synced", version, timeout=120)
+                assert e["n_differ"] == 0, e
+                assert e["slowest_trainer"] in (2, 3) and e["slowest_share"] > 0.5, e
+        job.assert_clean_exit(*(f"inf{k}" for k in range(2)), *(f"tr{r}" for r in range(4)))
+
+
+def test_a_lost_trainer_node_fails_readers_clean_and_replacement_trainers_resume_the_syncs(plan_cache, tmp_path):
+    """Trainer node t1 (ranks 2, 3) loses its link and its processes in the middle of version 2: every reader fails
+    version 2 naming a trainer rank of t1 and reports no version. Replacement trainers for ranks 2 and 3 (new
+    processes, new incarnations) start on t1 once its link is back, and version 3 syncs on every reader."""
+    path = plan_cache(*BF16[:4], "dp=2,ep")
+    with EmulatedCluster({"t0": None, "t1": None, "i0": None}, tag="wpt-lost") as cluster, \
+            Job(tmp_path, path, "net-lost", cluster=cluster, store_node="t0") as job:
+        start_gated(job, "1,2,3", lambda r: f"t{r // 2}", 2, lambda k: "i0", lambda k: ("--hold-at", "2"))
+        job.go(1)
+        for k in range(2):
+            assert job.event(f"inf{k}", "synced", 1)["n_differ"] == 0
+        job.go(2)
+        for k in range(2):
+            job.event(f"inf{k}", "mid-sync", 2)
+        cluster.link_down("t1")
+        job.kill("tr2")
+        job.kill("tr3")
+        job.resume(2)
+        assert_failed_clean(job, 2, 2, "trainer rank 2", "trainer rank 3")
+        for r in (0, 1):
+            e = job.event(f"tr{r}", "released", 2, timeout=4 * LINK_TIMEOUT)
+            assert e["acked"] == [], e
+        cluster.link_up("t1")
+        host, port = job.address.rsplit(":", 1)
+        cluster.wait_reachable("t1", host, int(port))
+        for r in (2, 3):
+            job.start(f"tr{r}b", "trainer", r, "--versions", "3", "--gate", "--wait-joined", "--timeout", str(LINK_TIMEOUT),
+                      node="t1")
+            job.event(f"tr{r}b", "ready", timeout=120)
+        job.go(3)
+        for k in range(2):
+            e = job.event(f"inf{k}", "synced", 3, timeout=6 * LINK_TIMEOUT)
+            assert e["reported"] == 3 and e["n_differ"] == 0, e
+        job.assert_clean_exit("inf0", "inf1", "tr0", "tr1", "tr2b", "tr3b")

