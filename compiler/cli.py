@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..runtime.errors import WeightplanError, one_line
+from weightplan.runtime.errors import WeightplanError, one_line
 
 
 def _fail(exc: Exception) -> int:
@@ -80,7 +80,7 @@ def inspect_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=0, help="also list the first N descriptors (text mode)")
     parser.add_argument("--html", type=_output_path, metavar="OUT", help="also write an HTML report (summary, byte heat map, per-rank bars)")
     args = parser.parse_args(argv)
-    from ..runtime import load_plan
+    from weightplan.runtime import load_plan
     from .plan_summary import render_text, summarize
 
     try:
@@ -152,7 +152,7 @@ def simulate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--html", type=_output_path, metavar="OUT", help="also write the HTML report with the simulated timeline")
     args = parser.parse_args(argv)
-    from ..runtime import load_plan
+    from weightplan.runtime import load_plan
     from .simulate.report import render_text, resolve_cluster
     from .simulate.model import predict
     from .simulate.transfers import plan_transfers

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..runtime.plan.header import DraftHeader, InferenceHeader, PlanStats, TrainerHeader
+from weightplan.runtime.plan.header import DraftHeader, InferenceHeader, PlanStats, TrainerHeader
 from .frontend.draft import DRAFT_METHOD, check_draft, check_draft_architecture, draft_trainer
 from .frontend.errors import ModelConfigError
 from .frontend.rank_models import RankTracer
@@ -27,7 +27,7 @@ from .layouts import ExplicitTrainer, InferenceLayout, TrainerLayout, check_trai
 from .ir import PlanOrigin, Program, TensorEntry
 from .models import config_hash, load_config_json, resolve_model
 from .passes.pipeline import Stage, join_ranks, run_stage
-from .passes.verify import descriptors_lower_bound, descriptors_posted
+from .passes.descriptor_counts import descriptors_lower_bound, descriptors_posted
 from .plan_writer import write_program
 from .quant_compile import QuantMode, quant_mode
 from .timing import add, clock, phase

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..runtime.layout.shards import ShardLayout, TrainerLayout
-from ..runtime.plan.columns import Runs
-from ..runtime.plan.header import InferenceHeader, PlanStats, QuantLayout, SourceChoice, TrainerHeader
-from ..runtime.plan.schema import DTYPE_SIZES, DerivedItem, Fanout, TensorEntry
+from weightplan.runtime.layout.shards import ShardLayout, TrainerLayout
+from weightplan.runtime.plan.columns import BlockSpans, Runs, StageRuns
+from weightplan.runtime.plan.header import InferenceHeader, PlanStats, QuantLayout, SourceChoice, TrainerHeader
+from weightplan.runtime.plan.schema import DTYPE_SIZES, DerivedItem, Fanout, TensorEntry
 
 
 class Op(str, enum.Enum):
@@ -285,5 +285,5 @@ class QuantPlacement:
     """
 
     staging: tuple[tuple, ...]
-    stage: dict  # columns STAGE_COLUMNS -> int64 arrays
-    spans: dict  # columns SPAN_COLUMNS -> int64 arrays
+    stage: StageRuns
+    spans: BlockSpans

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..runtime.errors import LayoutError
-from ..runtime.layout.shards import MAX_RANKS, ShardLayout, TrainerLayout, layout_items
-from ..runtime.layout.layout_file import TrainerLayoutFile, read_trainer_layout
+from weightplan.runtime.errors import LayoutError
+from weightplan.runtime.layout.shards import MAX_RANKS, ShardLayout, TrainerLayout, layout_items
+from weightplan.runtime.layout.layout_file import TrainerLayoutFile, read_trainer_layout
 from .frontend.errors import ModelConfigError
 from .frontend.trainer_formats import TrainerFormat
 

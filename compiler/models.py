@@ -6,7 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from ..runtime.files import read_json_file
+from weightplan.runtime.files import read_json_file
 from .frontend.errors import ModelConfigError
 
 CONFIG_ROOT = Path(__file__).parent / "configs"

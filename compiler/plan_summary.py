@@ -5,11 +5,12 @@ from __future__ import annotations
 import jinja2
 import numpy as np
 
-from ..runtime.fp8.numerics import span_elements
-from ..runtime.plan.format import Plan
-from ..runtime.plan.schema import DTYPE_SIZES, GATHER, RECEIVER
+from weightplan.runtime.fp8.numerics import span_elements
+from weightplan.runtime.plan.format import Plan
+from weightplan.runtime.plan.schema import DTYPE_SIZES, GATHER, RECEIVER
 from .ir import Constants, Program
-from .passes.verify import descriptors_lower_bound, descriptors_posted, verify
+from .passes.descriptor_counts import descriptors_lower_bound, descriptors_posted
+from .passes.verify import verify
 from .passes.verify_quant import verify_quant
 from .simulate.transfers import second_hop_matrix
 

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..runtime.plan.format import write_plan
-from ..runtime.plan.header import PlanHeader
-from ..runtime.plan.schema import ConstantRun, StagingEntry
+from weightplan.runtime.plan.format import write_plan
+from weightplan.runtime.plan.header import PlanHeader
+from weightplan.runtime.plan.columns import BlockSpans, StageRuns
+from weightplan.runtime.plan.schema import ConstantRun, StagingEntry
 from .ir import Program, QuantPlacement
 
 
@@ -46,7 +47,7 @@ def _constants(program: Program) -> tuple[ConstantRun, ...]:
 
 
 def _quant(program: Program) -> QuantPlacement:
-    return program.quant_placement or QuantPlacement((), {}, {})
+    return program.quant_placement or QuantPlacement((), StageRuns.empty(), BlockSpans.empty())
 
 
 def write_program(program: Program, path: Path) -> int:

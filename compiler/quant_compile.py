@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from ..runtime.plan.header import QUANTS, QuantLayout
+from weightplan.runtime.plan.header import QUANTS, QuantLayout
 from .frontend.errors import ModelConfigError
 from .ir import QuantTarget
 

@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..runtime import execute_local, load_plan
-from ..runtime.checks import named_tensors, persistent_buffers
-from ..runtime.errors import PlanMismatchError
-from ..runtime.host.executor import rows_view
-from ..runtime.plan.format import Plan
-from ..runtime.tables.fanout import second_hops
-from ..runtime.layout.shards import box_segments
+from weightplan.runtime import execute_local, load_plan
+from weightplan.runtime.checks import named_tensors, persistent_buffers
+from weightplan.runtime.errors import PlanMismatchError
+from weightplan.runtime.host.executor import rows_view
+from weightplan.runtime.plan.format import Plan
+from weightplan.runtime.tables.fanout import second_hops
+from weightplan.runtime.layout.shards import box_segments
 from .frontend.trainer_formats import Conversion, TrainerFormat
 from .frontend.errors import ModelConfigError
 from .frontend.vllm_model import build_model, current_platform_name, make_vllm_config

@@ -7,10 +7,10 @@ from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
-from ..runtime.checks import MAX_VERSION
-from ..runtime.errors import WeightplanError, one_line
-from ..runtime.layout.shards import MAX_RANKS
-from ..runtime.transport.rendezvous import check_job, parse_address
+from weightplan.runtime.checks import MAX_VERSION
+from weightplan.runtime.errors import WeightplanError, one_line
+from weightplan.runtime.layout.shards import MAX_RANKS
+from weightplan.runtime.transport.rendezvous import check_job, parse_address
 
 MODES = ("auto", "staged", "direct")
 DRAFT_JOB_SUFFIX = ".draft"  # the draft plan's job id is the target's job id plus this

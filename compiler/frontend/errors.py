@@ -1,6 +1,6 @@
 """Typed errors raised while building and tracing a model; each says what, where and what to do."""
 
-from ...runtime.errors import WeightplanError
+from weightplan.runtime.errors import WeightplanError
 
 
 class TraceError(WeightplanError):

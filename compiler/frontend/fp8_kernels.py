@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...runtime.plan.header import QuantLayout
+from weightplan.runtime.plan.header import QuantLayout
 
 # The kernel layout a plan targets: vLLM's Triton block-fp8 kernels, which keep the tensors
 # exactly as per_block_cast_to_fp8 leaves them (no transpose, shuffle, padding or scale swizzle).

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ...runtime.fp8.numerics import BLOCK, block_grid
-from ...runtime.plan.schema import DerivedItem, dtype_name
+from weightplan.runtime.fp8.numerics import BLOCK, block_grid
+from weightplan.runtime.plan.schema import DerivedItem, dtype_name
 from .errors import ModelConfigError
 from .vllm_patches import host_independent
 
@@ -92,9 +92,9 @@ def trace_post_load(model: torch.nn.Module, wanted: Callable[[str], bool] | None
 def _traced_padding(module: torch.nn.Module, prefix: str) -> dict[str, tuple[tuple[int, int], ...]]:
     """Run the module's process_weights_after_loading, recording the constants it writes into its bf16 parameters
     (vLLM's `_zero_padding` of MoE rows/cols added to reach 128 multiples); each must be zero."""
-    from .lazy_weight import Tracer, tracing
+    from .lazy_weight import WriteRecorder, tracing
 
-    tracer = Tracer({f"{prefix}.{name}": p for name, p in module.named_parameters(recurse=False)}, only_fills=True)
+    tracer = WriteRecorder({f"{prefix}.{name}": p for name, p in module.named_parameters(recurse=False)}, only_fills=True)
     tracer.loading = f"{prefix} (process_weights_after_loading)"
     with tracing(tracer):
         module.quant_method.process_weights_after_loading(module)

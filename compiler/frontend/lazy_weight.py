@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ...runtime.plan.schema import dtype_name
+from weightplan.runtime.plan.schema import dtype_name
 from ..ir import Assignment, Geometry, Node, Op
 from .errors import ConstantWriteError, DataDependentError, DestinationError, UnsupportedOpError
 
@@ -267,8 +267,9 @@ _DATA_DEPENDENT = {
 }
 
 
-class Tracer:
-    """Collects assignments while vLLM's loaders run; maps meta storages to parameter names."""
+class WriteRecorder:
+    """Records the writes into destination parameters while vLLM code runs on LazyWeights (a trace): copies as
+    assignments, constant writes as fills; maps meta storages to parameter names."""
 
     def __init__(self, destinations: dict[str, torch.Tensor], *, only_fills: bool = False):
         """`only_fills`: record constant writes (fill_, zero_, copy_ of a known constant) and let every other write
@@ -365,7 +366,7 @@ class Tracer:
                                              self.loading)
 
 
-def _constant_value(tracer: Tracer, dst: torch.Tensor, value):
+def _constant_value(tracer: WriteRecorder, dst: torch.Tensor, value):
     """The Python scalar a fill_/copy_ writes everywhere: a number, or a real tensor holding one value."""
     if isinstance(value, (bool, int, float)):
         return value
@@ -436,7 +437,7 @@ def _written(func, args, kwargs) -> list[torch.Tensor]:
 class _ConstantWrites(TorchDispatchMode):
     """Sees every aten op while a trace runs, so in-place writes into (plain, meta) parameters reach the tracer."""
 
-    def __init__(self, tracer: Tracer):
+    def __init__(self, tracer: WriteRecorder):
         super().__init__()
         self.tracer = tracer
 
@@ -453,7 +454,7 @@ class _ConstantWrites(TorchDispatchMode):
 _state = threading.local()
 
 
-def _current() -> Tracer:
+def _current() -> WriteRecorder:
     tracer = getattr(_state, "tracer", None)
     if tracer is None:
         raise RuntimeError("LazyWeight used outside of an active weightplan trace")
@@ -461,7 +462,7 @@ def _current() -> Tracer:
 
 
 @contextlib.contextmanager
-def tracing(tracer: Tracer):
+def tracing(tracer: WriteRecorder):
     """Make `tracer` receive the ops of every LazyWeight used inside the block, and every in-place write into a destination."""
     previous = getattr(_state, "tracer", None)
     _state.tracer = tracer

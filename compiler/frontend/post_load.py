@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ...runtime.plan.schema import DerivedItem
+from weightplan.runtime.plan.schema import DerivedItem
 from .fp8_trace import QuantTensor, derived_state, quantized_modules, trace_post_load
 from ..layer_names import layer_of, rename
 from .layer_classes import LayerClasses

@@ -25,7 +25,7 @@ import functools
 import gc
 from collections.abc import Callable
 
-from ...runtime.plan.schema import DerivedItem
+from weightplan.runtime.plan.schema import DerivedItem
 from ..timing import phase
 from .fp8_trace import derived_state
 from .layer_classes import layer_classes

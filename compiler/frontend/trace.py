@@ -12,10 +12,10 @@ import torch
 from ..ir import Assignment, LayerReuse, TensorEntry
 from ..layer_names import layer_of, rename
 from .layer_classes import layer_classes, rename_assignments
-from ...runtime.checks import persistent_buffers
-from ...runtime.errors import WeightplanError
+from weightplan.runtime.checks import persistent_buffers
+from weightplan.runtime.errors import WeightplanError
 from .errors import TraceError
-from .lazy_weight import LazyWeight, Tracer, dtype_name, tracing
+from .lazy_weight import LazyWeight, WriteRecorder, dtype_name, tracing
 from .trainer_formats import Conversion
 
 
@@ -111,7 +111,7 @@ def _with_buffers(load: TracedLoad, buffers: dict[str, torch.Tensor]) -> TracedL
 def _trace(model, params, sources: list[TensorEntry], conversion: Conversion, progress, skip=None,
            claimed: set[str] | None = None) -> list[Assignment]:
     """The assignments of loading `sources`; the names load_weights reports as loaded go into `claimed`."""
-    tracer = Tracer(params)
+    tracer = WriteRecorder(params)
     lazy = {spec.name: LazyWeight.source(spec.name, spec.shape, getattr(torch, spec.dtype)) for spec in sources}
     index = {name: i for i, name in enumerate(lazy)}
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..ir import TensorEntry
-from ...runtime.errors import WeightplanError
+from weightplan.runtime.errors import WeightplanError
 from .errors import ModelConfigError
 from .lazy_weight import dtype_name
 from .trainer_formats import TrainerFormat

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..ir import TensorEntry
-from ...runtime.errors import one_line
+from weightplan.runtime.errors import one_line
 from .errors import ModelConfigError
 from .lazy_weight import dtype_name
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ...runtime.errors import one_line
+from weightplan.runtime.errors import one_line
 from .errors import ModelConfigError
 from .vllm_patches import clear_layer_registry, host_independent, model_build, parallel_rank, share_with_target
 

@@ -7,8 +7,8 @@ import dataclasses
 import numpy as np
 import torch
 
-from ...runtime.casts import ELEMENTWISE
-from ...runtime.errors import WeightplanError
+from weightplan.runtime.casts import ELEMENTWISE
+from weightplan.runtime.errors import WeightplanError
 from ..ir import Assignment, Copy, Fill, Geometry, Node, Op, Program
 
 # Chains whose value is not one strided view of one source (a reshape that torch could not

@@ -9,8 +9,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ...runtime.errors import WeightplanError
-from ...runtime.plan.invariants import fanout_problem
+from weightplan.runtime.errors import WeightplanError
+from weightplan.runtime.plan.invariants import fanout_problem
 from ..ir import Program
 from .check_coverage import check_coverage, with_post_load_padding
 from .coalesce import coalesce

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
-from ...runtime.plan.schema import Fanout
+from weightplan.runtime.plan.schema import Fanout
 from ..ir import Program
 
 

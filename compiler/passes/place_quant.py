@@ -6,8 +6,9 @@ import dataclasses
 
 import numpy as np
 
-from ...runtime.fp8.numerics import BLOCK, block_grid
-from ...runtime.plan.schema import SPAN_COLUMNS, STAGE_COLUMNS, Side
+from weightplan.runtime.fp8.numerics import BLOCK, block_grid
+from weightplan.runtime.plan.columns import BlockSpans, StageRuns
+from weightplan.runtime.plan.schema import SPAN_COLUMNS, STAGE_COLUMNS, Side
 from ..ir import Program, QuantPlacement, Runs, TensorEntry
 from .quant_blocks import BlockGrids, block_intervals
 
@@ -102,8 +103,7 @@ def _place(grids: BlockGrids, stage: np.ndarray, runs, holders: np.ndarray) -> t
         row_side, runs.src_rank[row_run], row_quant, runs.src[row_run], runs.src_off[row_run], stage[row_run],
         runs.dst_off[row_run], runs.length[row_run], runs.wire[row_run],
     )))
-    return ({c: np.ascontiguousarray(v, dtype=np.int64) for c, v in stage_cols.items()},
-            {c: np.ascontiguousarray(v, dtype=np.int64) for c, v in span_cols.items()})
+    return StageRuns.from_columns(stage_cols), BlockSpans.from_columns(span_cols)
 
 
 @dataclasses.dataclass(frozen=True)

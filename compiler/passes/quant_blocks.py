@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...runtime.fp8.numerics import BLOCK, block_grid
+from weightplan.runtime.fp8.numerics import BLOCK, block_grid
 
 
 @dataclass(frozen=True)

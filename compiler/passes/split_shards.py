@@ -6,8 +6,8 @@ import dataclasses
 
 import numpy as np
 
-from ...runtime.errors import LayoutError
-from ...runtime.layout.shards import TrainerLayout, box_segments
+from weightplan.runtime.errors import LayoutError
+from weightplan.runtime.layout.shards import TrainerLayout, box_segments
 from ..ir import Program, Runs, SourceChoice, itemsize
 from .source_flow import fill_quotas, min_max_quotas
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...runtime.casts import ELEMENTWISE
-from ...runtime.errors import WeightplanError
-from ...runtime.plan import invariants
+from weightplan.runtime.casts import ELEMENTWISE
+from weightplan.runtime.errors import WeightplanError
+from weightplan.runtime.plan import invariants
 from ..ir import Coverage, Program, Runs, itemsize
 from .run_extents import unweave
 
@@ -136,31 +136,3 @@ def _first_gap(program: Program, r: Runs, d: int) -> str:
     last = program.last_writes.get(spec.name, "none recorded")
     return (f"first gap: {spec.name} {list(spec.shape)} {spec.dtype} (inference ranks {list(spec.ranks)}) bytes "
             f"[{ends[k] * size}, {starts[k] * size}) of {spec.numel * size}; the last write the tracer saw into it: {last}")
-
-
-def descriptors_lower_bound(runs: Runs, dests=None) -> int:
-    """Fewest descriptors possible: rows that no other row continues on both sides (a hash join).
-
-    A strided run's rows never continue each other, and unless other runs lie in its gaps
-    (those are joined row by row) only its first row can continue another run. With `dests`,
-    each row counts once per inference rank holding its destination (every holder posts its own read).
-    """
-    if len(runs) == 0:
-        return 0
-    runs = unweave(runs, ("src_rank", "dest", "src", "wire"))
-    key = (runs.src_rank, runs.src, runs.dest, runs.wire)
-    last_src, last_dst = runs.src_end(), runs.dst_end()
-    ends = set(zip(*(k.tolist() for k in key), last_src.tolist(), last_dst.tolist()))
-    starts = zip(*(k.tolist() for k in key), runs.src_off.tolist(), runs.dst_off.tolist())
-    continued = np.array([s in ends for s in starts], dtype=np.int64)
-    heads = runs.count - continued
-    if dests is None:
-        return int(heads.sum())
-    holders = np.array([len(d.ranks) for d in dests], dtype=np.int64)
-    return int((holders[runs.dest] * heads).sum())
-
-
-def descriptors_posted(runs: Runs, dests) -> int:
-    """Descriptors the inference ranks post in all, unpacked: each row once per rank holding its destination."""
-    holders = np.array([len(d.ranks) for d in dests] or [0], dtype=np.int64)
-    return int((holders[runs.dest] * runs.count).sum()) if len(runs) else 0

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...runtime.plan.schema import GATHER, RECEIVER, SENDER, Side
+from weightplan.runtime.plan.schema import GATHER, RECEIVER, SENDER, Side
 from .quant_blocks import BlockGrids, block_intervals
 from .verify import PlanInvariantError
 

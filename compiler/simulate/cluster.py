@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...runtime.errors import WeightplanError
-from ...runtime.files import read_json_file
+from weightplan.runtime.errors import WeightplanError
+from weightplan.runtime.files import read_json_file
 
 RATES = ("nic_gbytes_per_s", "intra_node_gbytes_per_s", "sender_quant_gbytes_per_s", "receiver_quant_gbytes_per_s")
 REQUIRED = ("name", "nodes", "trainer", "inference", "nics_per_gpu", *RATES, "descriptor_us")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...runtime.errors import WeightplanError
+from weightplan.runtime.errors import WeightplanError
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ from pathlib import Path
 import jinja2
 import numpy as np
 
-from ...runtime.errors import WeightplanError
-from ...runtime.plan.atomic_file import write_atomically
-from ...runtime.plan.format import Plan
+from weightplan.runtime.errors import WeightplanError
+from weightplan.runtime.plan.atomic_file import write_atomically
+from weightplan.runtime.plan.format import Plan
 from .model import Prediction
 from .transfers import PlanTransfers
 

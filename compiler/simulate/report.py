@@ -6,7 +6,7 @@ from pathlib import Path
 
 import jinja2
 
-from ...runtime.plan.format import Plan
+from weightplan.runtime.plan.format import Plan
 from .cluster import Cluster, ClusterError, load_cluster
 from .model import Prediction
 

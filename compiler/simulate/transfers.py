@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...runtime.fp8.numerics import BLOCK, span_bands, span_elements
-from ...runtime.plan.format import Plan
-from ...runtime.plan.schema import DTYPE_SIZES, GATHER, RECEIVER
-from ...runtime.tables.fanout import hops
+from weightplan.runtime.fp8.numerics import BLOCK, span_bands, span_elements
+from weightplan.runtime.plan.format import Plan
+from weightplan.runtime.plan.schema import DTYPE_SIZES, GATHER, RECEIVER
+from weightplan.runtime.tables.fanout import hops
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,8 @@ class Plan:
         return np.array([DTYPE_SIZES[chain[-1]] for chain in self.cast_chains] or [0], dtype=np.int64)
 
 
-def encode_plan(header: PlanHeader, runs: dict[str, np.ndarray], stage: dict | None = None, spans: dict | None = None) -> bytes:
+def encode_plan(header: PlanHeader, runs: dict[str, np.ndarray], stage: StageRuns | None = None,
+                spans: BlockSpans | None = None) -> bytes:
     """Serialize deterministically: the header sealed with its column counts and fingerprint, then the columns."""
     stage, spans = stage or StageRuns.empty(), spans or BlockSpans.empty()
     counts = []
@@ -147,8 +148,8 @@ def encode_plan(header: PlanHeader, runs: dict[str, np.ndarray], stage: dict | N
     return body + hashlib.sha256(body).digest()
 
 
-def write_plan(path: str | Path, header: PlanHeader, runs: dict[str, np.ndarray], stage: dict | None = None,
-               spans: dict | None = None) -> Path:
+def write_plan(path: str | Path, header: PlanHeader, runs: dict[str, np.ndarray], stage: StageRuns | None = None,
+               spans: BlockSpans | None = None) -> Path:
     """Write atomically (runtime/plan/atomic_file.py): a reader never sees part of a plan; one PlanFormatError line on failure."""
     return write_atomically(path, encode_plan(header, runs, stage, spans), PlanFormatError, "plan")
 

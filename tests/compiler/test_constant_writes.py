@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from weightplan.compiler.compile import CompileOptions, compile_plan
 from weightplan.compiler.frontend.errors import ConstantWriteError
-from weightplan.compiler.frontend.lazy_weight import LazyWeight, Tracer, tracing
+from weightplan.compiler.frontend.lazy_weight import LazyWeight, WriteRecorder, tracing
 from weightplan.compiler.ir import Program, TensorEntry
 from weightplan.compiler.passes.pipeline import Stage, run_stage
 from weightplan.compiler.passes.verify import PlanInvariantError, verify
@@ -95,7 +95,7 @@ def _meta(*shape):
 
 
 def _trace(params, body) -> Program:
-    tracer = Tracer(params)
+    tracer = WriteRecorder(params)
     with tracing(tracer), torch.no_grad():
         body(params)
     dests = tuple(TensorEntry(n, tuple(p.shape), "bfloat16") for n, p in params.items())
@@ -157,7 +157,7 @@ def test_compile_error_for_an_untraced_gap_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(lazy_weight, "_CONSTANT_OPS", {aten: kind for aten, kind in lazy_weight._CONSTANT_OPS.items()
                                                        if kind == "copy"})
     monkeypatch.setattr(lazy_weight, "_WRITES", lazy_weight._WriteTable())
-    monkeypatch.setattr(lazy_weight.Tracer, "on_write", lambda self, func, args, kwargs: None)
+    monkeypatch.setattr(lazy_weight.WriteRecorder, "on_write", lambda self, func, args, kwargs: None)
     with pytest.raises(PlanInvariantError) as info:
         compile_plan(CompileOptions(str(config_dir("vocab-llama")), output=tmp_path / "p.plan"))
     message = str(info.value)

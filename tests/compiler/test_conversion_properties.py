@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from weightplan.compiler.frontend.lazy_weight import LazyWeight, Tracer, tracing
+from weightplan.compiler.frontend.lazy_weight import LazyWeight, WriteRecorder, tracing
 from weightplan.compiler.frontend.trainer_formats import TrainerFormat, load_trainer_model
 from weightplan.compiler.passes.fold_views import _evaluate
 
@@ -55,7 +55,7 @@ def test_traced_conversion_is_save_pretrained(tmp_path_factory, model_type, seed
 
     # The same conversion traced on LazyWeights: its recorded chains, replayed on the trainer's
     # bytes (fold_views' index evaluator), give save_pretrained's tensors too.
-    with tracing(Tracer({})):
+    with tracing(WriteRecorder({})):
         lazy = {n: LazyWeight.source(n, tuple(t.shape), t.dtype) for n, t in trainer.in_memory.items()}
         traced = dict(trainer.checkpoint_tensors(TrainerFormat.TRANSFORMERS, lazy.items()))
     assert list(traced) == list(real)

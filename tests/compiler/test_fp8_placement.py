@@ -160,7 +160,7 @@ def test_verify_quant_rejects_a_block_quantized_twice():
     shape = (128, 128)
     placed = place_quant(_program(shape, [(0, 128 * 128, 0)]))
     q = placed.quant_placement
-    spans = {k: np.concatenate([v, v]) for k, v in q.spans.items()}
+    spans = {k: np.concatenate([v, v]) for k, v in q.spans.columns().items()}
     with pytest.raises(PlanInvariantError, match="quantized 2 times"):
         verify_quant([shape], [1], q.stage, spans)
 
@@ -169,7 +169,7 @@ def test_verify_quant_rejects_a_sender_block_fed_by_another_rank():
     shape = (128, 128)
     placed = place_quant(_program(shape, [(0, 128 * 128, 0)]))
     q = placed.quant_placement
-    stage = {k: np.concatenate([v, v]) for k, v in q.stage.items()}
+    stage = {k: np.concatenate([v, v]) for k, v in q.stage.columns().items()}
     stage["src_rank"][1] = 1
     with pytest.raises(PlanInvariantError, match="also written from trainer rank 1"):
         verify_quant([shape], [1], stage, q.spans)
@@ -180,7 +180,7 @@ def test_verify_quant_rejects_a_receiver_block_whose_stage_run_stays_on_the_trai
     placed = place_quant(_program(shape, [(0, 128 * 64, 0), (128 * 64, 128 * 64, 1)]))  # two ranks: receiver side
     q = placed.quant_placement
     assert (q.spans["side"] == 1).all()
-    stage = {k: v.copy() for k, v in q.stage.items()}
+    stage = {k: v.copy() for k, v in q.stage.columns().items()}
     stage["side"][0] = 0  # listed as a trainer-local copy, so no receiver pulls it
     with pytest.raises(PlanInvariantError, match="quantized on the receiver side but its stage run"):
         verify_quant([shape], [1], stage, q.spans)
@@ -242,7 +242,7 @@ def test_verify_quant_rejects_a_gathered_block_not_fed_to_its_gatherer():
     shape = (256, 128)
     placed = place_quant(_program(shape, [(0, 100 * 128, 0), (100 * 128, 156 * 128, 1)], ranks_of_dest=(0, 1)))
     q = placed.quant_placement
-    stage = {k: v.copy() for k, v in q.stage.items()}
+    stage = {k: v.copy() for k, v in q.stage.columns().items()}
     wrong = np.flatnonzero(stage["side"] == 2)[0]
     stage["quant_rank"][wrong] = 3 - int(q.spans["src_rank"][0])  # a rank that does not gather that block
     with pytest.raises(PlanInvariantError, match="quantized on the gather side by trainer rank"):

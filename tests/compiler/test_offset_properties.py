@@ -28,13 +28,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from weightplan.compiler.frontend.lazy_weight import LazyWeight, Tracer, tracing
+from weightplan.compiler.frontend.lazy_weight import LazyWeight, WriteRecorder, tracing
 from weightplan.compiler.ir import Program, Runs, TensorEntry, itemsize
 from weightplan.compiler.passes.coalesce import coalesce
 from weightplan.compiler.passes.fold_views import fold_views
 from weightplan.compiler.passes.lower_runs import lower_runs
 from weightplan.compiler.passes.pipeline import run_all
-from weightplan.compiler.passes.verify import PlanInvariantError, descriptors_lower_bound, verify
+from weightplan.compiler.passes.descriptor_counts import descriptors_lower_bound
+from weightplan.compiler.passes.verify import verify
 
 DTYPES = ("float32", "bfloat16", "float16")
 # Generated values stay below this many elements before an op that can grow them (cat, expand).
@@ -138,7 +139,7 @@ def written_mask(case: Case) -> dict[str, torch.Tensor]:
 
 def trace(case: Case) -> Program:
     metas = {name: torch.empty(shape, dtype=_dt(dtype), device="meta") for name, shape, dtype in case.dests}
-    tracer = Tracer(metas)
+    tracer = WriteRecorder(metas)
     with tracing(tracer):
         env = {name: LazyWeight.source(name, shape, _dt(dtype)) for name, shape, dtype in case.sources}
         run_assignments(case, env, metas)

@@ -14,7 +14,8 @@ from weightplan.compiler.passes.coalesce import coalesce
 from weightplan.compiler.passes.fold_views import fold_views
 from weightplan.compiler.passes.lower_runs import lower_runs, strided_runs
 from weightplan.compiler.passes.pipeline import Stage, join_ranks, run_all, run_stage
-from weightplan.compiler.passes.verify import PlanInvariantError, descriptors_lower_bound, verify
+from weightplan.compiler.passes.descriptor_counts import descriptors_lower_bound
+from weightplan.compiler.passes.verify import PlanInvariantError, verify
 
 from ..support.pipeline_runs import timer
 from ..support.tracing import W46, runs_table, trace

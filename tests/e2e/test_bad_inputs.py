@@ -16,7 +16,7 @@ from weightplan.compiler.frontend.errors import (
     ModelConfigError,
     UnsupportedOpError,
 )
-from weightplan.compiler.frontend.lazy_weight import LazyWeight, Tracer, tracing
+from weightplan.compiler.frontend.lazy_weight import LazyWeight, WriteRecorder, tracing
 from weightplan.compiler.models import resolve_model
 from weightplan.compiler.verify_plan import verify_plan
 from weightplan.runtime import PlanMismatchError, execute_local, load_plan
@@ -61,7 +61,7 @@ def _lazy(name="model.w", shape=(4, 6), dtype=torch.float32):
 
 
 def test_unsupported_op_names_op_argument_types_and_tensor():
-    tracer = Tracer({"p": torch.empty(4, 6, device="meta")})
+    tracer = WriteRecorder({"p": torch.empty(4, 6, device="meta")})
     tracer.loading = "model.layers.0.mlp.up_proj.weight"
     with tracing(tracer):
         with pytest.raises(UnsupportedOpError) as info:
@@ -81,7 +81,7 @@ def test_unsupported_op_names_op_argument_types_and_tensor():
     lambda t: t.numpy(),
 ])
 def test_data_dependent_calls_are_refused(call):
-    tracer = Tracer({})
+    tracer = WriteRecorder({})
     tracer.loading = "model.norm.weight"
     with tracing(tracer):
         with pytest.raises((DataDependentError, UnsupportedOpError), match="model.norm.weight"):
@@ -89,7 +89,7 @@ def test_data_dependent_calls_are_refused(call):
 
 
 def test_copy_into_a_non_parameter_is_refused():
-    tracer = Tracer({"p": torch.empty(4, 6, device="meta")})
+    tracer = WriteRecorder({"p": torch.empty(4, 6, device="meta")})
     with tracing(tracer):
         with pytest.raises(DestinationError, match="not a model parameter"):
             torch.empty(4, 6, device="meta").copy_(_lazy())

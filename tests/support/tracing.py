@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from weightplan.compiler.frontend.lazy_weight import LazyWeight, Tracer, tracing
+from weightplan.compiler.frontend.lazy_weight import LazyWeight, WriteRecorder, tracing
 from weightplan.compiler.ir import Program, TensorEntry
 
 W46 = {"w": ((4, 6), "float32")}
@@ -13,7 +13,7 @@ W46 = {"w": ((4, 6), "float32")}
 def trace(sources: dict, dests: dict, body) -> Program:
     """Trace `body(w, d)`; w: name -> LazyWeight, d: name -> meta destination. Specs are (shape, dtype)."""
     metas = {n: torch.empty(s, dtype=getattr(torch, dt), device="meta") for n, (s, dt) in dests.items()}
-    tracer = Tracer(metas)
+    tracer = WriteRecorder(metas)
     with tracing(tracer):
         lazy = {n: LazyWeight.source(n, s, getattr(torch, dt)) for n, (s, dt) in sources.items()}
         body(lazy, metas)
