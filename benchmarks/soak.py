@@ -4,7 +4,7 @@ Nodes (tests/support/emulated_cluster.py, UCX over TCP): the store on s0, traine
 inference ranks 0 and 1 on i0 and i1, every link at --rate Mbit/s. The workers are tests/support/runtime_worker.py
 processes (a tiny Qwen3-MoE plan, fsdp=2 -> dp=2,ep; every reader compares its bytes with the host executor's), gated
 version by version. Before each sync a fault may be drawn (--fault-rate), then injected at a random delay after the
-sync starts:
+sync starts (uniform over 1.5 x the median of the last completed syncs, so most land while one runs):
 
 - link flap: a node's link goes down for 0.5-3 s, then up (the soak waits until it carries traffic again);
 - process kill and restart: a trainer or reader is SIGKILLed; a replacement process (new incarnation) joins after
@@ -83,6 +83,7 @@ class Soak:
                        [Worker("inference", k, f"i{k}", f"inf{k}") for k in range(READERS)]
         self.bound = 4 * args.timeout + 10
         self.fault_pending = False  # a fault happened and no sync has completed since
+        self.sync_seconds: list[float] = []  # the slowest reader's time of each completed sync
 
     def start(self, worker: Worker, versions: list[int]) -> None:
         extra = ("--wait-joined",) if worker.role == "trainer" else ("--plain",)
@@ -110,7 +111,8 @@ class Soak:
         if kind is None:
             return None
         worker = self.rng.choice(self.workers)
-        return kind, worker, worker.key, self.rng.uniform(0.0, 0.5)
+        typical = sorted(self.sync_seconds[-10:])[len(self.sync_seconds[-10:]) // 2] if self.sync_seconds else 0.5
+        return kind, worker, worker.key, self.rng.uniform(0.0, 1.5 * typical)  # most land while the sync runs
 
     def sync(self, version: int) -> None:
         fault = self.draw_fault(version)
@@ -167,6 +169,7 @@ class Soak:
         elif len(readers) == READERS and all(e["event"] == "synced" and not e["n_differ"] for e in readers):
             t.completed += 1
             kind = "completed"
+            self.sync_seconds.append(max(e["seconds"] for e in readers))
             if self.fault_pending:
                 t.recovered += 1
                 self.fault_pending = False
@@ -179,6 +182,7 @@ class Soak:
             print(f"soak: {worker.key} silent on version {version}: {self.job.stderr(worker.key)[-500:]}", file=sys.stderr)
             self.replace(worker, version)
         return {"outcome": kind, "mixed": mixed, "silent": [w.key for w in silent],
+                "seconds": round(max((e.get("seconds", 0.0) for e in readers), default=0.0), 3),
                 "errors": sorted({e["error"][:160] for e in readers if e["event"] == "failed"})}
 
 
@@ -187,7 +191,8 @@ def main(argv=None) -> None:
     parser.add_argument("--syncs", type=int, default=100, help="versions to sync (K)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault draws")
     parser.add_argument("--fault-rate", type=float, default=0.25, help="chance of a fault per sync")
-    parser.add_argument("--rate", type=float, default=200.0, help="every link's rate, Mbit/s")
+    parser.add_argument("--rate", type=float, default=10.0,
+                        help="every link's rate, Mbit/s (10: a sync takes ~0.3 s, so faults land while it runs)")
     parser.add_argument("--timeout", type=float, default=5.0, help="the workers' sync and release timeout, s")
     parser.add_argument("--max-seconds", type=float, default=1800.0, help="stop (and say so) past this wall time")
     parser.add_argument("--smoke", action="store_true", help="6 syncs: a link flap, a kill and restart, a slow link")
