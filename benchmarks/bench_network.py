@@ -1,0 +1,163 @@
+"""`make bench-network`: a plan synced over emulated nodes at three link rates against `simulate-plan`; last line JSON.
+
+Nodes (tests/support/emulated_cluster.py, UCX over TCP): the store on s0, trainer ranks 0 and 1 on t0 and t1,
+inference ranks 0 and 1 on i0 and i1, each node's link rate-limited with tbf at the rate under test. The plan is a
+Qwen3-MoE config (tests/configs/tiny-qwen3-moe's architecture, scaled to ~120 MB of bf16; fsdp=2 -> dp=2,ep, about
+97 MB per reader). Workers are tests/support/runtime_worker.py processes; the trainers publish every version at once,
+the readers start each sync together when the benchmark opens its gate, after every trainer published it.
+
+measured_s: from the first reader's start to the last reader's end (median over --repeats syncs per rate; a first
+sync at the highest rate makes the connections and is not counted). predicted_s: `simulate-plan --cluster FILE`
+for the cluster file written here, which describes these nodes (one GPU and one NIC per node, the NIC at the link
+rate, TCP's wire efficiency and per-READ latency measured on this host: see docs/simulate.md). error is
+predicted / measured - 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.support.emulated_cluster import EmulatedCluster, EmulatedClusterError  # noqa: E402
+from tests.support.runtime_harness import Job  # noqa: E402
+
+BASE = ROOT / "tests" / "configs" / "tiny-qwen3-moe"
+SCALED = {"hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size": 256, "num_experts": 16,
+          "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 32000}
+RATES_MBIT = (200.0, 500.0, 1000.0)
+# TCP over IPv4 on Ethernet frames of MTU 1500: 1448 payload bytes (timestamps on) per 1514 bytes tbf counts.
+TCP_WIRE_EFFICIENCY = 1448 / 1514
+
+
+def write_config(out: Path, smoke: bool) -> Path:
+    """The benchmark's model config: tiny-qwen3-moe itself with --smoke, else scaled up (SCALED)."""
+    config = json.loads((BASE / "config.json").read_text())
+    if not smoke:
+        config.update(SCALED)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out
+
+
+def compile_network_plan(tmp: Path, smoke: bool) -> Path:
+    from weightplan.compiler.compile import CompileOptions, compile_plan
+
+    path = tmp / "network.plan"
+    compile_plan(CompileOptions(str(write_config(tmp / "model", smoke)), "stacked", "bf16", "none", path,
+                                trainer="fsdp=2", inference="dp=2,ep"))
+    return path
+
+
+def cluster_file(rate_mbit: float, per_read_us: float) -> dict:
+    """A simulate-plan cluster file describing the emulated nodes at `rate_mbit`."""
+    nic = rate_mbit * 1e6 / 8 / 1e9
+    return {
+        "name": f"emulated-tcp-{rate_mbit:g}mbit",
+        "description": "bench-network's emulated nodes: one process per network namespace, each link rate-limited "
+                       f"with tbf at {rate_mbit:g} Mbit/s both ways, UCX over TCP",
+        "nodes": {"trainer": {"count": 2, "gpus_per_node": 1}, "inference": {"count": 2, "gpus_per_node": 1}},
+        "trainer": "trainer", "inference": "inference",
+        "nics_per_gpu": 1, "nic_gbytes_per_s": nic, "intra_node_gbytes_per_s": nic,
+        "descriptor_us": 0.0, "sender_quant_gbytes_per_s": 1.0, "receiver_quant_gbytes_per_s": 1.0,
+        "wire_efficiency": TCP_WIRE_EFFICIENCY, "read_latency_us": per_read_us,
+        "sources": {"nic_gbytes_per_s": "the tbf rate of every node's link",
+                    "wire_efficiency": "TCP/IPv4 payload per Ethernet frame at MTU 1500 (1448 of 1514 bytes)",
+                    "read_latency_us": "measured by bench_network.py: a sync's time at the highest rate beyond its bytes",
+                    "intra_node_gbytes_per_s": "unused: one process per node",
+                    "descriptor_us": "runs under 64 KiB travel packed; the rest are few and large",
+                    "sender_quant_gbytes_per_s": "unused: a bf16 plan", "receiver_quant_gbytes_per_s": "unused: a bf16 plan"},
+    }
+
+
+def predict(plan: Path, cluster: dict, tmp: Path) -> float:
+    """`simulate-plan PLAN --cluster FILE --json`'s predicted sync time."""
+    path = tmp / f"{cluster['name']}.json"
+    path.write_text(json.dumps(cluster, indent=1))
+    code = "import sys; from weightplan.compiler.cli import simulate_main; sys.exit(simulate_main(sys.argv[1:]))"
+    done = subprocess.run([sys.executable, "-c", code, str(plan), "--cluster", str(path), "--json"],
+                          capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise SystemExit(f"bench-network: simulate-plan failed: {done.stderr.strip()[-400:]}")
+    return float(json.loads(done.stdout)["sync_s"])
+
+
+def sync_wall(job: Job, version: int) -> float:
+    """From the first reader's start of `version` to the last reader's end."""
+    events = [job.event(f"inf{k}", ("synced", "failed"), version, timeout=600) for k in range(2)]
+    failed = [e for e in events if e["event"] != "synced" or e["n_differ"]]
+    if failed:
+        raise SystemExit(f"bench-network: version {version} did not sync exactly: {failed[0]}")
+    return max(e["at"] for e in events) - min(e["at"] - e["seconds"] for e in events)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", default=",".join(f"{r:g}" for r in RATES_MBIT), help="link rates, Mbit/s")
+    parser.add_argument("--repeats", type=int, default=3, help="syncs measured per rate")
+    parser.add_argument("--smoke", action="store_true", help="tiny-qwen3-moe, one sync per rate")
+    args = parser.parse_args(argv)
+    try:
+        rates = sorted({float(r) for r in args.rates.split(",")}, reverse=True)
+    except ValueError:
+        raise SystemExit(f"bench-network: --rates must be comma-separated Mbit/s figures, not {args.rates!r}") from None
+    if not rates or min(rates) <= 0 or args.repeats < 1:
+        raise SystemExit("bench-network: rates must be positive and --repeats at least 1")
+    repeats = 1 if args.smoke else args.repeats
+    measured_at = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    versions = 1 + len(rates) * repeats
+    measured: dict[float, list[float]] = {r: [] for r in rates}
+    with tempfile.TemporaryDirectory(prefix="weightplan-bench-network-") as tmp:
+        tmp = Path(tmp)
+        plan = compile_network_plan(tmp, args.smoke)
+        nodes = {"s0": None, "t0": rates[0], "t1": rates[0], "i0": rates[0], "i1": rates[0]}
+        every = ",".join(str(v) for v in range(1, versions + 1))
+        try:
+            with EmulatedCluster(nodes, tag="wpbnet") as cluster, \
+                    Job(tmp, plan, "bench-network", cluster=cluster, store_node="s0") as job:
+                for r in range(2):
+                    job.start(f"tr{r}", "trainer", r, "--versions", every, "--wait-joined", "--timeout", "600",
+                              node=f"t{r}")
+                for k in range(2):
+                    job.start(f"inf{k}", "inference", k, "--plain", "--gate", "--versions", every, "--timeout", "600",
+                              node=f"i{k}")
+                schedule = [(rates[0], False)] + [(rate, True) for rate in rates for _ in range(repeats)]
+                current = rates[0]
+                for version, (rate, counted) in enumerate(schedule, start=1):
+                    if rate != current:
+                        for node in ("t0", "t1", "i0", "i1"):
+                            cluster.set_rate(node, rate)
+                        current = rate
+                    for r in range(2):
+                        job.event(f"tr{r}", "published", version, timeout=600)
+                    job.go(version)
+                    wall = sync_wall(job, version)
+                    print(f"{rate:g} Mbit/s version {version}: {wall:.3f} s{'' if counted else ' (connecting)'}",
+                          file=sys.stderr, flush=True)
+                    if counted:
+                        measured[rate].append(wall)
+                nbytes = job.event("inf0", "synced", 1)["bytes"]
+        except EmulatedClusterError as exc:
+            raise SystemExit(f"bench-network: {exc}") from None
+        per_read_us = 0.0
+        rows = {}
+        for rate in rates:
+            m = statistics.median(measured[rate])
+            p = predict(plan, cluster_file(rate, per_read_us), tmp)
+            rows[f"{rate:g}mbit"] = {"measured_s": round(m, 4), "predicted_s": round(p, 4), "error": round(p / m - 1, 4),
+                                     "runs": [round(x, 4) for x in measured[rate]]}
+    print(json.dumps({"rates": rows, "max_abs_error": max(abs(row["error"]) for row in rows.values()),
+                      "bytes_per_reader": nbytes, "measured_at": measured_at, "smoke": args.smoke}))
+
+
+if __name__ == "__main__":
+    main()
