@@ -6,7 +6,8 @@ processes (a tiny Qwen3-MoE plan, fsdp=2 -> dp=2,ep; every reader compares its b
 version by version. Before each sync a fault may be drawn (--fault-rate), then injected at a random delay after the
 sync starts (uniform over 1.5 x the median of the last completed syncs, so most land while one runs):
 
-- link flap: a node's link goes down for 0.5-3 s, then up (the soak waits until it carries traffic again);
+- link flap: a node's link goes down for 0.5 s to twice the workers' timeout, then up (the soak waits until it
+  carries traffic again);
 - process kill and restart: a trainer or reader is SIGKILLed; a replacement process (new incarnation) joins after
   that sync and takes the following versions;
 - slow link: a node's link drops to a tenth of --rate for that sync.
@@ -125,7 +126,7 @@ class Soak:
             time.sleep(delay)
             if kind == "link_flap":
                 self.cluster.link_down(worker.node)
-                time.sleep(self.rng.uniform(0.5, 3.0))
+                time.sleep(self.rng.uniform(0.5, 2 * self.args.timeout))  # TCP rides out the short ones
                 self.cluster.link_up(worker.node)
             elif kind == "kill_restart":
                 self.job.kill(worker.key)
