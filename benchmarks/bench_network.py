@@ -8,8 +8,10 @@ the readers start each sync together when the benchmark opens its gate, after ev
 
 measured_s: from the first reader's start to the last reader's end (median over --repeats syncs per rate; a first
 sync at the highest rate makes the connections and is not counted). predicted_s: `simulate-plan --cluster FILE`
-for the cluster file written here, which describes these nodes (one GPU and one NIC per node, the NIC at the link
-rate, TCP's wire efficiency and per-READ latency measured on this host: see docs/simulate.md). error is
+for the cluster file written here, which describes these nodes: one GPU and one NIC per node, the NIC at the link
+rate; `wire_efficiency`, the payload share of the link rate TCP alone (no UCX) gets into each reader node when the
+sync's 4 connections send at once, measured at each rate; `read_latency_us`, the median sync of a tiny plan of the
+same layout (its own job, before the measured plan) less its bytes' time in the model. error is
 predicted / measured - 1.
 """
 
@@ -77,7 +79,8 @@ def cluster_file(rate_mbit: float, efficiency: float, per_read_us: float) -> dic
                     "wire_efficiency": "bench_network.py: the payload rate TCP gives each reader node when the sync's 4 "
                                        "connections (every trainer node to every reader node) send at once, over "
                                        "the link rate; measured before the syncs at this rate, without UCX",
-                    "read_latency_us": "measured by bench_network.py: a sync's time at the highest rate beyond its bytes",
+                    "read_latency_us": "bench_network.py: the median sync of a tiny plan (tests/configs/tiny-qwen3-moe, "
+                                       "the same layout) at the highest rate, less its bytes' time in this model",
                     "intra_node_gbytes_per_s": "unused: one process per node",
                     "descriptor_us": "runs under 64 KiB travel packed; the rest are few and large",
                     "sender_quant_gbytes_per_s": "unused: a bf16 plan", "receiver_quant_gbytes_per_s": "unused: a bf16 plan"},
@@ -96,13 +99,47 @@ def predict(plan: Path, cluster: dict, tmp: Path) -> float:
     return float(json.loads(done.stdout)["sync_s"])
 
 
-def sync_wall(job: Job, version: int) -> float:
-    """From the first reader's start of `version` to the last reader's end."""
+def sync_wall(job: Job, case: str, version: int) -> float:
+    """From the first reader's start of `version` of `case` to the last reader's end."""
     events = [job.event(f"inf{k}", ("synced", "failed"), version, timeout=600) for k in range(2)]
     failed = [e for e in events if e["event"] != "synced" or e["n_differ"]]
     if failed:
-        raise SystemExit(f"bench-network: version {version} did not sync exactly: {failed[0]}")
+        raise SystemExit(f"bench-network: version {version} of {case} did not sync exactly: {failed[0]}")
     return max(e["at"] for e in events) - min(e["at"] - e["seconds"] for e in events)
+
+
+def run_syncs(job: Job, case: str, versions: list[int]) -> list[float]:
+    """Each version of `case` once every trainer published it, the readers started together: its wall time."""
+    walls = []
+    for version in versions:
+        for r in range(2):
+            job.event(f"tr{r}", "published", version, timeout=600)
+        job.go(version)
+        walls.append(sync_wall(job, case, version))
+    return walls
+
+
+def start_workers(job: Job, versions: int) -> list[int]:
+    """Trainer ranks 0, 1 on t0, t1 (publishing each version as soon as the last was released) and gated plain readers
+    on i0, i1, for versions 1..`versions`."""
+    listed = ",".join(str(v) for v in range(1, versions + 1))
+    for r in range(2):
+        job.start(f"tr{r}", "trainer", r, "--versions", listed, "--wait-joined", "--timeout", "600", node=f"t{r}")
+    for k in range(2):
+        job.start(f"inf{k}", "inference", k, "--plain", "--gate", "--versions", listed, "--timeout", "600", node=f"i{k}")
+    return list(range(1, versions + 1))
+
+
+def set_rate(cluster: EmulatedCluster, rate: float, smoke: bool) -> float:
+    """Every node's link at `rate`; returns TCP's payload share of it into each reader node (the sync's pattern)."""
+    for node in ("t0", "t1", "i0", "i1"):
+        cluster.set_rate(node, rate)
+    probe = max(2 << 20, int(rate * 1e6 / 8 * (0.1 if smoke else TCP_PROBE_SECONDS)))
+    goodput = statistics.median(cluster.tcp_goodput(FLOWS, probe) for _ in range(3)) / 2
+    efficiency = goodput / (rate * 1e6 / 8)
+    print(f"{rate:g} Mbit/s: TCP carries {goodput * 8 / 1e6:.1f} Mbit/s of payload into each reader node "
+          f"({efficiency:.3f})", file=sys.stderr, flush=True)
+    return min(1.0, efficiency)
 
 
 def main(argv=None) -> None:
@@ -119,56 +156,44 @@ def main(argv=None) -> None:
         raise SystemExit("bench-network: rates must be positive and --repeats at least 1")
     repeats = 1 if args.smoke else args.repeats
     measured_at = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    versions = 1 + len(rates) * repeats
-    measured: dict[float, list[float]] = {r: [] for r in rates}
+    measured: dict[float, list[float]] = {}
     efficiency: dict[float, float] = {}
     with tempfile.TemporaryDirectory(prefix="weightplan-bench-network-") as tmp:
         tmp = Path(tmp)
-        plan = compile_network_plan(tmp, args.smoke)
+        plan = compile_network_plan(tmp / "network", args.smoke)
+        tiny = compile_network_plan(tmp / "latency", smoke=True)
         nodes = {"s0": None, "t0": rates[0], "t1": rates[0], "i0": rates[0], "i1": rates[0]}
-        every = ",".join(str(v) for v in range(1, versions + 1))
         try:
-            with EmulatedCluster(nodes, tag="wpbnet") as cluster, \
-                    Job(tmp, plan, "bench-network", cluster=cluster, store_node="s0") as job:
-                for r in range(2):
-                    job.start(f"tr{r}", "trainer", r, "--versions", every, "--wait-joined", "--timeout", "600",
-                              node=f"t{r}")
-                for k in range(2):
-                    job.start(f"inf{k}", "inference", k, "--plain", "--gate", "--versions", every, "--timeout", "600",
-                              node=f"i{k}")
-                schedule = [(rates[0], False)] + [(rate, True) for rate in rates for _ in range(repeats)]
-                current = rates[0]
-                for version, (rate, counted) in enumerate(schedule, start=1):
-                    if rate != current:
-                        for node in ("t0", "t1", "i0", "i1"):
-                            cluster.set_rate(node, rate)
-                        current = rate
-                    if counted and rate not in efficiency:  # what TCP alone gets from these links, before the syncs
-                        probe = max(2 << 20, int(rate * 1e6 / 8 * (0.1 if args.smoke else TCP_PROBE_SECONDS)))
-                        goodput = statistics.median(cluster.tcp_goodput(FLOWS, probe) for _ in range(3)) / 2
-                        efficiency[rate] = goodput / (rate * 1e6 / 8)
-                        print(f"{rate:g} Mbit/s: TCP carries {goodput * 8 / 1e6:.1f} Mbit/s of payload into each "
-                              f"reader node ({efficiency[rate]:.3f})", file=sys.stderr, flush=True)
-                    for r in range(2):
-                        job.event(f"tr{r}", "published", version, timeout=600)
-                    job.go(version)
-                    wall = sync_wall(job, version)
-                    print(f"{rate:g} Mbit/s version {version}: {wall:.3f} s{'' if counted else ' (connecting)'}",
-                          file=sys.stderr, flush=True)
-                    if counted:
-                        measured[rate].append(wall)
-                nbytes = job.event("inf0", "synced", 1)["bytes"]
+            with EmulatedCluster(nodes, tag="wpbnet") as cluster:
+                efficiency[rates[0]] = set_rate(cluster, rates[0], args.smoke)
+                # The tiny plan, whose bytes take milliseconds: a sync's fixed time beyond its bytes (read_latency_us).
+                # Its own job, its store on another node's address (the two stores never share a port).
+                with Job(tmp / "latency", tiny, "bench-network-latency", cluster=cluster, store_node="t0") as job:
+                    latency_walls = run_syncs(job, "bench-network-latency", start_workers(job, 1 + repeats))[1:]
+                print(f"tiny plan at {rates[0]:g} Mbit/s: {latency_walls}", file=sys.stderr, flush=True)
+                with Job(tmp / "network", plan, "bench-network", cluster=cluster, store_node="s0") as job:
+                    versions = start_workers(job, 1 + len(rates) * repeats)
+                    run_syncs(job, "bench-network", versions[:1])  # connects
+                    for i, rate in enumerate(rates):
+                        if rate not in efficiency:
+                            efficiency[rate] = set_rate(cluster, rate, args.smoke)
+                        measured[rate] = run_syncs(job, "bench-network", versions[1 + i * repeats:1 + (i + 1) * repeats])
+                        print(f"{rate:g} Mbit/s: {measured[rate]}", file=sys.stderr, flush=True)
+                    nbytes = job.event("inf0", "synced", 1)["bytes"]
         except EmulatedClusterError as exc:
             raise SystemExit(f"bench-network: {exc}") from None
-        per_read_us = 0.0
+        bytes_only = predict(tiny, cluster_file(rates[0], efficiency[rates[0]], 0.0), tmp)
+        per_read_us = round(max(0.0, statistics.median(latency_walls) - bytes_only) * 1e6, 1)
         rows = {}
         for rate in rates:
             m = statistics.median(measured[rate])
-            p = predict(plan, cluster_file(rate, min(1.0, efficiency[rate]), per_read_us), tmp)
+            p = predict(plan, cluster_file(rate, efficiency[rate], per_read_us), tmp)
             rows[f"{rate:g}mbit"] = {"measured_s": round(m, 4), "predicted_s": round(p, 4), "error": round(p / m - 1, 4),
-                                     "runs": [round(x, 4) for x in measured[rate]], "tcp_efficiency": round(efficiency[rate], 4)}
+                                     "runs": [round(x, 4) for x in measured[rate]],
+                                     "tcp_efficiency": round(efficiency[rate], 4)}
     print(json.dumps({"rates": rows, "max_abs_error": max(abs(row["error"]) for row in rows.values()),
-                      "bytes_per_reader": nbytes, "measured_at": measured_at, "smoke": args.smoke}))
+                      "read_latency_us": per_read_us, "bytes_per_reader": nbytes, "measured_at": measured_at,
+                      "smoke": args.smoke}))
 
 
 if __name__ == "__main__":
