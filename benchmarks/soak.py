@@ -4,7 +4,7 @@ Nodes (tests/support/emulated_cluster.py, UCX over TCP): the store on s0, traine
 inference ranks 0 and 1 on i0 and i1, every link at --rate Mbit/s. The workers are tests/support/runtime_worker.py
 processes (a tiny Qwen3-MoE plan, fsdp=2 -> dp=2,ep; every reader compares its bytes with the host executor's), gated
 version by version. Before each sync a fault may be drawn (--fault-rate), then injected at a random delay after the
-sync starts (uniform over 1.5 x the median of the last completed syncs, so most land while one runs):
+sync starts (uniform over 0.8 x the median of the last completed syncs, so it lands while the sync runs):
 
 - link flap: a node's link goes down for 0.5 s to twice the workers' timeout, then up (the soak waits until it
   carries traffic again);
@@ -113,7 +113,7 @@ class Soak:
             return None
         worker = self.rng.choice(self.workers)
         typical = sorted(self.sync_seconds[-10:])[len(self.sync_seconds[-10:]) // 2] if self.sync_seconds else 0.5
-        return kind, worker, worker.key, self.rng.uniform(0.0, 1.5 * typical)  # most land while the sync runs
+        return kind, worker, worker.key, self.rng.uniform(0.0, 0.8 * typical)  # while the sync runs
 
     def sync(self, version: int) -> None:
         fault = self.draw_fault(version)
