@@ -9,8 +9,10 @@ the readers start each sync together when the benchmark opens its gate, after ev
 measured_s: from the first reader's start to the last reader's end (median over --repeats syncs per rate; a first
 sync at the highest rate makes the connections and is not counted). predicted_s: `simulate-plan --cluster FILE`
 for the cluster file written here, which describes these nodes: one GPU and one NIC per node, the NIC at the link
-rate; `wire_efficiency`, the payload share of the link rate TCP alone (no UCX) gets into each reader node when the
-sync's 4 connections send at once, measured at each rate; `read_latency_us`, the median sync of a tiny plan of the
+rate; `wire_efficiency`, the lower of the payload share of the link rate TCP alone (no UCX) gets into each reader
+node when the sync's 4 connections send at once (measured at each rate) and the transport's own ceiling here over
+the link rate (the same plan's syncs with the links at 10 Gbit/s: UCX's TCP path is bound by this host's CPU,
+shared with other sessions); `read_latency_us`, the median sync of a tiny plan of the
 same layout (its own job, before the measured plan) less its bytes' time in the model. error is
 predicted / measured - 1.
 """
@@ -40,6 +42,7 @@ SCALED = {"hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size"
 # link rate depending on the other sessions' load (CPU-bound copies), at 200 Mbit/s and below at the link's rate.
 RATES_MBIT = (50.0, 100.0, 200.0)
 TCP_PROBE_SECONDS = 1.0  # of traffic at the link rate per flow and goodput probe
+UNLIMITED_MBIT = 10000.0  # tbf at 10 Gbit/s: far above what UCX's TCP path moves here
 FLOWS = [(f"t{r}", f"i{k}") for r in range(2) for k in range(2)]  # the sync's connections: every trainer to every reader
 
 
@@ -76,9 +79,11 @@ def cluster_file(rate_mbit: float, efficiency: float, per_read_us: float) -> dic
         "descriptor_us": 0.0, "sender_quant_gbytes_per_s": 1.0, "receiver_quant_gbytes_per_s": 1.0,
         "wire_efficiency": round(efficiency, 4), "read_latency_us": per_read_us,
         "sources": {"nic_gbytes_per_s": "the tbf rate of every node's link",
-                    "wire_efficiency": "bench_network.py: the payload rate TCP gives each reader node when the sync's 4 "
-                                       "connections (every trainer node to every reader node) send at once, over "
-                                       "the link rate; measured before the syncs at this rate, without UCX",
+                    "wire_efficiency": "bench_network.py: the lower of (a) the payload rate TCP alone (no UCX) gives "
+                                       "each reader node when the sync's 4 connections (every trainer node to every "
+                                       "reader node) send at once, measured before the syncs at this rate, and (b) "
+                                       "the transport's ceiling here (the same plan's syncs with the links at 10 "
+                                       "Gbit/s, bound by the host's shared CPU), both over the link rate",
                     "read_latency_us": "bench_network.py: the median sync of a tiny plan (tests/configs/tiny-qwen3-moe, "
                                        "the same layout) at the highest rate, less its bytes' time in this model",
                     "intra_node_gbytes_per_s": "unused: one process per node",
@@ -157,7 +162,7 @@ def main(argv=None) -> None:
     repeats = 1 if args.smoke else args.repeats
     measured_at = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     measured: dict[float, list[float]] = {}
-    efficiency: dict[float, float] = {}
+    tcp_share: dict[float, float] = {}
     with tempfile.TemporaryDirectory(prefix="weightplan-bench-network-") as tmp:
         tmp = Path(tmp)
         plan = compile_network_plan(tmp / "network", args.smoke)
@@ -165,34 +170,43 @@ def main(argv=None) -> None:
         nodes = {"s0": None, "t0": rates[0], "t1": rates[0], "i0": rates[0], "i1": rates[0]}
         try:
             with EmulatedCluster(nodes, tag="wpbnet") as cluster:
-                efficiency[rates[0]] = set_rate(cluster, rates[0], args.smoke)
+                tcp_share[rates[0]] = set_rate(cluster, rates[0], args.smoke)
                 # The tiny plan, whose bytes take milliseconds: a sync's fixed time beyond its bytes (read_latency_us).
                 # Its own job, its store on another node's address (the two stores never share a port).
                 with Job(tmp / "latency", tiny, "bench-network-latency", cluster=cluster, store_node="t0") as job:
                     latency_walls = run_syncs(job, "bench-network-latency", start_workers(job, 1 + repeats))[1:]
                 print(f"tiny plan at {rates[0]:g} Mbit/s: {latency_walls}", file=sys.stderr, flush=True)
                 with Job(tmp / "network", plan, "bench-network", cluster=cluster, store_node="s0") as job:
-                    versions = start_workers(job, 1 + len(rates) * repeats)
+                    versions = start_workers(job, 1 + (len(rates) + 1) * repeats)
                     run_syncs(job, "bench-network", versions[:1])  # connects
+                    # The transport's own ceiling here: the same syncs with links far faster than UCX's TCP path
+                    # (bound by this host's shared CPU), measured between the rate-limited ones.
+                    for node in ("t0", "t1", "i0", "i1"):
+                        cluster.set_rate(node, UNLIMITED_MBIT)
+                    ceiling_walls = run_syncs(job, "bench-network", versions[1:1 + repeats])
+                    print(f"links at {UNLIMITED_MBIT:g} Mbit/s: {ceiling_walls}", file=sys.stderr, flush=True)
+                    versions = versions[repeats:]
                     for i, rate in enumerate(rates):
-                        if rate not in efficiency:
-                            efficiency[rate] = set_rate(cluster, rate, args.smoke)
+                        tcp_share[rate] = set_rate(cluster, rate, args.smoke)
                         measured[rate] = run_syncs(job, "bench-network", versions[1 + i * repeats:1 + (i + 1) * repeats])
                         print(f"{rate:g} Mbit/s: {measured[rate]}", file=sys.stderr, flush=True)
                     nbytes = job.event("inf0", "synced", 1)["bytes"]
         except EmulatedClusterError as exc:
             raise SystemExit(f"bench-network: {exc}") from None
-        bytes_only = predict(tiny, cluster_file(rates[0], efficiency[rates[0]], 0.0), tmp)
+        bytes_only = predict(tiny, cluster_file(rates[0], tcp_share[rates[0]], 0.0), tmp)
         per_read_us = round(max(0.0, statistics.median(latency_walls) - bytes_only) * 1e6, 1)
+        ceiling = nbytes / statistics.median(ceiling_walls)  # payload bytes per second into one reader
+        efficiency = {rate: min(tcp_share[rate], ceiling / (rate * 1e6 / 8)) for rate in rates}
         rows = {}
         for rate in rates:
             m = statistics.median(measured[rate])
             p = predict(plan, cluster_file(rate, efficiency[rate], per_read_us), tmp)
             rows[f"{rate:g}mbit"] = {"measured_s": round(m, 4), "predicted_s": round(p, 4), "error": round(p / m - 1, 4),
                                      "runs": [round(x, 4) for x in measured[rate]],
-                                     "tcp_efficiency": round(efficiency[rate], 4)}
+                                     "tcp_share": round(tcp_share[rate], 4), "wire_efficiency": round(efficiency[rate], 4)}
     print(json.dumps({"rates": rows, "max_abs_error": max(abs(row["error"]) for row in rows.values()),
-                      "read_latency_us": per_read_us, "bytes_per_reader": nbytes, "measured_at": measured_at,
+                      "read_latency_us": per_read_us, "transport_ceiling_mbit": round(ceiling * 8 / 1e6, 1),
+                      "bytes_per_reader": nbytes, "measured_at": measured_at,
                       "smoke": args.smoke}))
 
 
