@@ -74,6 +74,9 @@ class Sender(AgentOwner):
     reader of chunk c acknowledged it (receivers need the same `ring_bytes`). A ring word in registered
     memory ((version, 2c) while chunk c is stable, 2c - 1 while packing it) lets readers check each chunk.
 
+    Between `publish(v)` and `release(v)` the trainer may compute without calling the runtime: where READs need the
+    target to progress (TCP; `progress`, runtime/transport/progress.py), a light background poll answers them.
+
     The constructor only checks the tensors against the plan and allocates staging; `start()` registers
     the memory with NIXL and publishes this rank's info, `close()` deregisters it and releases the
     agent. `with Sender(...) as sender:` does both.
