@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: plan test test-engine-slow bench-compile bench-runtime bench-cluster bench-engine bench-trainer bench-smoke sweep demo clean-venv
+.PHONY: plan test test-engine-slow bench-compile bench-runtime bench-cluster bench-engine bench-trainer bench-network soak bench-smoke sweep demo clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -41,6 +41,13 @@ bench-engine: $(STAMP)
 
 bench-trainer: $(STAMP)
 	$(BIN)/python benchmarks/bench_trainer.py
+
+# Over emulated nodes (network namespaces, tbf, UCX over TCP; needs root and iproute2): docs/runtime.md, "Networks".
+bench-network: $(STAMP)
+	$(BIN)/python benchmarks/bench_network.py
+
+soak: $(STAMP)
+	$(BIN)/python benchmarks/soak.py
 
 # Every benchmark above and the sweep in its smallest configuration (--smoke): they run, their JSON lines have their keys.
 bench-smoke: $(STAMP)

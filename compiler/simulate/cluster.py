@@ -10,10 +10,15 @@ from weightplan.runtime.files import read_json_file
 
 RATES = ("nic_gbytes_per_s", "intra_node_gbytes_per_s", "sender_quant_gbytes_per_s", "receiver_quant_gbytes_per_s")
 REQUIRED = ("name", "nodes", "trainer", "inference", "nics_per_gpu", *RATES, "descriptor_us")
-OPTIONAL = ("description", "sources")
+# Optional network behaviour (defaults: an ideal NIC): the payload share of a NIC's line rate (TCP/IP headers per
+# frame) and a fixed time before a reader's bytes from one trainer flow (protocol round trips, READ requests).
+NETWORK = ("wire_efficiency", "read_latency_us")
+OPTIONAL = ("description", "sources", *NETWORK)
 # Bounds that keep every predicted time a sane float: rates from 1 MB/s to 1 PB/s, a descriptor from 0 to 1 s.
 RATE_RANGE = (1e-3, 1e6)
 DESCRIPTOR_US_RANGE = (0.0, 1e6)
+WIRE_EFFICIENCY_RANGE = (0.01, 1.0)
+READ_LATENCY_US_RANGE = (0.0, 1e7)
 MAX_COUNT = 4096  # nodes in a group, GPUs per node, NICs per GPU
 
 
@@ -46,6 +51,8 @@ class Cluster:
     sender_quant_gbytes_per_s: float
     receiver_quant_gbytes_per_s: float
     descriptor_us: float
+    wire_efficiency: float = 1.0  # payload bytes per line-rate byte on a NIC (TCP over Ethernet at MTU 1500: 0.956)
+    read_latency_us: float = 0.0  # before a read's bytes flow, once its trainer published (0: none)
     description: str = ""
     sources: tuple[tuple[str, str], ...] = ()
 
@@ -72,7 +79,8 @@ class Cluster:
 
     @property
     def nic_bytes_per_s(self) -> float:
-        return self.nics_per_gpu * self.nic_gbytes_per_s * 1e9
+        """Payload bytes per second through one GPU's NICs."""
+        return self.nics_per_gpu * self.nic_gbytes_per_s * 1e9 * self.wire_efficiency
 
 
 def load_cluster(path: Path | str) -> Cluster:
@@ -104,6 +112,8 @@ def parse_cluster(data, where: str = "cluster") -> Cluster:
         nics_per_gpu=_integer(data, "nics_per_gpu", where, data["nics_per_gpu"]),
         **{k: _number(data, k, where, RATE_RANGE) for k in RATES},
         descriptor_us=_number(data, "descriptor_us", where, DESCRIPTOR_US_RANGE),
+        wire_efficiency=_number(data, "wire_efficiency", where, WIRE_EFFICIENCY_RANGE) if "wire_efficiency" in data else 1.0,
+        read_latency_us=_number(data, "read_latency_us", where, READ_LATENCY_US_RANGE) if "read_latency_us" in data else 0.0,
         description=_string(data, "description", where) if "description" in data else "",
         sources=tuple(sorted(sources.items())),
     )

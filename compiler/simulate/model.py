@@ -126,8 +126,13 @@ def predict(transfers: PlanTransfers, cluster: Cluster) -> Prediction:
             published[t] = tuple(gathers[t])
     landed: dict[int, list[int]] = {i: [] for i in range(n_dst)}
     for t, i in zip(*np.nonzero(transfers.read_bytes)):
+        after = published[int(t)]
+        if cluster.read_latency_us > 0:  # a pure delay: a task of that many seconds on a resource of its own
+            tasks.append(Task(f"trainer {t} -> inference {i} latency", "read", f"inference {i}", cluster.read_latency_us * 1e-6,
+                              (res(f"trainer {t} -> inference {i} latency", 1.0),), after))
+            after = (len(tasks) - 1,)
         landed[int(i)].append(move("read", f"trainer {t}", trainer_nodes[t], f"inference {i}", inference_nodes[i],
-                                   float(transfers.read_bytes[t, i]), float(transfers.read_descriptors[t, i]), published[int(t)]))
+                                   float(transfers.read_bytes[t, i]), float(transfers.read_descriptors[t, i]), after))
     first_hops_done: dict[int, tuple[int, ...]] = {}
     for i in range(n_dst):
         if transfers.receiver_quant_bytes[i] > 0:

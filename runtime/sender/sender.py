@@ -21,6 +21,7 @@ from ..tables.ring import DEFAULT_RING_BYTES, ring_chunks
 from ..transport import protocol
 from ..transport.lifecycle import AgentOwner
 from ..transport.nixl_agent import NixlAgent
+from ..transport.progress import check_mode as check_progress
 from ..transport.protocol import Kind, Message
 from ..transport.region_digests import byte_view, run_digests
 from ..transport.rendezvous import Rendezvous
@@ -73,14 +74,19 @@ class Sender(AgentOwner):
     reader of chunk c acknowledged it (receivers need the same `ring_bytes`). A ring word in registered
     memory ((version, 2c) while chunk c is stable, 2c - 1 while packing it) lets readers check each chunk.
 
+    Between `publish(v)` and `release(v)` the trainer may compute without calling the runtime: where READs need the
+    target to progress (TCP; `progress`, runtime/transport/progress.py), a light background poll answers them.
+
     The constructor only checks the tensors against the plan and allocates staging; `start()` registers
     the memory with NIXL and publishes this rank's info, `close()` deregisters it and releases the
     agent. `with Sender(...) as sender:` does both.
     """
 
     def __init__(self, plan: Plan, rank: int, tensors, *, rendezvous: Rendezvous, timeout: float = 60.0,
-                 digests: bool = False, progress_thread: bool = False, ring_bytes: int = DEFAULT_RING_BYTES):
+                 digests: bool = False, progress_thread: bool = False, ring_bytes: int = DEFAULT_RING_BYTES,
+                 progress: str = "auto"):
         check_src_rank(plan, rank)
+        progress = "thread" if progress_thread else check_progress(progress)  # see runtime/transport/progress.py
         if plan.staging:
             check_supported(plan)
         plan = plan.pulling  # with fan-out, each replicated entry is read from this rank by one inference rank per node
@@ -129,7 +135,7 @@ class Sender(AgentOwner):
         self.readers = tuple(sorted(set(readers(plan, rank)) | set(quant_readers(plan, tables, rank) if tables else ())))
         self.incarnation = uuid.uuid4().hex
         self.agent: NixlAgent | None = None  # created, with this rank's memory registered, by start()
-        self._progress_thread = progress_thread
+        self._progress = progress
         self._live: set[int] = set()  # inference ranks whose acknowledgement release() waits for
         self._joined: dict[int, str] = {}
         self._given_up: dict[int, str | None] = {}
@@ -168,7 +174,7 @@ class Sender(AgentOwner):
             raise WeightplanError(f"trainer rank {self.rank}: this Sender was started already")
         rank, rendezvous = self.rank, self.rendezvous
         me = protocol.trainer(rank)
-        self.agent = NixlAgent(me.agent(rendezvous.job), self._progress_thread)
+        self.agent = NixlAgent(me.agent(rendezvous.job), self._progress)
         self.agent.register([t for t in self._exposed if t is not None] + [self._packed, self._seq, self._ring_word]
                             + (self._quant.registered if self._quant else [])
                             + (self._gather.registered if self._gather else []))
@@ -257,6 +263,7 @@ class Sender(AgentOwner):
             self.digest_seconds = time.perf_counter() - began
         self._pending = version
         self.rendezvous.put(protocol.version_key(self.rank, version), self.incarnation.encode())
+        self.agent.background(True)  # readers READ while the trainer computes: someone must answer them (TCP)
 
     def release(self, version: int, timeout: float | None = None) -> ReleaseReport:
         """Wait until the joined inference ranks and gathering peers finished reading `version` (or the timeout), then retire it.
@@ -267,6 +274,7 @@ class Sender(AgentOwner):
         """
         check_version(version)
         self._started()
+        self.agent.background(False)  # this loop polls the agent itself
         start = time.monotonic()
         deadline = start + (self.timeout if timeout is None else timeout)
         self._refresh_joined()
@@ -288,6 +296,8 @@ class Sender(AgentOwner):
         self._seq.fill_(2 * version + 1)
         if self._pending == version:
             self._pending = None
+        elif self._pending is not None:
+            self.agent.background(True)
         for rank in waiting:
             self._live.discard(rank)
             self._given_up[rank] = self._joined.get(rank)

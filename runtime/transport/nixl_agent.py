@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ..errors import SyncError
+from .progress import BackgroundPoll, resolve
 
 log = logging.getLogger("weightplan.runtime")
 # UCX handles one huge request list much more slowly than several smaller ones (measured by
@@ -37,15 +38,18 @@ class Backoff:
 class NixlAgent:
     """One NIXL agent of this process. Every transfer is a one-sided READ initiated here."""
 
-    def __init__(self, name: str, progress_thread: bool = False):
+    def __init__(self, name: str, progress: bool | str = False):
+        """`progress` (runtime/transport/progress.py): "thread" (or True) is NIXL's progress thread, which spins a
+        whole core even when idle (measured: 2.9 s of CPU per 3 s); "poll" a light thread the owner runs with
+        `background(True)` while it does not poll itself; "none" (or False) progress only when this process
+        polls; "auto" whichever of "poll" and "none" the UCX transports need."""
         nixl_agent, nixl_agent_config = _nixl()
         self.name = name
-        # NIXL's progress thread spins a whole core even when idle (measured: 2.9 s of CPU per 3 s),
-        # so by default transfers and notifications progress when this process polls them. READs
-        # over one-sided transports (cma here, RDMA on clusters) need no progress on the target;
-        # others (e.g. both agents in one process) need the thread on the target side.
-        self._agent = nixl_agent(name, nixl_agent_config(backends=["UCX"], enable_prog_thread=progress_thread))
+        self.progress = resolve({True: "thread", False: "none"}.get(progress, progress))
+        self._agent = nixl_agent(name, nixl_agent_config(backends=["UCX"], enable_prog_thread=self.progress == "thread"))
         self._registered = []
+        self._poll: BackgroundPoll | None = None
+        self._collected: list[dict] = []  # notifications the background poll received, not yet handed out
 
     def register(self, tensors: list[torch.Tensor]) -> None:
         """Register host tensors once; descriptors must fall inside registered memory."""
@@ -58,15 +62,25 @@ class NixlAgent:
 
     def close(self) -> None:
         """Deregister every registered tensor and release the NIXL agent; idempotent (an engine shutdown calls it)."""
-        agent, self._agent = self._agent, None
-        if agent is None:
+        if self._agent is None:
             return
+        self.background(False)
+        agent, self._agent = self._agent, None
         for registered in self._registered:
             try:
                 agent.deregister_memory(registered)
             except Exception as exc:  # NIXL raises its own status types; the memory is released with the agent anyway
                 log.debug("deregistering memory of %s: %s", self.name, exc)
         self._registered = []
+
+    def background(self, on: bool) -> None:
+        """With progress "poll", start (on) or stop the background poll; the owner must not use the agent while it
+        runs. Owners turn it on while peers may read and they do not poll (a trainer between publish and release)."""
+        if on and self.progress == "poll" and self._poll is None and self._agent is not None:
+            self._poll = BackgroundPoll(self._agent, self.name)
+        elif not on and self._poll is not None:
+            self._collected += self._poll.stop()
+            self._poll = None
 
     @property
     def closed(self) -> bool:
@@ -171,7 +185,9 @@ class NixlAgent:
     def notifications(self) -> dict[str, list[str]]:
         """New notifications by sender agent name."""
         out = {}
-        for name, messages in self._agent.get_new_notifs().items():
-            name = name.decode() if isinstance(name, bytes) else name
-            out[name] = [m.decode(errors="replace") for m in messages]
+        batches, self._collected = [*self._collected, self._agent.get_new_notifs()], []
+        for batch in batches:
+            for name, messages in batch.items():
+                name = name.decode() if isinstance(name, bytes) else name
+                out.setdefault(name, []).extend(m.decode(errors="replace") for m in messages)
         return out

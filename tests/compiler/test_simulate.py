@@ -52,6 +52,18 @@ def test_one_transfer_takes_its_bytes_over_the_nic_rate_plus_its_descriptors():
     assert predict(transfers([[10 * GB]], descriptors=[[1000]]), slow).sync_s == pytest.approx(0.2 + 1000 * 2e-6, rel=1e-12)
 
 
+def test_tcp_efficiency_slows_the_nic_and_read_latency_delays_each_read():
+    """The optional network fields (a TCP-over-Ethernet cluster, bench-network): payload at `wire_efficiency` of the
+    line rate over NICs (not the intra-node link), and `read_latency_us` before each read's bytes flow."""
+    tcp = parse_cluster(cluster(wire_efficiency=0.5, read_latency_us=1000.0))
+    assert predict(transfers([[10 * GB]]), tcp).sync_s == pytest.approx(0.4 + 0.001, rel=1e-12)
+    # Two readers of one trainer: both delays run side by side, then the trainer's NIC is shared.
+    assert predict(transfers([[5 * GB, 5 * GB]]), tcp).sync_s == pytest.approx(0.001 + 0.4, rel=1e-12)
+    ideal = parse_cluster(cluster())
+    assert (ideal.wire_efficiency, ideal.read_latency_us) == (1.0, 0.0)
+    assert len(predict(transfers([[10 * GB]]), ideal).tasks) == 1  # no latency task: predictions as before
+
+
 def test_two_transfers_share_one_nic_fairly_then_the_survivor_gets_all_of_it():
     p = predict(transfers([[10 * GB], [5 * GB]]), parse_cluster(cluster()))
     # Both at 25 GB/s until the 5 GB one lands at 0.2 s; the other's last 5 GB at 50 GB/s: 0.1 s more.
@@ -149,6 +161,10 @@ def test_fair_sharing_bounds(flows, capacities):
     ({"inference": "elsewhere"}, "inference"),
     ({"bandwidth": 3}, "bandwidth"),
     ({"sources": {"nic_gbytes_per_s": 7}}, "sources"),
+    ({"wire_efficiency": 1.5}, "wire_efficiency"),
+    ({"wire_efficiency": 0}, "wire_efficiency"),
+    ({"read_latency_us": -3}, "read_latency_us"),
+    ({"read_latency_us": "slow"}, "read_latency_us"),
 ])
 def test_bad_cluster_field_is_named(change, field):
     with pytest.raises(ClusterError, match=f"'{field}'"):

@@ -85,6 +85,26 @@ def test_bench_trainer_smoke():
                           "staging_ratio", "identical", "digests"}, "bench_trainer.py")
 
 
+def test_soak_smoke():
+    """Six syncs over emulated nodes with one link flap, one kill and restart and one slow link (root and iproute2)."""
+    figures, _ = last_json("soak.py", "--smoke")
+    assert_keys(figures, {"syncs", "completed", "failed_clean", "mixed", "hangs", "recovered", "seconds", "faults"},
+                "soak.py")
+
+
+def test_bench_network_smoke():
+    figures, _ = last_json("bench_network.py", "--smoke")
+    assert_keys(figures, {"rates", "max_abs_error", "bytes_per_reader", "measured_at"}, "bench_network.py")
+    for row in figures["rates"].values():
+        assert_keys(row, {"measured_s", "predicted_s", "error"}, "bench_network.py")
+
+
+def test_progress_cost_smoke():
+    figures, _ = last_json("progress_cost.py", "--smoke")
+    assert_keys(figures, {"idle_cpu_per_wall_s"}, "progress_cost.py")
+    assert_keys(figures["idle_cpu_per_wall_s"], {"none", "poll", "thread"}, "progress_cost.py")
+
+
 def test_sweep_smoke(tmp_path):
     figures, _ = last_json("sweep.py", "--only", "llama", "--workdir", str(tmp_path))
     assert_keys(figures, {"attempted", "compiled", "verified", "failures", "vllm_cpu_cannot_build", "vllm_cannot_load"},

@@ -4,7 +4,6 @@ at their rates, a cut link cuts, and nothing is left behind."""
 from __future__ import annotations
 
 import sys
-import time
 
 import pytest
 
@@ -42,7 +41,7 @@ def _namespaces() -> set[str]:
 def test_nodes_talk_over_their_links_at_their_rate_and_a_cut_link_cuts():
     with EmulatedCluster({"a": None, "b": 40.0}, tag="wpt-link") as cluster:
         cluster.popen("a", [sys.executable, "-c", SERVE, cluster.address("a"), str(PORT)])
-        time.sleep(1.0)  # the server binds
+        cluster.wait_reachable("b", cluster.address("a"), PORT, timeout=60)  # the server binds (slowly, under load)
         got, _ = _send(cluster, "b", "a", 1000)
         assert got == 1000
         nbytes = 4_000_000  # 0.8 s at 40 Mbit/s; over an unlimited veth, milliseconds
@@ -53,6 +52,7 @@ def test_nodes_talk_over_their_links_at_their_rate_and_a_cut_link_cuts():
         with pytest.raises(ConnectionError):
             _send(cluster, "b", "a", 1000, timeout=2)
         cluster.link_up("b")
+        cluster.wait_reachable("b", cluster.address("a"), PORT, timeout=30)  # neighbour entries re-resolve first
         assert _send(cluster, "b", "a", 1000, timeout=10)[0] == 1000
         assert {"wpt-link-a", "wpt-link-b", "wpt-link-bridge"} <= _namespaces()
     assert not {n for n in _namespaces() if n.startswith("wpt-link")}

@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -148,6 +149,35 @@ class EmulatedCluster:
             raise EmulatedClusterError(f"node {node!r} cannot reach {address}:{port} within {timeout:g} s")
         return float(done.stdout)
 
+    def tcp_goodput(self, flows: list[tuple[str, str]], nbytes: int, port: int = 29612, timeout: float = 120.0) -> float:
+        """Payload bytes per second that TCP connections carry when every (src node, dst node) of `flows` sends
+        `nbytes` at once (a sink per flow started in its dst): what the links leave after TCP/IP headers and TCP's
+        own behaviour (slow start, sharing), with no UCX in the way. Total bytes over the time until the last lands."""
+        sinks, sources = [], []
+        try:
+            for i, (_, dst) in enumerate(flows):
+                sinks.append(self.popen(dst, [sys.executable, "-c", _SINK, self.address(dst), str(port + i)],
+                                        stdout=subprocess.PIPE, text=True))
+                if sinks[-1].stdout.readline().strip() != "listening":
+                    raise EmulatedClusterError(f"node {dst!r}: a TCP sink did not start")
+            start = time.time() + 1.0  # every source starts sending at this instant
+            for i, (src, dst) in enumerate(flows):
+                sources.append(subprocess.Popen(self.command(src, [sys.executable, "-c", _SOURCE, self.address(dst),
+                                                                   str(port + i), str(nbytes), str(start)]),
+                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            ends = []
+            for (src, dst), source in zip(flows, sources):
+                out, err = source.communicate(timeout=timeout)
+                if source.returncode != 0:
+                    raise EmulatedClusterError(f"node {src!r} cannot send to {dst!r}: {err.strip()[-200:]}")
+                ends.append(float(out))
+            return len(flows) * nbytes / (max(ends) - start)
+        finally:
+            for proc in sinks + sources:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+
     def set_rate(self, node: str, mbit: float) -> None:
         """Limit `node`'s link to `mbit` Mbit/s in each direction (tbf: burst of 1 ms at that rate, at least 64 KiB)."""
         if not mbit > 0:
@@ -165,6 +195,25 @@ class EmulatedCluster:
     @staticmethod
     def _tc(*args: str) -> None:
         _run_tool("tc", args)
+
+
+_SINK = ("import socket, sys\n"
+         "server = socket.create_server((sys.argv[1], int(sys.argv[2])))\n"
+         "print('listening', flush=True)\n"
+         "conn, _ = server.accept()\n"
+         "got = 0\n"
+         "while (chunk := conn.recv(1 << 20)):\n"
+         "    got += len(chunk)\n"
+         "conn.sendall(str(got).encode())\n")
+# Connects, waits for the common start instant, sends, and prints when the sink had counted every byte.
+_SOURCE = ("import socket, sys, time\n"
+           "conn = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60)\n"
+           "payload = memoryview(bytearray(int(sys.argv[3])))\n"
+           "time.sleep(max(0.0, float(sys.argv[4]) - time.time()))\n"
+           "conn.sendall(payload)\n"
+           "conn.shutdown(socket.SHUT_WR)\n"
+           "assert int(conn.recv(64)) == len(payload)\n"
+           "print(time.time())\n")
 
 
 def _run_tool(tool: str, args: tuple[str, ...]) -> None:

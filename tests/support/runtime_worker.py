@@ -45,7 +45,7 @@ _CASE = {}  # the job of the case being run, added to every event
 
 
 def emit(**fields) -> None:
-    print(json.dumps({**_CASE, **fields}), flush=True)
+    print(json.dumps({**_CASE, **fields, "at": time.time()}), flush=True)
 
 
 def plain_destination(plan, rank: int) -> dict[str, torch.Tensor]:
@@ -69,7 +69,7 @@ def wait_gate(args, rendezvous, kind: str, version: int) -> None:
     while not os.path.exists(flag):
         if time.monotonic() > deadline:
             raise SystemExit(f"no test {kind} gate for version {version}")
-        time.sleep(0.05)
+        time.sleep(0.005)  # the readers of a benchmark start within a few ms of each other
 
 
 def byte_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -80,7 +80,7 @@ def run_trainer(args, plan) -> None:
     tensors = shard(plan, full_weights(plan, args.seed, args.versions[0]), args.rank)
     rendezvous = Rendezvous.connect(args.job, args.address, timeout=args.timeout)
     sender = Sender(plan, args.rank, tensors, rendezvous=rendezvous, timeout=args.timeout, digests=args.digests,
-                    ring_bytes=args.ring_bytes).start()
+                    ring_bytes=args.ring_bytes, progress=args.progress).start()
     emit(event="ready", rank=args.rank)
     deadline = time.monotonic() + args.join_timeout
     while args.wait_joined and not all(rendezvous.exists(protocol.joined_key(k)) for k in sender.readers):
@@ -97,6 +97,10 @@ def run_trainer(args, plan) -> None:
         try:
             sender.publish(version)
             emit(event="published", rank=args.rank, version=version)
+            if args.busy_after_publish:  # a training step between publish and release: the runtime is not polled
+                busy_until = time.monotonic() + args.busy_after_publish
+                while time.monotonic() < busy_until:
+                    time.sleep(0.01)
             report = sender.release(version)
         except SyncError as exc:  # e.g. the store unreachable: the trainer says so and goes on to the next version
             emit(event="failed", rank=args.rank, version=version, error=str(exc), seconds=time.monotonic() - began)
@@ -286,6 +290,9 @@ def main(argv=None) -> None:
     parser.add_argument("--hold-at", type=int, default=-1, help="inference pauses mid-sync of this version until test/resume/v")
     parser.add_argument("--group-bytes", type=int, default=256 << 20)
     parser.add_argument("--ring-bytes", type=int, default=512 << 20, help="Sender/Receiver ring_bytes (bounded packed region)")
+    parser.add_argument("--busy-after-publish", type=float, default=0.0,
+                        help="trainer sleeps this long between publish and release, never polling the runtime")
+    parser.add_argument("--progress", default="auto", help="trainer's target-side progress (runtime/transport/progress.py)")
     parser.add_argument("--linger", type=float, default=0.0, help="trainer stays alive this long after the last version")
     args = parser.parse_args(argv)
     plans, jobs = args.plan.split(","), args.job.split(",")
