@@ -184,6 +184,7 @@ class Sender(AgentOwner):
             # address 0: a region served only through the packed region (never read in place)
             "regions": [[r.source, r.chain, 0 if t is None else t.data_ptr(), r.nbytes] for r, t in zip(self.regions, self._exposed)],
             **({"quant": self._quant.info()} if self._quant else {}),
+            "memory": self.agent.memory.record(),  # host or which GPU each registered area is on
         })
         log.info("trainer rank %d serves %d regions (%d staged) to inference ranks %s",
                  rank, len(self.regions), sum(r.staged for r in self.regions), list(self.readers))
