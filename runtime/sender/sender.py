@@ -12,6 +12,7 @@ import torch
 
 from ..casts import cast_along
 from ..checks import check_tensors, check_version, flat_view, named_tensors
+from ..device import DeviceSync
 from ..errors import SyncError, WeightplanError
 from ..plan.format import Plan
 from ..plan.schema import RECEIVER
@@ -126,6 +127,10 @@ class Sender(AgentOwner):
                                    *((self._gather.buffer, self._gather.offset) if self._gather else ()))
                        if tables else None)
         self._seq = torch.ones(1, dtype=torch.int64)  # odd: nothing published yet
+        # Publishing waits for every kernel queued on the devices of these tensors (optimizer, casts, packing,
+        # quantization) before the sequence word, ring word or version record exposes their bytes (runtime/device.py).
+        self.device_sync = DeviceSync.of([*self._sources, *self._exposed, self._packed,
+                                          *(self._quant.registered if self._quant else [])])
         self.readers = tuple(sorted(set(readers(plan, rank)) | set(quant_readers(plan, tables, rank) if tables else ())))
         self.incarnation = uuid.uuid4().hex
         self.agent: NixlAgent | None = None  # created, with this rank's memory registered, by start()
@@ -231,6 +236,7 @@ class Sender(AgentOwner):
                 if region.staged and out is not None:
                     out.copy_(cast_along(src, self.plan.cast_chains[region.chain]))
             self._packs[0]()
+        self.device_sync.wait("publish: the trainer's kernels, casts and packing")
         self._ring_word[1] = 0
         self._ring_next = 1
         # The exposed bf16 is final for this version; receivers still wait for the version key below,
@@ -247,6 +253,7 @@ class Sender(AgentOwner):
                 raise
         if self._quant is not None:
             self.quantize_seconds = self._quant.publish(self._poll if self.gatherers else None)
+            self.device_sync.wait("publish: quantization")
         if self.digests:
             began = time.perf_counter()
             served = self._served_runs
@@ -313,6 +320,7 @@ class Sender(AgentOwner):
             self._ring_word[1] = 2 * self._ring_next - 1
             with torch.no_grad():
                 self._packs[self._ring_next]()
+            self.device_sync.wait("ring chunk packed")
             self._ring_word[1] = 2 * self._ring_next
             self._ring_next += 1
 
