@@ -19,8 +19,12 @@ DESCRIPTORS_PER_READ = 4096
 
 
 def _nixl():
-    # Imported lazily: the plan reader and the host executor work without NIXL installed.
-    from nixl_cu12._api import nixl_agent, nixl_agent_config
+    # Imported lazily: the plan reader and the host executor work without NIXL installed. The CUDA 12 build is the
+    # one installed here; a CUDA 13 machine carries nixl-cu13, same API under its own module name.
+    try:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+    except ImportError:
+        from nixl_cu13._api import nixl_agent, nixl_agent_config
 
     return nixl_agent, nixl_agent_config
 
