@@ -127,6 +127,9 @@ class Receiver(AgentOwner):
                                        plan.dests[i].dtype, f"inference rank {rank}") for i in np.flatnonzero(held)}
         check_no_aliases({plan.dests[i].name: view for i, view in self._dst.items()}, f"inference rank {rank}")
         self._derived = DerivedRefresh(plan, set(expected), destination, derived, act_dtype)
+        if plan.staging and any(t.device.type != "cpu" for t in self._dst.values()):
+            raise WeightplanError(f"inference rank {rank}: fp8 plans with destinations on a GPU are not built yet (the "
+                                  "fp8 staging slots and quantization are host-only); use a bf16 plan or staged host buffers")
         self._qt = quant_tables(pull) if plan.staging else None
         self._quant = ReceiverQuant(pull, rank, self._qt, self._dst) if self._qt else None
         self._hops = SecondHops(plan, rank, self._dst, rendezvous)

@@ -103,17 +103,24 @@ class Sender(AgentOwner):
         self.packing = packing_of(self._served_runs)
         # Cast regions no receiver reads in place are cast straight into the packed region: no staging copy.
         casts = {} if tables is not None else self._packed_only_casts()
-        # Memory is allocated and registered only after every check passed.
+        devices = {t.device for t in self._sources}
+        if tables is not None and any(d.type != "cpu" for d in devices):
+            raise WeightplanError(f"trainer rank {rank}: fp8 plans with trainer tensors on a GPU are not built yet (the "
+                                  "fp8 regions and gathers are host-only); use a bf16 plan or host tensors")
+        # Memory is allocated and registered only after every check passed. Staging lives with its source and the
+        # packed region with the sources when they share one device (host memory otherwise): the cast and packing
+        # kernels write them where they run (docs/runtime.md, GPUs).
         self._exposed = [
-            None if i in casts else torch.empty(r.numel, dtype=getattr(torch, r.wire_dtype)) if r.staged else src
+            None if i in casts else torch.empty(r.numel, dtype=getattr(torch, r.wire_dtype), device=src.device) if r.staged else src
             for i, (r, src) in enumerate(zip(self.regions, self._sources))
         ]
+        packed_device = devices.pop() if len(devices) == 1 else torch.device("cpu")
         try:
             self.ring = ring_chunks(self.packing, ring_bytes)
         except ValueError as exc:
             raise WeightplanError(f"trainer rank {rank}: {exc}") from None
         parts = [self.packing] if self.ring is None else [self.ring.part(self.packing, c) for c in range(len(self.ring))]
-        self._packed = torch.empty(max(p.nbytes for p in parts), dtype=torch.uint8)
+        self._packed = torch.empty(max(p.nbytes for p in parts), dtype=torch.uint8, device=packed_device)
         self._packs = [PackRuns(self._exposed, self._packed, p, self._served_runs, casts) for p in parts]
         at = np.searchsorted(self._served_runs.run, self.packing.run) if self.ring is not None else []
         self._chunk_readers = [] if self.ring is None else [
