@@ -197,3 +197,17 @@ def test_a_receiver_waits_for_each_quantized_group_before_its_staging_slot_is_re
         for s in senders:
             s.close()
         receiver.close()
+
+
+def test_fp8_plans_with_tensors_on_a_gpu_are_refused_in_one_line(plan_cache):
+    from ..support.fp8 import CASES
+
+    model, fmt, trainer, inference = CASES["aligned"]
+    plan = load_plan(plan_cache(model, fmt, "bf16", trainer, inference, quant="fp8_per_block"))
+    tensors = {name: on_cuda(t, 0) for name, t in shard(plan, full_weights(plan, 0, 1), 0).items()}
+    with pytest.raises(WeightplanError, match="trainer rank 0: fp8 plans with trainer tensors on a GPU are not built yet") as err:
+        Sender(plan, 0, tensors, rendezvous=None)
+    assert "\n" not in str(err.value)
+    destination = {name: on_cuda(t, 0) for name, t in plain_destination(plan, 0).items()}
+    with pytest.raises(WeightplanError, match="inference rank 0: fp8 plans with destinations on a GPU are not built yet"):
+        Receiver(plan, 0, destination, rendezvous=None, derived="caller")
