@@ -211,3 +211,27 @@ def test_fp8_plans_with_tensors_on_a_gpu_are_refused_in_one_line(plan_cache):
     destination = {name: on_cuda(t, 0) for name, t in plain_destination(plan, 0).items()}
     with pytest.raises(WeightplanError, match="inference rank 0: fp8 plans with destinations on a GPU are not built yet"):
         Receiver(plan, 0, destination, rendezvous=None, derived="caller")
+
+
+@pytest.mark.parametrize("memory", ["missing", "a GPU the trainer does not have"])
+def test_a_trainer_info_whose_memory_record_is_wrong_fails_the_sync_in_one_line(bf16_plan, rendezvous, memory):
+    plan = bf16_plan
+    sender = Sender(plan, 0, shard(plan, full_weights(plan, 0, 1), 0), rendezvous=rendezvous, timeout=5,
+                    progress_thread=True).start()
+    receiver = Receiver(plan, 0, plain_destination(plan, 0), rendezvous=rendezvous, timeout=2, derived="caller").start()
+    try:
+        sender.publish(1)
+        info = rendezvous.get_json(protocol.trainer_info_key(0))
+        if memory == "missing":
+            del info["memory"]
+            expected = "trainer rank 0: its info's 'memory' is not a list"
+        else:  # the same spans claimed as device memory: NIXL finds no such registration
+            info["memory"] = [[a, n, VRAM, 0] for a, n, _, _ in info["memory"]]
+            expected = "trainer rank 0: its info's .* name memory it did not register"
+        rendezvous.put(protocol.trainer_info_key(0), info)
+        with pytest.raises(SyncError, match=expected) as err:
+            receiver.sync(1)
+        assert "\n" not in str(err.value) and receiver.version is None
+    finally:
+        sender.close()
+        receiver.close()
