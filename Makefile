@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: plan test test-engine-slow bench-compile bench-runtime bench-cluster bench-engine bench-trainer bench-network soak bench-smoke sweep demo clean-venv
+.PHONY: plan test test-engine-slow bench-compile bench-runtime bench-cluster bench-engine bench-trainer bench-network soak gpu-check bench-smoke sweep demo clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -55,6 +55,12 @@ bench-smoke: $(STAMP)
 
 sweep: $(STAMP)
 	$(BIN)/python benchmarks/sweep.py
+
+# The prepared GPU check (docs/runtime.md, "GPUs"). Not tied to .venv: a lent GPU machine has a CUDA PyTorch and no
+# internet, so it runs with whatever python has that PyTorch (GPU_PY=...); parts it cannot prove print skipped.
+GPU_PY ?= python3
+gpu-check:
+	$(GPU_PY) benchmarks/gpu_check.py
 
 demo: $(STAMP)
 	$(BIN)/python examples/rl_loop.py

@@ -52,6 +52,30 @@ def method_name(module: torch.nn.Module) -> str | None:
     return type(method).__name__ if method is not None else None
 
 
+# What vLLM 0.32's post-load step (process_weights_after_loading) does to a layer's loaded parameters on a GPU
+# (CUDA), by quant method: "keeps" means the kernel computes with the very tensor the loader wrote, so direct mode
+# can READ into it; anything else replaces or re-lays it out, so a plan's destinations (the loader's layout) are not
+# the live tensors and only staged mode (rebuild as at a first load) is right. Read from vLLM's
+# model_executor/layers/{linear,vocab_parallel_embedding}.py, fused_moe/unquantized_fused_moe_method.py,
+# fused_moe/oracle/unquantized.py and quantization/fp8.py; docs/vllm.md ("Engines on GPUs") has the table.
+GPU_POST_LOAD = {
+    "UnquantizedLinearMethod": "keeps the weight as loaded (XPU with VLLM_XPU_FORCE_N_CONTIG_WEIGHT re-lays it)",
+    "UnquantizedEmbeddingMethod": "keeps the weight as loaded",
+    "UnquantizedFusedMoEMethod": ("keeps w13/w2 with the Triton backend, but shuffles them for FlashInfer, AITER or "
+                                  "MoonEP, and pads them on ROCm"),
+    "Fp8LinearMethod": ("re-lays the block scales for the chosen kernel (DeepGEMM's TMA-aligned or UE8M0 scales, "
+                        "CUTLASS layouts) and may requantize the weight"),
+    "Fp8MoEMethod": "shuffles or re-lays expert weights and scales for the chosen fp8 MoE backend",
+}
+
+
+def post_load_step(method: str, platform: str) -> str:
+    """What the post-load step of quant method `method` does to its parameters on `platform`, in a few words."""
+    if platform == "cpu":
+        return "packs it"
+    return GPU_POST_LOAD.get(method, "is not known to keep it as loaded")
+
+
 def transforms_on(module: torch.nn.Module, platform: str) -> bool:
     """True if the module's post-load step changes what its kernel computes with on `platform`.
 

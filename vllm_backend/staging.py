@@ -11,7 +11,7 @@ import torch
 from weightplan.runtime import Plan
 
 from .engine_check import owner
-from .live_patches import CONSUMED, Snapshot, rebuild, transforms_on
+from .live_patches import CONSUMED, Snapshot, method_name, post_load_step, rebuild, transforms_on
 
 log = logging.getLogger("weightplan.vllm_backend")
 
@@ -57,6 +57,12 @@ class Destination:
         return self.apply_seconds
 
 
+def _why(method: str | None, platform: str) -> str:
+    if method is None:
+        return "whose live tensor is not laid out as the plan's destination"
+    return f"whose post-load step ({method}) {post_load_step(method, platform)}"
+
+
 def choose(plan: Plan, names: list[str], model: torch.nn.Module, platform: str, requested: str) -> Destination:
     """Pick direct or staged mode for these planned parameters of the live model ("auto" decides; reported)."""
     transforming = {}
@@ -66,18 +72,21 @@ def choose(plan: Plan, names: list[str], model: torch.nn.Module, platform: str, 
         live = module._parameters[attr]
         entry = entries[name]
         if transforms_on(module, platform) or tuple(live.shape) != tuple(entry.shape) or not live.is_contiguous():
-            transforming[name] = type(module).__name__
+            transforming[name] = (type(module).__name__, method_name(module) if transforms_on(module, platform) else None)
     if requested == "direct" and transforming:
         first = next(iter(transforming.items()))
         raise ValueError(f"weightplan init_info field 'mode' is 'direct', but {len(transforming)} planned parameters are "
-                         f"not what the engine's kernels use on {platform} (e.g. {first[0]} of {first[1]}, whose post-load "
-                         "step packs it): use mode 'staged' or 'auto'")
+                         f"not what the engine's kernels use on {platform} (e.g. {first[0]} of {first[1][0]}, "
+                         f"{_why(first[1][1], platform)}): use mode 'staged' or 'auto'")
     if requested == "direct" or (requested == "auto" and not transforming):
         tensors = {name: owner(model, name)[0]._parameters[owner(model, name)[1]].data for name in names}
         return Destination("direct", tensors, "every planned parameter is what the engine's kernels use")
-    tensors = {name: torch.empty(entries[name].shape, dtype=getattr(torch, entries[name].dtype)) for name in names}
+    # Staging buffers live where the engine's parameters live (its GPU): READs land there, and applying them is a
+    # device-to-device copy or rebuild.
+    tensors = {name: torch.empty(entries[name].shape, dtype=getattr(torch, entries[name].dtype),
+                                 device=owner(model, name)[0]._parameters[owner(model, name)[1]].device) for name in names}
     dest = Destination("staged", tensors, (f"{len(transforming)} of {len(names)} planned parameters belong to layers whose "
-                                           f"post-load step packs them on {platform}" if transforming else "requested"))
+                                           f"post-load step packs or re-lays them out on {platform}" if transforming else "requested"))
     for name in names:
         module, attr = owner(model, name)
         module_name = name.rpartition(".")[0]

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from .format import BLOCK, FP8, FP8_MAX
+from .torch_quant import TorchTiles
 
 
 def per_block_fp8(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,10 +101,10 @@ def _flat(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 class BlockQuantizer:
     """per_block_fp8 for large 2-D views, writing into given outputs.
 
-    Same bytes as per_block_fp8. Whole tiles go through the numba kernel in fp8/kernel.py (`use_kernel`,
-    the default) or, as its reference, through torch ops a few block rows at a time in preallocated
-    buffers (fresh multi-megabyte temporaries cost page faults; cache-sized chunks made it several times
-    faster). Tiles holding inf or NaN are redone by the torch path: their bytes depend on how the CPU
+    Same bytes as per_block_fp8. The path is picked by device: whole tiles of host tensors go through the numba
+    kernel in fp8/kernel.py (`use_kernel`, the default); CUDA tensors (and host tensors with use_kernel=False, its
+    reference) go through fp8/torch_quant.py's torch ops on their own device, never leaving it. Tiles the kernel
+    finds holding inf or NaN are redone by the torch path: their bytes depend on how the CPU
     propagates NaN, which the kernel does not model. Edge tiles (rows or columns not a multiple of the
     block) go through per_block_fp8's padding.
     """
@@ -111,8 +112,7 @@ class BlockQuantizer:
     def __init__(self, chunk_elements: int = 1 << 18, block: int = BLOCK, use_kernel: bool = True):
         self.block, self.chunk_elements = block, chunk_elements
         self.use_kernel = use_kernel and block == BLOCK
-        self._bits = torch.empty(0, dtype=torch.int16)
-        self._wide = torch.empty(0, dtype=torch.float32)
+        self._device_tiles: TorchTiles | None = None
 
     def warm_up(self) -> None:
         """Load the kernel now (numba's import and its compiled-code cache take about a second in a fresh process),
@@ -155,22 +155,16 @@ class BlockQuantizer:
         return True
 
     def _torch_tiles(self, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, hf: int, wf: int) -> None:
-        """Whole tiles x[:hf, :wf] through torch ops, a few block rows at a time in reused buffers."""
-        b = self.block
-        rows = max(b, self.chunk_elements // wf // b * b)
-        if self._bits.numel() < rows * wf or self._bits.device != x.device:
-            self._bits = torch.empty(rows * wf, dtype=torch.int16, device=x.device)
-            self._wide = torch.empty(rows * wf, dtype=torch.float32, device=x.device)
-        for r in range(0, hf, rows):
-            n = min(rows, hf - r)
-            part = x[r : r + n, :wf]
-            # |x| as bits: clearing the sign bit orders finite bf16 magnitudes like int16, and amax over
-            # integers is exact and 2-3x faster here than abs() then amax() on bf16.
-            bits = torch.bitwise_and(part.view(torch.int16), 0x7FFF, out=self._bits[: n * wf].view(n, wf))
-            amax = bits.view(n // b, b, wf // b, b).amax(dim=(1, 3)).view(torch.bfloat16)
-            scale = amax.float().clamp_(1e-4) / FP8_MAX
-            # 1 / scale repeated along each block's columns, so the multiply runs over whole rows.
-            inv = (1.0 / scale).repeat_interleave(b, dim=1).view(n // b, 1, wf)
-            wide = torch.mul(part.view(n // b, b, wf), inv, out=self._wide[: n * wf].view(n // b, b, wf))
-            values[r : r + n, :wf].copy_(wide.view(n, wf))
-            scales[r // b : (r + n) // b, : wf // b] = scale
+        if self._device_tiles is None:
+            self._device_tiles = TorchTiles(self.chunk_elements, self.block)
+        self._device_tiles(x, values, scales, hf, wf)
+
+
+def quantize_on_device(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 2-D bf16 tensor's fp8 values and float32 block scales, allocated and computed on its own device in torch ops
+    (BlockQuantizer without the numba kernel: TorchTiles for whole tiles, per_block_fp8 for edge tiles): what a GPU
+    rank runs, and on host tensors the same code path."""
+    values = torch.empty(x.shape, dtype=FP8, device=x.device)
+    scales = torch.empty((math.ceil(x.shape[0] / block), math.ceil(x.shape[1] / block)), dtype=torch.float32, device=x.device)
+    BlockQuantizer(block=block, use_kernel=False)(x, values, scales)
+    return values, scales

@@ -12,6 +12,7 @@ import torch
 
 from ..checks import check_no_aliases, check_tensors, check_version, flat_view, inference_names, named_tensors
 from ..constant_writes import write_constants
+from ..device import DeviceSync, current_stream
 from ..errors import PlanMismatchError, SyncError, WeightplanError
 from ..plan.format import Plan
 from ..tables.quant import check_supported, quant_tables, stage_packing
@@ -126,6 +127,9 @@ class Receiver(AgentOwner):
                                        plan.dests[i].dtype, f"inference rank {rank}") for i in np.flatnonzero(held)}
         check_no_aliases({plan.dests[i].name: view for i, view in self._dst.items()}, f"inference rank {rank}")
         self._derived = DerivedRefresh(plan, set(expected), destination, derived, act_dtype)
+        if plan.staging and any(t.device.type != "cpu" for t in self._dst.values()):
+            raise WeightplanError(f"inference rank {rank}: fp8 plans with destinations on a GPU are not built yet (the "
+                                  "fp8 staging slots and quantization are host-only); use a bf16 plan or staged host buffers")
         self._qt = quant_tables(pull) if plan.staging else None
         self._quant = ReceiverQuant(pull, rank, self._qt, self._dst) if self._qt else None
         self._hops = SecondHops(plan, rank, self._dst, rendezvous)
@@ -144,6 +148,9 @@ class Receiver(AgentOwner):
         except ValueError as exc:
             raise WeightplanError(f"inference rank {rank}: {exc}") from None
         self._trainers: Connections[_Trainer] = Connections(self._connect)
+        # Quantized groups and derived state are computed on the destinations' device; they are waited for before the
+        # staging slot is reused, before the ack / landed word, and before `version` is set (runtime/device.py).
+        self.device_sync = DeviceSync.of([*self._dst.values(), *(self._quant.slots if self._quant else [])], current_stream)
         self._version: int | None = None
         self._reading: dict[int, float] = {}  # trainer rank -> seconds its grouped READs were outstanding, this sync
         self._read_seconds = 0.0  # the grouped READs' phase of this sync, wall time
@@ -292,6 +299,7 @@ class Receiver(AgentOwner):
                 self.post_op(sorted(self.plan.dests[d].name for d in self._hops.entries))
         self._hops.settle(deadline)  # this node's peers read what this rank pulled for them
         self._derived()  # after the ack: it reads only this rank's memory, so the trainers need not wait
+        self.device_sync.wait("derived state")
         self._version = version
         seconds = time.monotonic() - start
         slowest = max(self._reading, key=self._reading.get, default=None)
@@ -446,6 +454,7 @@ class Receiver(AgentOwner):
                 check(group)
             if quantize is not None:
                 quantize(group)
+                self.device_sync.wait("quantized a group")
             if self.post_op is not None:
                 self.post_op(self._groups.names[group])
 

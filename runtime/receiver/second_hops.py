@@ -74,7 +74,8 @@ class SecondHops:
     def info(self) -> dict:
         """What peers need to read from this rank: its landed word and the entries it serves (address, bytes)."""
         return {"landed": [self._word.data_ptr(), 16],
-                "entries": [[d, self._dst[d].data_ptr(), _nbytes(self._dst[d])] for d in self.served]}
+                "entries": [[d, self._dst[d].data_ptr(), _nbytes(self._dst[d])] for d in self.served],
+                "memory": self.agent.memory.record()}
 
     def start(self, agent: NixlAgent) -> None:
         """Prepare the local side of every second hop (destination entries and a word slot per puller)."""

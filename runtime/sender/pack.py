@@ -61,8 +61,11 @@ class PackRuns:
             src = units(self.tensors[source], self.dtype) if cast is None else cast.source
             extent = (count - 1) * stride + width
             every = src.as_strided((src.numel() - extent + 1, count, width), (1, stride, 1))
-            if cast is None:
+            starts = starts.to(src.device)  # a no-op on the host; a GPU source gathers on its device
+            if cast is None and src.device == out.device:
                 torch.index_select(every, 0, starts, out=out[at : at + len(starts) * count * width].view(-1, count, width))
+            elif cast is None:  # a source on another device than the packed region (host next to GPU tensors)
+                out[at : at + len(starts) * count * width].view(-1, count, width).copy_(torch.index_select(every, 0, starts))
             else:
                 size = cast.wire.itemsize
                 into = self.out[at * size : (at + len(starts) * count * width) * size].view(cast.wire).view(-1, count, width)

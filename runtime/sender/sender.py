@@ -12,6 +12,7 @@ import torch
 
 from ..casts import cast_along
 from ..checks import check_tensors, check_version, flat_view, named_tensors
+from ..device import DeviceSync
 from ..errors import SyncError, WeightplanError
 from ..plan.format import Plan
 from ..plan.schema import RECEIVER
@@ -108,17 +109,24 @@ class Sender(AgentOwner):
         self.packing = packing_of(self._served_runs)
         # Cast regions no receiver reads in place are cast straight into the packed region: no staging copy.
         casts = {} if tables is not None else self._packed_only_casts()
-        # Memory is allocated and registered only after every check passed.
+        devices = {t.device for t in self._sources}
+        if tables is not None and any(d.type != "cpu" for d in devices):
+            raise WeightplanError(f"trainer rank {rank}: fp8 plans with trainer tensors on a GPU are not built yet (the "
+                                  "fp8 regions and gathers are host-only); use a bf16 plan or host tensors")
+        # Memory is allocated and registered only after every check passed. Staging lives with its source and the
+        # packed region with the sources when they share one device (host memory otherwise): the cast and packing
+        # kernels write them where they run (docs/runtime.md, GPUs).
         self._exposed = [
-            None if i in casts else torch.empty(r.numel, dtype=getattr(torch, r.wire_dtype)) if r.staged else src
+            None if i in casts else torch.empty(r.numel, dtype=getattr(torch, r.wire_dtype), device=src.device) if r.staged else src
             for i, (r, src) in enumerate(zip(self.regions, self._sources))
         ]
+        packed_device = devices.pop() if len(devices) == 1 else torch.device("cpu")
         try:
             self.ring = ring_chunks(self.packing, ring_bytes)
         except ValueError as exc:
             raise WeightplanError(f"trainer rank {rank}: {exc}") from None
         parts = [self.packing] if self.ring is None else [self.ring.part(self.packing, c) for c in range(len(self.ring))]
-        self._packed = torch.empty(max(p.nbytes for p in parts), dtype=torch.uint8)
+        self._packed = torch.empty(max(p.nbytes for p in parts), dtype=torch.uint8, device=packed_device)
         self._packs = [PackRuns(self._exposed, self._packed, p, self._served_runs, casts) for p in parts]
         at = np.searchsorted(self._served_runs.run, self.packing.run) if self.ring is not None else []
         self._chunk_readers = [] if self.ring is None else [
@@ -132,6 +140,10 @@ class Sender(AgentOwner):
                                    *((self._gather.buffer, self._gather.offset) if self._gather else ()))
                        if tables else None)
         self._seq = torch.ones(1, dtype=torch.int64)  # odd: nothing published yet
+        # Publishing waits for every kernel queued on the devices of these tensors (optimizer, casts, packing,
+        # quantization) before the sequence word, ring word or version record exposes their bytes (runtime/device.py).
+        self.device_sync = DeviceSync.of([*self._sources, *self._exposed, self._packed,
+                                          *(self._quant.registered if self._quant else [])])
         self.readers = tuple(sorted(set(readers(plan, rank)) | set(quant_readers(plan, tables, rank) if tables else ())))
         self.incarnation = uuid.uuid4().hex
         self.agent: NixlAgent | None = None  # created, with this rank's memory registered, by start()
@@ -190,6 +202,7 @@ class Sender(AgentOwner):
             # address 0: a region served only through the packed region (never read in place)
             "regions": [[r.source, r.chain, 0 if t is None else t.data_ptr(), r.nbytes] for r, t in zip(self.regions, self._exposed)],
             **({"quant": self._quant.info()} if self._quant else {}),
+            "memory": self.agent.memory.record(),  # host or which GPU each registered area is on
         })
         log.info("trainer rank %d serves %d regions (%d staged) to inference ranks %s",
                  rank, len(self.regions), sum(r.staged for r in self.regions), list(self.readers))
@@ -236,6 +249,7 @@ class Sender(AgentOwner):
                 if region.staged and out is not None:
                     out.copy_(cast_along(src, self.plan.cast_chains[region.chain]))
             self._packs[0]()
+        self.device_sync.wait("publish: the trainer's kernels, casts and packing")
         self._ring_word[1] = 0
         self._ring_next = 1
         # The exposed bf16 is final for this version; receivers still wait for the version key below,
@@ -252,6 +266,7 @@ class Sender(AgentOwner):
                 raise
         if self._quant is not None:
             self.quantize_seconds = self._quant.publish(self._poll if self.gatherers else None)
+            self.device_sync.wait("publish: quantization")
         if self.digests:
             began = time.perf_counter()
             served = self._served_runs
@@ -322,6 +337,7 @@ class Sender(AgentOwner):
             self._ring_word[1] = 2 * self._ring_next - 1
             with torch.no_grad():
                 self._packs[self._ring_next]()
+            self.device_sync.wait("ring chunk packed")
             self._ring_word[1] = 2 * self._ring_next
             self._ring_next += 1
 

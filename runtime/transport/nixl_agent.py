@@ -1,14 +1,16 @@
-"""A thin wrapper over one NIXL agent (UCX backend, host memory): register, prepare, read, notify."""
+"""A thin wrapper over one NIXL agent (UCX backend, host and CUDA memory): register, prepare, read, notify."""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..errors import SyncError
+from ..errors import SyncError, WeightplanError
+from .memory import HOST, EMPTY, MemoryMap, RowGroups, Span, group_rows, group_spans
 from .progress import BackgroundPoll, resolve
 
 log = logging.getLogger("weightplan.runtime")
@@ -18,8 +20,12 @@ DESCRIPTORS_PER_READ = 4096
 
 
 def _nixl():
-    # Imported lazily: the plan reader and the host executor work without NIXL installed.
-    from nixl_cu12._api import nixl_agent, nixl_agent_config
+    # Imported lazily: the plan reader and the host executor work without NIXL installed. The CUDA 12 build is the
+    # one installed here; a CUDA 13 machine carries nixl-cu13, same API under its own module name.
+    try:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+    except ImportError:
+        from nixl_cu13._api import nixl_agent, nixl_agent_config
 
     return nixl_agent, nixl_agent_config
 
@@ -33,6 +39,21 @@ class Backoff:
     def sleep(self) -> None:
         time.sleep(self.pause)
         self.pause = min(2 * self.pause, 1e-3)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One prepared descriptor list as callers see it: a NIXL list per placement its rows lie in (`rows` says where)."""
+
+    lists: tuple
+    rows: RowGroups
+
+
+@dataclass(frozen=True)
+class Read:
+    """One READ as callers see it: a NIXL transfer per (local, remote) placement pair its descriptors use."""
+
+    handles: tuple
 
 
 class NixlAgent:
@@ -50,12 +71,16 @@ class NixlAgent:
         self._registered = []
         self._poll: BackgroundPoll | None = None
         self._collected: list[dict] = []  # notifications the background poll received, not yet handed out
+        self.memory = EMPTY  # what this agent registered, by placement (published as its info's 'memory')
 
     def register(self, tensors: list[torch.Tensor]) -> None:
-        """Register host tensors once; descriptors must fall inside registered memory."""
-        tensors = [t for t in tensors if t.numel()]
-        if tensors:
-            self._registered.append(self._agent.register_memory(tensors))
+        """Register tensors once, host (DRAM) and CUDA (VRAM, per device) alike: one NIXL registration per placement,
+        since a NIXL list holds one memory type. Descriptors must fall inside registered memory."""
+        spans = [Span.of(t) for t in tensors if t.numel()]
+        for placement, group in group_spans(spans).items():
+            table = np.array([[s.address, s.nbytes, placement.device] for s in group], dtype=np.uint64)
+            self._registered.append(self._agent.register_memory(table, placement.kind))
+        self.memory = MemoryMap.of(self.memory.spans() + spans)
 
     def metadata(self) -> bytes:
         return self._agent.get_agent_metadata()
@@ -103,17 +128,42 @@ class NixlAgent:
         except Exception as exc:  # NIXL raises its own status types; the peer is gone either way
             log.debug("removing agent %s: %s", name, exc)
 
-    def prepare(self, peer: str | None, rows: np.ndarray):
-        """Prepare a descriptor list of (address, bytes) rows, local (peer None) or on a peer, once."""
-        table = np.zeros((len(rows), 3), dtype=np.uint64)
-        if len(rows):
-            table[:, :2] = rows
-        return self._agent.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", table, "DRAM")
+    def prepare(self, peer: str | None, rows: np.ndarray, memory: MemoryMap | None = None) -> Prepared:
+        """Prepare a descriptor list of (address, bytes) rows, local (peer None) or on a peer, once.
 
-    def make_read(self, local, remote, indices: np.ndarray, message: bytes = b""):
-        """A READ of the given descriptor indices of two prepared lists; post it with `post` each sync."""
-        idx = np.ascontiguousarray(indices, dtype=np.int32)
-        return self._agent.make_prepped_xfer("READ", local, idx, remote, idx, message)
+        Each row's memory type and device come from where it lies: this agent's registrations for local rows, the
+        peer's published `memory` for remote ones (SyncError for a row outside it)."""
+        rows = np.asarray(rows).reshape(-1, 2)
+        try:
+            groups = group_rows(self.memory if peer is None else memory or EMPTY, rows) if len(rows) else None
+        except ValueError as exc:
+            if peer is None:
+                raise WeightplanError(f"{self.name}: a local descriptor {exc}") from None
+            raise SyncError(f"{peer}: a descriptor {exc} of that process (its info's 'memory')") from None
+        if groups is None:  # an empty list: the memory type does not matter
+            return Prepared((self._agent.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", np.zeros((0, 3), dtype=np.uint64),
+                                                         HOST.kind),), group_rows(EMPTY, rows))
+        lists = []
+        for placement, members in zip(groups.placements, groups.members):
+            table = np.zeros((len(members), 3), dtype=np.uint64)
+            table[:, :2] = rows[members]
+            table[:, 2] = placement.device
+            lists.append(self._agent.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", table, placement.kind))
+        return Prepared(tuple(lists), groups)
+
+    def make_read(self, local: Prepared, remote: Prepared, indices: np.ndarray, message: bytes = b"") -> Read:
+        """A READ of the given descriptor indices of two prepared lists (row i of one into row i of the other): one
+        NIXL transfer per pair of placements they use, usually one. Post it with `post` each sync."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        pair = local.rows.group[idx] * len(remote.lists) + remote.rows.group[idx] if len(idx) else np.zeros(0, np.int64)
+        handles = []
+        for key in np.unique(pair).tolist():
+            chosen = idx[pair == key]
+            lg, rg = divmod(key, len(remote.lists))
+            handles.append(self._agent.make_prepped_xfer(
+                "READ", local.lists[lg], np.ascontiguousarray(local.rows.index[chosen], dtype=np.int32),
+                remote.lists[rg], np.ascontiguousarray(remote.rows.index[chosen], dtype=np.int32), message))
+        return Read(tuple(handles))
 
     def make_reads(self, local, remote, rows: np.ndarray) -> list:
         """READs of descriptor rows `rows` of two prepared lists, DESCRIPTORS_PER_READ rows per request."""
@@ -126,13 +176,19 @@ class NixlAgent:
             self.post(handle, peer)
         self.wait(handles, deadline, what)
 
-    def post(self, handle, peer: str) -> None:
-        try:
-            state = self._agent.transfer(handle)
-        except Exception as exc:  # NIXL raises per-status exception types (e.g. nixlRemoteDisconnectError)
-            raise SyncError(f"posting a READ from {peer} failed: {type(exc).__name__} (did that process die?)") from None
-        if state == "ERR":
-            raise SyncError(f"NIXL refused to post a READ from {peer} (did that process die?)")
+    def post(self, handle: Read, peer: str) -> None:
+        for part in handle.handles:
+            try:
+                state = self._agent.transfer(part)
+            except Exception as exc:  # NIXL raises per-status exception types (e.g. nixlRemoteDisconnectError)
+                raise SyncError(f"posting a READ from {peer} failed: {type(exc).__name__} (did that process die?)") from None
+            if state == "ERR":
+                raise SyncError(f"NIXL refused to post a READ from {peer} (did that process die?)")
+
+    def _state(self, handle: Read) -> str:
+        """ERR if any part failed, DONE once every part is done, else PROC."""
+        states = [self._agent.check_xfer_state(part) for part in handle.handles]
+        return "ERR" if "ERR" in states else "DONE" if all(s == "DONE" for s in states) else "PROC"
 
     def wait(self, handles: list[tuple[object, str]], deadline: float, what: str) -> dict[str, float]:
         """Wait until every posted (transfer, peer) is done; an error state or the deadline raises SyncError.
@@ -147,7 +203,7 @@ class NixlAgent:
             now = time.monotonic()
             for handle, peer in pending:
                 try:
-                    state = self._agent.check_xfer_state(handle)
+                    state = self._state(handle)
                 except Exception as exc:  # as in post(): a status turned into an exception
                     raise SyncError(f"{what}: a READ from {peer} failed: {type(exc).__name__} (did that process die?)") from None
                 if state == "ERR":
@@ -164,17 +220,19 @@ class NixlAgent:
                 backoff.sleep()
         return done_at
 
-    def release(self, handle) -> None:
-        try:
-            self._agent.release_xfer_handle(handle)
-        except Exception as exc:  # a handle to a dead peer may refuse release; nothing else to do
-            log.debug("releasing a transfer handle: %s", exc)
+    def release(self, handle: Read) -> None:
+        for part in handle.handles:
+            try:
+                self._agent.release_xfer_handle(part)
+            except Exception as exc:  # a handle to a dead peer may refuse release; nothing else to do
+                log.debug("releasing a transfer handle: %s", exc)
 
-    def release_list(self, prepared) -> None:
-        try:
-            self._agent.release_dlist_handle(prepared)
-        except Exception as exc:  # as for transfer handles: best effort once the peer is gone
-            log.debug("releasing a prepared list: %s", exc)
+    def release_list(self, prepared: Prepared) -> None:
+        for part in prepared.lists:
+            try:
+                self._agent.release_dlist_handle(part)
+            except Exception as exc:  # as for transfer handles: best effort once the peer is gone
+                log.debug("releasing a prepared list: %s", exc)
 
     def notify(self, peer: str, message: str) -> None:
         try:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ..errors import SyncError
+from .memory import MemoryMap
 from .nixl_agent import NixlAgent
 from .protocol import Endpoint
 from .rendezvous import Rendezvous
@@ -26,9 +27,12 @@ class Peer:
         self._agent, self._rendezvous = agent, rendezvous
         self._handles: list = []
         self._lists: list = []
+        self.memory: MemoryMap | None = None  # where its registered memory lives (its info's 'memory'), set by load()
 
     def load(self) -> None:
-        """Load its agent metadata, refusing metadata that names any other agent."""
+        """Load its agent metadata, refusing metadata that names any other agent, once its info says where its memory
+        lives (host or which GPU: the memory type of every descriptor on it)."""
+        self.memory = MemoryMap.from_record(self.info.get("memory"), str(self.endpoint))
         self._agent.add_peer(self._rendezvous.get_bytes(self.endpoint.metadata_key(self.incarnation)), self.name)
 
     def prepare(self, rows: np.ndarray, local: bool = False, fields: dict[str, tuple[int, int]] | None = None):
@@ -37,7 +41,7 @@ class Peer:
         Remote rows come from the peer's published info, `fields` ({info field: (address, bytes)}) naming the areas
         they lie in: memory the peer did not register is a SyncError naming the first such field."""
         try:
-            prepared = self._agent.prepare(None if local else self.name, rows)
+            prepared = self._agent.prepare(None if local else self.name, rows, self.memory)
         except Exception as exc:  # NIXL raises per-status types, e.g. nixlNotFoundError for memory the peer did not register
             if local:
                 raise
@@ -50,7 +54,7 @@ class Peer:
         """The first field whose area alone the peer's memory does not hold (tried one at a time, on the error path)."""
         for name, (address, nbytes) in fields.items():
             try:
-                self._lists.append(self._agent.prepare(self.name, np.array([[address, nbytes]])))
+                self._lists.append(self._agent.prepare(self.name, np.array([[address, nbytes]]), self.memory))
             except Exception:  # noqa: BLE001 - the refusal is the answer
                 return f"{name!r} ([{address:#x}, +{nbytes}))"
         return ""

@@ -128,3 +128,22 @@ def test_ceiling_reads_continue_after_a_short_read_and_name_what_failed():
     with pytest.raises(OSError, match=rf"pid {pid} at remote address 0x10: read 64 of 128 bytes"):
         # the kernel reads the first iovec, then the next call faults on address 0x10
         _readv(pid, base_dst + np.array([0, 64]), np.array([base_src, 16]), np.array([64, 64]))
+
+
+GPU_PARTS = {"fp8_quantizer", "ordering_device", "sync_vram", "sync_host_sender", "sync_vs_copy", "ordering_sync"}
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is here: make gpu-check runs every part")
+def test_gpu_check_without_a_gpu_skips_every_part_with_its_reason_and_exits_0():
+    figures, stdout = last_json("gpu_check.py")
+    assert set(figures["parts"]) == GPU_PARTS, figures
+    for name, part in figures["parts"].items():
+        assert part["status"] == "skipped" and part["reason"], (name, part)
+        assert f"{name}: skipped (" in stdout
+
+
+def test_gpu_check_harness_syncs_host_memory_between_two_processes():
+    """--device cpu runs the sync part's processes, plan and digests on host memory: the harness itself works here."""
+    figures, _ = last_json("gpu_check.py", "--device", "cpu", "--parts", "sync_vram", "--mib", "4")
+    part = figures["parts"]["sync_vram"]
+    assert part["status"] == "ok" and part["versions"] == 3 and part["bytes"] == 4 << 20, part
