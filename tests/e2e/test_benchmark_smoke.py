@@ -108,3 +108,13 @@ def test_ceiling_reads_continue_after_a_short_read_and_name_what_failed():
     with pytest.raises(OSError, match=rf"pid {pid} at remote address 0x10: read 64 of 128 bytes"):
         # the kernel reads the first iovec, then the next call faults on address 0x10
         _readv(pid, base_dst + np.array([0, 64]), np.array([base_src, 16]), np.array([64, 64]))
+
+
+def test_bench_delta_smoke():
+    figures, _ = last_json("bench_delta.py", "--smoke")
+    cases = {"lr_1e-05", "fp8_lr_1e-05"}
+    assert_keys(figures, cases | {"config", "trainers", "date"}, "bench_delta.py")
+    for case in cases:
+        assert_keys(figures[case], {"density", "delta_wire_ratio", "delta_sync_s", "full_sync_s", "identical",
+                                    "sender_extra_bytes", "delta_took", "compared_fraction"}, "bench_delta.py")
+        assert figures[case]["identical"] is True, figures[case]  # a delta chain that is not bit-exact is a failure
