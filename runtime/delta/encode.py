@@ -58,13 +58,14 @@ def changed(previous: np.ndarray, current: np.ndarray) -> np.ndarray:
 
 
 def gaps_of(positions: np.ndarray) -> np.ndarray:
-    gaps = np.diff(positions, prepend=-1) - 1
-    return gaps.astype(np.uint64)
+    return np.diff(positions, prepend=-1) - 1
+
+
+_VARINT_LIMITS = np.array([1 << (7 * i) for i in range(1, _MAX_VARINT_BYTES)], dtype=np.int64)
 
 
 def varint_lengths(values: np.ndarray) -> np.ndarray:
-    v = values.astype(np.uint64)
-    return 1 + sum((v >= np.uint64(1 << (7 * i))).astype(np.int64) for i in range(1, _MAX_VARINT_BYTES))
+    return np.searchsorted(_VARINT_LIMITS, values.astype(np.int64), side="right") + 1
 
 
 def encoded_sizes(n_units: int, unit: int, positions: np.ndarray) -> dict[Encoding, int]:
@@ -173,6 +174,8 @@ def apply(page: np.ndarray, delta: PageDelta | None) -> None:
 
 def _varints(values: np.ndarray) -> np.ndarray:
     """LEB128 bytes of unsigned integers (below 2**35), vectorized."""
+    if not len(values) or values.max() < 0x80:  # every gap one byte: the common case below ~5% density
+        return values.astype(np.uint8)
     lengths = varint_lengths(values)
     starts = np.cumsum(lengths) - lengths
     digit = np.arange(int(lengths.sum())) - np.repeat(starts, lengths)
