@@ -111,6 +111,13 @@ class Receiver(AgentOwner):
     (runtime/receiver/second_hops.py) and calls `post_op` once more with their names. A puller that
     fails or dies fails the sync of the peers that depend on it, naming it.
 
+    With `delta` (a fraction in (0, 1]; give the trainers' Senders `delta` too), a sync whose trainers published a
+    delta of the version this rank holds, from the incarnation it synced that version from, READs each such
+    trainer's page index and then only the encoded changes, decodes every one of them, and only then writes them
+    into the destination (runtime/receiver/delta.py); `SyncReport.took` says whether it took "delta", "full" or a
+    "mixed" sync. Without a current version (first sync, after a failed one, a new process) it takes the version
+    full, and after `write_constants()` (which a caller that wrote the destination itself calls) too.
+
     The plan's constants (vLLM's zero padding rows) are written once, at `start()`, before any sync: no
     READ touches their bytes, so a sync, failed or not, leaves them intact. The destination is the
     caller's memory, though: a caller that writes it itself (vLLM's own `load_weights`, a dummy
@@ -233,7 +240,9 @@ class Receiver(AgentOwner):
 
     def write_constants(self) -> int:
         """(Re)write the plan's constant runs into this rank's destinations (not into second-hop entries, which arrive
-        whole from their puller); returns the bytes written."""
+        whole from their puller); returns the bytes written. A caller that wrote the destination itself calls this,
+        so the next sync takes its version full: a delta applies only to bytes this rank's last sync left."""
+        self._synced = {}
         return write_constants(self._pull, self.rank, self._dst.__getitem__)
 
     @property

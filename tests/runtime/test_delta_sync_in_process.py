@@ -104,7 +104,7 @@ def test_delta_and_full_syncs_in_one_job_with_a_receiver_that_misses_a_version(t
     assert took == {(0, 2): "delta", (0, 3): "delta", (1, 3): "full", (1, 4): "delta", (0, 4): "delta"}
 
 
-def test_a_restarted_receiver_and_a_failed_sync_take_a_full_sync(tp2_plan, rendezvous):
+def test_a_restarted_receiver_and_one_whose_destination_was_written_take_a_full_sync(tp2_plan, rendezvous):
     plan = tp2_plan("bf16")
     tensors, senders, destinations, readers = _world(plan, rendezvous, receivers=[0])
     receiver = readers[0]
@@ -123,6 +123,13 @@ def test_a_restarted_receiver_and_a_failed_sync_take_a_full_sync(tp2_plan, rende
     _train(tensors, 0.01, 4)
     _publish(senders, 4)
     assert restarted.sync(4).took == "delta"
+    _assert_equal_to_host(plan, tensors, destinations)
+    name = next(iter(destinations[0]))
+    destinations[0][name].fill_(3.0)  # the caller writes the destination itself (a load_weights), then says so
+    restarted.write_constants()
+    _train(tensors, 0.01, 5)
+    _publish(senders, 5)
+    assert restarted.sync(5).took == "full"
     _assert_equal_to_host(plan, tensors, destinations)
 
 
