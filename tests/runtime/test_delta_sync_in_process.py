@@ -197,3 +197,33 @@ def test_fp8_per_block_delta_syncs_equal_the_host_executor(plan_cache, rendezvou
         _assert_equal_to_host(plan, tensors, destinations)
     # fp8 values and scales are diffed after quantization: a changed bf16 element changes its whole block's scale
     assert any(s.delta_stats.density > 0 for s in senders)
+
+
+def test_sides_without_deltas_or_room_for_them_sync_full(tp2_plan, rendezvous):
+    plan = tp2_plan("bf16")
+    tensors, senders, destinations, _ = _world(plan, rendezvous, receivers=[])
+    destinations = {0: plain_destination(plan, 0)}
+    plain = {1: plain_destination(plan, 1)}
+    # a delta staging of 64 bytes, too small for any delta of this plan, and a receiver without deltas
+    small = Receiver(plan, 0, destinations[0], rendezvous=rendezvous, timeout=5, derived="caller", verify=True,
+                     delta=1e-9).start()
+    without = Receiver(plan, 1, plain[1], rendezvous=rendezvous, timeout=5, derived="caller", verify=True).start()
+    _publish(senders, 1)
+    _sync(senders, [small, without], 1)
+    _train(tensors, 0.01, 2)
+    _publish(senders, 2)
+    assert [r.took for r in _sync(senders, [small, without], 2)] == ["full", "full"]
+    _assert_equal_to_host(plan, tensors, {**destinations, **plain})
+    # trainers without deltas: a receiver that keeps them reads full
+    for s in senders:
+        s.release(2, timeout=1.0)
+        s.close()
+    no_delta = [Sender(plan, 0, tensors[0], rendezvous=rendezvous, timeout=5, digests=True, progress_thread=True).start()]
+    small.close()
+    keeps = Receiver(plan, 0, destinations[0], rendezvous=rendezvous, timeout=5, derived="caller", verify=True,
+                     delta=0.5).start()
+    for version in (3, 4):
+        _train(tensors, 0.01, version)
+        _publish(no_delta, version)
+        assert _sync(no_delta, [keeps], version, release_timeout=1.0)[0].took == "full"
+    _assert_equal_to_host(plan, tensors, {0: destinations[0]})
