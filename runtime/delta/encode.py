@@ -192,10 +192,16 @@ def _from_varints(spelled: np.ndarray, count: int) -> np.ndarray:
         raise DeltaError(f"{len(spelled)} bytes of gaps do not spell {count} varints")
     if not count:
         return np.zeros(0, dtype=np.int64)
+    if count == len(spelled):  # every gap one byte
+        return spelled.astype(np.int64)
     starts = np.concatenate([[0], ends[:-1] + 1])
     lengths = ends - starts + 1
-    if lengths.max() > _MAX_VARINT_BYTES:
+    widest = int(lengths.max())
+    if widest > _MAX_VARINT_BYTES:
         raise DeltaError(f"a gap of more than {_MAX_VARINT_BYTES} varint bytes")
-    digit = np.arange(len(spelled)) - np.repeat(starts, lengths)
-    parts = (spelled & 0x7F).astype(np.int64) << (7 * digit)
-    return np.add.reduceat(parts, starts)
+    low = (spelled & 0x7F).astype(np.int64)
+    out = low[starts]
+    for digit in range(1, widest):  # one gather per varint byte, never one index per byte
+        longer = lengths > digit
+        out[longer] += low[starts[longer] + digit] << (7 * digit)
+    return out
