@@ -178,11 +178,12 @@ def _varints(values: np.ndarray) -> np.ndarray:
         return values.astype(np.uint8)
     lengths = varint_lengths(values)
     starts = np.cumsum(lengths) - lengths
-    digit = np.arange(int(lengths.sum())) - np.repeat(starts, lengths)
-    spread = np.repeat(values.astype(np.uint64), lengths)
-    out = (spread >> (7 * digit).astype(np.uint64)) & np.uint64(0x7F)
-    out |= (digit < np.repeat(lengths, lengths) - 1).astype(np.uint64) << np.uint64(7)
-    return out.astype(np.uint8)
+    values = values.astype(np.int64)
+    out = np.empty(int(lengths.sum()), dtype=np.uint8)
+    for digit in range(int(lengths.max())):  # one scatter per varint byte, never one index per byte
+        longer = np.flatnonzero(lengths > digit)
+        out[starts[longer] + digit] = ((values[longer] >> (7 * digit)) & 0x7F) | ((lengths[longer] > digit + 1) << 7)
+    return out
 
 
 def _from_varints(spelled: np.ndarray, count: int) -> np.ndarray:
