@@ -70,13 +70,13 @@ def run_trainer(args) -> None:
     rendezvous.wait(["bench/plan"], args.timeout * 4, "the plan from the inference side")
     plan = load_plan(rendezvous.get_bytes("bench/plan").decode())
     sender = LiveSender(plan, args.rank, model, rendezvous=rendezvous, timeout=args.timeout, digests=True, delta=DELTA).start()
-    rendezvous.put(f"bench/info/{args.rank}", {"extra_bytes": sender.delta_extra_bytes,
-                                               "page_bytes": int(sender._delta.pages.nbytes.sum())})
     for version in range(1, args.steps + 2):
         if version > 1:
             mt.train_steps(model, optimizer, 1)
         sender.publish(version)
         stats = sender.delta_stats
+        if version == 1:
+            rendezvous.put(f"bench/info/{args.rank}", {"extra_bytes": sender.delta_extra_bytes, "page_bytes": stats.page_bytes})
         rendezvous.put(f"bench/stats/{version}/{args.rank}", {"changed": stats.changed_units, "units": stats.units,
                                                                "delta_bytes": stats.delta_bytes, "seconds": stats.seconds,
                                                                "encodings": stats.encodings, "overflow": stats.overflow})
