@@ -19,12 +19,12 @@ from ..support.fp8 import CASES
 from ..support.runtime_worker import byte_equal, full_weights, plain_destination, shard
 
 
-def _world(plan, rendezvous, receivers=None, ring_bytes=512 << 20, delta=0.5, **receiver_kwargs):
+def _world(plan, rendezvous, receivers=None, ring_bytes=512 << 20, delta=0.5, secret=None, **receiver_kwargs):
     """Every trainer rank of `plan` (keeping deltas) and the given inference ranks in this process, at version 1's weights."""
     full = full_weights(plan, 0, 1)
     tensors = {r: shard(plan, full, r) for r in range(plan.header.src_ranks)}
     # one store client per trainer: a client blocked in wait() serves no other thread (gathering fp8 trainers)
-    senders = [Sender(plan, r, tensors[r], rendezvous=Rendezvous.connect(rendezvous.job, rendezvous.address), timeout=5,
+    senders = [Sender(plan, r, tensors[r], rendezvous=Rendezvous.connect(rendezvous.job, rendezvous.address, secret=secret), timeout=5,
                       digests=True, progress_thread=True, ring_bytes=ring_bytes, delta=delta).start()
                for r in range(plan.header.src_ranks)]
     ranks = range(plan.header.dst_ranks) if receivers is None else receivers
@@ -227,3 +227,19 @@ def test_sides_without_deltas_or_room_for_them_sync_full(tp2_plan, rendezvous):
         _publish(no_delta, version)
         assert _sync(no_delta, [keeps], version, release_timeout=1.0)[0].took == "full"
     _assert_equal_to_host(plan, tensors, {0: destinations[0]})
+
+
+def test_a_delta_record_forged_without_the_job_secret_is_never_read(tp2_plan, request):
+    plan = tp2_plan("bf16")
+    secret = "delta-test-secret-0123456789"
+    served = Rendezvous.connect(f"delta-{request.node.name[:20]}", "127.0.0.1:0", serve=True, secret=secret)
+    tensors, senders, destinations, readers = _world(plan, served, receivers=[0], secret=secret)
+    receiver = readers[0]
+    _publish(senders, 1)
+    receiver.sync(1)
+    _train(tensors, 0.01, 2)
+    _publish(senders, 2)
+    impostor = Rendezvous.connect(served.job, served.address)  # no secret: its keys are not the job's
+    impostor.put(protocol.delta_key(0, 2), protocol.delta_record(protocol.DeltaRecord(1, 64, "0" * 64)))
+    assert receiver.sync(2).took == "delta"  # the signed record, under its derived key, is the one read
+    _assert_equal_to_host(plan, tensors, destinations)
