@@ -80,8 +80,7 @@ class _Trainer:
     ring_reads: dict[int, list]  # READs of each ring chunk, when it serves through a ring
     delta: object = None  # its delta areas (runtime/receiver/delta.py DeltaSource), None when it keeps no deltas
     full_only_reads: dict[int, list] = field(default_factory=dict)  # group READs a delta does not replace (staging slots)
-    full_bytes: int = 0  # bytes of every READ from it
-    deltable_bytes: int = 0  # of those, the bytes a delta replaces
+    deltable_bytes: int = 0  # bytes of the READs from it a delta replaces
 
     @property
     def rank(self) -> int:
@@ -325,7 +324,7 @@ class Receiver(AgentOwner):
         self._derived()  # after the ack: it reads only this rank's memory, so the trainers need not wait
         self._version = version
         self._synced = {r: t.peer.incarnation for r, t in self._trainers.by_rank.items()}
-        read = sum(t.full_bytes - (t.deltable_bytes if r in took else 0) for r, t in self._trainers.by_rank.items())
+        read = self.bytes - sum(t.deltable_bytes for r, t in self._trainers.by_rank.items() if r in took)
         seconds = time.monotonic() - start
         slowest = max(self._reading, key=self._reading.get, default=None)
         share = min(1.0, self._reading[slowest] / self._read_seconds) if slowest is not None and self._read_seconds > 0 else 0.0
@@ -381,7 +380,7 @@ class Receiver(AgentOwner):
             delta,
             {} if delta is None else {g: peer.reads(self._local[rank], remote, rows) for g in np.unique(table.group[direct]).tolist()
                                       if len(rows := np.flatnonzero((table.group == g) & direct & ~deltable))},
-            int(table.nbytes.sum()), int(table.nbytes[deltable].sum()))
+            int(table.nbytes[deltable].sum()))
 
     def _quant_regions(self, rank: int, info: dict) -> dict[RemoteRegion, int]:
         """Addresses of trainer `rank`'s packed stage copies, scales and fp8 values, after checking their sizes."""
