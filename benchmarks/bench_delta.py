@@ -15,7 +15,7 @@ Version 1 (the initial weights) is a full sync for both. Then per step: one opti
 `publish(v)`; rank 1 syncs v (full), then rank 0 (delta). Figures per case (medians over the steps):
   density          the changed fraction of the diffed wire units, over every trainer (Sender.delta_stats)
   delta_wire_ratio rank 0's bytes READ (delta indexes and blobs, plus anything read full) / rank 1's
-  delta_sync_s, full_sync_s  each rank's Receiver.sync seconds
+  delta_sync_s, full_sync_s  each rank's Receiver.sync seconds, rank 0's without its verification (verify_s)
   identical        every step, rank 0's verify=True check passed (the digests of every entry it holds after a chain of
                    deltas equal the trainers' digests of a full sync), and the entries both ranks hold (all but the
                    experts, which vLLM shards over the dp ranks; `compared_fraction` of the bytes) are byte for byte
@@ -149,7 +149,8 @@ def run_case(args, config: Path, lr: float, quant: str) -> dict:
             if version == 1:
                 continue
             row = {"version": version, "took": delta.took, "density": sum(s["changed"] for s in stats) / sum(s["units"] for s in stats),
-                   "delta_wire_ratio": delta.bytes / full.bytes, "delta_sync_s": delta.seconds, "full_sync_s": full.seconds,
+                   "delta_wire_ratio": delta.bytes / full.bytes, "delta_sync_s": delta.seconds - delta.verify_seconds,
+                   "verify_s": delta.verify_seconds, "full_sync_s": full.seconds,
                    "encode_s": max(s["seconds"] for s in stats), "identical": same,
                    "overflow": sum(s["overflow"] for s in stats)}
             rows.append(row)
@@ -161,7 +162,7 @@ def run_case(args, config: Path, lr: float, quant: str) -> dict:
         delta_rx.close()
         full_rx.close()
         med = {k: statistics.median(r[k] for r in rows) for k in ("density", "delta_wire_ratio", "delta_sync_s",
-                                                                 "full_sync_s", "encode_s")}
+                                                                 "full_sync_s", "verify_s", "encode_s")}
         return {**{k: round(v, 5) for k, v in med.items()}, "identical": bool(identical and all(r["identical"] for r in rows)),
                 "sender_extra_bytes": max(i["extra_bytes"] for i in info),
                 "sender_page_bytes": max(i["page_bytes"] for i in info),
