@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: plan test test-engine-slow bench-compile bench-runtime bench-cluster bench-engine bench-trainer bench-network soak gpu-check bench-smoke sweep demo clean-venv
+.PHONY: plan test test-engine-slow bench-compile bench-runtime bench-cluster bench-engine bench-trainer bench-network soak bench-delta gpu-check bench-smoke sweep demo clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -48,6 +48,12 @@ bench-network: $(STAMP)
 
 soak: $(STAMP)
 	$(BIN)/python benchmarks/soak.py
+
+# Delta syncs against full syncs of the same AdamW steps of live FSDP2 trainers (docs/benchmarks.md#delta-syncs).
+# BENCH_DELTA_ARGS picks a smaller run (e.g. --layers 2) on a host the 1 GB model does not fit beside other jobs.
+bench-delta: $(STAMP)
+	$(BIN)/python benchmarks/bench_delta.py --encodings
+	$(BIN)/python benchmarks/bench_delta.py $(BENCH_DELTA_ARGS)
 
 # Every benchmark above and the sweep in its smallest configuration (--smoke): they run, their JSON lines have their keys.
 bench-smoke: $(STAMP)

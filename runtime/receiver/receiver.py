@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from ..transport.peer import Connections, Peer, check_sequence
 from ..transport.peer_check import checked_regions, checked_word, region_fields
 from ..transport.region_digests import byte_view, run_digests
 from ..transport.rendezvous import Rendezvous
+from .delta import ReceiverDelta
 from .derived import DerivedRefresh
 from .quant import ReceiverQuant
 from .second_hops import SecondHops
@@ -57,6 +58,12 @@ class SyncReport:
     # wall time (at most 1; groups in flight together can count twice); None without grouped READs.
     slowest_trainer: int | None = None
     slowest_share: float = 0.0
+    # Delta syncs (runtime/receiver/delta.py): "delta" when every trainer rank's bytes came as a delta of the previous
+    # version, "full" when none did, "mixed" otherwise; which trainer ranks sent deltas, and the delta bytes READ
+    # (page indexes and blobs, inside `bytes`).
+    took: str = "full"
+    delta_trainers: tuple[int, ...] = ()
+    delta_bytes: int = 0
 
     @property
     def gbps(self) -> float:
@@ -72,6 +79,9 @@ class _Trainer:
     ring_word_read: object
     group_reads: dict[int, list]
     ring_reads: dict[int, list]  # READs of each ring chunk, when it serves through a ring
+    delta: object = None  # its delta areas (runtime/receiver/delta.py DeltaSource), None when it keeps no deltas
+    full_only_reads: dict[int, list] = field(default_factory=dict)  # group READs a delta does not replace (staging slots)
+    deltable_bytes: int = 0  # bytes of the READs from it a delta replaces
 
     @property
     def rank(self) -> int:
@@ -101,6 +111,13 @@ class Receiver(AgentOwner):
     (runtime/receiver/second_hops.py) and calls `post_op` once more with their names. A puller that
     fails or dies fails the sync of the peers that depend on it, naming it.
 
+    With `delta` (a fraction in (0, 1]; give the trainers' Senders `delta` too), a sync whose trainers published a
+    delta of the version this rank holds, from the incarnation it synced that version from, READs each such
+    trainer's page index and then only the encoded changes, decodes every one of them, and only then writes them
+    into the destination (runtime/receiver/delta.py); `SyncReport.took` says whether it took "delta", "full" or a
+    "mixed" sync. Without a current version (first sync, after a failed one, a new process) it takes the version
+    full, and after `write_constants()` (which a caller that wrote the destination itself calls) too.
+
     The plan's constants (vLLM's zero padding rows) are written once, at `start()`, before any sync: no
     READ touches their bytes, so a sync, failed or not, leaves them intact. The destination is the
     caller's memory, though: a caller that writes it itself (vLLM's own `load_weights`, a dummy
@@ -113,7 +130,8 @@ class Receiver(AgentOwner):
 
     def __init__(self, plan: Plan, rank: int, destination, *, rendezvous: Rendezvous, timeout: float = 60.0,
                  verify: bool = False, group_bytes: int = 256 << 20, post_op=None, progress_thread: bool = False,
-                 derived: str = "refresh", act_dtype: torch.dtype = torch.bfloat16, ring_bytes: int = DEFAULT_RING_BYTES):
+                 derived: str = "refresh", act_dtype: torch.dtype = torch.bfloat16, ring_bytes: int = DEFAULT_RING_BYTES,
+                 delta: float = 0.0):
         held = held_entries(plan, rank)
         if plan.staging:
             check_supported(plan)
@@ -147,6 +165,9 @@ class Receiver(AgentOwner):
             self._tables = read_tables(pull, self._groups, addresses, ring_bytes, quant)
         except ValueError as exc:
             raise WeightplanError(f"inference rank {rank}: {exc}") from None
+        # Delta syncs: `delta` is the fraction of the pages it reads from each trainer that its delta staging holds.
+        self._delta = (ReceiverDelta(pull, rank, self._qt, ring_bytes, self._tables, self._dst, delta) if delta else None)
+        self._synced: dict[int, str] = {}  # trainer rank -> the incarnation this rank's current version came from
         self._trainers: Connections[_Trainer] = Connections(self._connect)
         # Quantized groups and derived state are computed on the destinations' device; they are waited for before the
         # staging slot is reused, before the ack / landed word, and before `version` is set (runtime/device.py).
@@ -168,8 +189,10 @@ class Receiver(AgentOwner):
             raise WeightplanError(f"inference rank {self.rank}: this Receiver was started already")
         self.agent = NixlAgent(protocol.inference(self.rank).agent(self.rendezvous.job), self._progress_thread)
         self.agent.register(list(self._dst.values()) + [self._seq, self._ring_word] + (self._quant.slots if self._quant else [])
-                            + self._hops.registered)
+                            + self._hops.registered + (self._delta.registered if self._delta else []))
         self._hops.start(self.agent)
+        if self._delta:
+            self._delta.start(self.agent)
         self._local = {src: self.agent.prepare(None, np.stack([t.local, t.nbytes], axis=1))
                        for src, t in self._tables.descriptors.items()}
         self._seq_local = {src: self.agent.prepare(None, np.array([[self._seq.data_ptr() + 8 * src, 8]])) for src in self.reads}
@@ -195,6 +218,8 @@ class Receiver(AgentOwner):
         self._hops.close(time.monotonic() + self.timeout)  # peers of this node may still read its last version
         for prepared in [*self._local.values(), *self._seq_local.values(), *self._ring_local.values()]:
             self.agent.release_list(prepared)
+        if self._delta:
+            self._delta.release(self.agent)
         self.agent.close()
 
     @property
@@ -221,7 +246,9 @@ class Receiver(AgentOwner):
 
     def write_constants(self) -> int:
         """(Re)write the plan's constant runs into this rank's destinations (not into second-hop entries, which arrive
-        whole from their puller); returns the bytes written."""
+        whole from their puller); returns the bytes written. A caller that wrote the destination itself calls this,
+        so the next sync takes its version full: a delta applies only to bytes this rank's last sync left."""
+        self._synced = {}
         return write_constants(self._pull, self.rank, self._dst.__getitem__)
 
     @property
@@ -256,11 +283,12 @@ class Receiver(AgentOwner):
         if not self.running:
             raise WeightplanError(f"inference rank {self.rank}: call start() (or use the Receiver in a with block) "
                                   "before syncing, and not after close()")
-        self._version = None
+        previous, self._version = self._version, None
         start = time.monotonic()
         deadline = start + self.timeout
+        synced, self._synced = self._synced, {}
         try:
-            return self._sync(version, start, deadline)
+            return self._sync(version, start, deadline, previous, synced)
         except (SyncError, PlanMismatchError) as exc:
             self._hops.failed(version)
             for t in self._trainers.by_rank.values():
@@ -270,7 +298,8 @@ class Receiver(AgentOwner):
             raise type(exc)(f"inference rank {self.rank}: sync of version {version} failed; its weights are "
                             f"incomplete until a later sync succeeds: {exc}") from None
 
-    def _sync(self, version: int, start: float, deadline: float) -> SyncReport:
+    def _sync(self, version: int, start: float, deadline: float, previous: int | None = None,
+              synced: dict[int, str] | None = None) -> SyncReport:
         self._hops.writing(version, deadline)  # before any byte of this version lands: peers are done with the last
         sources = sorted(self.reads)
         self.rendezvous.wait([protocol.version_key(r, version) for r in sources], deadline - time.monotonic(),
@@ -283,8 +312,9 @@ class Receiver(AgentOwner):
         self._check_sequence(version, deadline, "before reading")
         if self._quant:
             self._quant.begin()
-        self._ring_phase(version, deadline)
-        self._transfer(version, start, deadline, self._post_ops(check))
+        took, delta_bytes = self._delta_phase(version, previous, synced or {}, deadline)
+        self._ring_phase(version, deadline, took)
+        self._transfer(version, start, deadline, self._post_ops(check), took)
         if self._quant:
             self._quant.end()
         self._check_sequence(version, deadline, "after reading")
@@ -301,16 +331,19 @@ class Receiver(AgentOwner):
         self._derived()  # after the ack: it reads only this rank's memory, so the trainers need not wait
         self.device_sync.wait("derived state")
         self._version = version
+        self._synced = {r: t.peer.incarnation for r, t in self._trainers.by_rank.items()}
+        read = self.bytes - sum(t.deltable_bytes for r, t in self._trainers.by_rank.items() if r in took)
         seconds = time.monotonic() - start
         slowest = max(self._reading, key=self._reading.get, default=None)
         share = min(1.0, self._reading[slowest] / self._read_seconds) if slowest is not None and self._read_seconds > 0 else 0.0
-        report = SyncReport(version, self.rank, self.bytes, self.descriptors, len(sources), self.n_groups,
+        report = SyncReport(version, self.rank, read + delta_bytes, self.descriptors, len(sources), self.n_groups,
                             seconds, spent[0] if self.verify else None,
                             self._quant.seconds if self._quant else 0.0, self._derived.seconds, self.table_bytes,
                             self.packed_read_bytes, self._hops.bytes, self._hops.seconds if self._hops.inbound else 0.0,
-                            slowest, share)
-        log.info("weightplan sync v%d inference rank %d: %.3f GB, %d descriptors from %d trainer ranks, %.3f s, %.2f GB/s%s%s",
-                 version, self.rank, report.bytes / 1e9, report.descriptors, report.trainer_ranks, report.seconds,
+                            slowest, share, "full" if not took else "delta" if took == set(sources) else "mixed",
+                            tuple(sorted(took)), delta_bytes)
+        log.info("weightplan sync v%d inference rank %d (%s): %.3f GB, %d descriptors from %d trainer ranks, %.3f s, %.2f GB/s%s%s",
+                 version, self.rank, report.took, report.bytes / 1e9, report.descriptors, report.trainer_ranks, report.seconds,
                  report.gbps, f", verified in {report.verify_seconds:.3f} s" if self.verify else "",
                  f", quantized in {report.quantize_seconds:.3f} s" if self._quant and self._quant.quantizes else "")
         if slowest is not None:
@@ -343,13 +376,19 @@ class Receiver(AgentOwner):
             areas[region] for region in areas if (table.region == region).any())
         remote = peer.prepare(np.stack([bases + table.remote_off, table.nbytes], axis=1), fields=fields)
         direct = table.chunk < 0
+        delta = self._delta.connect(rank, peer, info) if self._delta else None
+        deltable = self._delta.trainers[rank].deltable if self._delta else np.zeros(len(table), dtype=bool)
         return _Trainer(
             peer, peer.word(self._seq_local[rank], checked_word(rank, info, "seq")[0], 8, "seq"),
             peer.word(self._ring_local[rank], ring_addr, 16, "ring"),
             {g: peer.reads(self._local[rank], remote, np.flatnonzero((table.group == g) & direct))
              for g in np.unique(table.group[direct]).tolist()},
             {c: peer.reads(self._local[rank], remote, np.flatnonzero(table.chunk == c))
-             for c in np.unique(table.chunk[~direct]).tolist()})
+             for c in np.unique(table.chunk[~direct]).tolist()},
+            delta,
+            {} if delta is None else {g: peer.reads(self._local[rank], remote, rows) for g in np.unique(table.group[direct]).tolist()
+                                      if len(rows := np.flatnonzero((table.group == g) & direct & ~deltable))},
+            int(table.nbytes[deltable].sum()))
 
     def _quant_regions(self, rank: int, info: dict) -> dict[RemoteRegion, int]:
         """Addresses of trainer `rank`'s packed stage copies, scales and fp8 values, after checking their sizes."""
@@ -375,14 +414,38 @@ class Receiver(AgentOwner):
         check_sequence(self.agent, {rank: t.seq_read for rank, t in self._trainers.by_rank.items()}, self._seq, version,
                        deadline, f"reading trainer sequence words {when}", unstable)
 
-    def _ring_phase(self, version: int, deadline: float) -> None:
+    def _delta_phase(self, version: int, previous: int | None, synced: dict[int, str], deadline: float) -> tuple[set[int], int]:
+        """Take `version` as a delta from every trainer rank whose delta applies to what this rank holds: its record names
+        `previous` as base and this rank's current version came from that same trainer incarnation. Every delta is
+        read and decoded before any is applied (a bad one fails the sync with nothing written). Returns the trainer
+        ranks whose delta was applied and the bytes READ for them; the others are read full."""
+        if self._delta is None or previous is None:
+            return set(), 0
+        sources = {}
+        for rank, t in self._trainers.by_rank.items():
+            key = protocol.delta_key(rank, version)
+            if t.delta is None or synced.get(rank) != t.peer.incarnation or not self.rendezvous.exists(key):
+                continue
+            record = protocol.parse_delta_record(self.rendezvous.get_json(key), rank, version)
+            if record.base == previous:
+                sources[rank] = (t.peer, t.delta, record)
+        if not sources:
+            return set(), 0
+        fetched = self._delta.fetch(self.agent, sources, version, deadline)
+        if fetched.too_large:
+            log.info("inference rank %d: the deltas of version %d from trainer ranks %s exceed this rank's delta staging; "
+                     "reading them full", self.rank, version, list(fetched.too_large))
+        self._delta.apply(fetched.writes)
+        return set(fetched.writes), fetched.nbytes
+
+    def _ring_phase(self, version: int, deadline: float, took: set[int] = frozenset()) -> None:
         """READ every ring chunk this rank reads, from every trainer serving through a ring, as each becomes ready.
 
         A chunk is read once the trainer's ring word says it is stable for `version`, checked again after
         the READ (the trainer refills the ring only after this rank's `ring:v:c`, unless it gave up on
         it), then acknowledged. No wait blocks on one trainer, so rings of several trainers cannot deadlock.
         """
-        pending = {rank: sorted(t.ring_reads) for rank, t in self._trainers.by_rank.items() if t.ring_reads}
+        pending = {rank: sorted(t.ring_reads) for rank, t in self._trainers.by_rank.items() if t.ring_reads and rank not in took}
         backoff = Backoff()
         while pending:
             moved = False
@@ -416,8 +479,10 @@ class Receiver(AgentOwner):
                             f"(it holds version {held}): it gave up waiting for this rank")
         return "wait"
 
-    def _transfer(self, version: int, start: float, deadline: float, post_op=None) -> None:
-        """Move every group; with a post-op, at most two groups are in flight and group g's post-op overlaps g+1."""
+    def _transfer(self, version: int, start: float, deadline: float, post_op=None, took: set[int] = frozenset()) -> None:
+        """Move every group; with a post-op, at most two groups are in flight and group g's post-op overlaps g+1.
+        From the trainer ranks in `took` (their delta is applied) only the READs a delta does not replace move."""
+        reads = {t.rank: t.full_only_reads if t.rank in took else t.group_reads for t in self._trainers.by_rank.values()}
         window = 2 if post_op is not None else self.n_groups
         posted = 0
         shown = start
@@ -428,13 +493,13 @@ class Receiver(AgentOwner):
             while posted < min(self.n_groups, g + window):
                 posted_at[posted] = time.monotonic()
                 for t in self._trainers.by_rank.values():
-                    for handle in t.group_reads.get(posted, ()):
+                    for handle in reads[t.rank].get(posted, ()):
                         self.agent.post(handle, f"trainer rank {t.rank}")
                 posted += 1
-            handles = [(h, f"trainer rank {t.rank}") for t in self._trainers.by_rank.values() for h in t.group_reads.get(g, ())]
+            handles = [(h, f"trainer rank {t.rank}") for t in self._trainers.by_rank.values() for h in reads[t.rank].get(g, ())]
             done_at = self.agent.wait(handles, deadline, f"version {version} group {g + 1}/{self.n_groups}")
             for t in self._trainers.by_rank.values():
-                if t.group_reads.get(g):
+                if reads[t.rank].get(g):
                     self._reading[t.rank] = self._reading.get(t.rank, 0.0) + done_at[f"trainer rank {t.rank}"] - posted_at[g]
             self._read_seconds = time.monotonic() - began
             if post_op is not None:

@@ -26,6 +26,8 @@ from ..transport.progress import check_mode as check_progress
 from ..transport.protocol import Kind, Message
 from ..transport.region_digests import byte_view, run_digests
 from ..transport.rendezvous import Rendezvous
+from ..delta.pages import Space
+from .delta import DeltaStats, SenderDelta
 from .pack import CastSource, PackRuns
 from .quant import SenderQuant
 from .trainer_gather import TrainerGather
@@ -78,6 +80,11 @@ class Sender(AgentOwner):
     Between `publish(v)` and `release(v)` the trainer may compute without calling the runtime: where READs need the
     target to progress (TCP; `progress`, runtime/transport/progress.py), a light background poll answers them.
 
+    With `delta` (a fraction in (0, 1]), `publish(v)` also diffs every page receivers READ into destinations
+    against the previous publish and encodes what changed into a registered region of that fraction of their bytes
+    (runtime/sender/delta.py); receivers that hold the previous version READ that instead of the full bytes. It costs
+    one copy of those pages (the previous version) plus the region.
+
     The constructor only checks the tensors against the plan and allocates staging; `start()` registers
     the memory with NIXL and publishes this rank's info, `close()` deregisters it and releases the
     agent. `with Sender(...) as sender:` does both.
@@ -85,7 +92,7 @@ class Sender(AgentOwner):
 
     def __init__(self, plan: Plan, rank: int, tensors, *, rendezvous: Rendezvous, timeout: float = 60.0,
                  digests: bool = False, progress_thread: bool = False, ring_bytes: int = DEFAULT_RING_BYTES,
-                 progress: str = "auto"):
+                 progress: str = "auto", delta: float = 0.0):
         check_src_rank(plan, rank)
         progress = "thread" if progress_thread else check_progress(progress)  # see runtime/transport/progress.py
         if plan.staging:
@@ -139,6 +146,8 @@ class Sender(AgentOwner):
         self._quant = (SenderQuant(plan, rank, tables, self.regions, self._exposed, flat,
                                    *((self._gather.buffer, self._gather.offset) if self._gather else ()))
                        if tables else None)
+        # Delta syncs (runtime/sender/delta.py): `delta` is the fraction of the served pages its region holds; 0: none.
+        self._delta = SenderDelta(plan, rank, tables, ring_bytes, delta) if delta else None
         self._seq = torch.ones(1, dtype=torch.int64)  # odd: nothing published yet
         # Publishing waits for every kernel queued on the devices of these tensors (optimizer, casts, packing,
         # quantization) before the sequence word, ring word or version record exposes their bytes (runtime/device.py).
@@ -189,7 +198,8 @@ class Sender(AgentOwner):
         self.agent = NixlAgent(me.agent(rendezvous.job), self._progress)
         self.agent.register([t for t in self._exposed if t is not None] + [self._packed, self._seq, self._ring_word]
                             + (self._quant.registered if self._quant else [])
-                            + (self._gather.registered if self._gather else []))
+                            + (self._gather.registered if self._gather else [])
+                            + (self._delta.registered if self._delta else []))
         plan = self.plan
         rendezvous.put(me.metadata_key(self.incarnation), self.agent.metadata())
         rendezvous.put(protocol.trainer_info_key(rank), {
@@ -203,6 +213,7 @@ class Sender(AgentOwner):
             "regions": [[r.source, r.chain, 0 if t is None else t.data_ptr(), r.nbytes] for r, t in zip(self.regions, self._exposed)],
             **({"quant": self._quant.info()} if self._quant else {}),
             "memory": self.agent.memory.record(),  # host or which GPU each registered area is on
+            **({"delta": self._delta.info()} if self._delta else {}),
         })
         log.info("trainer rank %d serves %d regions (%d staged) to inference ranks %s",
                  rank, len(self.regions), sum(r.staged for r in self.regions), list(self.readers))
@@ -267,6 +278,8 @@ class Sender(AgentOwner):
         if self._quant is not None:
             self.quantize_seconds = self._quant.publish(self._poll if self.gatherers else None)
             self.device_sync.wait("publish: quantization")
+        if self._delta is not None:
+            self._publish_delta(version)
         if self.digests:
             began = time.perf_counter()
             served = self._served_runs
@@ -279,6 +292,41 @@ class Sender(AgentOwner):
         self._pending = version
         self.rendezvous.put(protocol.version_key(self.rank, version), self.incarnation.encode())
         self.agent.background(True)  # readers READ while the trainer computes: someone must answer them (TCP)
+
+    def _publish_delta(self, version: int) -> None:
+        """Encode the delta of `version` against the previous publish and announce it (before the version key).
+
+        With a ring every chunk is packed once here to be diffed, then chunk 0 again for the readers that take it full.
+        """
+        if self.ring is not None:
+            self._ring_word[1] = -1
+        record = self._delta.publish(version, self._delta_space)
+        if self.ring is not None:
+            with torch.no_grad():
+                self._packs[0]()
+            self._ring_word[1] = 0
+        self.rendezvous.put(protocol.delta_key(self.rank, version), protocol.delta_record(record))
+
+    def _delta_space(self, space: int, index: int) -> np.ndarray:
+        """The bytes of one delta page space as served for the version being published."""
+        if space == Space.REGION:
+            return byte_view(self._exposed[index])
+        if space == Space.PACKED:
+            if self.ring is not None:
+                with torch.no_grad():
+                    self._packs[index]()
+            return byte_view(self._packed)
+        return byte_view(self._quant.fp8 if space == Space.FP8 else self._quant.scales)
+
+    @property
+    def delta_stats(self) -> DeltaStats | None:
+        """The last publish's delta (density, bytes, encodings), None without delta syncs."""
+        return self._delta.stats if self._delta else None
+
+    @property
+    def delta_extra_bytes(self) -> int:
+        """Memory delta syncs cost this rank: the previous version of its pages, the delta region and its index."""
+        return self._delta.extra_bytes if self._delta else 0
 
     def release(self, version: int, timeout: float | None = None) -> ReleaseReport:
         """Wait until the joined inference ranks and gathering peers finished reading `version` (or the timeout), then retire it.

@@ -85,6 +85,37 @@ def gathered_key(rank: int, version: int) -> str:
     return f"trainer/{rank}/gathered/{version}"
 
 
+def delta_key(rank: int, version: int) -> str:
+    """Trainer `rank`'s delta of `version` (value: `delta_record`), written before its version key when it keeps deltas."""
+    return f"trainer/{rank}/delta/{version}"
+
+
+@dataclass(frozen=True)
+class DeltaRecord:
+    """What trainer rank's delta of a version is computed from: `base` (the version it published before, None when it
+    has no delta for this one), the delta's bytes, and the SHA-256 of its page index (its registered sizes)."""
+
+    base: int | None
+    nbytes: int
+    index_sha256: str
+
+
+def delta_record(record: DeltaRecord) -> dict:
+    return {"base": record.base, "bytes": record.nbytes, "index": record.index_sha256}
+
+
+def parse_delta_record(value: dict, rank: int, version: int) -> DeltaRecord:
+    """The DeltaRecord a store value spells; SyncError naming the field otherwise."""
+    base, nbytes, digest = value.get("base"), value.get("bytes"), value.get("index")
+    if not (base is None or (isinstance(base, int) and not isinstance(base, bool) and 0 < base < version)):
+        raise SyncError(f"trainer rank {rank}: its delta record of version {version} names base {str(base)[:24]}")
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 <= nbytes < 1 << 62:
+        raise SyncError(f"trainer rank {rank}: its delta record of version {version} has bytes {str(nbytes)[:24]}")
+    if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+        raise SyncError(f"trainer rank {rank}: its delta record of version {version} has no SHA-256 index digest")
+    return DeltaRecord(base, nbytes, digest)
+
+
 def joined_key(rank: int) -> str:
     """Inference `rank` joined the job (value: `joined_record`); trainers and pullers wait for the ranks that joined."""
     return f"inference/{rank}/joined"

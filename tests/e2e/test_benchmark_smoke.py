@@ -147,3 +147,13 @@ def test_gpu_check_harness_syncs_host_memory_between_two_processes():
     figures, _ = last_json("gpu_check.py", "--device", "cpu", "--parts", "sync_vram", "--mib", "4")
     part = figures["parts"]["sync_vram"]
     assert part["status"] == "ok" and part["versions"] == 3 and part["bytes"] == 4 << 20, part
+
+
+def test_bench_delta_smoke():
+    figures, _ = last_json("bench_delta.py", "--smoke")
+    cases = {"lr_1e-05", "fp8_lr_1e-05"}
+    assert_keys(figures, cases | {"config", "trainers", "date"}, "bench_delta.py")
+    for case in cases:
+        assert_keys(figures[case], {"density", "delta_wire_ratio", "delta_sync_s", "full_sync_s", "identical",
+                                    "sender_extra_bytes", "delta_took", "compared_fraction"}, "bench_delta.py")
+        assert figures[case]["identical"] is True, figures[case]  # a delta chain that is not bit-exact is a failure

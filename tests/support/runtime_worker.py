@@ -36,6 +36,22 @@ def full_weights(plan, seed: int, version: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def version_weights(plan, args, version: int) -> dict[str, torch.Tensor]:
+    """The trainer's full tensors at `version`: full_weights, or with --sparse D the first version's weights changed in
+    about D of their elements at every later version (an optimizer step whose bf16 casts mostly round to the same
+    bytes), so delta syncs have something to leave out."""
+    if not args.sparse:
+        return full_weights(plan, args.seed, version)
+    out = full_weights(plan, args.seed, args.versions[0])
+    for step in args.versions[1 : args.versions.index(version) + 1]:
+        g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+        for name in sorted(out):
+            flat = out[name].view(-1)
+            hit = torch.rand(flat.numel(), generator=g) < args.sparse
+            flat[hit] = torch.randn(int(hit.sum()), generator=g).to(flat.dtype)
+    return out
+
+
 def shard(plan, full: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
     """Trainer `rank`'s local shards of the full tensors, as the plan's trainer layout cuts them."""
     return shard_sources(plan, full, {rank})[rank]
@@ -77,10 +93,10 @@ def byte_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def run_trainer(args, plan) -> None:
-    tensors = shard(plan, full_weights(plan, args.seed, args.versions[0]), args.rank)
+    tensors = shard(plan, version_weights(plan, args, args.versions[0]), args.rank)
     rendezvous = Rendezvous.connect(args.job, args.address, timeout=args.timeout)
     sender = Sender(plan, args.rank, tensors, rendezvous=rendezvous, timeout=args.timeout, digests=args.digests,
-                    ring_bytes=args.ring_bytes, progress=args.progress).start()
+                    ring_bytes=args.ring_bytes, progress=args.progress, delta=args.delta).start()
     emit(event="ready", rank=args.rank)
     deadline = time.monotonic() + args.join_timeout
     while args.wait_joined and not all(rendezvous.exists(protocol.joined_key(k)) for k in sender.readers):
@@ -91,7 +107,7 @@ def run_trainer(args, plan) -> None:
         if args.gate:
             wait_gate(args, rendezvous, "go", version)
         if version != args.versions[0]:  # an optimizer step: new values in the same tensors
-            for name, value in shard(plan, full_weights(plan, args.seed, version), args.rank).items():
+            for name, value in shard(plan, version_weights(plan, args, version), args.rank).items():
                 tensors[name].copy_(value)
         began = time.monotonic()
         try:
@@ -128,7 +144,7 @@ def run_plain_inference(args, plan) -> None:
 
     receiver = Receiver(plan, args.rank, destination, rendezvous=rendezvous, timeout=args.timeout, verify=args.verify,
                         derived="caller",  # plain tensors: no modules whose derived state could go stale
-                        group_bytes=args.group_bytes, post_op=hold, ring_bytes=args.ring_bytes).start()
+                        group_bytes=args.group_bytes, post_op=hold, ring_bytes=args.ring_bytes, delta=args.delta).start()
     emit(event="joined", rank=args.rank)
     for version in args.versions:
         if args.gate:
@@ -141,13 +157,13 @@ def run_plain_inference(args, plan) -> None:
             emit(event="failed", rank=args.rank, version=version, error=str(exc), reported=receiver.version,
                  seconds=time.monotonic() - began)
             continue
-        expected = host_reference(plan, full_weights(plan, args.seed, version), args.rank)
+        expected = host_reference(plan, version_weights(plan, args, version), args.rank)
         differ = sorted(n for n, t in expected.items() if not byte_equal(t, destination[n]))
         emit(event="synced", rank=args.rank, version=version, reported=receiver.version, tensors=len(expected),
              differ=differ[:5], n_differ=len(differ), bytes=report.bytes, descriptors=report.descriptors,
              groups=report.groups, seconds=report.seconds, verify_seconds=report.verify_seconds,
              second_hop_bytes=report.second_hop_bytes, slowest_trainer=report.slowest_trainer,
-             slowest_share=report.slowest_share)
+             slowest_share=report.slowest_share, took=report.took, delta_bytes=report.delta_bytes)
     receiver.close()  # with fan-out, after this node's peers finished reading its last version
 
 
@@ -293,6 +309,8 @@ def main(argv=None) -> None:
     parser.add_argument("--busy-after-publish", type=float, default=0.0,
                         help="trainer sleeps this long between publish and release, never polling the runtime")
     parser.add_argument("--progress", default="auto", help="trainer's target-side progress (runtime/transport/progress.py)")
+    parser.add_argument("--delta", type=float, default=0.0, help="Sender/Receiver delta (fraction held for deltas; 0: off)")
+    parser.add_argument("--sparse", type=float, default=0.0, help="each later version changes about this fraction of elements")
     parser.add_argument("--linger", type=float, default=0.0, help="trainer stays alive this long after the last version")
     args = parser.parse_args(argv)
     plans, jobs = args.plan.split(","), args.job.split(",")

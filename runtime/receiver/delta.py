@@ -1,0 +1,194 @@
+"""The inference rank's delta of a version: READ each trainer's page index, then the blobs of its pages, decode, apply."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..delta.apply import UnitWrites, apply_writes, writes_of
+from ..delta.encode import DeltaError, decode
+from ..delta.pages import Pages, Space, Targets, delta_pages, needed_pages, targets
+from ..errors import PlanMismatchError, SyncError
+from ..plan.format import Plan
+from ..tables.quant import QuantTables
+from ..tables.receiver import ReadTables
+from ..transport.nixl_agent import NixlAgent
+from ..transport.peer import Peer
+from ..transport.peer_check import checked_word
+from ..transport.protocol import DeltaRecord
+from ..transport.region_digests import byte_view
+
+INDEX_WORDS = 3  # as runtime/sender/delta.py writes it: version, base, page count, then each page blob's end
+
+
+@dataclass(frozen=True)
+class TrainerPages:
+    """What this rank takes from one trainer rank's deltas: its pages, the ones it needs, where their bytes land."""
+
+    pages: Pages
+    need: np.ndarray  # rows of `pages` some of this rank's delta-able descriptors read
+    targets: Targets
+    deltable: np.ndarray  # over the trainer's READ descriptors: replaced by the delta when one is taken
+    staging: torch.Tensor  # the blobs of the needed pages land here
+    index: torch.Tensor  # the trainer's page index lands here
+
+
+@dataclass(frozen=True)
+class DeltaSource:
+    """One trainer incarnation's delta areas, as its info published them and this rank checked them."""
+
+    index_read: object  # the prepared READ of its page index
+    region: int  # address of its delta region
+    capacity: int
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """The deltas this rank read for one version: the writes by trainer rank, the trainers whose delta did not fit this
+    rank's staging (they are read full), and the bytes READ."""
+
+    writes: dict[int, list[UnitWrites]]
+    too_large: tuple[int, ...]
+    nbytes: int
+
+
+class ReceiverDelta:
+    """Inference `rank`'s side of delta syncs: per trainer rank it reads, its pages and targets (runtime/delta/pages.py)
+    and a registered staging of `fraction` of its needed pages' bytes. A version's delta from one trainer that does not
+    fit that staging is read full from that trainer."""
+
+    def __init__(self, plan: Plan, rank: int, tables: QuantTables | None, ring_bytes: int, read: ReadTables,
+                 destinations: dict[int, torch.Tensor], fraction: float):
+        if not 0 < fraction <= 1:
+            raise ValueError(f"delta={fraction}: give the fraction of the read bytes the delta staging holds, in (0, 1]")
+        bases = np.full(len(plan.dests), -1, dtype=np.int64)
+        sizes = np.zeros(len(plan.dests), dtype=np.int64)
+        for entry, t in destinations.items():
+            bases[entry], sizes[entry] = t.data_ptr(), t.numel() * t.element_size()
+        self.rank = rank
+        self._views = {entry: byte_view(t) for entry, t in destinations.items()}
+        self.trainers: dict[int, TrainerPages] = {}
+        for src, d in read.descriptors.items():
+            deltable, found = targets(d.region, d.remote_off, d.nbytes, d.local, d.chunk, bases, sizes)
+            pages = delta_pages(plan, src, tables, ring_bytes)
+            need = needed_pages(pages, found)
+            self.trainers[src] = TrainerPages(pages, need, found, deltable,
+                                              torch.zeros(max(int(fraction * pages.nbytes[need].sum()), 64), dtype=torch.uint8),
+                                              torch.zeros(INDEX_WORDS + len(pages), dtype=torch.int64))
+        self._index_local: dict[int, object] = {}
+
+    @property
+    def registered(self) -> list[torch.Tensor]:
+        return [t for p in self.trainers.values() for t in (p.staging, p.index)]
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(p.staging.numel() + p.index.numel() * 8 for p in self.trainers.values())
+
+    def start(self, agent: NixlAgent) -> None:
+        self._index_local = {src: agent.prepare(None, np.array([[p.index.data_ptr(), p.index.numel() * 8]]))
+                             for src, p in self.trainers.items()}
+
+    def release(self, agent: NixlAgent) -> None:
+        for prepared in self._index_local.values():
+            agent.release_list(prepared)
+
+    def connect(self, rank: int, peer: Peer, info: dict) -> DeltaSource | None:
+        """Trainer `rank`'s delta areas from its checked info; None when it keeps no deltas."""
+        if "delta" not in info:
+            return None
+        delta = info["delta"]
+        if not isinstance(delta, dict):
+            raise SyncError(f"trainer rank {rank}: its info's 'delta' is not an object")
+        index_addr, index_bytes = checked_word(rank, delta, "index", 2)
+        region, capacity = checked_word(rank, delta, "region", 2)
+        p = self.trainers[rank]
+        if index_bytes != p.index.numel() * 8:
+            raise PlanMismatchError(f"trainer rank {rank} indexes {index_bytes // 8 - INDEX_WORDS} delta pages, this rank "
+                                    f"expects {len(p.pages)}: give both sides the same plan and ring_bytes")
+        return DeltaSource(peer.word(self._index_local[rank], index_addr, index_bytes, "delta.index"), region, capacity)
+
+    def fetch(self, agent: NixlAgent, sources: dict[int, tuple[Peer, DeltaSource, DeltaRecord]], version: int,
+              deadline: float) -> Fetched:
+        """READ the index, then the needed blobs, of every trainer in `sources` and decode them all: a SyncError naming
+        the trainer and page for anything inconsistent, before any destination byte is written."""
+        agent.read_now([(s.index_read, f"trainer rank {r}") for r, (_, s, _) in sources.items()], deadline,
+                       f"version {version}: reading delta indexes")
+        reads, too_large, nbytes = {}, [], 0
+        for rank, (peer, source, record) in sources.items():
+            ends = self._checked_index(rank, source, record, version)
+            p = self.trainers[rank]
+            begin = np.concatenate([[0], ends[:-1]])
+            rows = np.flatnonzero(p.need & (ends > begin))
+            lengths = ends[rows] - begin[rows]
+            if lengths.sum() > p.staging.numel():
+                too_large.append(rank)
+                continue
+            local = np.cumsum(lengths) - lengths
+            # blobs of consecutive needed pages continue each other: one descriptor each such stretch
+            first = np.flatnonzero(np.concatenate([[True], begin[rows][1:] != ends[rows][:-1]])) if len(rows) else rows
+            sizes = np.add.reduceat(lengths, first) if len(rows) else lengths
+            reads[rank] = (peer, rows, begin[rows], lengths, local, first, sizes)
+            nbytes += 8 * (INDEX_WORDS + len(p.pages)) + int(lengths.sum())
+        posted = []
+        try:
+            for rank, (peer, rows, start, lengths, local, first, sizes) in reads.items():
+                if not len(rows):
+                    continue
+                p, source = self.trainers[rank], sources[rank][1]
+                remote_list = agent.prepare(peer.name, np.stack([source.region + start[first], sizes], axis=1))
+                local_list = agent.prepare(None, np.stack([p.staging.data_ptr() + local[first], sizes], axis=1))
+                handle = agent.make_read(local_list, remote_list, np.arange(len(first)))
+                posted.append((handle, remote_list, local_list, f"trainer rank {rank}"))
+                agent.post(handle, f"trainer rank {rank}")
+            agent.wait([(h, who) for h, _, _, who in posted], deadline, f"version {version}: reading deltas")
+        finally:
+            for handle, remote_list, local_list, _ in posted:
+                agent.release(handle)
+                agent.release_list(remote_list)
+                agent.release_list(local_list)
+        writes = {rank: self._decoded(rank, rows, lengths, local, version)
+                  for rank, (_, rows, _, lengths, local, _, _) in reads.items()}
+        return Fetched(writes, tuple(too_large), nbytes)
+
+    def apply(self, writes: dict[int, list[UnitWrites]]) -> int:
+        return sum(apply_writes(w, self._views) for w in writes.values())
+
+    def _checked_index(self, rank: int, source: DeltaSource, record: DeltaRecord, version: int) -> np.ndarray:
+        """The page blob ends of trainer `rank`'s index, once it matches its signed record and its region."""
+        p = self.trainers[rank]
+        index = p.index.numpy()
+        what = f"trainer rank {rank}: its delta of version {version}"
+        if hashlib.sha256(byte_view(p.index)).hexdigest() != record.index_sha256:
+            raise SyncError(f"{what} has a page index that is not the one its record names")
+        if index[:INDEX_WORDS].tolist() != [version, record.base, len(p.pages)]:
+            raise SyncError(f"{what}: its index says version {index[0]}, base {index[1]}, {index[2]} pages; expected "
+                            f"{version}, {record.base}, {len(p.pages)}")
+        ends = index[INDEX_WORDS:].astype(np.int64)
+        if len(ends) and (ends[0] < 0 or np.any(np.diff(ends) < 0)):
+            raise SyncError(f"{what}: its page sizes are not a sequence of blob ends")
+        total = int(ends[-1]) if len(ends) else 0
+        if total != record.nbytes or total > source.capacity:
+            raise SyncError(f"{what}: its pages end at byte {total}, beyond its region of {source.capacity} bytes "
+                            f"or not the {record.nbytes} its record names")
+        return ends
+
+    def _decoded(self, rank: int, rows: np.ndarray, lengths: np.ndarray, local: np.ndarray, version: int) -> list[UnitWrites]:
+        p = self.trainers[rank]
+        staged = byte_view(p.staging)
+        deltas = {}
+        for row, n, at in zip(rows.tolist(), lengths.tolist(), local.tolist()):
+            unit = int(p.pages.unit[row])
+            try:
+                deltas[row] = decode(staged[at : at + n], int(p.pages.nbytes[row]) // unit, unit)
+            except DeltaError as exc:
+                raise SyncError(f"trainer rank {rank}: its delta of version {version}, page {row} "
+                                f"({Space(int(p.pages.space[row])).name.lower()} {int(p.pages.index[row])} at byte "
+                                f"{int(p.pages.start[row])}): {exc}") from None
+        try:
+            return writes_of(p.pages, deltas, p.targets)
+        except DeltaError as exc:
+            raise SyncError(f"trainer rank {rank}: its delta of version {version}: {exc}") from None

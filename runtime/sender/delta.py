@@ -1,0 +1,109 @@
+"""The trainer's delta at publish: every page it serves diffed against the previous version, encoded into a registered region."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..delta.encode import UNIT_DTYPES, Encoding, changed, encode
+from ..delta.pages import Pages, delta_pages
+from ..plan.format import Plan
+from ..tables.quant import QuantTables
+from ..transport.protocol import DeltaRecord
+from ..transport.region_digests import byte_view
+
+INDEX_WORDS = 3  # version, base (-1: no delta), page count; then the end of every page's blob in the delta region
+
+
+@dataclass(frozen=True)
+class DeltaStats:
+    """One publish's delta on one trainer rank."""
+
+    version: int
+    base: int | None  # the version the delta applies to; None when this version has no delta
+    changed_units: int  # units (wire elements of the page's unit) that differ from the previous version
+    units: int  # every unit the pages hold
+    delta_bytes: int  # the encoded delta (0 without one)
+    page_bytes: int  # every byte the pages hold: what a full sync of them moves
+    encodings: dict[str, int]  # pages per encoding
+    seconds: float
+    overflow: bool = False  # the delta did not fit the region: this version is served full only
+
+    @property
+    def density(self) -> float:
+        return self.changed_units / self.units if self.units else 0.0
+
+
+class SenderDelta:
+    """Trainer `rank`'s delta pages (runtime/delta/pages.py), the previous version of their bytes and the region their
+    delta is encoded into.
+
+    Memory: `previous` is one copy of every page (the wire bytes receivers READ into destinations: about one copy of
+    the rank's wire shard), `region` `fraction` of that, `index` 8 bytes per page. A version whose delta does not fit
+    the region has none (receivers take it full); `previous` is updated either way.
+    """
+
+    def __init__(self, plan: Plan, rank: int, tables: QuantTables | None, ring_bytes: int, fraction: float):
+        if not 0 < fraction <= 1:
+            raise ValueError(f"delta={fraction}: give the fraction of the served bytes the delta region holds, in (0, 1]")
+        self.pages: Pages = delta_pages(plan, rank, tables, ring_bytes)
+        size = int(self.pages.nbytes.sum())
+        self.previous = torch.zeros(size, dtype=torch.uint8)
+        self._previous_at = np.cumsum(self.pages.nbytes) - self.pages.nbytes
+        self.region = torch.zeros(max(int(fraction * size), 64), dtype=torch.uint8)
+        self.index = torch.zeros(INDEX_WORDS + len(self.pages), dtype=torch.int64)
+        self.base: int | None = None  # the version `previous` holds, None before the first publish or after a failed one
+        self.stats: DeltaStats | None = None
+
+    @property
+    def registered(self) -> list[torch.Tensor]:
+        return [self.region, self.index]
+
+    @property
+    def extra_bytes(self) -> int:
+        """What keeping deltas costs this rank: the previous bytes, the delta region and the index."""
+        return sum(t.numel() * t.element_size() for t in (self.previous, self.region, self.index))
+
+    def info(self) -> dict:
+        return {"index": [self.index.data_ptr(), self.index.numel() * 8], "region": [self.region.data_ptr(), self.region.numel()]}
+
+    def publish(self, version: int, space: Callable[[int, int], np.ndarray]) -> DeltaRecord:
+        """Diff every page against the previous version, encode the delta of `version` and keep its bytes as the next
+        base. `space(space, index)` gives the bytes of a page space as served now (a uint8 view)."""
+        began = time.perf_counter()
+        base, self.base = self.base, None
+        out, previous, capacity = byte_view(self.region), byte_view(self.previous), self.region.numel()
+        ends = np.zeros(len(self.pages), dtype=np.int64)
+        used, fits, changed_units, units = 0, base is not None, 0, 0
+        kinds = {e.name.lower(): 0 for e in Encoding}
+        p = self.pages
+        for kind, index, rows in p.spaces():
+            served = space(kind, index)
+            dtype = UNIT_DTYPES[int(p.unit[rows[0]])]
+            for r in rows.tolist():
+                start, n, at = int(p.start[r]), int(p.nbytes[r]), int(self._previous_at[r])
+                current, old = served[start : start + n].view(dtype), previous[at : at + n].view(dtype)
+                positions = changed(old, current)
+                changed_units += len(positions)
+                units += len(current)
+                if fits and len(positions):
+                    blob = encode(current, positions)
+                    if used + len(blob) > capacity:
+                        fits = False
+                    else:
+                        out[used : used + len(blob)] = blob
+                        used += len(blob)
+                        kinds[Encoding(int(blob[0])).name.lower()] += 1
+                ends[r] = used
+                old[:] = current
+        self.index[:INDEX_WORDS] = torch.tensor([version, base if fits else -1, len(p)])
+        self.index[INDEX_WORDS:] = torch.from_numpy(ends)
+        self.base = version
+        self.stats = DeltaStats(version, base if fits else None, changed_units, units, used if fits else 0,
+                                int(p.nbytes.sum()), kinds, time.perf_counter() - began, base is not None and not fits)
+        return DeltaRecord(base if fits else None, used if fits else 0, hashlib.sha256(byte_view(self.index)).hexdigest())
