@@ -139,7 +139,7 @@ class ReceiverDelta:
                 if not len(rows):
                     continue
                 p, source = self.trainers[rank], sources[rank][1]
-                remote_list = agent.prepare(peer.name, np.stack([source.region + start[first], sizes], axis=1))
+                remote_list = agent.prepare(peer.name, np.stack([source.region + start[first], sizes], axis=1), peer.memory)
                 local_list = agent.prepare(None, np.stack([p.staging.data_ptr() + local[first], sizes], axis=1))
                 handle = agent.make_read(local_list, remote_list, np.arange(len(first)))
                 posted.append((handle, remote_list, local_list, f"trainer rank {rank}"))
