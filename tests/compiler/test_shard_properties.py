@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from weightplan.compiler.ir import Program, Runs, TensorEntry
 from weightplan.compiler.passes.coalesce import coalesce
 from weightplan.compiler.passes.split_shards import split_shards
-from weightplan.compiler.passes.verify import descriptors_lower_bound, verify
+from weightplan.compiler.passes.descriptor_counts import descriptors_lower_bound
+from weightplan.compiler.passes.verify import verify
 from weightplan.runtime.layout.shards import TrainerLayout, shard_box
 
 
