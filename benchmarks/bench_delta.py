@@ -48,7 +48,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from examples import moe_trainer as mt  # noqa: E402
-from examples.rl_loop import _check_alive  # noqa: E402
+from examples.rl_loop import wait_for_keys  # noqa: E402
 from weightplan.runtime import LiveSender, Receiver, Rendezvous, load_plan, write_trainer_layout  # noqa: E402
 from weightplan.runtime.delta.encode import Encoding, changed, decode, encode, encoded_sizes  # noqa: E402
 from weightplan.runtime.transport import protocol  # noqa: E402
@@ -98,13 +98,7 @@ def run_case(args, config: Path, lr: float, quant: str) -> dict:
     procs = []
 
     def wait(keys: list[str], what: str, timeout: float | None = None) -> None:
-        deadline = time.monotonic() + (timeout or args.timeout)
-        for key in keys:
-            while not rendezvous.exists(key):
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"no {what} within {timeout or args.timeout} s; see {workdir}/trainer-*.log")
-                _check_alive(procs, workdir)
-                time.sleep(0.002)
+        wait_for_keys(rendezvous, keys, what, procs, workdir, timeout or args.timeout)
 
     try:
         for rank in range(args.trainers):

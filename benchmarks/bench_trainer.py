@@ -59,7 +59,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 
 from examples import moe_trainer as mt  # noqa: E402
-from examples.rl_loop import DTYPES, _check_alive, add_trainer_options  # noqa: E402
+from examples.rl_loop import DTYPES, add_trainer_options, wait_for_keys  # noqa: E402
 from runtime_bench_worker import _broadcast, _gloo  # noqa: E402  (standalone gloo groups on the job's store)
 from weightplan.runtime import LiveSender, Receiver, Rendezvous, load_plan, write_trainer_layout  # noqa: E402
 from weightplan.runtime.transport import protocol  # noqa: E402
@@ -156,13 +156,7 @@ def run_inference(args) -> int:
 
     def wait(keys: list[str], what: str, timeout: float | None = None) -> None:
         """Poll (every 2 ms) until the trainers put every key; fail early if a trainer died."""
-        deadline = time.monotonic() + (timeout or args.timeout)
-        for key in keys:
-            while not rendezvous.exists(key):
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"no {what} within {timeout or args.timeout} s; see {workdir}/trainer-*.log")
-                _check_alive(procs, workdir)
-                time.sleep(0.002)
+        wait_for_keys(rendezvous, keys, what, procs, workdir, timeout or args.timeout)
 
     try:
         for rank in range(args.trainers):

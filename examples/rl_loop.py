@@ -181,6 +181,17 @@ def _wait(rendezvous, key: str, procs, workdir: Path, timeout: float) -> None:
         time.sleep(0.05)
 
 
+def wait_for_keys(rendezvous, keys: list[str], what: str, procs, workdir: Path, timeout: float) -> None:
+    """Poll (every 2 ms) until the trainers put every key; fail early, with its log, if a trainer died."""
+    deadline = time.monotonic() + timeout
+    for key in keys:
+        while not rendezvous.exists(key):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"no {what} within {timeout} s; see {workdir}/trainer-*.log")
+            _check_alive(procs, workdir)
+            time.sleep(0.002)
+
+
 def _wait_file(path: Path, procs, workdir: Path, timeout: float):
     deadline = time.monotonic() + timeout
     while not path.exists():
