@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: plan test test-engine-slow bench-compile bench-runtime bench-cluster bench-engine bench-trainer bench-network soak bench-delta gpu-check bench-smoke sweep demo clean-venv
+.PHONY: plan test check-plans test-engine-slow bench-compile bench-runtime bench-cluster bench-engine bench-trainer bench-network soak bench-delta gpu-check bench-smoke sweep demo clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,6 +23,11 @@ plan: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# Every checked-in GLM-5.2 plan recompiled and compared byte for byte, and every full-size sampled verify
+# (make test runs the seed plans only: tests/e2e/test_glm_full.py).
+check-plans: $(STAMP)
+	WEIGHTPLAN_FULL_PLANS=1 $(BIN)/python -m pytest -q tests/e2e/test_glm_full.py
 
 test-engine-slow: $(STAMP)
 	WEIGHTPLAN_SLOW_ENGINE=1 $(BIN)/python -m pytest -q tests/vllm_backend/test_vllm_backend_serve.py tests/vllm_backend/test_vllm_backend_async.py tests/vllm_backend/test_vllm_backend_tp2.py tests/vllm_backend/test_vllm_backend_dp2.py tests/vllm_backend/test_vllm_backend_draft.py
