@@ -177,13 +177,16 @@ class ReceiverQuant:
         first, merged = contiguous_starts(n, (remote, local), (region, buf, g))
         return region[first], remote[first], local[first], merged, g[first]
 
-    def begin(self) -> None:
-        """Start a sync: staging left dirty by a failed one is zeroed (its padding must read as zeros)."""
-        if self._dirty:
+    def begin(self) -> bool:
+        """Start a sync: staging left dirty by a failed one is zeroed (its padding must read as zeros); returns whether
+        it was (on a GPU the caller then waits for the zeroing before READs land in the slots)."""
+        zeroed = self._dirty
+        if zeroed:
             for slot in self.slots:
                 slot.zero_()
         self._dirty = True
         self.seconds = 0.0
+        return zeroed
 
     def end(self) -> None:
         self._dirty = False

@@ -314,8 +314,8 @@ class Receiver(AgentOwner):
             self.agent.notify(t.peer.name, protocol.begin(version))
         check, spent = self._verifier(version, deadline) if self.verify else (None, [0.0])
         self._check_sequence(version, deadline, "before reading")
-        if self._quant:
-            self._quant.begin()
+        if self._quant and self._quant.begin():
+            self.device_sync.wait("staging slots zeroed")  # before READs land in them
         took, delta_bytes = self._delta_phase(version, previous, synced or {}, deadline)
         self._ring_phase(version, deadline, took)
         self._transfer(version, start, deadline, self._post_ops(check), took)

@@ -186,11 +186,13 @@ def test_a_receiver_waits_for_each_quantized_group_before_its_staging_slot_is_re
                         group_bytes=1 << 16).start()
     stream = RecordingStream(lambda: receiver.version)
     receiver.device_sync = DeviceSync((torch.device("cuda", 0),), lambda device: [stream])
+    receiver._quant._dirty = True  # as after a failed sync: the slots are zeroed, and waited for, before any READ
     try:
         for s in senders:
             s.publish(1)
         receiver.sync(1)
         quantized = receiver.device_sync.calls.count("quantized a group")
+        assert receiver.device_sync.calls[0] == "staging slots zeroed"
         assert quantized == receiver.n_groups > 1 and receiver.device_sync.calls[-1] == "derived state"
         assert set(stream.seen) == {None}  # every wait came before the version was set
     finally:
