@@ -17,9 +17,13 @@ proven. Parts:
 - `ordering_sync`: the trainer's writes of a version run in a kernel still sleeping on a side stream when it calls
   publish(); the receiver must get the new bytes. The same run with the sender's device wait disabled must not
   (else the check could not catch an early read, and says so).
+- `sync_fp8`: an fp8_per_block plan (benchmarks/data/gpu-check-fp8.plan: tiny DeepSeek-V3 shapes, 3 trainer ranks,
+  2 tp ranks, with sender-, gather- and receiver-side blocks) synced by 5 processes with every tensor on the GPU:
+  fp8 regions, gathers, staging slots and quantization on the device; each destination's SHA-256 equals the host
+  executor's for three versions.
 
 `--device cpu` runs the sync and ordering parts on host memory (this machine's self-test of the harness; the
-device itself is then not proven). Without CUDA and without `--device cpu` every part prints skipped and the
+device itself is then not proven; `sync_fp8` then takes the GPU's fp8 code path on host tensors, fp8_path="device"). Without CUDA and without `--device cpu` every part prints skipped and the
 command exits 0. The last line is JSON: {"parts": {NAME: {"status": ..., "reason": ..., figures...}}}.
 """
 
@@ -42,7 +46,9 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("fp8_quantizer", "ordering_device", "sync_vram", "sync_host_sender", "sync_vs_copy", "ordering_sync")
+PARTS = ("fp8_quantizer", "ordering_device", "sync_vram", "sync_host_sender", "sync_vs_copy", "ordering_sync", "sync_fp8")
+SYNC_PARTS = PARTS[2:]
+FP8_PLAN = ROOT / "benchmarks" / "data" / "gpu-check-fp8.plan"  # compiled here (the GPU machine has no vLLM)
 VERSIONS = 3
 SLEEP_CYCLES = 400_000_000  # torch.cuda._sleep: a few hundred ms on current GPUs, far longer than a sync of the test plan
 
@@ -292,27 +298,120 @@ def run_sync(plan: Path, sender_device: str, receiver_device: str, *, late_write
               "--sender-device", sender_device, "--receiver-device", receiver_device]
     common += ["--late-writes"] if late_writes else []
     common += ["--no-device-wait"] if no_device_wait else []
-    procs = [subprocess.Popen(common + ["--worker", role], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for role in ("sender", "receiver")]
-    outs = []
-    for proc in procs:
+    outs = run_workers({role: common + ["--worker", role] for role in ("sender", "receiver")})
+    return outs if "error" in outs else outs["receiver"]
+
+
+def run_workers(commands: dict[str, list[str]]) -> dict:
+    """Run the worker processes together; each one's last JSON line by name, or {'error': ...} naming the first that failed."""
+    procs = {name: subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, command in commands.items()}
+    outs = {}
+    for name, proc in procs.items():
         try:
             out, err = proc.communicate(timeout=300)
         except subprocess.TimeoutExpired:
             proc.kill()
             out, err = proc.communicate()
-        outs.append((proc.returncode, out, err))
-    for role, (code, out, err) in zip(("sender", "receiver"), outs):
+        outs[name] = (proc.returncode, out, err)
+    for name, (code, out, err) in outs.items():
         if code != 0 or not out.strip():
-            sys.stderr.write(f"--- {role} process (exit {code}) ---\n{err[-3000:]}\n")
+            sys.stderr.write(f"--- {name} process (exit {code}) ---\n{err[-3000:]}\n")
             lines = [line for line in err.strip().splitlines() if "Error" in line] or err.strip().splitlines() or ["no output"]
-            return {"error": f"the {role} process exited with {code}: {lines[-1][:300]}"}
-    return json.loads(outs[1][1].strip().splitlines()[-1])
+            return {"error": f"the {name} process exited with {code}: {lines[-1][:300]}"}
+    return {name: json.loads(out.strip().splitlines()[-1]) for name, (_, out, _) in outs.items()}
+
+
+# ---- an fp8_per_block plan between processes ----------------------------------------------------------------------
+
+def fp8_shards(plan, version: int) -> dict[int, dict[str, torch.Tensor]]:
+    """Every trainer rank's local shards at `version`, cut from full tensors made on the host (weights of 0.02 scale)."""
+    full = {}
+    for i, entry in enumerate(plan.sources):
+        g = torch.Generator().manual_seed(1000 * i + version)
+        full[entry.name] = (torch.randn(entry.shape, generator=g) * 0.02).to(getattr(torch, entry.dtype))
+    out = {}
+    for rank in range(plan.header.src_ranks):
+        out[rank] = {}
+        for i, entry in enumerate(plan.sources):
+            box = plan.shard_box(i, rank)
+            if box is not None:
+                out[rank][entry.name] = full[entry.name][tuple(slice(lo, hi) for lo, hi in box)].contiguous()
+    return out
+
+
+def fp8_destination(plan, rank: int, device: torch.device) -> dict[str, torch.Tensor]:
+    return {e.name: torch.zeros(e.shape, dtype=getattr(torch, e.dtype), device=device) for e in plan.dests if rank in e.ranks}
+
+
+def fp8_sender_worker(args) -> None:
+    from weightplan.runtime import Rendezvous, Sender, load_plan
+    from weightplan.runtime.transport import protocol
+
+    plan = load_plan(args.plan)
+    rendezvous = Rendezvous.connect(args.job, args.address, timeout=120)
+    device = torch.device(args.sender_device)
+    tensors = {name: t.to(device) for name, t in fp8_shards(plan, 1)[args.rank].items()}
+    with Sender(plan, args.rank, tensors, rendezvous=rendezvous, timeout=120, fp8_path="device") as sender:
+        rendezvous.wait([protocol.joined_key(k) for k in sender.readers], 120, "the gpu check's receiver processes")
+        for version in range(1, VERSIONS + 1):
+            if version > 1:
+                sender.release(version - 1)
+                for name, t in fp8_shards(plan, version)[args.rank].items():
+                    tensors[name].copy_(t)
+            sender.publish(version)
+        report = sender.release(VERSIONS)
+    print(json.dumps({"acked": list(report.acked), "quantize_seconds": sender.quantize_seconds}), flush=True)
+
+
+def fp8_receiver_worker(args) -> None:
+    from weightplan.runtime import Receiver, Rendezvous, execute_local, load_plan
+
+    plan = load_plan(args.plan)
+    rendezvous = Rendezvous.connect(args.job, args.address, timeout=120)
+    destination = fp8_destination(plan, args.rank, torch.device(args.receiver_device))
+    rows = []
+    with Receiver(plan, args.rank, destination, rendezvous=rendezvous, timeout=120, derived="caller",
+                  fp8_path="device") as receiver:
+        for version in range(1, VERSIONS + 1):
+            report = receiver.sync(version)
+            expected = {args.rank: fp8_destination(plan, args.rank, torch.device("cpu"))}
+            execute_local(plan, fp8_shards(plan, version), expected)
+            rows.append({"version": version, "seconds": report.seconds, "bytes": report.bytes,
+                         "quantize_seconds": report.quantize_seconds,
+                         "equal": {n: _digest(t) for n, t in destination.items()}
+                         == {n: _digest(t) for n, t in expected[args.rank].items()}})
+    print(json.dumps({"versions": rows}), flush=True)
+
+
+def sync_fp8(device: str) -> dict:
+    from weightplan.runtime import Rendezvous, load_plan
+
+    plan = load_plan(FP8_PLAN)
+    job = f"gpucheckfp8{os.getpid()}x{int(time.time() * 1000) % 10**9}"
+    rendezvous = Rendezvous.connect(job, "127.0.0.1:0", serve=True, timeout=120)
+    common = [sys.executable, __file__, "--plan", str(FP8_PLAN), "--job", job, "--address", rendezvous.address,
+              "--sender-device", device, "--receiver-device", device]
+    commands = {f"trainer {r}": common + ["--worker", "fp8-sender", "--rank", str(r)] for r in range(plan.header.src_ranks)}
+    commands |= {f"inference {k}": common + ["--worker", "fp8-receiver", "--rank", str(k)] for k in range(plan.header.dst_ranks)}
+    outs = run_workers(commands)
+    if "error" in outs:
+        return failed(outs["error"])
+    receivers = [outs[f"inference {k}"]["versions"] for k in range(plan.header.dst_ranks)]
+    figures = {"trainers": plan.header.src_ranks, "receivers": plan.header.dst_ranks, "versions": VERSIONS,
+               "bytes_per_version": sum(rows[-1]["bytes"] for rows in receivers),
+               "worst_sync_s": round(max(r["seconds"] for rows in receivers for r in rows), 4)}
+    bad = [(k, r["version"]) for k, rows in enumerate(receivers) for r in rows if not r["equal"]]
+    where = f"{device} on both sides, fp8 work on the {'GPU' if device == 'cuda' else 'host through the GPU code path'}"
+    if bad:
+        return failed(f"{where}: digests differ from the host executor's at (inference rank, version) {bad}", **figures)
+    return ok(f"{where}: every destination's SHA-256 equals the host executor's on {len(receivers)} inference ranks, "
+              f"{VERSIONS} versions", **figures)
 
 
 def sync_parts(device: str, mib: int, wanted: set[str]) -> dict:
     results = {}
-    names = [p for p in ("sync_vram", "sync_host_sender", "sync_vs_copy", "ordering_sync") if p in wanted]
+    names = [p for p in SYNC_PARTS if p in wanted]
     if not names:
         return results
     if device == "cuda" and not torch.cuda.is_available():
@@ -320,6 +419,10 @@ def sync_parts(device: str, mib: int, wanted: set[str]) -> dict:
     module = nixl_module()
     if module is None:
         return {p: skipped("NIXL not importable: carry the nixl-cu13==1.5.1 wheel (docs/runtime.md, GPUs)") for p in names}
+    if "sync_fp8" in names:
+        results["sync_fp8"] = sync_fp8(device)
+    if not set(names) - {"sync_fp8"}:
+        return results
     with tempfile.TemporaryDirectory() as tmp:
         numel = max(1, mib << 20) // 2 // 8
         plan = identity_plan(Path(tmp) / "gpu-check.plan", 8, numel)
@@ -372,7 +475,8 @@ def main() -> None:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--mib", type=int, default=256, help="bytes the sync parts move per version, in MiB")
-    parser.add_argument("--worker", choices=("sender", "receiver"))
+    parser.add_argument("--worker", choices=tuple(WORKERS))
+    parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--plan")
     parser.add_argument("--job")
     parser.add_argument("--address")
@@ -383,7 +487,7 @@ def main() -> None:
     args = parser.parse_args()
     _weightplan()
     if args.worker:
-        (sender_worker if args.worker == "sender" else receiver_worker)(args)
+        WORKERS[args.worker](args)
         return
     wanted = {p.strip() for p in args.parts.split(",") if p.strip()}
     unknown = wanted - set(PARTS)
@@ -408,7 +512,7 @@ def main() -> None:
     try:
         parts.update(sync_parts(args.device, args.mib, wanted))
     except Exception as exc:  # noqa: BLE001 - as above
-        parts.update({p: failed(f"{type(exc).__name__}: {str(exc)[:200]}") for p in PARTS[2:] if p in wanted})
+        parts.update({p: failed(f"{type(exc).__name__}: {str(exc)[:200]}") for p in SYNC_PARTS if p in wanted})
         traceback.print_exc()
     for name in PARTS:
         if name in parts:
@@ -416,6 +520,9 @@ def main() -> None:
     print(json.dumps({"parts": {p: parts[p] for p in PARTS if p in parts}}), flush=True)
     sys.exit(1 if any(p["status"] == "failed" for p in parts.values()) else 0)
 
+
+WORKERS = {"sender": sender_worker, "receiver": receiver_worker, "fp8-sender": fp8_sender_worker,
+           "fp8-receiver": fp8_receiver_worker}
 
 if __name__ == "__main__":
     main()

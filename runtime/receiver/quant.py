@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ..fp8.numerics import BLOCK, BlockQuantizer
+from ..fp8.placement import Fp8Placement
 from ..plan.columns import ColumnTable
 from ..plan.format import Plan
 from ..plan.schema import RECEIVER
@@ -54,17 +55,21 @@ class ReceiverQuant:
     Receiver-side blocks arrive as bf16 in two staging slots: the windows of pipeline group g go to
     slot g % 2, so staging is bounded by the two largest groups' windows (`staging_bytes`), and
     `quantize(g)` runs as group g's post-op while group g + 1 moves.
+
+    The slots live on `placement.device`, the destinations' device: on a GPU the bf16 lands there and is quantized
+    there in torch ops. Host destinations quantize in the numba kernel unless `placement.kernel` is off.
     """
 
-    def __init__(self, plan: Plan, rank: int, tables: QuantTables, dst: dict[int, torch.Tensor]):
+    def __init__(self, plan: Plan, rank: int, tables: QuantTables, dst: dict[int, torch.Tensor], placement: Fp8Placement):
         self.plan, self.rank, self.tables, self._dst = plan, rank, tables, dst
+        self.device = placement.device
         self.held = held_stages(plan, rank)
         self.sources = quant_sources(plan, tables, rank)
         self.rows = {src: self._rows(src) for src in self.sources}
         p = tables.pieces
         self._pieces = np.flatnonzero((p.side == RECEIVER) & self.held[p.stage])
         self.slots: list[torch.Tensor] = []
-        self._quantize = BlockQuantizer()
+        self._quantize = BlockQuantizer(use_kernel=placement.kernel)
         if self.quantizes:
             self._quantize.warm_up()
         self._dirty = False
@@ -133,7 +138,8 @@ class ReceiverQuant:
         self.slot_of[windows], self.slot_off[windows] = group % 2, offset
         used = np.zeros(n_groups, dtype=np.int64)
         np.add.at(used, group, size)
-        self.slots = [torch.zeros(int(used[k::2].max(initial=0)), dtype=torch.bfloat16) for k in range(min(2, n_groups))]
+        self.slots = [torch.zeros(int(used[k::2].max(initial=0)), dtype=torch.bfloat16, device=self.device)
+                      for k in range(min(2, n_groups))]
         for r in self.rows.values():
             staged = r.window >= 0
             r.buffer[staged] = slot_buffer(self.slot_of[r.window[staged]])
@@ -171,13 +177,16 @@ class ReceiverQuant:
         first, merged = contiguous_starts(n, (remote, local), (region, buf, g))
         return region[first], remote[first], local[first], merged, g[first]
 
-    def begin(self) -> None:
-        """Start a sync: staging left dirty by a failed one is zeroed (its padding must read as zeros)."""
-        if self._dirty:
+    def begin(self) -> bool:
+        """Start a sync: staging left dirty by a failed one is zeroed (its padding must read as zeros); returns whether
+        it was (on a GPU the caller then waits for the zeroing before READs land in the slots)."""
+        zeroed = self._dirty
+        if zeroed:
             for slot in self.slots:
                 slot.zero_()
         self._dirty = True
         self.seconds = 0.0
+        return zeroed
 
     def end(self) -> None:
         self._dirty = False

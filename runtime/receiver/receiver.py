@@ -14,6 +14,7 @@ from ..checks import check_no_aliases, check_tensors, check_version, flat_view, 
 from ..constant_writes import write_constants
 from ..device import DeviceSync, current_stream
 from ..errors import PlanMismatchError, SyncError, WeightplanError
+from ..fp8.placement import fp8_placement
 from ..plan.format import Plan
 from ..tables.quant import check_supported, quant_tables, stage_packing
 from ..tables.ranks import Reads, RemoteRegion, held_entries, region_addresses
@@ -123,6 +124,10 @@ class Receiver(AgentOwner):
     caller's memory, though: a caller that writes it itself (vLLM's own `load_weights`, a dummy
     initialisation, a kernel repacking in place) calls `write_constants()` before the next sync.
 
+    With fp8 tables, the bf16 staging slots live on the destinations' device (all on one device) and this rank's
+    blocks are quantized there in torch ops on a GPU, in the numba kernel in host memory; `fp8_path="device"` makes
+    host destinations take the GPU's path (how the tests prove it here; runtime/fp8/placement.py).
+
     The constructor only checks the destination against the plan and builds this rank's tables
     (runtime/tables/receiver.py); `start()` registers the destination with NIXL, writes the constants
     and joins, `close()` deregisters it and releases the agent. `with Receiver(...) as receiver:` does both.
@@ -131,7 +136,7 @@ class Receiver(AgentOwner):
     def __init__(self, plan: Plan, rank: int, destination, *, rendezvous: Rendezvous, timeout: float = 60.0,
                  verify: bool = False, group_bytes: int = 256 << 20, post_op=None, progress_thread: bool = False,
                  derived: str = "refresh", act_dtype: torch.dtype = torch.bfloat16, ring_bytes: int = DEFAULT_RING_BYTES,
-                 delta: float = 0.0):
+                 delta: float = 0.0, fp8_path: str = "auto"):
         held = held_entries(plan, rank)
         if plan.staging:
             check_supported(plan)
@@ -145,11 +150,10 @@ class Receiver(AgentOwner):
                                        plan.dests[i].dtype, f"inference rank {rank}") for i in np.flatnonzero(held)}
         check_no_aliases({plan.dests[i].name: view for i, view in self._dst.items()}, f"inference rank {rank}")
         self._derived = DerivedRefresh(plan, set(expected), destination, derived, act_dtype)
-        if plan.staging and any(t.device.type != "cpu" for t in self._dst.values()):
-            raise WeightplanError(f"inference rank {rank}: fp8 plans with destinations on a GPU are not built yet (the "
-                                  "fp8 staging slots and quantization are host-only); use a bf16 plan or staged host buffers")
+        # fp8 staging slots live on the destinations' device and are quantized there (runtime/fp8/placement.py).
+        fp8 = fp8_placement(self._dst.values() if plan.staging else (), fp8_path, f"inference rank {rank}")
         self._qt = quant_tables(pull) if plan.staging else None
-        self._quant = ReceiverQuant(pull, rank, self._qt, self._dst) if self._qt else None
+        self._quant = ReceiverQuant(pull, rank, self._qt, self._dst, fp8) if self._qt else None
         self._hops = SecondHops(plan, rank, self._dst, rendezvous)
         # The trainers' runs into second-hop entries, by trainer rank: what their digests cover (verify=True).
         self._hop_reads = runs_into(plan, rank, self._hops.entries) if self._hops.entries else {}
@@ -310,8 +314,8 @@ class Receiver(AgentOwner):
             self.agent.notify(t.peer.name, protocol.begin(version))
         check, spent = self._verifier(version, deadline) if self.verify else (None, [0.0])
         self._check_sequence(version, deadline, "before reading")
-        if self._quant:
-            self._quant.begin()
+        if self._quant and self._quant.begin():
+            self.device_sync.wait("staging slots zeroed")  # before READs land in them
         took, delta_bytes = self._delta_phase(version, previous, synced or {}, deadline)
         self._ring_phase(version, deadline, took)
         self._transfer(version, start, deadline, self._post_ops(check), took)

@@ -23,7 +23,11 @@ def units(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class Gather:
-    """Copies byte ranges (source tensor i, src_byte, nbytes) to out_byte of one output, in the largest common unit."""
+    """Copies byte ranges (source tensor i, src_byte, nbytes) to out_byte of one output, in the largest common unit.
+
+    Each index lives on the device of the tensor it indexes, so a GPU rank gathers on its GPU; a source on another
+    device than the output (host next to GPU tensors) is selected where it is and copied over.
+    """
 
     def __init__(self, tensors: list[torch.Tensor], out: torch.Tensor, source: np.ndarray, src_byte: np.ndarray,
                  nbytes: np.ndarray, out_byte: np.ndarray, unit: int):
@@ -34,10 +38,11 @@ class Gather:
         self.steps = []
         for i in np.unique(source).tolist():
             rows = source == i
-            self.steps.append((i, torch.from_numpy(index_ranges(src_byte[rows] // unit, nbytes[rows] // unit)),
-                               torch.from_numpy(index_ranges(out_byte[rows] // unit, nbytes[rows] // unit))))
+            src = torch.from_numpy(index_ranges(src_byte[rows] // unit, nbytes[rows] // unit)).to(tensors[i].device)
+            dst = torch.from_numpy(index_ranges(out_byte[rows] // unit, nbytes[rows] // unit)).to(out.device)
+            self.steps.append((i, src, dst))
 
     def __call__(self) -> None:
         out = units(self.out, self.dtype)
         for i, src, dst in self.steps:
-            out.index_copy_(0, dst, units(self.tensors[i], self.dtype).index_select(0, src))
+            out.index_copy_(0, dst, units(self.tensors[i], self.dtype).index_select(0, src).to(out.device))

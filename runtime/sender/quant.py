@@ -9,6 +9,7 @@ import torch
 
 from ..casts import cast_along
 from ..fp8.numerics import BLOCK, BlockQuantizer
+from ..fp8.placement import Fp8Placement
 from ..plan.format import Plan
 from ..plan.schema import RECEIVER
 from ..tables.quant import QuantTables, region_index, served_copies, stage_packing
@@ -32,12 +33,17 @@ class SenderQuant:
     reused bf16 arena (or uses the source in place when a window is one uncast run) and quantizes
     its pieces into `fp8` and `scales`: each piece's values row-major, so a piece of whole block
     rows is one contiguous READ for the receivers, and its scales contiguous.
+
+    Everything it allocates (fp8, scales, packed stage copies, arena, gather indexes) lives on `placement.device`,
+    the device of the trainer's tensors: on a GPU the whole publish runs there in torch ops and receivers READ it
+    GPU to GPU. Host tensors quantize in the numba kernel unless `placement.kernel` is off (runtime/fp8/placement.py).
     """
 
     def __init__(self, plan: Plan, rank: int, tables: QuantTables, regions: tuple[ServedRegion, ...],
-                 exposed: list[torch.Tensor], sources: dict[int, torch.Tensor],
+                 exposed: list[torch.Tensor], sources: dict[int, torch.Tensor], placement: Fp8Placement,
                  gathered: torch.Tensor | None = None, gathered_at: np.ndarray | None = None):
         self.plan, self.rank, self.tables = plan, rank, tables
+        self.device = device = placement.device
         c = tables.copies
         # Where each copy's bf16 is read from: its source shard, or the gather buffer (already in bf16).
         self._src, self._src_off, self._chain = c.src.copy(), c.src_off.copy(), c.wire.copy()
@@ -48,14 +54,14 @@ class SenderQuant:
             sources = {**sources, GATHERED: gathered}
         self.pieces = tables.sender_pieces(rank)
         fp8_bytes, n_scales = tables.region_bytes(rank)
-        self.fp8 = torch.zeros(fp8_bytes, dtype=torch.uint8)
-        self.scales = torch.zeros(n_scales, dtype=torch.float32)
+        self.fp8 = torch.zeros(fp8_bytes, dtype=torch.uint8, device=device)
+        self.scales = torch.zeros(n_scales, dtype=torch.float32, device=device)
         self.packing = stage_packing(plan, tables, rank)
-        self.stage_packed = torch.empty(self.packing.nbytes, dtype=torch.uint8)
+        self.stage_packed = torch.empty(self.packing.nbytes, dtype=torch.uint8, device=device)
         packed = tables.copies.take(self.packing.copy)
         self._pack = Gather(exposed, self.stage_packed, region_index(regions, packed), packed.src_off * 2,
                             packed.length * 2, self.packing.packed_byte, self.packing.unit)
-        self._quantize = BlockQuantizer()
+        self._quantize = BlockQuantizer(use_kernel=placement.kernel)
         self._windows = self._plan_windows(sources)
         if self._windows:
             self._quantize.warm_up()
@@ -76,7 +82,7 @@ class SenderQuant:
         w, c = self.tables.windows, self.tables.copies
         mine = np.flatnonzero((w.side != RECEIVER) & (w.src_rank == self.rank))
         copies = np.flatnonzero((c.side != RECEIVER) & (c.quant_rank == self.rank))
-        self.arena = torch.empty(int(w.numel[mine].max(initial=0)), dtype=torch.bfloat16)
+        self.arena = torch.empty(int(w.numel[mine].max(initial=0)), dtype=torch.bfloat16, device=self.device)
         fp8 = self.fp8.view(torch.float8_e4m3fn)
         p = self.pieces
         copies = copies[np.argsort(c.window[copies], kind="stable")]
@@ -121,8 +127,8 @@ class SenderQuant:
         for src, chain in sorted(set(zip(key[small].tolist(), chain_of[small].tolist()))):
             sel = small[(key[small] == src) & (chain_of[small] == chain)]
             gathers.append((sources[src], self._cast_chain(sel[0]),
-                            torch.from_numpy(index_ranges(off_of[sel], c.length[sel])),
-                            torch.from_numpy(index_ranges(c.win_off[sel], c.length[sel]))))
+                            torch.from_numpy(index_ranges(off_of[sel], c.length[sel])).to(sources[src].device),
+                            torch.from_numpy(index_ranges(c.win_off[sel], c.length[sel])).to(self.device)))
         return slices, gathers
 
     def publish(self, progress=None) -> float:
@@ -142,7 +148,7 @@ class SenderQuant:
                 for dst, src, chain in slices:
                     dst.copy_(src if len(chain) <= 2 else cast_along(src, chain))  # copy_ casts like .to()
                 for src, chain, src_idx, dst_idx in gathers:
-                    self.arena.index_copy_(0, dst_idx, cast_along(src.index_select(0, src_idx), chain))
+                    self.arena.index_copy_(0, dst_idx, cast_along(src.index_select(0, src_idx), chain).to(self.device))
                 for x, values, scales in views:
                     self._quantize(x, values, scales)
         self.seconds = time.perf_counter() - began

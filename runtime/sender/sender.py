@@ -14,6 +14,7 @@ from ..casts import cast_along
 from ..checks import check_tensors, check_version, flat_view, named_tensors
 from ..device import DeviceSync
 from ..errors import SyncError, WeightplanError
+from ..fp8.placement import fp8_placement
 from ..plan.format import Plan
 from ..plan.schema import RECEIVER
 from ..tables.quant import check_supported, exposed_regions, quant_readers, quant_tables
@@ -85,6 +86,11 @@ class Sender(AgentOwner):
     (runtime/sender/delta.py); receivers that hold the previous version READ that instead of the full bytes. It costs
     one copy of those pages (the previous version) plus the region.
 
+    With fp8 tables, the fp8 and scale regions, stage copies, arena and gather buffer live on the device of the
+    trainer's tensors (all on one device), and publish gathers and quantizes there in torch ops: on a GPU nothing
+    leaves it. Host tensors quantize in the numba kernel; `fp8_path="device"` makes them take the GPU's torch-op
+    path instead (how the tests prove that path here; runtime/fp8/placement.py).
+
     The constructor only checks the tensors against the plan and allocates staging; `start()` registers
     the memory with NIXL and publishes this rank's info, `close()` deregisters it and releases the
     agent. `with Sender(...) as sender:` does both.
@@ -92,7 +98,7 @@ class Sender(AgentOwner):
 
     def __init__(self, plan: Plan, rank: int, tensors, *, rendezvous: Rendezvous, timeout: float = 60.0,
                  digests: bool = False, progress_thread: bool = False, ring_bytes: int = DEFAULT_RING_BYTES,
-                 progress: str = "auto", delta: float = 0.0):
+                 progress: str = "auto", delta: float = 0.0, fp8_path: str = "auto"):
         check_src_rank(plan, rank)
         progress = "thread" if progress_thread else check_progress(progress)  # see runtime/transport/progress.py
         if plan.staging:
@@ -117,9 +123,9 @@ class Sender(AgentOwner):
         # Cast regions no receiver reads in place are cast straight into the packed region: no staging copy.
         casts = {} if tables is not None else self._packed_only_casts()
         devices = {t.device for t in self._sources}
-        if tables is not None and any(d.type != "cpu" for d in devices):
-            raise WeightplanError(f"trainer rank {rank}: fp8 plans with trainer tensors on a GPU are not built yet (the "
-                                  "fp8 regions and gathers are host-only); use a bf16 plan or host tensors")
+        # fp8 regions, stage copies, arena and gather buffer live on the device of this rank's tensors and are computed
+        # there (runtime/fp8/placement.py); receivers and gathering peers READ them from it.
+        fp8 = fp8_placement(flat.values() if tables is not None else (), fp8_path, f"trainer rank {rank}")
         # Memory is allocated and registered only after every check passed. Staging lives with its source and the
         # packed region with the sources when they share one device (host memory otherwise): the cast and packing
         # kernels write them where they run (docs/runtime.md, GPUs).
@@ -141,9 +147,9 @@ class Sender(AgentOwner):
             for lo, hi in zip(self.ring.first[:-1].tolist(), self.ring.first[1:].tolist())]
         self._ring_word = torch.zeros(2, dtype=torch.int64)  # (version, 2c: chunk c in the ring, 2c - 1: packing it)
         self._ring_next = len(self._packs)  # the next chunk to pack: all packed
-        self._gather = TrainerGather(plan, rank, tables) if tables is not None and len(tables.gathered(rank)) else None
+        self._gather = TrainerGather(plan, rank, tables, fp8.device) if tables is not None and len(tables.gathered(rank)) else None
         self.gatherers = tables.gatherers(rank) if tables else ()  # peer trainer ranks reading this rank's bf16
-        self._quant = (SenderQuant(plan, rank, tables, self.regions, self._exposed, flat,
+        self._quant = (SenderQuant(plan, rank, tables, self.regions, self._exposed, flat, fp8,
                                    *((self._gather.buffer, self._gather.offset) if self._gather else ()))
                        if tables else None)
         # Delta syncs (runtime/sender/delta.py): `delta` is the fraction of the served pages its region holds; 0: none.

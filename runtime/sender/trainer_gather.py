@@ -34,14 +34,17 @@ class TrainerGather:
     bytes are read after they announce `protocol.staged_key` and between two reads of their sequence word,
     which must say the version is stable both times (the same seqlock the receivers use), so a
     peer that moved on cannot leave mixed bytes in a block this rank serves as fp8.
+
+    The buffer lives on `device`, where this rank quantizes (on a GPU the peers' bytes land GPU to GPU); the
+    sequence words stay in host memory, which the CPU reads.
     """
 
-    def __init__(self, plan: Plan, rank: int, tables: QuantTables):
+    def __init__(self, plan: Plan, rank: int, tables: QuantTables, device: torch.device = torch.device("cpu")):
         self.plan, self.rank, self.tables = plan, rank, tables
         self.rows = tables.gathered(rank)
         c = tables.copies.take(self.rows)
         self.offset = np.cumsum(c.length) - c.length
-        self.buffer = torch.empty(int(c.length.sum()), dtype=torch.bfloat16)
+        self.buffer = torch.empty(int(c.length.sum()), dtype=torch.bfloat16, device=device)
         self.peers = tuple(sorted(set(c.src_rank.tolist())))
         self._copies = c
         self._seq = torch.zeros(plan.header.src_ranks, dtype=torch.int64)

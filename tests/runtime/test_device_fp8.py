@@ -3,6 +3,7 @@ to vLLM's per_block_cast_to_fp8 and to the numba kernel, and the runtime picks t
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -65,3 +66,51 @@ def test_the_runtime_picks_the_path_by_device():
                                       torch.empty(2, 2, device="meta"), 256, 256)
     values, scales = quantize_on_device(meta)
     assert values.device.type == scales.device.type == "meta"
+
+
+def test_a_ranks_fp8_work_stays_on_its_tensors_device(plan_cache):
+    """Meta tensors stand in for a GPU's: everything SenderQuant, TrainerGather and ReceiverQuant allocate is on the
+    tensors' device, and a publish's gathers and quantization and a receiver's per-group quantization run there (an
+    index or operand left in host memory makes index_copy_ and the quantizer's arithmetic raise, on meta as on CUDA).
+    DeepSeek-V3 shapes over fsdp=3 / tp=2 have sender-, gather- and receiver-side blocks and edge blocks."""
+    from weightplan.runtime import load_plan
+    from weightplan.runtime.fp8.placement import Fp8Placement
+    from weightplan.runtime.receiver.quant import ReceiverQuant
+    from weightplan.runtime.sender.quant import SenderQuant
+    from weightplan.runtime.sender.trainer_gather import TrainerGather
+    from weightplan.runtime.tables.quant import exposed_regions, quant_tables
+    from weightplan.runtime.tables.receiver import read_groups
+
+    from ..support.fp8 import CASES
+
+    meta = torch.device("meta")
+    placement = Fp8Placement(meta, kernel=False)
+    plan = load_plan(plan_cache(*CASES["deepseek"][:2], "bf16", *CASES["deepseek"][2:], quant="fp8_per_block")).pulling
+    tables = quant_tables(plan)
+    sides = set()
+    for rank in range(plan.header.src_ranks):
+        regions = exposed_regions(plan, tables, rank)
+        sources = {s: torch.empty(int(np.prod(plan.local_shape(s, rank))), dtype=getattr(torch, plan.sources[s].dtype),
+                                  device=meta) for s in range(len(plan.sources))}
+        exposed = [torch.empty(r.numel, dtype=getattr(torch, r.wire_dtype), device=meta) if r.staged else sources[r.source]
+                   for r in regions]
+        gather = TrainerGather(plan, rank, tables, meta) if len(tables.gathered(rank)) else None
+        quant = SenderQuant(plan, rank, tables, regions, exposed, sources, placement,
+                            *((gather.buffer, gather.offset) if gather else ()))
+        held = [quant.arena, *quant.registered, *(gather.registered[:1] if gather else [])]
+        held += [index for _, _, src_idx, dst_idx in (g for step in quant._windows for g in step[2]) for index in (src_idx, dst_idx)]
+        held += [index for _, src_idx, dst_idx in quant._pack.steps for index in (src_idx, dst_idx)]
+        assert {t.device for t in held} == {meta}, rank
+        quant.publish()
+        sides |= {"sender" if len(quant.pieces) else None, "gather" if gather else None}
+    for rank in range(plan.header.dst_ranks):
+        dst = {i: torch.empty(e.numel, dtype=getattr(torch, e.dtype), device=meta)
+               for i, e in enumerate(plan.dests) if rank in e.ranks}
+        quant = ReceiverQuant(plan, rank, tables, dst, placement)
+        groups = read_groups(plan, rank, 64 << 10, quant.grouping())
+        quant.place(groups.stage_group, groups.n_groups)
+        assert {s.device for s in quant.slots} == {meta}
+        for group in range(groups.n_groups):
+            quant.quantize(group)
+        sides |= {"receiver" if quant.quantizes else None}
+    assert sides - {None} == {"sender", "gather", "receiver"}

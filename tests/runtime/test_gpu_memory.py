@@ -186,11 +186,13 @@ def test_a_receiver_waits_for_each_quantized_group_before_its_staging_slot_is_re
                         group_bytes=1 << 16).start()
     stream = RecordingStream(lambda: receiver.version)
     receiver.device_sync = DeviceSync((torch.device("cuda", 0),), lambda device: [stream])
+    receiver._quant._dirty = True  # as after a failed sync: the slots are zeroed, and waited for, before any READ
     try:
         for s in senders:
             s.publish(1)
         receiver.sync(1)
         quantized = receiver.device_sync.calls.count("quantized a group")
+        assert receiver.device_sync.calls[0] == "staging slots zeroed"
         assert quantized == receiver.n_groups > 1 and receiver.device_sync.calls[-1] == "derived state"
         assert set(stream.seen) == {None}  # every wait came before the version was set
     finally:
@@ -199,18 +201,26 @@ def test_a_receiver_waits_for_each_quantized_group_before_its_staging_slot_is_re
         receiver.close()
 
 
-def test_fp8_plans_with_tensors_on_a_gpu_are_refused_in_one_line(plan_cache):
+def test_fp8_plans_with_one_rank_on_several_devices_or_an_unknown_fp8_path_are_refused_in_one_line(plan_cache, no_agents):
     from ..support.fp8 import CASES
 
     model, fmt, trainer, inference = CASES["aligned"]
     plan = load_plan(plan_cache(model, fmt, "bf16", trainer, inference, quant="fp8_per_block"))
-    tensors = {name: on_cuda(t, 0) for name, t in shard(plan, full_weights(plan, 0, 1), 0).items()}
-    with pytest.raises(WeightplanError, match="trainer rank 0: fp8 plans with trainer tensors on a GPU are not built yet") as err:
-        Sender(plan, 0, tensors, rendezvous=None)
-    assert "\n" not in str(err.value)
-    destination = {name: on_cuda(t, 0) for name, t in plain_destination(plan, 0).items()}
-    with pytest.raises(WeightplanError, match="inference rank 0: fp8 plans with destinations on a GPU are not built yet"):
-        Receiver(plan, 0, destination, rendezvous=None, derived="caller")
+    tensors = shard(plan, full_weights(plan, 0, 1), 0)
+    mixed = {name: on_cuda(t, 0) if i % 2 else t for i, (name, t) in enumerate(tensors.items())}
+    destination = plain_destination(plan, 0)
+    mixed_destination = {name: on_cuda(t, 1) if i % 2 else t for i, (name, t) in enumerate(destination.items())}
+    for make, message in [
+        (lambda: Sender(plan, 0, mixed, rendezvous=None), r"trainer rank 0: fp8 plans with tensors on several devices \(cpu, cuda:0\)"),
+        (lambda: Receiver(plan, 0, mixed_destination, rendezvous=None, derived="caller"),
+         r"inference rank 0: fp8 plans with tensors on several devices \(cpu, cuda:1\)"),
+        (lambda: Sender(plan, 0, tensors, rendezvous=None, fp8_path="gpu"), "trainer rank 0: fp8_path 'gpu' is not one of auto, device"),
+        (lambda: Receiver(plan, 0, destination, rendezvous=None, derived="caller", fp8_path="numba"),
+         "inference rank 0: fp8_path 'numba'"),
+    ]:
+        with pytest.raises(WeightplanError, match=message) as err:
+            make()
+        assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("memory", ["missing", "a GPU the trainer does not have"])

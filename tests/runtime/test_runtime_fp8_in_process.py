@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from weightplan.runtime import PlanMismatchError, Receiver, Rendezvous, Sender, SyncError, execute_local, load_plan
+from weightplan.runtime.fp8.numerics import BlockQuantizer
 from weightplan.runtime.plan.schema import GATHER, RECEIVER, SENDER
 from weightplan.runtime.transport import protocol
+
 
 from ..support.runtime_worker import byte_equal, full_weights, plain_destination, shard
 from ..support.fp8 import CASES
@@ -26,17 +28,18 @@ def fp8_plan(plan_cache):
     return get
 
 
-def _world(plan, rendezvous, **receiver_kwargs):
+def _world(plan, rendezvous, fp8_path="auto", **receiver_kwargs):
     """Every trainer and inference rank of `plan` in this process, trainers holding version 1's shards."""
     full = full_weights(plan, 0, 1)
     tensors = {r: shard(plan, full, r) for r in range(plan.header.src_ranks)}
     # Both ends in one process: the targets need NIXL's progress thread.
     # One store client per trainer, as in separate processes: a client blocked in wait() serves no other thread.
     senders = [Sender(plan, r, tensors[r], rendezvous=Rendezvous.connect(rendezvous.job, rendezvous.address), timeout=10,
-                      digests=True, progress_thread=True).start()
+                      digests=True, progress_thread=True, fp8_path=fp8_path).start()
                for r in range(plan.header.src_ranks)]
     destinations = {k: plain_destination(plan, k) for k in range(plan.header.dst_ranks)}
-    receivers = [Receiver(plan, k, destinations[k], rendezvous=rendezvous, timeout=10, derived="caller", **receiver_kwargs).start()
+    receivers = [Receiver(plan, k, destinations[k], rendezvous=rendezvous, timeout=10, derived="caller", fp8_path=fp8_path,
+                          **receiver_kwargs).start()
                  for k in destinations]
     return tensors, senders, destinations, receivers
 
@@ -92,6 +95,30 @@ def test_fp8_syncs_equal_the_host_executor(fp8_plan, rendezvous, case, group_byt
         mine = sender_spans & (plan.spans["src_rank"] == sender.rank)
         assert (sender._quant.scales.numel() > 0) == bool(mine.any())
         assert sender.quantize_seconds >= 0
+
+
+def test_fp8_syncs_through_the_device_path_equal_the_host_executor(fp8_plan, rendezvous, monkeypatch):
+    """fp8_path="device" on every rank runs what a GPU rank runs (fp8 regions, stage copies, gather buffer and staging
+    slots on the tensors' device, gathers and quantization in torch ops), here on host tensors: the numba kernel is
+    never called, the digests verify, and the bytes equal the host executor's. DeepSeek-V3 shapes over fsdp=3 / tp=2
+    have blocks of all three sides (sender, gather, receiver) and edge blocks."""
+    def no_kernel(*args):
+        raise AssertionError("the device path must not use the numba kernel")
+
+    monkeypatch.setattr(BlockQuantizer, "_kernel_tiles", no_kernel)
+    plan = fp8_plan("deepseek")
+    tensors, senders, destinations, receivers = _world(plan, rendezvous, fp8_path="device", verify=True,
+                                                       group_bytes=64 << 10)
+    assert any(s._gather is not None for s in senders) and any(r._quant.quantizes for r in receivers)
+    assert all(not s._quant._quantize.use_kernel for s in senders) and all(not r._quant._quantize.use_kernel for r in receivers)
+    for version in (1, 2):
+        if version > 1:
+            _step(plan, tensors, version)
+        _publish_all(senders, version)
+        assert all(receiver.sync(version).verify_seconds is not None for receiver in receivers)
+        _assert_equal_to_host(plan, destinations, version)
+        for sender in senders:
+            sender.release(version, timeout=2)
 
 
 def test_one_changed_fp8_byte_scale_or_staged_value_fails_verification(fp8_plan, rendezvous):
