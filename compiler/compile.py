@@ -151,7 +151,7 @@ def _compile(opts: CompileOptions, inputs: _Inputs, trainer_model, log) -> Compi
     import vllm
 
     base = make_vllm_config(config_dir, quantization=quant.vllm_quantization, draft=opts.draft)
-    vllm_config = (make_vllm_config(config_dir, tp=inference.tp, dp=inference.dp, ep=inference.ep,
+    vllm_config = (make_vllm_config(config_dir, tp=inference.tp, dp=inference.dp, ep=inference.ep, pp=inference.pp,
                                     quantization=quant.vllm_quantization, draft=opts.draft)
                    if inference.ranks > 1 else base)
     draft = None
@@ -188,7 +188,7 @@ def _compile(opts: CompileOptions, inputs: _Inputs, trainer_model, log) -> Compi
     started = clock()
     trainer = TrainerHeader(fmt.value, opts.trainer_dtype, trainer_layout.token, trainer_layout.classes, opts.trainer_adapter or None)
     inference_meta = InferenceHeader(inference.token, inference.tp, inference.dp, inference.ep, current_platform_name(),
-                                     HOST_PROFILE, inference.gpus_per_node or None, draft)
+                                     HOST_PROFILE, inference.gpus_per_node or None, draft, pp=inference.pp if inference.pp > 1 else None)
     origin = PlanOrigin(vllm_version=vllm.__version__, model=name, config_sha256=config_hash(config_dir),
                         architecture=(draft_config(base) or base.model_config).architectures[0], trainer=trainer, inference=inference_meta,
                         quant=quant.name, src_ranks=trainer_layout.ranks, dst_ranks=inference.ranks)

@@ -85,6 +85,20 @@ class DraftHeader:
 
 
 @dataclass(frozen=True)
+class RankCoords:
+    """A vLLM worker's place in the layout: its TP rank, pipeline rank and DP rank."""
+
+    tp: int
+    pp: int
+    dp: int
+
+    @staticmethod
+    def of(rank: int, tp: int, pp: int) -> "RankCoords":
+        """The coordinates of global inference rank `rank`, numbered as vLLM numbers workers: dp, then pp, then tp."""
+        return RankCoords(rank % tp, rank // tp % pp, rank // (tp * pp))
+
+
+@dataclass(frozen=True)
 class InferenceHeader:
     """The inference side: vLLM's parallel layout (and --inference token), the platform and host choices it was traced
     with, the draft it updates, and the parameters vLLM's load never writes (`unloaded`, rows like the dests')."""
@@ -98,13 +112,19 @@ class InferenceHeader:
     gpus_per_node: int | None = _field(optional=True, default=None)
     draft: DraftHeader | None = _field(optional=True, default=None)
     unloaded: tuple[TensorEntry, ...] = _field(optional=True, default=())
+    pp: int | None = _field(optional=True, default=None)  # pipeline ranks (absent: 1)
 
     @property
     def ranks(self) -> int:
-        return self.tp * self.dp
+        return self.tp * (self.pp or 1) * self.dp
+
+    def rank_coords(self, rank: int) -> RankCoords:
+        return RankCoords.of(rank, self.tp, self.pp or 1)
 
     def to_json(self) -> dict:
         obj = {"token": self.token, "tp": self.tp, "dp": self.dp, "ep": self.ep, "platform": self.platform}
+        if self.pp is not None:
+            obj["pp"] = self.pp
         if self.vllm_host is not None:
             obj["vllm_host"] = dict(self.vllm_host)
         if self.gpus_per_node is not None:
@@ -128,7 +148,8 @@ class InferenceHeader:
         return InferenceHeader(
             _str(obj, "token", "inference", fail), tp, dp, obj["ep"], _str(obj, "platform", "inference", fail), host,
             _int(obj, "gpus_per_node", 1, MAX_RANKS, "inference", fail) if "gpus_per_node" in obj else None,
-            DraftHeader.from_json(obj["draft"], fail) if "draft" in obj else None)
+            DraftHeader.from_json(obj["draft"], fail) if "draft" in obj else None,
+            pp=_int(obj, "pp", 2, MAX_RANKS, "inference", fail) if "pp" in obj else None)
 
 
 @dataclass(frozen=True)
@@ -304,7 +325,7 @@ class PlanHeader:
         counts = {key: _int(obj, key, 0, MAX_ROWS, "", fail) for key in ("n_runs", "n_stage_runs", "n_spans")}
         inference = InferenceHeader.from_json(obj["inference"], fail)
         if inference.ranks != dst_ranks:
-            fail("dst_ranks", f"is {dst_ranks}, but inference tp={inference.tp} x dp={inference.dp} ranks")
+            fail("dst_ranks", f"is {dst_ranks}, but inference tp={inference.tp} x pp={inference.pp or 1} x dp={inference.dp} ranks")
         trainer = TrainerHeader.from_json(obj["trainer"], src_ranks, fail)
         tables = _Tables(obj, dst_ranks, len(trainer.boxes), fail)
         sources = tables.sources(trainer)
