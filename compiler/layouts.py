@@ -13,6 +13,7 @@ from weightplan.runtime.plan.header import RankCoords
 from .frontend.errors import ModelConfigError
 from .frontend.pipeline_stages import check_pipeline_stages
 from .frontend.trainer_formats import TrainerFormat
+from .trainer_stages import StagedTrainer, parse_staged
 
 __all__ = ["ExplicitTrainer", "InferenceLayout", "TrainerLayout", "parse_trainer", "parse_inference"]
 
@@ -64,17 +65,28 @@ class InferenceLayout:
 
 
 def parse_trainer(text: str, layout_file: Path | None = None,
-                  fmt: TrainerFormat = TrainerFormat.HF) -> "TrainerLayout | ExplicitTrainer":
+                  fmt: TrainerFormat = TrainerFormat.HF) -> "TrainerLayout | StagedTrainer | ExplicitTrainer":
     """The trainer layout from `--trainer` or `--trainer-layout FILE` (checked on its own here;
-    `.bind(trainer tensors)` then gives the plan's ShardLayout)."""
+    `.bind(trainer tensors)` then gives the plan's ShardLayout). With `pp=P` it is a StagedTrainer,
+    whose stages `check_trainer_stages` resolves against the model config."""
     if layout_file is not None:
         if text != "fsdp=1":
             raise ModelConfigError("pass either --trainer or --trainer-layout, not both")
         return ExplicitTrainer(read_trainer_layout(layout_file), fmt)
-    try:
-        layout = TrainerLayout.parse(text)
-    except ValueError as exc:
-        raise ModelConfigError(str(exc)) from None
+    keys = [p.strip().partition("=") for p in str(text).split(",")]
+    staged = {k: v for k, _, v in keys if k in ("pp", "pp-layers")}
+    if len(staged) < sum(k in ("pp", "pp-layers") for k, _, _ in keys):
+        raise ModelConfigError(f"--trainer {text!r} gives pp or pp-layers twice")
+    if staged:
+        if "pp" not in staged:
+            raise ModelConfigError("--trainer pp-layers needs pp=P")
+        rest = ",".join(p for p in text.split(",") if p.strip().partition("=")[0] not in staged)
+        layout = parse_staged(staged, rest)
+    else:
+        try:
+            layout = TrainerLayout.parse(text)
+        except ValueError as exc:
+            raise ModelConfigError(str(exc)) from None
     if layout.ep > 1 and fmt.checkpoint_names:
         raise ModelConfigError("trainer ep needs --trainer-format transformers (alias stacked: experts stacked on dim 0) "
                                "or a --trainer-adapter")
@@ -84,6 +96,11 @@ def parse_trainer(text: str, layout_file: Path | None = None,
 def routed_experts(config: dict) -> int | None:
     """The model's routed expert count, under the names HF configs use for it (None for a dense model)."""
     return config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts")
+
+
+def check_trainer_stages(layout, config: dict):
+    """The layout with a pipeline-parallel trainer's stages resolved for this config (others unchanged)."""
+    return layout.resolve(config) if isinstance(layout, StagedTrainer) else layout
 
 
 def check_trainer_experts(layout, config: dict) -> None:

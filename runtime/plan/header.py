@@ -34,24 +34,33 @@ def _field(*, fingerprinted: bool = False, optional: bool = False, **kwargs):
 @dataclass(frozen=True)
 class TrainerHeader:
     """The trainer side: checkpoint format and dtype, the layout's token, and per box class the box each trainer rank
-    holds (a source's `box_class` indexes `boxes`); `adapter` names a --trainer-adapter."""
+    holds (a source's `box_class` indexes `boxes`); `adapter` names a --trainer-adapter; `pp` the pipeline stages of a
+    pipelined trainer (stage s: trainer ranks s * src_ranks / pp onwards; absent: one stage)."""
 
     format: str
     dtype: str
     token: str
     boxes: tuple[RankBoxes, ...]
     adapter: str | None = _field(optional=True, default=None)
+    pp: int | None = _field(optional=True, default=None)
+
+    def stage_of(self, rank: int, src_ranks: int) -> int:
+        """The pipeline stage trainer `rank` belongs to (0 for a trainer without stages)."""
+        return rank // (src_ranks // (self.pp or 1))
 
     def to_json(self) -> dict:
         boxes = [[None if b is None else [list(r) for r in b] for b in table] for table in self.boxes]
         return {"format": self.format, "dtype": self.dtype, "token": self.token, "boxes": boxes,
-                **({"adapter": self.adapter} if self.adapter is not None else {})}
+                **({"adapter": self.adapter} if self.adapter is not None else {}), **({"pp": self.pp} if self.pp else {})}
 
     @staticmethod
     def from_json(obj, src_ranks: int, fail) -> "TrainerHeader":
         _check_keys(obj, TrainerHeader, "trainer", fail)
         text = {key: _str(obj, key, "trainer", fail) for key in ("format", "dtype", "token")}
         adapter = _str(obj, "adapter", "trainer", fail) if "adapter" in obj else None
+        pp = _int(obj, "pp", 2, MAX_RANKS, "trainer", fail) if "pp" in obj else None
+        if pp is not None and src_ranks % pp:
+            fail("trainer.pp", f"is {pp}, which does not divide the {src_ranks} trainer ranks")
         boxes = obj["boxes"]
         if not isinstance(boxes, list) or not all(isinstance(c, list) and len(c) == src_ranks for c in boxes):
             fail("trainer.boxes", "is not a list of per-rank box tables, one box (or null) per trainer rank")
@@ -62,7 +71,7 @@ class TrainerHeader:
                         and r[0] <= r[1] for r in box)):
                     fail(f"trainer.boxes[{i}]", f"holds {str(box)[:60]}, not a list of [start, stop) ranges")
         return TrainerHeader(**text, boxes=tuple(tuple(None if b is None else _box(b) for b in table) for table in boxes),
-                             adapter=adapter)
+                             adapter=adapter, pp=pp)
 
 
 @dataclass(frozen=True)
