@@ -23,7 +23,8 @@ from .frontend.trainer_adapter import check_adapter_spec, load_adapter
 from .frontend.trainer_formats import Conversion, TrainerFormat, load_trainer_model
 from .frontend.vllm_model import build_model, current_platform_name, draft_config, make_vllm_config
 from .frontend.vllm_patches import HOST_PROFILE, host_independent
-from .layouts import ExplicitTrainer, InferenceLayout, TrainerLayout, check_trainer_experts, parse_inference, parse_trainer
+from .layouts import (ExplicitTrainer, InferenceLayout, TrainerLayout, check_trainer_experts, check_trainer_stages, parse_inference,
+                      parse_trainer)
 from .ir import PlanOrigin, Program, TensorEntry
 from .models import config_hash, load_config_json, resolve_model
 from .passes.pipeline import Stage, join_ranks, run_stage
@@ -129,6 +130,7 @@ def check_inputs(opts: CompileOptions) -> _Inputs:
     config = load_config_json(config_dir)
     inference.check(config)
     check_trainer_experts(trainer_layout, config)
+    trainer_layout = check_trainer_stages(trainer_layout, config)
     if opts.draft:
         check_draft(config, config_dir / "config.json", fmt=fmt, quant=quant)
     return _Inputs(fmt, quant, trainer_layout, inference, name, config_dir)
@@ -151,7 +153,7 @@ def _compile(opts: CompileOptions, inputs: _Inputs, trainer_model, log) -> Compi
     import vllm
 
     base = make_vllm_config(config_dir, quantization=quant.vllm_quantization, draft=opts.draft)
-    vllm_config = (make_vllm_config(config_dir, tp=inference.tp, dp=inference.dp, ep=inference.ep,
+    vllm_config = (make_vllm_config(config_dir, tp=inference.tp, dp=inference.dp, ep=inference.ep, pp=inference.pp,
                                     quantization=quant.vllm_quantization, draft=opts.draft)
                    if inference.ranks > 1 else base)
     draft = None
@@ -186,9 +188,10 @@ def _compile(opts: CompileOptions, inputs: _Inputs, trainer_model, log) -> Compi
             del load, traced, lowered
 
     started = clock()
-    trainer = TrainerHeader(fmt.value, opts.trainer_dtype, trainer_layout.token, trainer_layout.classes, opts.trainer_adapter or None)
+    trainer = TrainerHeader(fmt.value, opts.trainer_dtype, trainer_layout.token, trainer_layout.classes, opts.trainer_adapter or None,
+                            pp=getattr(inputs.trainer_layout, "pp", 1) if getattr(inputs.trainer_layout, "pp", 1) > 1 else None)
     inference_meta = InferenceHeader(inference.token, inference.tp, inference.dp, inference.ep, current_platform_name(),
-                                     HOST_PROFILE, inference.gpus_per_node or None, draft)
+                                     HOST_PROFILE, inference.gpus_per_node or None, draft, pp=inference.pp if inference.pp > 1 else None)
     origin = PlanOrigin(vllm_version=vllm.__version__, model=name, config_sha256=config_hash(config_dir),
                         architecture=(draft_config(base) or base.model_config).architectures[0], trainer=trainer, inference=inference_meta,
                         quant=quant.name, src_ranks=trainer_layout.ranks, dst_ranks=inference.ranks)

@@ -9,34 +9,42 @@ from pathlib import Path
 from weightplan.runtime.errors import LayoutError
 from weightplan.runtime.layout.shards import MAX_RANKS, ShardLayout, TrainerLayout, layout_items
 from weightplan.runtime.layout.layout_file import TrainerLayoutFile, read_trainer_layout
+from weightplan.runtime.plan.header import RankCoords
 from .frontend.errors import ModelConfigError
+from .frontend.pipeline_stages import check_pipeline_stages
 from .frontend.trainer_formats import TrainerFormat
+from .trainer_stages import StagedTrainer, parse_staged
 
 __all__ = ["ExplicitTrainer", "InferenceLayout", "TrainerLayout", "parse_trainer", "parse_inference"]
 
 
 @dataclass(frozen=True)
 class InferenceLayout:
-    """vLLM serving layout: TP within a replica, `dp` replicas, optional expert parallelism, and the GPUs per node
-    (0: no grouping) that node-local fan-out of replicated weights groups ranks by."""
+    """vLLM serving layout: TP within a pipeline stage, `pp` stages, `dp` replicas, optional expert parallelism (over
+    the TP x DP ranks of a stage, as vLLM groups them), and the GPUs per node (0: no grouping) that node-local fan-out
+    of replicated weights groups ranks by."""
 
     tp: int = 1
     dp: int = 1
     ep: bool = False
     gpus_per_node: int = 0
+    pp: int = 1
 
     @property
     def ranks(self) -> int:
-        return self.tp * self.dp
+        return self.tp * self.pp * self.dp
 
-    def rank_coords(self, rank: int) -> tuple[int, int]:
-        """(tp_rank, dp_rank) of a global inference rank, as vLLM numbers them."""
-        return rank % self.tp, rank // self.tp
+    def rank_coords(self, rank: int) -> RankCoords:
+        """The (tp, pp, dp) ranks of a global inference rank, as vLLM numbers its workers."""
+        return RankCoords.of(rank, self.tp, self.pp)
+
+    def rank_of(self, at: RankCoords) -> int:
+        return (at.dp * self.pp + at.pp) * self.tp + at.tp
 
     @property
     def token(self) -> str:
-        return (f"tp{self.tp}" + (f"-dp{self.dp}" if self.dp > 1 else "") + ("-ep" if self.ep else "")
-                + (f"-node{self.gpus_per_node}" if self.gpus_per_node else ""))
+        return (f"tp{self.tp}" + (f"-pp{self.pp}" if self.pp > 1 else "") + (f"-dp{self.dp}" if self.dp > 1 else "")
+                + ("-ep" if self.ep else "") + (f"-node{self.gpus_per_node}" if self.gpus_per_node else ""))
 
     def check(self, config: dict) -> None:
         """Refuse layouts vLLM cannot build, naming the constraint, before any tracing."""
@@ -50,22 +58,35 @@ class InferenceLayout:
         if self.ep:
             if not experts:
                 raise ModelConfigError("inference ep needs a MoE model; this config has no experts")
-            if experts % self.ranks:
-                raise ModelConfigError(f"inference ep over {self.ranks} ranks does not divide the {experts} routed experts")
+            if experts % (self.tp * self.dp):
+                raise ModelConfigError(f"inference ep over {self.tp * self.dp} ranks does not divide the {experts} routed experts")
+        if self.pp > 1:
+            check_pipeline_stages(config, self.pp)
 
 
 def parse_trainer(text: str, layout_file: Path | None = None,
-                  fmt: TrainerFormat = TrainerFormat.HF) -> "TrainerLayout | ExplicitTrainer":
+                  fmt: TrainerFormat = TrainerFormat.HF) -> "TrainerLayout | StagedTrainer | ExplicitTrainer":
     """The trainer layout from `--trainer` or `--trainer-layout FILE` (checked on its own here;
-    `.bind(trainer tensors)` then gives the plan's ShardLayout)."""
+    `.bind(trainer tensors)` then gives the plan's ShardLayout). With `pp=P` it is a StagedTrainer,
+    whose stages `check_trainer_stages` resolves against the model config."""
     if layout_file is not None:
         if text != "fsdp=1":
             raise ModelConfigError("pass either --trainer or --trainer-layout, not both")
         return ExplicitTrainer(read_trainer_layout(layout_file), fmt)
-    try:
-        layout = TrainerLayout.parse(text)
-    except ValueError as exc:
-        raise ModelConfigError(str(exc)) from None
+    keys = [p.strip().partition("=") for p in str(text).split(",")]
+    staged = {k: v for k, _, v in keys if k in ("pp", "pp-layers")}
+    if len(staged) < sum(k in ("pp", "pp-layers") for k, _, _ in keys):
+        raise ModelConfigError(f"--trainer {text!r} gives pp or pp-layers twice")
+    if staged:
+        if "pp" not in staged:
+            raise ModelConfigError("--trainer pp-layers needs pp=P")
+        rest = ",".join(p for p in text.split(",") if p.strip().partition("=")[0] not in staged)
+        layout = parse_staged(staged, rest)
+    else:
+        try:
+            layout = TrainerLayout.parse(text)
+        except ValueError as exc:
+            raise ModelConfigError(str(exc)) from None
     if layout.ep > 1 and fmt.checkpoint_names:
         raise ModelConfigError("trainer ep needs --trainer-format transformers (alias stacked: experts stacked on dim 0) "
                                "or a --trainer-adapter")
@@ -75,6 +96,11 @@ def parse_trainer(text: str, layout_file: Path | None = None,
 def routed_experts(config: dict) -> int | None:
     """The model's routed expert count, under the names HF configs use for it (None for a dense model)."""
     return config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts")
+
+
+def check_trainer_stages(layout, config: dict):
+    """The layout with a pipeline-parallel trainer's stages resolved for this config (others unchanged)."""
+    return layout.resolve(config) if isinstance(layout, StagedTrainer) else layout
 
 
 def check_trainer_experts(layout, config: dict) -> None:
@@ -122,11 +148,10 @@ class ExplicitTrainer:
 
 
 def parse_inference(text: str) -> InferenceLayout:
-    """Parse `tp=T[,dp=D][,ep][,gpus-per-node=G]`; pipeline parallelism is refused."""
-    if isinstance(text, str) and any(p.strip().partition("=")[0] == "pp" for p in text.split(",")):
-        raise ModelConfigError("pipeline parallel inference layouts are not supported: plans address whole-model ranks")
+    """Parse `tp=T[,pp=P][,dp=D][,ep][,gpus-per-node=G]`."""
     try:
-        items = layout_items(text, "--inference", "tp=T[,dp=D][,ep][,gpus-per-node=G]", ("tp", "dp", "gpus-per-node"), ("ep",))
+        items = layout_items(text, "--inference", "tp=T[,pp=P][,dp=D][,ep][,gpus-per-node=G]", ("tp", "pp", "dp", "gpus-per-node"),
+                             ("ep",))
     except ValueError as exc:
         raise ModelConfigError(str(exc)) from None
     layout = InferenceLayout(**{k.replace("-", "_"): v for k, v in items.items()})

@@ -30,7 +30,8 @@ weightplan plan (format {{ s.format_version }})
 {% endif %}{% if s.unloaded %}  not loaded     {{ s.unloaded | length }} parameters vLLM's load_weights never writes (they keep vLLM's initial values; the plan leaves them alone): {{ s.unloaded | join(", ") }}
 {% endif %}  descriptors    {{ s.descriptors }} posted, {{ s.descriptors_stored }} stored (lower bound {{ s.descriptors_lower_bound }})
   balance        trainer ranks {{ "%.3f" | format(s.src_balance) }}, inference ranks {{ "%.3f" | format(s.dst_balance) }} (max/mean bytes)
-{% if s.source_choice %}{% set c = s.source_choice %}  replicas       {{ c.shared_bytes }} bytes held by several trainer ranks; busiest trainer rank {{ c.greedy_max }} bytes greedy (max/mean {{ "%.4f" | format(c.greedy_max / c.greedy_mean) }}), {{ c.chosen_max }} kept (max/mean {{ "%.4f" | format(c.chosen_max / c.chosen_mean) }}, {{ c.method }})
+{% if s.bytes_per_stage_pair %}  stage pairs    bytes per (trainer stage, inference stage):{% for row in s.bytes_per_stage_pair %}{% set i = loop.index0 %}{% for n in row %} ({{ i }},{{ loop.index0 }}) {{ n }}{% endfor %}{% endfor %}
+{% endif %}{% if s.source_choice %}{% set c = s.source_choice %}  replicas       {{ c.shared_bytes }} bytes held by several trainer ranks; busiest trainer rank {{ c.greedy_max }} bytes greedy (max/mean {{ "%.4f" | format(c.greedy_max / c.greedy_mean) }}), {{ c.chosen_max }} kept (max/mean {{ "%.4f" | format(c.chosen_max / c.chosen_mean) }}, {{ c.method }})
 {% endif %}  fingerprint    {{ s.fingerprint }}
 {% for r in runs %}  {{ "%-6d" | format(loop.index0) }} trainer {{ r.src_rank }} {{ r.src }}[{{ r.src_off }}:+{{ r.length }}] -> {{ r.dest }}[{{ r.dst_off }}:+{{ r.length }}]{{ r.rows }}{{ r.cast }}
 {% endfor %}""",
@@ -83,6 +84,22 @@ def per_rank_bytes(plan: Plan) -> tuple[list[int], list[int], int]:
         dst[list(entry.ranks)] += n
         src[spans["src_rank"][i]] += n * len(entry.ranks)
     return [int(x) for x in dst], [int(x) for x in src], int(gathered.sum())
+
+
+def stage_pair_bytes(plan: Plan) -> list[list[int]]:
+    """Bytes the read runs carry per (trainer pipeline stage, inference pipeline stage), once per holding rank: row s is
+    trainer stage s (fp8 stage runs and spans are not counted)."""
+    h = plan.header
+    table = plan.table
+    nbytes = (table["count"] * table["length"] * plan.stored_itemsize()).astype(np.float64)
+    src_stages, dst_stages = h.trainer.pp or 1, h.inference.pp or 1
+    src_stage = np.array([h.trainer.stage_of(r, h.src_ranks) for r in range(h.src_ranks)], dtype=np.int64)[table["src_rank"]]
+    holders = np.zeros((len(plan.dests), dst_stages), dtype=np.float64)  # holding ranks of each dest per inference stage
+    for i, entry in enumerate(plan.dests):
+        for rank in entry.ranks:
+            holders[i, h.inference.rank_coords(rank).pp] += 1
+    pairs = [np.bincount(src_stage, weights=nbytes * holders[table["dest"], t], minlength=src_stages) for t in range(dst_stages)]
+    return np.stack(pairs, axis=1).astype(np.int64).tolist()
 
 
 def _balance(values: list[int]) -> float:
@@ -151,6 +168,7 @@ def summarize(plan: Plan) -> dict:
         "src_balance": _balance(bytes_src),
         "dst_balance": _balance(bytes_dst),
         "fanout": fanout,
+        "bytes_per_stage_pair": stage_pair_bytes(plan) if (h.trainer.pp or h.inference.pp) else None,
         "source_choice": h.stats.source_choice and h.stats.source_choice.to_json(),  # compile's greedy vs max-flow figures, when replicated
         "fingerprint": plan.fingerprint,
     }

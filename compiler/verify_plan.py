@@ -192,7 +192,8 @@ def verify_plan(
     info = plan.header.inference
     draft = info.draft is not None  # a draft plan (compile-plan --draft): vLLM's MTP draft model is the reference
     base = make_vllm_config(config_dir, quantization=quant.vllm_quantization, draft=draft)
-    vllm_config = (make_vllm_config(config_dir, tp=info.tp, dp=info.dp, ep=info.ep, quantization=quant.vllm_quantization, draft=draft)
+    vllm_config = (make_vllm_config(config_dir, tp=info.tp, dp=info.dp, ep=info.ep, pp=info.pp or 1, quantization=quant.vllm_quantization,
+                                    draft=draft)
                    if plan.header.dst_ranks > 1 else base)
 
     from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
@@ -205,9 +206,9 @@ def verify_plan(
             names = {e.name for e in plan.dests if rank in e.ranks and e.name in chosen_names}
             if not names:
                 continue
-            tp_rank, dp_rank = rank % info.tp, rank // info.tp
+            at = info.rank_coords(rank)
             if not quant.quantizes:
-                planned_of[rank] = _materialize(build_model(vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=base),
+                planned_of[rank] = _materialize(build_model(vllm_config, tp_rank=at.tp, dp_rank=at.dp, pp_rank=at.pp, base_config=base),
                                                 names, float("nan"))
             else:
                 planned_of[rank] = {e.name: _poisoned(e) for e in plan.dests if rank in e.ranks and e.name in names}
@@ -215,14 +216,14 @@ def verify_plan(
         for rank, planned in planned_of.items():
             if rank not in ranks:  # a puller executed only for the peers of its node it serves
                 continue
-            tp_rank, dp_rank = rank % info.tp, rank // info.tp
+            at = info.rank_coords(rank)
             if not quant.quantizes:
                 untouched = {e.name for e in plan.unloaded if rank in e.ranks}
-                reference, written = _vllm_load(vllm_config, base, plan, full, set(planned), tp_rank, dp_rank, untouched)
+                reference, written = _vllm_load(vllm_config, base, plan, full, set(planned), at.tp, at.dp, untouched, pp_rank=at.pp)
                 mismatches += [f"{name} (inference rank {rank}, listed as never written)" for name in sorted(written)]
                 unloaded += len(untouched) - len(written)
             else:
-                reference = vllm_load_quantized(vllm_config, base, plan, full, set(planned), tp_rank, dp_rank)
+                reference = vllm_load_quantized(vllm_config, base, plan, full, set(planned), at.tp, at.dp, pp_rank=at.pp)
             expected = compute_tensor_digests(_Params(reference))
             actual = compute_tensor_digests(_Params(planned))
             mismatches += [f"{name} (inference rank {rank})" for name in sorted(expected) if expected[name] != actual.get(name)]
@@ -287,7 +288,7 @@ def _poisoned(entry) -> torch.Tensor:
 
 
 def vllm_load_quantized(vllm_config, base, plan: Plan, full: dict[str, torch.Tensor], chosen: set[str] | None,
-                        tp_rank: int, dp_rank: int) -> dict[str, torch.Tensor]:
+                        tp_rank: int, dp_rank: int, *, pp_rank: int = 0) -> dict[str, torch.Tensor]:
     """vLLM's own online quantization on CPU: load_weights, then process_weights_after_loading of the quantized layers.
 
     With `chosen` None, every trainer tensor is loaded (zeros where `full` has none) and every
@@ -298,12 +299,13 @@ def vllm_load_quantized(vllm_config, base, plan: Plan, full: dict[str, torch.Ten
     built with the kernel-choice stub (vllm_patches.triton_fp8_kernels). Attention layers' own post-load
     step (MLA absorption, not a parameter) is not run. Returns the chosen (or all) parameters.
     """
-    return _vllm_load_quantized(vllm_config, base, plan, plan_conversion(vllm_config, plan), full, chosen, tp_rank, dp_rank)
+    return _vllm_load_quantized(vllm_config, base, plan, plan_conversion(vllm_config, plan), full, chosen, tp_rank, dp_rank,
+                                pp_rank)
 
 
 @host_independent()
 def _vllm_load_quantized(vllm_config, base, plan: Plan, conversion: Conversion, full: dict[str, torch.Tensor],
-                         chosen: set[str] | None, tp_rank: int, dp_rank: int) -> dict[str, torch.Tensor]:
+                         chosen: set[str] | None, tp_rank: int, dp_rank: int, pp_rank: int) -> dict[str, torch.Tensor]:
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
     from vllm.model_executor.model_loader.reload import finalize_layerwise_processing
 
@@ -317,12 +319,12 @@ def _vllm_load_quantized(vllm_config, base, plan: Plan, conversion: Conversion, 
             yield entry.name, tensor
 
     with triton_fp8_kernels():
-        model = build_model(vllm_config, "cpu", tp_rank=tp_rank, dp_rank=dp_rank, base_config=base)
+        model = build_model(vllm_config, "cpu", tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank, base_config=base)
         layers = model
         if chosen is not None:
             owners = {_module_of(name) for name in chosen}
             layers = torch.nn.ModuleList([m for name, m in model.named_modules() if name in owners])
-        with torch.no_grad(), parallel_rank(vllm_config, tp_rank, dp_rank):
+        with torch.no_grad(), parallel_rank(vllm_config, tp_rank, dp_rank, pp_rank):
             model.load_weights(as_views(conversion, stream()))
             # Layers vLLM did not process while loading (padding left them incomplete) are processed here.
             finalize_layerwise_processing(layers, vllm_config.model_config)
@@ -402,17 +404,17 @@ def _materialize(model: torch.nn.Module, names: set[str], fill: float) -> dict[s
 
 
 def _vllm_load(vllm_config, base, plan: Plan, full: dict[str, torch.Tensor], chosen: set[str], tp_rank: int, dp_rank: int,
-               untouched: set[str] = frozenset()):
+               untouched: set[str] = frozenset(), *, pp_rank: int = 0):
     """vLLM's own load_weights of the trainer's full weights into this rank's model (ground truth): the chosen
     parameters, and those of `untouched` (the plan's unloaded parameters) that the load wrote (it should write none)."""
     return _vllm_load_patched(vllm_config, base, plan_conversion(vllm_config, plan), plan, full, chosen, tp_rank, dp_rank,
-                              untouched)
+                              untouched, pp_rank)
 
 
 @host_independent()
 def _vllm_load_patched(vllm_config, base, conversion: Conversion, plan: Plan, full: dict[str, torch.Tensor],
-                       chosen: set[str], tp_rank: int, dp_rank: int, untouched: set[str]):
-    model = build_model(vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=base)
+                       chosen: set[str], tp_rank: int, dp_rank: int, untouched: set[str], pp_rank: int):
+    model = build_model(vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank, base_config=base)
     params = _materialize(model, chosen, fill=0.0)
     sentinels = _materialize(model, set(untouched), fill=float("nan"))
     before = {name: _bytes(t).clone() for name, t in sentinels.items()}
@@ -424,7 +426,7 @@ def _vllm_load_patched(vllm_config, base, conversion: Conversion, plan: Plan, fu
                 tensor = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype), device="meta")
             yield entry.name, tensor
 
-    with torch.no_grad(), parallel_rank(vllm_config, tp_rank, dp_rank):
+    with torch.no_grad(), parallel_rank(vllm_config, tp_rank, dp_rank, pp_rank):
         model.load_weights(as_views(conversion, stream()))
     held = named_tensors(model, sentinels)  # a loader that replaces a parameter wrote it too
     written = {n for n, t in sentinels.items()

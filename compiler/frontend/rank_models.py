@@ -1,6 +1,6 @@
-"""Trace every inference rank with one vLLM model per TP rank, re-pointed per DP rank (guarded).
+"""Trace every inference rank with one vLLM model per (pipeline, TP) rank, re-pointed per DP rank (guarded).
 
-Under DP (attention), the ranks that share a TP rank build identical modules; only the MoE
+Under DP (attention), the ranks that share a pipeline and TP rank build identical modules; only the MoE
 layers' expert placement depends on the DP rank (which experts are local with EP, which TP slice
 of every expert without it). So the model of DP rank 0 is built once per TP rank, and each other
 rank re-points its MoE layers with vLLM's own `update_expert_map` (`place_experts`) and is traced
@@ -21,10 +21,12 @@ is any rank whose re-pointing would change a parameter shape).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 from collections.abc import Callable
 
+from weightplan.runtime.plan.header import RankCoords
 from weightplan.runtime.plan.schema import DerivedItem
 from ..timing import phase
 from .fp8_trace import derived_state
@@ -45,9 +47,10 @@ class RankTracer:
         self.sources, self.conversion, self.timings = sources, conversion, timings
         self.hooks = quant_hooks
         self.share = share and layout.dp > 1
-        self.models: dict[int, object] = {}  # TP rank -> model built for DP rank 0
-        self.placed_at: dict[int, int] = {}  # TP rank -> DP rank its shared model is placed for
-        self.post: dict[int, object] = {}  # TP rank -> post-load result of its shared model (traced at DP rank 0)
+        # keyed by (pipeline rank, TP rank): the ranks sharing a model differ only in their DP rank
+        self.models: dict[tuple[int, int], object] = {}  # -> model built for DP rank 0
+        self.placed_at: dict[tuple[int, int], int] = {}  # -> DP rank its shared model is placed for
+        self.post: dict[tuple[int, int], object] = {}  # -> post-load result of its shared model (traced at DP rank 0)
         self.guarded: dict[int, tuple] = {}  # the guard rank's real trace, until asked for
         self.stats = {"models_built": 0, "ranks_repointed": 0, "guard": "not run" if self.share else "off", "names_skipped": 0}
         self.derived: list[DerivedItem] | None = None  # without quant hooks: derived post-load state, read from the first model traced
@@ -55,19 +58,19 @@ class RankTracer:
             self.stats["post_load_traces"] = 0
 
     def trace(self, rank: int, progress: Callable[[int, int], None] | None = None) -> TracedLoad:
-        tp_rank, dp_rank = self.layout.rank_coords(rank)
-        if self.share and dp_rank > 0 and self.stats["guard"] == "not run":
+        at = self.layout.rank_coords(rank)
+        if self.share and at.dp > 0 and self.stats["guard"] == "not run":
             self._guard()
         if rank in self.guarded:  # the guard rank (which may be this first re-pointed one): its real trace
             return self._collect(self.guarded.pop(rank))
         if self.share:
-            model = self._placed(tp_rank, dp_rank)
+            model = self._placed(at)
             if model is not None:
-                self.stats["ranks_repointed"] += dp_rank > 0
-                return self._collect(self._trace(model, tp_rank, dp_rank, progress, shared=True))
-        model = self._build(tp_rank, dp_rank)
+                self.stats["ranks_repointed"] += at.dp > 0
+                return self._collect(self._trace(model, at, progress, shared=True))
+        model = self._build(at)
         try:
-            return self._collect(self._trace(model, tp_rank, dp_rank, progress, shared=False))
+            return self._collect(self._trace(model, at, progress, shared=False))
         finally:
             del model
             gc.collect()  # vLLM modules form cycles; with the GC paused, dropped models would pile up
@@ -81,13 +84,13 @@ class RankTracer:
     def _guard(self) -> None:
         """Trace the last rank on a re-pointed model and on a real build; share models only if identical."""
         rank = self.layout.ranks - 1
-        tp_rank, dp_rank = self.layout.rank_coords(rank)
-        model = self._placed(tp_rank, dp_rank)
-        shared = self._trace(model, tp_rank, dp_rank, None, shared=True) if model is not None else None
+        at = self.layout.rank_coords(rank)
+        model = self._placed(at)
+        shared = self._trace(model, at, None, shared=True) if model is not None else None
         context = self.vllm_config.compilation_config.static_forward_context
         kept = dict(context)  # the shared model's layers; the real build registers its own
-        fresh = self._build(tp_rank, dp_rank)
-        real = self._trace(fresh, tp_rank, dp_rank, None, shared=False)
+        fresh = self._build(at)
+        real = self._trace(fresh, at, None, shared=False)
         del fresh
         context.clear()
         context.update(kept)
@@ -101,23 +104,24 @@ class RankTracer:
             self.stats["guard"] = f"failed (rank {rank}): every rank built for real"
             self._stop_sharing()
 
-    def _placed(self, tp_rank: int, dp_rank: int):
-        """The shared model of this TP rank with its MoE layers placed for `dp_rank`, or None."""
-        model = self.models.get(tp_rank)
+    def _placed(self, at: RankCoords):
+        """The shared model of this (pipeline, TP) rank with its MoE layers placed for DP rank `at.dp`, or None."""
+        key, first = (at.pp, at.tp), dataclasses.replace(at, dp=0)
+        model = self.models.get(key)
         if model is None:
-            model = self.models[tp_rank] = self._build(tp_rank, 0)
+            model = self.models[key] = self._build(first)
             # Placing a model for the rank it was built for must change nothing.
-            if self._place(model, tp_rank, 0) != 0:
+            if self._place(model, first) != 0:
                 return self._give_up("re-pointing a model to its own DP rank changed it")
-        if self.placed_at.get(tp_rank, 0) != dp_rank:
-            if self._place(model, tp_rank, dp_rank) is None:
-                return self._give_up(f"re-pointing to DP rank {dp_rank} changed a parameter shape")
-        self.placed_at[tp_rank] = dp_rank
+        if self.placed_at.get(key, 0) != at.dp:
+            if self._place(model, at) is None:
+                return self._give_up(f"re-pointing to DP rank {at.dp} changed a parameter shape")
+        self.placed_at[key] = at.dp
         return model
 
-    def _place(self, model, tp_rank: int, dp_rank: int) -> int | None:
+    def _place(self, model, at: RankCoords) -> int | None:
         with phase(self.timings, "build"):
-            return place_experts(model, self.vllm_config, tp_rank, dp_rank)
+            return place_experts(model, self.vllm_config, at.tp, at.dp, at.pp)
 
     def _give_up(self, why: str) -> None:
         self.stats["guard"] = f"{why}: every rank built for real"
@@ -131,24 +135,24 @@ class RankTracer:
         self.post.clear()
         gc.collect()
 
-    def _build(self, tp_rank: int, dp_rank: int):
+    def _build(self, at: RankCoords):
         with phase(self.timings, "build"):
             with self.hooks.build_context() if self.hooks else contextlib.nullcontext():
-                model = build_model(self.vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=self.base_config)
+                model = build_model(self.vllm_config, tp_rank=at.tp, dp_rank=at.dp, pp_rank=at.pp, base_config=self.base_config)
                 if self.hooks:
                     self.hooks.prepare(model)
         self.stats["models_built"] += 1
         return model
 
-    def _trace(self, model, tp_rank: int, dp_rank: int, progress, *, shared: bool) -> tuple[TracedLoad, object]:
+    def _trace(self, model, at: RankCoords, progress, *, shared: bool) -> tuple[TracedLoad, object]:
         """(the traced loading, the post-load result or None) of this rank on `model`."""
-        with phase(self.timings, "trace"), parallel_rank(self.vllm_config, tp_rank, dp_rank):
+        with phase(self.timings, "trace"), parallel_rank(self.vllm_config, at.tp, at.dp, at.pp):
             # on a shared model, experts other ranks hold are not fed (checked by the guard's real build)
             absent = nonlocal_experts(model) if shared else None
             traced = trace_load(model, self.sources, self.conversion, progress,
                                 skip=None if absent is None else functools.partial(self._skip, absent))
             if self.hooks is None:  # with --quant, the post-load step writes what load_weights does not
-                traced = split_unloaded(model, self.vllm_config, traced, dp_rank * self.layout.tp + tp_rank)
+                traced = split_unloaded(model, self.vllm_config, traced, self.layout.rank_of(at))
             dests = traced.dests
             post = None
             if self.hooks is None and self.derived is None:
@@ -157,9 +161,9 @@ class RankTracer:
                 if not shared:
                     post = self._post_load(model, dests, keep_model=False)
                 else:
-                    if tp_rank not in self.post:
-                        self.post[tp_rank] = self._post_load(model, dests, keep_model=True)
-                    post = self.post[tp_rank]
+                    if (at.pp, at.tp) not in self.post:
+                        self.post[at.pp, at.tp] = self._post_load(model, dests, keep_model=True)
+                    post = self.post[at.pp, at.tp]
             return traced, post
 
     def _skip(self, absent, name: str) -> bool:

@@ -18,7 +18,7 @@ MTP_SPECULATIVE_CONFIG = {"method": "mtp", "num_speculative_tokens": 1}
 
 
 def make_vllm_config(config_dir: Path, *, tp: int = 1, dp: int = 1, ep: bool = False, quantization: str | None = None,
-                     draft: bool = False):
+                     draft: bool = False, pp: int = 1):
     """A VllmConfig exactly as `vllm serve` would derive it from this config (no tokenizer, no weights).
 
     With `draft`, MTP speculative decoding is on: `speculative_config.draft_model_config` is the
@@ -35,6 +35,7 @@ def make_vllm_config(config_dir: Path, *, tp: int = 1, dp: int = 1, ep: bool = F
         max_model_len=128,
         quantization=quantization,
         tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
         data_parallel_size=dp,
         enable_expert_parallel=ep,
         speculative_config=dict(MTP_SPECULATIVE_CONFIG) if draft else None,
@@ -67,11 +68,13 @@ def ensure_single_process_distributed(vllm_config) -> None:
         initialize_model_parallel(1, 1)
 
 
-def build_model(vllm_config, device: str = "meta", *, tp_rank: int = 0, dp_rank: int = 0, base_config=None) -> torch.nn.Module:
+def build_model(vllm_config, device: str = "meta", *, tp_rank: int = 0, dp_rank: int = 0, base_config=None,
+                pp_rank: int = 0) -> torch.nn.Module:
     """Instantiate the vLLM model class with the config's parameter dtype, as vLLM's loader does.
 
     `base_config` is a one-rank config of the same model used to set up the process's parallel
-    groups; `tp_rank`/`dp_rank` select which rank of `vllm_config`'s layout is built. A config
+    groups; `tp_rank`/`dp_rank`/`pp_rank` select which rank of `vllm_config`'s layout is built (a
+    pipeline rank holds vLLM's `PPMissingLayer` for the layers of other stages). A config
     with speculative decoding (`make_vllm_config(draft=True)`) gives the draft model as vLLM's
     proposer builds it (`get_model(vllm_config, model_config=draft_model_config)`), without the
     modules it shares with the target (`vllm_patches.share_with_target`).
@@ -84,7 +87,7 @@ def build_model(vllm_config, device: str = "meta", *, tp_rank: int = 0, dp_rank:
     model_config = draft_config(vllm_config) or vllm_config.model_config
     try:
         with (
-            parallel_rank(vllm_config, tp_rank, dp_rank),
+            parallel_rank(vllm_config, tp_rank, dp_rank, pp_rank),
             model_build(),
             set_default_torch_dtype(model_config.dtype),
             torch.device(device),
@@ -113,7 +116,7 @@ def current_platform_name() -> str:
     return str(current_platform.device_type or "cpu")
 
 
-def place_experts(model: torch.nn.Module, vllm_config, tp_rank: int = 0, dp_rank: int = 0) -> int | None:
+def place_experts(model: torch.nn.Module, vllm_config, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0) -> int | None:
     """Re-point every MoE layer's expert placement to this rank of the layout, as vLLM's elastic EP does.
 
     Each `RoutedExperts` gets the `FusedMoEParallelConfig` vLLM derives for this rank
@@ -127,7 +130,7 @@ def place_experts(model: torch.nn.Module, vllm_config, tp_rank: int = 0, dp_rank
 
     experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
     moved = 0
-    with parallel_rank(vllm_config, tp_rank, dp_rank):
+    with parallel_rank(vllm_config, tp_rank, dp_rank, pp_rank):
         for module in experts:
             old = module.moe_config.moe_parallel_config
             # make() flattens the layer's TP size across DP and PCP; undo that to get its input back.

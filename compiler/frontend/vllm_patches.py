@@ -286,27 +286,33 @@ def elementwise_composed_loaders(*originals):
 
 
 @contextlib.contextmanager
-def parallel_rank(vllm_config, tp_rank: int = 0, dp_rank: int = 0):
-    """Make vLLM's parallel state report this rank of the config's TP x DP (x EP) layout.
+def parallel_rank(vllm_config, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0):
+    """Make vLLM's parallel state report this rank of the config's TP x PP x DP (x EP) layout.
 
-    One process traces every inference rank: the TP, DP and EP group coordinators of the
-    one-process world are told the rank and size vLLM's layers would see on that rank.
+    One process traces every inference rank: the TP, PP, DP and EP group coordinators of the
+    one-process world are told the rank and size vLLM's layers would see on that rank. The PP
+    group also gets that rank's member list and global rank, which `is_first_rank` /
+    `is_last_rank` (embedding, final norm, LM head) compare.
     """
     from vllm.distributed import parallel_state as ps
 
     pc = vllm_config.parallel_config
-    tp, dp = pc.tensor_parallel_size, pc.data_parallel_size
+    tp, dp, pp = pc.tensor_parallel_size, pc.data_parallel_size, pc.pipeline_parallel_size
     wanted = [(ps._TP, tp_rank, tp), (ps._DP, dp_rank, dp)]
     if ps._EP is not None:
         wanted.append((ps._EP, dp_rank * tp + tp_rank, dp * tp if pc.enable_expert_parallel else 1))
     saved = [(group, group.rank_in_group, group.world_size) for group, _, _ in wanted]
+    pp_group = ps._PP
+    saved_pp = (pp_group.rank, pp_group.ranks, pp_group.rank_in_group, pp_group.world_size)
     for group, rank, size in wanted:
         group.rank_in_group, group.world_size = rank, size
+    pp_group.rank, pp_group.ranks, pp_group.rank_in_group, pp_group.world_size = pp_rank, list(range(pp)), pp_rank, pp
     try:
         yield
     finally:
         for group, rank, size in saved:
             group.rank_in_group, group.world_size = rank, size
+        pp_group.rank, pp_group.ranks, pp_group.rank_in_group, pp_group.world_size = saved_pp
 
 
 class _NoExperts:

@@ -51,8 +51,10 @@ def read_trainer_layout(path: str | Path) -> TrainerLayoutFile:
     return parse_trainer_layout(data, path)
 
 
-def parse_trainer_layout(data, path: str | Path) -> TrainerLayoutFile:
-    """Check a layout's JSON object (from a file, or `describe_layout` of a live model); `path` names it in errors."""
+def parse_trainer_layout(data, path: str | Path, *, stage: bool = False) -> TrainerLayoutFile:
+    """Check a layout's JSON object (from a file, or `describe_layout` of a live model); `path` names it in errors.
+
+    With `stage`, the layout is one pipeline stage's module: the ranks of other stages hold none of its tensors."""
     if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
         raise LayoutError(f"{path} is not a weightplan trainer layout: expected \"format\": \"{FORMAT}\", \"version\": {VERSION}")
     world = data.get("world_size")
@@ -63,7 +65,7 @@ def parse_trainer_layout(data, path: str | Path) -> TrainerLayoutFile:
     parsed = [_mesh(path, i, m, world) for i, m in enumerate(meshes)]
     layouts = {name: _tensor(path, name, entry, parsed) for name, entry in tensors.items()}
     missing = sorted(set(range(world)) - {r for t in layouts.values() for r in t.sharding.mesh.ranks})
-    if missing:
+    if missing and not stage:
         raise LayoutError(f"trainer layout {path}: trainer rank {missing[0]} of world_size {world} holds no tensor "
                           "(it is in no mesh a tensor uses); mesh rank ids must be the global trainer ranks 0..world_size-1")
     return TrainerLayoutFile(str(path), world, layouts)

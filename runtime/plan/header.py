@@ -34,24 +34,33 @@ def _field(*, fingerprinted: bool = False, optional: bool = False, **kwargs):
 @dataclass(frozen=True)
 class TrainerHeader:
     """The trainer side: checkpoint format and dtype, the layout's token, and per box class the box each trainer rank
-    holds (a source's `box_class` indexes `boxes`); `adapter` names a --trainer-adapter."""
+    holds (a source's `box_class` indexes `boxes`); `adapter` names a --trainer-adapter; `pp` the pipeline stages of a
+    pipelined trainer (stage s: trainer ranks s * src_ranks / pp onwards; absent: one stage)."""
 
     format: str
     dtype: str
     token: str
     boxes: tuple[RankBoxes, ...]
     adapter: str | None = _field(optional=True, default=None)
+    pp: int | None = _field(optional=True, default=None)
+
+    def stage_of(self, rank: int, src_ranks: int) -> int:
+        """The pipeline stage trainer `rank` belongs to (0 for a trainer without stages)."""
+        return rank // (src_ranks // (self.pp or 1))
 
     def to_json(self) -> dict:
         boxes = [[None if b is None else [list(r) for r in b] for b in table] for table in self.boxes]
         return {"format": self.format, "dtype": self.dtype, "token": self.token, "boxes": boxes,
-                **({"adapter": self.adapter} if self.adapter is not None else {})}
+                **({"adapter": self.adapter} if self.adapter is not None else {}), **({"pp": self.pp} if self.pp else {})}
 
     @staticmethod
     def from_json(obj, src_ranks: int, fail) -> "TrainerHeader":
         _check_keys(obj, TrainerHeader, "trainer", fail)
         text = {key: _str(obj, key, "trainer", fail) for key in ("format", "dtype", "token")}
         adapter = _str(obj, "adapter", "trainer", fail) if "adapter" in obj else None
+        pp = _int(obj, "pp", 2, MAX_RANKS, "trainer", fail) if "pp" in obj else None
+        if pp is not None and src_ranks % pp:
+            fail("trainer.pp", f"is {pp}, which does not divide the {src_ranks} trainer ranks")
         boxes = obj["boxes"]
         if not isinstance(boxes, list) or not all(isinstance(c, list) and len(c) == src_ranks for c in boxes):
             fail("trainer.boxes", "is not a list of per-rank box tables, one box (or null) per trainer rank")
@@ -62,7 +71,7 @@ class TrainerHeader:
                         and r[0] <= r[1] for r in box)):
                     fail(f"trainer.boxes[{i}]", f"holds {str(box)[:60]}, not a list of [start, stop) ranges")
         return TrainerHeader(**text, boxes=tuple(tuple(None if b is None else _box(b) for b in table) for table in boxes),
-                             adapter=adapter)
+                             adapter=adapter, pp=pp)
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,20 @@ class DraftHeader:
 
 
 @dataclass(frozen=True)
+class RankCoords:
+    """A vLLM worker's place in the layout: its TP rank, pipeline rank and DP rank."""
+
+    tp: int
+    pp: int
+    dp: int
+
+    @staticmethod
+    def of(rank: int, tp: int, pp: int) -> "RankCoords":
+        """The coordinates of global inference rank `rank`, numbered as vLLM numbers workers: dp, then pp, then tp."""
+        return RankCoords(rank % tp, rank // tp % pp, rank // (tp * pp))
+
+
+@dataclass(frozen=True)
 class InferenceHeader:
     """The inference side: vLLM's parallel layout (and --inference token), the platform and host choices it was traced
     with, the draft it updates, and the parameters vLLM's load never writes (`unloaded`, rows like the dests')."""
@@ -98,13 +121,19 @@ class InferenceHeader:
     gpus_per_node: int | None = _field(optional=True, default=None)
     draft: DraftHeader | None = _field(optional=True, default=None)
     unloaded: tuple[TensorEntry, ...] = _field(optional=True, default=())
+    pp: int | None = _field(optional=True, default=None)  # pipeline ranks (absent: 1)
 
     @property
     def ranks(self) -> int:
-        return self.tp * self.dp
+        return self.tp * (self.pp or 1) * self.dp
+
+    def rank_coords(self, rank: int) -> RankCoords:
+        return RankCoords.of(rank, self.tp, self.pp or 1)
 
     def to_json(self) -> dict:
         obj = {"token": self.token, "tp": self.tp, "dp": self.dp, "ep": self.ep, "platform": self.platform}
+        if self.pp is not None:
+            obj["pp"] = self.pp
         if self.vllm_host is not None:
             obj["vllm_host"] = dict(self.vllm_host)
         if self.gpus_per_node is not None:
@@ -128,7 +157,8 @@ class InferenceHeader:
         return InferenceHeader(
             _str(obj, "token", "inference", fail), tp, dp, obj["ep"], _str(obj, "platform", "inference", fail), host,
             _int(obj, "gpus_per_node", 1, MAX_RANKS, "inference", fail) if "gpus_per_node" in obj else None,
-            DraftHeader.from_json(obj["draft"], fail) if "draft" in obj else None)
+            DraftHeader.from_json(obj["draft"], fail) if "draft" in obj else None,
+            pp=_int(obj, "pp", 2, MAX_RANKS, "inference", fail) if "pp" in obj else None)
 
 
 @dataclass(frozen=True)
@@ -304,7 +334,7 @@ class PlanHeader:
         counts = {key: _int(obj, key, 0, MAX_ROWS, "", fail) for key in ("n_runs", "n_stage_runs", "n_spans")}
         inference = InferenceHeader.from_json(obj["inference"], fail)
         if inference.ranks != dst_ranks:
-            fail("dst_ranks", f"is {dst_ranks}, but inference tp={inference.tp} x dp={inference.dp} ranks")
+            fail("dst_ranks", f"is {dst_ranks}, but inference tp={inference.tp} x pp={inference.pp or 1} x dp={inference.dp} ranks")
         trainer = TrainerHeader.from_json(obj["trainer"], src_ranks, fail)
         tables = _Tables(obj, dst_ranks, len(trainer.boxes), fail)
         sources = tables.sources(trainer)

@@ -26,24 +26,36 @@ from .sender import Sender
 log = logging.getLogger("weightplan.runtime")
 
 
-def module_layout(module: torch.nn.Module, *, world_size: int | None = None) -> TrainerLayoutFile:
-    """The trainer layout of a live module, checked like a layout file (LayoutError names a defect)."""
-    return parse_trainer_layout(describe_layout(trainer_tensors(module), world_size=world_size), "of the live module")
+def module_layout(module: torch.nn.Module, *, world_size: int | None = None, stage: bool = False) -> TrainerLayoutFile:
+    """The trainer layout of a live module (with `stage`, a pipeline stage's), checked like a layout file (LayoutError
+    names a defect)."""
+    return parse_trainer_layout(describe_layout(trainer_tensors(module), world_size=world_size), "of the live module",
+                                stage=stage)
 
 
 def _box_text(box: Box | None) -> str:
     return "nothing" if box is None else "[" + ", ".join(f"{a}:{b}" for a, b in box) + "]"
 
 
-def check_layout(plan: Plan, layout: TrainerLayoutFile) -> None:
-    """Refuse a plan compiled for another trainer layout: PlanMismatchError naming the first tensor and placement that differ."""
+def check_layout(plan: Plan, layout: TrainerLayoutFile, rank: int = 0) -> None:
+    """Refuse a plan compiled for another trainer layout: PlanMismatchError naming the first tensor and placement that differ.
+
+    For a pipelined trainer's plan (`trainer.pp`), the module is trainer `rank`'s stage: it must hold exactly the
+    tensors the plan places on that stage, laid out as the plan has them on the stage's ranks."""
     world = plan.header.src_ranks
     hint = ("compile the plan from this module's layout (write_trainer_layout(module, FILE), then "
             "compile-plan --trainer-layout FILE)")
     if layout.world_size != world:
         raise PlanMismatchError(f"the module's trainer world has {layout.world_size} ranks, the plan was compiled for "
                                 f"{world} trainer ranks; {hint}")
+    table = plan.shard_layout
+    ranks = range(world)
     names = [e.name for e in plan.sources]
+    if plan.header.trainer.pp:
+        ranks = _stage_ranks(plan, rank)
+        on_stage = _stage_names(plan, ranks)
+        names = [n for n in names if n in on_stage]
+        _check_stage(plan, layout, rank, on_stage)
     missing = [n for n in names if n not in layout.tensors]
     if missing:
         raise PlanMismatchError(f"the plan's trainer tensor {missing[0]!r} is not in the module"
@@ -53,8 +65,9 @@ def check_layout(plan: Plan, layout: TrainerLayoutFile) -> None:
     if extra:
         raise PlanMismatchError(f"the module's tensor {extra[0]!r} is not a trainer tensor of the plan"
                                 f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}; {hint}")
-    table = plan.shard_layout
     for i, entry in enumerate(plan.sources):
+        if entry.name not in layout.tensors:  # another pipeline stage's tensor
+            continue
         mine = layout.tensors[entry.name]
         if mine.shape != tuple(entry.shape):
             raise PlanMismatchError(f"trainer tensor {entry.name!r} has global shape {list(mine.shape)} in the module, the "
@@ -67,13 +80,46 @@ def check_layout(plan: Plan, layout: TrainerLayoutFile) -> None:
         boxes = rank_boxes(mine.sharding, mine.shape, world)
         planned = table.classes[table.of[i]]
         for rank, (have, want) in enumerate(zip(boxes, planned)):
-            if have != want:
+            if rank in ranks and have != want:
                 placements = ", ".join(map(str, mine.sharding.placements))
                 mesh = mine.sharding.mesh
                 raise PlanMismatchError(
                     f"trainer tensor {entry.name!r}: the module places it ({placements}) on mesh {list(mesh.shape)} of "
                     f"ranks {list(mesh.ranks)}, so trainer rank {rank} holds {_box_text(have)}; the plan (trainer layout "
                     f"{table.token}) has rank {rank} holding {_box_text(want)}; {hint}")
+
+
+def _stage_ranks(plan: Plan, rank: int) -> range:
+    """The trainer ranks of `rank`'s pipeline stage in a pipelined trainer's plan."""
+    per_stage = plan.header.src_ranks // plan.header.trainer.pp
+    stage = plan.header.trainer.stage_of(rank, plan.header.src_ranks)
+    return range(stage * per_stage, (stage + 1) * per_stage)
+
+
+def _stage_names(plan: Plan, ranks: range) -> set[str]:
+    """The trainer tensors a pipeline stage (its ranks) holds some of."""
+    table = plan.shard_layout
+    return {e.name for i, e in enumerate(plan.sources) if any(table.classes[table.of[i]][r] is not None for r in ranks)}
+
+
+def _check_stage(plan: Plan, layout: TrainerLayoutFile, rank: int, names: set[str]) -> None:
+    """Refuse, in one line, a stage module run as a trainer rank of another pipeline stage."""
+    held = set(layout.tensors)
+    if held == names:
+        return
+    pp = plan.header.trainer.pp
+    stage = plan.header.trainer.stage_of(rank, plan.header.src_ranks)
+    for other in range(pp):
+        ranks = _stage_ranks(plan, other * plan.header.src_ranks // pp)
+        if held == _stage_names(plan, ranks):
+            raise PlanMismatchError(f"trainer rank {rank} is pipeline stage {stage} of {pp} in the plan, but the module "
+                                    f"holds stage {other}'s tensors; run it as a trainer rank of stage {other} "
+                                    f"(ranks {ranks.start}..{ranks.stop - 1})")
+    extra = sorted(held - names)
+    if extra:
+        raise PlanMismatchError(f"trainer rank {rank} is pipeline stage {stage} of {pp} in the plan, which does not place "
+                                f"the module's tensor {extra[0]!r} on that stage; compile the plan with this trainer's "
+                                "--trainer pp=... split (pp-layers) or from its layout")
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -120,10 +166,10 @@ class LiveSender:
         """The module's local shards by plan name, after checking its layout against the plan."""
         tensors = trainer_tensors(self.module)
         try:
-            layout = module_layout(self.module)
+            layout = module_layout(self.module, stage=bool(self.plan.header.trainer.pp))
         except LayoutError as exc:
             raise PlanMismatchError(f"trainer rank {self.rank}: {exc}") from None
-        check_layout(self.plan, layout)
+        check_layout(self.plan, layout, self.rank)
         return {name: _local(t) for name, t in tensors.items()}
 
     def _start(self, tensors: dict[str, torch.Tensor]) -> Sender:

@@ -27,9 +27,14 @@ CASES = [
 
 @pytest.mark.parametrize("model,fmt,dtype,trainer,inference", CASES)
 def test_sharded_plan_matches_vllm_on_every_rank(plan_cache, model, fmt, dtype, trainer, inference):
+    verified_plan(plan_cache, model, fmt, dtype, trainer, inference)
+
+
+def verified_plan(plan_cache, model, fmt, dtype, trainer, inference, seed=2):
+    """The compiled plan, after checking it against vLLM's own load on every rank, its coverage and descriptor bound."""
     path = plan_cache(model, fmt, dtype, trainer, inference)
     plan = load_plan(path)
-    result = verify_plan(path, model=str(config_dir(model)), seed=2)
+    result = verify_plan(path, model=str(config_dir(model)), seed=seed)
     assert result.mismatches == ()
     assert result.tensors == sum(len(e.ranks) for e in plan.dests)
     summary = summarize(plan)
@@ -37,6 +42,7 @@ def test_sharded_plan_matches_vllm_on_every_rank(plan_cache, model, fmt, dtype, 
     assert summary["descriptors"] == summary["descriptors_lower_bound"]
     assert len(summary["bytes_per_src_rank"]) == plan.header.src_ranks
     assert len(summary["bytes_per_dst_rank"]) == plan.header.dst_ranks
+    return plan
 
 
 def test_dp_attention_weights_are_recorded_once(plan_cache):
@@ -68,7 +74,7 @@ def test_every_trainer_rank_reads_only_its_shard(plan_cache):
 @pytest.mark.parametrize("trainer,inference,message", [
     ("fsdp=4", "tp=3", "tp=3 does not divide num_attention_heads=4"),
     ("fsdp=4", "dp=3,ep", "ep over 3 ranks does not divide the 8 routed experts"),
-    ("fsdp=4", "tp=2,pp=2", "pipeline parallel"),
+    ("fsdp=4", "tp=2,pp=6", "pp=6 is more than the model's 5 hidden layers"),
     ("fsdp=4,ep=3", "tp=1", "ep=3 must divide fsdp=4"),
     ("fsdp=0", "tp=1", "bad --trainer item 'fsdp=0'"),
     ("fsdp=4", "tp=two", "bad --inference item 'tp=two'"),

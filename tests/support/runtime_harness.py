@@ -54,6 +54,27 @@ class Job:
                 raise AssertionError(f"the store on {store_node} did not start:\n{self.stderr('store')}")
             time.sleep(0.1)
 
+    def start_sync(self, model: str, readers: int, trainers: int, versions: tuple[int, ...]) -> None:
+        """Start inference ranks `inf0..` (into vLLM models of `model`, verifying) and trainer ranks `tr0..` (with digests,
+        waiting for the readers) syncing `versions`."""
+        listed = ",".join(map(str, versions))
+        for k in range(readers):
+            self.start(f"inf{k}", "inference", k, "--versions", listed, "--model", model, "--verify", "--timeout", "60")
+        for r in range(trainers):
+            self.start(f"tr{r}", "trainer", r, "--versions", listed, "--digests", "--wait-joined", "--timeout", "60")
+
+    def synced(self, readers: int, trainers: int, version: int) -> tuple[list[dict], list[dict]]:
+        """The `synced` events of inference ranks `inf0..` and `released` events of trainers `tr0..` for `version`, each
+        checked: the version reported, digests equal to vLLM's load, nothing failed or timed out."""
+        synced = [self.event(f"inf{k}", "synced", version) for k in range(readers)]
+        for e in synced:
+            assert e["reported"] == version
+            assert e["digests"] > 0 and e["n_differ"] == 0, e["differ"]
+        released = [self.event(f"tr{r}", "released", version) for r in range(trainers)]
+        for e in released:
+            assert e["timed_out"] == [] and e["failed"] == [], e
+        return synced, released
+
     def start(self, key: str, role: str, rank: int, *args: str, node: str | None = None) -> None:
         """Start worker `key`; with a cluster, on `node` (gated by files in `self.gates`)."""
         gates = () if self.cluster is None else ("--gate-dir", str(self.gates))

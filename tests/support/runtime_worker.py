@@ -181,12 +181,12 @@ def run_inference(args, plan) -> None:
     from weightplan.compiler.verify_plan import plan_conversion
 
     info = plan.header.inference
-    tp_rank, dp_rank = args.rank % info.tp, args.rank // info.tp
+    at = info.rank_coords(args.rank)
 
-    def model_for_rank():
+    def model_for_rank():  # this rank's model as vLLM's loader builds it (a pipeline rank: its stage only)
         base = make_vllm_config(args.model)
-        config = make_vllm_config(args.model, tp=info.tp, dp=info.dp, ep=info.ep) if plan.header.dst_ranks > 1 else base
-        return config, build_model(config, "cpu", tp_rank=tp_rank, dp_rank=dp_rank, base_config=base)
+        config = make_vllm_config(args.model, tp=info.tp, dp=info.dp, ep=info.ep, pp=info.pp or 1) if plan.header.dst_ranks > 1 else base
+        return config, build_model(config, "cpu", tp_rank=at.tp, dp_rank=at.dp, pp_rank=at.pp, base_config=base)
 
     _, model = model_for_rank()
     for param in model.parameters():
@@ -200,7 +200,7 @@ def run_inference(args, plan) -> None:
 
     def digests(version):
         full = full_weights(plan, args.seed, version)
-        with torch.no_grad(), parallel_rank(ref_config, tp_rank, dp_rank):
+        with torch.no_grad(), parallel_rank(ref_config, at.tp, at.dp, at.pp):
             reference.load_weights(conversion(full.items()))
             # vLLM's reload finishes attention layers this way (reload/layerwise.py:_finalize_attention_layer):
             # MLA absorbs kv_b_proj into W_UK_T/W_UV, which the receiver must recompute after every sync.
@@ -257,13 +257,13 @@ def run_quantized_inference(args, plan) -> None:
     # whose first compile costs ~35 s per process.
     torch._dynamo.config.disable = True
     info, quant = plan.header.inference, plan.header.quant
-    tp_rank, dp_rank = args.rank % info.tp, args.rank // info.tp
+    at = info.rank_coords(args.rank)
     base = make_vllm_config(args.model, quantization=quant)
-    config = make_vllm_config(args.model, tp=info.tp, dp=info.dp, ep=info.ep, quantization=quant) \
+    config = make_vllm_config(args.model, tp=info.tp, dp=info.dp, ep=info.ep, pp=info.pp or 1, quantization=quant) \
         if plan.header.dst_ranks > 1 else base
 
     def vllm_quantized(full):
-        return vllm_load_quantized(config, base, plan, full, None, tp_rank, dp_rank)
+        return vllm_load_quantized(config, base, plan, full, None, at.tp, at.dp, pp_rank=at.pp)
 
     # Every parameter of the processed model, poisoned (0x7f bytes) so anything the sync misses shows.
     params = vllm_quantized({e.name: torch.zeros(e.shape, dtype=getattr(torch, e.dtype)) for e in plan.sources})

@@ -1,0 +1,125 @@
+"""Pipeline-parallel trainers: torchtitan's split of the layers into stages, and the layout of a stage-sharded model.
+
+Stage `s` of `--trainer pp=P,<inner>` is trainer ranks `s * n .. s * n + n - 1` (n: the inner
+layout's ranks; torchtitan's mesh puts `pp` outermost), sharded within the stage by the inner
+`fsdp/ep/replicas` shorthand. A layer's tensors live on the stage holding that layer; the
+embedding on the first stage, everything else outside the layers (final norm, LM head, MTP
+layers past `num_hidden_layers`) on the last; a tied embedding (no separate LM head tensor) on
+both, as a replica per stage. Layers split as torchtitan's `generate_llm_fqn_per_model_part`
+does with input and output weight 1: the embedding and the head each count as one layer, the
+`L + 2` weighted layers are split evenly, the first `(L + 2) % P` stages taking one more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from weightplan.runtime.layout.placements import REPLICATE, Mesh, Sharding
+from weightplan.runtime.layout.shards import ShardLayout, TrainerLayout
+from .frontend.errors import ModelConfigError
+from .frontend.pipeline_stages import hidden_layers
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def torchtitan_stage_sizes(layers: int, pp: int) -> list[int]:
+    """Hidden layers per stage under torchtitan's rule (input and output weight 1)."""
+    weighted = layers + 2
+    if pp == 1:
+        return [layers]
+    if weighted // pp < 1:
+        raise ModelConfigError(f"trainer pp={pp} is more than the {layers} hidden layers plus embedding and head: a stage would be empty")
+    sizes = [weighted // pp + (stage < weighted % pp) for stage in range(pp)]
+    sizes[0] -= 1  # the embedding's weight
+    sizes[-1] -= 1  # the final norm and head's weight
+    return sizes
+
+
+@dataclass(frozen=True)
+class StagedTrainer:
+    """`--trainer pp=P[,fsdp=N][,ep=M][,replicas=R][,pp-layers=a+b+...]`: `layers` is filled by `resolve(config)`."""
+
+    pp: int
+    inner: TrainerLayout
+    explicit: tuple[int, ...] | None = None
+    layers: tuple[range, ...] = ()
+
+    @property
+    def ep(self) -> int:
+        return self.inner.ep
+
+    @property
+    def ranks(self) -> int:
+        return self.pp * self.inner.ranks
+
+    @property
+    def token(self) -> str:
+        split = "-layers" + "+".join(map(str, self.explicit)) if self.explicit else ""
+        return f"pp{self.pp}{split}-{self.inner.token}"
+
+    def resolve(self, config: dict) -> "StagedTrainer":
+        """The stage layer ranges for this model config; refuses a stage without layers or a list that does not fit."""
+        total = hidden_layers(config)
+        if self.explicit is not None:
+            if len(self.explicit) != self.pp:
+                raise ModelConfigError(f"--trainer pp-layers gives {len(self.explicit)} stages, pp={self.pp}")
+            if sum(self.explicit) != total:
+                raise ModelConfigError(f"--trainer pp-layers {'+'.join(map(str, self.explicit))} covers {sum(self.explicit)} "
+                                       f"layers; the model has {total}: every layer must be in exactly one stage")
+            sizes = list(self.explicit)
+        else:
+            if self.pp > total:
+                raise ModelConfigError(f"trainer pp={self.pp} is more than the model's {total} hidden layers: a stage would hold none")
+            sizes = torchtitan_stage_sizes(total, self.pp)
+        if 0 in sizes:
+            raise ModelConfigError(f"trainer pp={self.pp}: stage {sizes.index(0)} holds no layers (split {sizes})")
+        starts = [sum(sizes[:s]) for s in range(self.pp)]
+        return dataclasses.replace(self, layers=tuple(range(a, a + n) for a, n in zip(starts, sizes)))
+
+    def stages_of(self, name: str, names: frozenset[str]) -> tuple[int, ...]:
+        """The stages holding trainer tensor `name` (`names`: every trainer tensor, to tell a tied embedding)."""
+        match = _LAYER.search(name)
+        last = self.pp - 1
+        if match:
+            layer = int(match[1])
+            return next(((s,) for s, held in enumerate(self.layers) if layer in held), (last,))  # MTP layers: last
+        if "embed" in name:
+            tied = not any(n.startswith(("lm_head.", "output.")) for n in names)
+            return (0, last) if tied and last else (0,)
+        return (last,)
+
+    def bind(self, specs) -> ShardLayout:
+        if not self.layers:
+            raise ValueError("StagedTrainer.bind before resolve(config)")
+        names = frozenset(s.name for s in specs)
+        n = self.inner.ranks
+        shardings = []
+        for spec in specs:
+            inner = self.inner.sharding_for(tuple(spec.shape), spec.sharding)
+            stages = self.stages_of(spec.name, names)
+            ranks = tuple(s * n + r for s in stages for r in inner.mesh.ranks)
+            if len(stages) == 1:
+                shardings.append(Sharding(Mesh(inner.mesh.shape, ranks), inner.placements))
+            else:
+                shardings.append(Sharding(Mesh((len(stages), *inner.mesh.shape), ranks), (REPLICATE, *inner.placements)))
+        return dataclasses.replace(ShardLayout.build(specs, shardings), token=self.token)
+
+
+def parse_staged(items: dict, rest: str) -> StagedTrainer:
+    """The staged layout from `pp` (and `pp-layers`) plus the inner shorthand `rest` (default `fsdp=1`)."""
+    explicit = None
+    if "pp-layers" in items:
+        text = items["pp-layers"]
+        parts = text.split("+")
+        if not all(p.isascii() and p.isdigit() for p in parts):
+            raise ModelConfigError(f"--trainer pp-layers={text!r}: expected layer counts joined by '+', e.g. pp-layers=2+1+1")
+        explicit = tuple(int(p) for p in parts)
+    try:
+        pp = int(items["pp"]) if items["pp"].isascii() and items["pp"].isdigit() else 0
+        if pp < 1:
+            raise ValueError(f"bad --trainer item 'pp={items['pp']}': expected a number of stages 1..")
+        return StagedTrainer(pp, TrainerLayout.parse(rest or "fsdp=1"), explicit)
+    except ValueError as exc:
+        raise ModelConfigError(str(exc)) from None
