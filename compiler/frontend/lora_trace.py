@@ -167,13 +167,18 @@ def adapter_sources(manager, spec: LoraSpec, dtype: torch.dtype) -> list[TensorE
     return out
 
 
-def targeted_modules(manager, *, linear_only: bool = False) -> tuple[str, ...]:
-    """The PEFT target module names (last name parts) the manager wraps, sorted; with `linear_only`, of its linear layers."""
-    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+# PEFT module names a default adapter leaves out: vLLM takes LoRA on them only when asked, and these plans do not
+# cover them (embeddings, lm_head) or vLLM's CPU platform cannot wrap them (MoE experts need its Triton MoE kernel).
+NOT_DEFAULT = ("embed_tokens", "lm_head", "experts")
 
-    return tuple(sorted({sub.rsplit(".", 1)[-1] for name, module in manager.modules.items()
-                         if not linear_only or isinstance(module, BaseLinearLayerWithLoRA)
-                         for sub in manager.packed_modules.get(name, [name])}))
+
+def supported_targets(model) -> tuple[str, ...]:
+    """The PEFT module names vLLM supports LoRA on in `model` (a packed module stands for its parts), sorted."""
+    from vllm.lora.utils import get_supported_lora_modules, process_packed_modules_mapping
+
+    packed = process_packed_modules_mapping(model)
+    return tuple(sorted({part for name in get_supported_lora_modules(model)
+                         for part in (packed.get(name, [name]) if name != "experts" else [name])}))
 
 
 def check_targets(spec: LoraSpec, supported: tuple[str, ...]) -> None:
@@ -183,6 +188,10 @@ def check_targets(spec: LoraSpec, supported: tuple[str, ...]) -> None:
     if missing:
         raise ModelConfigError(f"--lora targets {', '.join(missing)}: the model has no such LoRA-capable module "
                                f"(it has {', '.join(supported)})")
+    refused = sorted(set(spec.targets) & set(NOT_DEFAULT))
+    if refused:
+        raise ModelConfigError(f"--lora targets {', '.join(refused)}: LoRA plans cover linear modules only "
+                               "(MoE experts need vLLM's Triton fused-MoE LoRA kernel, which its CPU platform lacks)")
 
 
 def peft_config(spec: LoraSpec, targets: tuple[str, ...]) -> dict:
@@ -227,11 +236,9 @@ class LoraRankTracer:
 
     def __init__(self, vllm_config, base_config, layout, spec: LoraSpec, dtype: torch.dtype):
         self.vllm_config, self.base_config, self.layout, self.spec = vllm_config, base_config, layout, spec
-        enable_lora(base_config, spec, None)
-        model, manager = lora_model(base_config)
-        supported = targeted_modules(manager)
+        supported = supported_targets(build_model(base_config, base_config=base_config))
         check_targets(spec, supported)
-        self.targets = spec.targets or targeted_modules(manager, linear_only=True)
+        self.targets = spec.targets or tuple(t for t in supported if t not in NOT_DEFAULT)
         for config in {id(c): c for c in (base_config, vllm_config)}.values():
             enable_lora(config, spec, self.targets)
         model, manager = lora_model(base_config)

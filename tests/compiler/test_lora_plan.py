@@ -37,6 +37,21 @@ def test_lora_plan_matches_vllm_adapter_load(lora_plan):
     assert result.mismatches == () and result.tensors == 4 * 28
 
 
+@pytest.mark.parametrize("model, modules", [
+    ("tiny-qwen3-moe", {"qkv_proj", "o_proj", "gate"}),
+    ("tiny-deepseek-v3", {"fused_qkv_a_proj", "q_b_proj", "kv_b_proj", "o_proj", "gate", "gate_up_proj", "down_proj"})])
+def test_moe_model_lora_plans_match_vllm_adapter_load(tmp_path, model, modules):
+    """MoE models: attention (MLA's packed q_a/kv_a included), the router gate and dense/shared-expert MLPs take LoRA;
+    routed experts do not (vLLM's FusedMoEWithLoRA needs its Triton kernel, absent on CPU)."""
+    out = tmp_path / "moe-lora.plan"
+    compile_plan(CompileOptions(str(config_dir(model)), output=out, inference="tp=2", lora="8,alpha=16"))
+    plan = load_plan(out)
+    assert {d.name.split(".")[-3] for d in plan.dests} == modules
+    assert "experts" not in plan.header.inference.lora.targets
+    result = verify_plan(out, model=str(config_dir(model)))
+    assert result.mismatches == () and result.tensors == sum(len(d.ranks) for d in plan.dests)
+
+
 def test_lora_verify_can_fail(lora_plan, monkeypatch):
     """A reference adapter with another alpha differs exactly in the B buffers (the scaling is folded into B)."""
     from weightplan.compiler import verify_lora
@@ -53,6 +68,7 @@ def test_lora_bad_inputs(capsys, lora_plan):
     cases = [(["--lora", "32,max_rank=16"], "--lora rank 32 is larger than the engine's max_lora_rank 16"),
              (["--lora", "8,targets=q_proj+w_in"], "--lora targets w_in: the model has no such LoRA-capable module"),
              (["--lora", "0"], "--lora RANK 0 must be at least 1"),
+             (["--lora", "8,targets=embed_tokens"], "--lora targets embed_tokens: LoRA plans cover linear modules only"),
              (["--lora", "8,beta=2"], "--lora: unknown field 'beta=2'"),
              (["--lora", "1024"], "--lora rank 1024 is larger than vLLM's largest max_lora_rank 512"),
              (["--lora", "8", "--quant", "fp8_per_block"], "--lora plans take the trainer's PEFT tensors as they are")]
