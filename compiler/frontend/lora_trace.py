@@ -108,11 +108,12 @@ def check_lora(opts, fmt, quant) -> LoraSpec:
     return spec
 
 
-def enable_lora(vllm_config, spec: LoraSpec, targets: tuple[str, ...] | None) -> None:
-    """Give `vllm_config` the LoRAConfig of an engine started with enable_lora and one slot (the slot the plan writes)."""
+def enable_lora(vllm_config, spec: LoraSpec, targets: tuple[str, ...] | None, slots: int = 1) -> None:
+    """Give `vllm_config` the LoRAConfig of an engine started with enable_lora and `slots` slots (a plan is traced
+    with one: the slot it writes)."""
     from vllm.config import LoRAConfig
 
-    config = LoRAConfig(max_lora_rank=spec.engine_max_rank(), max_loras=1,
+    config = LoRAConfig(max_lora_rank=spec.engine_max_rank(), max_loras=slots,
                         target_modules=list(targets) if targets is not None else None)
     config.verify_with_model_config(vllm_config.model_config)
     vllm_config.lora_config = config
