@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from weightplan.compiler.cli import compile_main, verify_main
+from weightplan.compiler.cli import compile_main, inspect_main, verify_main
 from weightplan.compiler.compile import CompileOptions, compile_plan
 from weightplan.compiler.frontend.lora_trace import LoraSpec
 from weightplan.compiler.verify_plan import verify_plan
@@ -25,7 +25,9 @@ def lora_plan(tmp_path_factory):
     return out
 
 
-def test_lora_plan_matches_vllm_adapter_load(lora_plan):
+def test_lora_plan_matches_vllm_adapter_load(lora_plan, capsys):
+    assert inspect_main([str(lora_plan)]) == 0
+    assert "lora           rank 4, alpha 12.0, into one slot of max_lora_rank 8; targets down_proj," in capsys.readouterr().out
     plan = load_plan(lora_plan)
     lora = plan.header.inference.lora
     assert (lora.rank, lora.alpha, lora.max_rank) == (4, 12.0, 8)
