@@ -43,6 +43,8 @@ def compile_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft", action="store_true",
                         help="compile the plan of the MTP speculative-decoding draft model vLLM builds for this model "
                              "(trainer tensors model.layers.{num_hidden_layers}.* under checkpoint names; see docs/vllm.md)")
+    parser.add_argument("--lora", metavar="RANK[,alpha=A][,targets=M+M][,max_rank=R]|adapter_config.json",
+                        help="compile a LoRA adapter's plan into one slot of vLLM's LoRA buffers (docs/lora.md)")
     parser.add_argument("--check-passes", action="store_true",
                         help="verify the program after every compiler pass and name the pass that breaks an invariant (slower)")
     args = parser.parse_args(argv)
@@ -53,7 +55,7 @@ def compile_main(argv: list[str] | None = None) -> int:
         result = compile_plan(
             CompileOptions(args.model, args.trainer_format, args.trainer_dtype, args.quant, args.output,
                            trainer=args.trainer, inference=args.inference, trainer_layout=args.trainer_layout,
-                           check_passes=args.check_passes, trainer_adapter=args.trainer_adapter, draft=args.draft),
+                           check_passes=args.check_passes, trainer_adapter=args.trainer_adapter, draft=args.draft, lora=args.lora),
             log=_log,
         )
     except WeightplanError as exc:

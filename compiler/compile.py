@@ -18,6 +18,7 @@ import torch
 from weightplan.runtime.plan.header import DraftHeader, InferenceHeader, PlanStats, TrainerHeader
 from .frontend.draft import DRAFT_METHOD, check_draft, check_draft_architecture, draft_trainer
 from .frontend.errors import ModelConfigError
+from .frontend.lora_trace import LoraRankTracer, LoraSpec, check_lora
 from .frontend.rank_models import RankTracer
 from .frontend.trainer_adapter import check_adapter_spec, load_adapter
 from .frontend.trainer_formats import Conversion, TrainerFormat, load_trainer_model
@@ -51,6 +52,7 @@ class CompileOptions:
     check_passes: bool = False  # verify the program after every pass, not only the coverage proof at the end
     trainer_adapter: str | None = None  # module:callable mapping a non-transformers trainer's tensors to checkpoint ones
     draft: bool = False  # the MTP speculative-decoding draft model's plan (frontend/draft.py), not the target's
+    lora: str | None = None  # --lora: a LoRA adapter's plan into one slot of vLLM's LoRA buffers (frontend/lora_trace.py)
 
 
 @dataclass
@@ -63,8 +65,9 @@ class CompileResult:
 
 
 def default_plan_path(model: str, trainer: TrainerHeader, inference: InferenceHeader, quant: str) -> Path:
-    """plans/<model>/[mtp-]<format>-<dtype>-<trainer layout>__<inference layout>__<quant>.plan (mtp-: a draft plan)"""
+    """plans/<model>/[mtp-][loraR-]<format>-<dtype>-<trainer layout>__<inference layout>__<quant>.plan (mtp-: a draft plan, loraR-: a rank-R adapter's)"""
     draft = f"{inference.draft.method}-" if inference.draft is not None else ""
+    draft += f"lora{inference.lora.rank}-" if inference.lora is not None else ""
     return Path("plans") / model / f"{draft}{trainer.format}-{trainer.dtype}-{trainer.token}__{inference.token}__{quant}.plan"
 
 
@@ -91,6 +94,7 @@ class _Inputs:
     inference: InferenceLayout
     name: str
     config_dir: Path
+    lora: LoraSpec | None = None
 
 
 def check_output(path: Path | None) -> None:
@@ -133,13 +137,15 @@ def check_inputs(opts: CompileOptions) -> _Inputs:
     trainer_layout = check_trainer_stages(trainer_layout, config)
     if opts.draft:
         check_draft(config, config_dir / "config.json", fmt=fmt, quant=quant)
-    return _Inputs(fmt, quant, trainer_layout, inference, name, config_dir)
+    lora = check_lora(opts, fmt, quant, pipelined=inference.pp > 1 or getattr(trainer_layout, "pp", 1) > 1) \
+        if opts.lora is not None else None
+    return _Inputs(fmt, quant, trainer_layout, inference, name, config_dir, lora)
 
 
 def compile_plan(opts: CompileOptions, *, log=None) -> CompileResult:
     """Compile and write one plan; `log(msg)` receives progress lines."""
     inputs = check_inputs(opts)
-    trainer_model = trainer_tensors(inputs.config_dir, opts.trainer_dtype, opts.trainer_adapter)
+    trainer_model = None if opts.lora else trainer_tensors(inputs.config_dir, opts.trainer_dtype, opts.trainer_adapter)
     with gc_paused(), host_independent():
         return _compile(opts, inputs, trainer_model, log or (lambda msg: None))
 
@@ -164,7 +170,9 @@ def _compile(opts: CompileOptions, inputs: _Inputs, trainer_model, log) -> Compi
                                       getattr(torch, TRAINER_DTYPES[opts.trainer_dtype]))
         draft = DraftHeader(DRAFT_METHOD, tuple(one_rank.shared_with_target))
         del one_rank
-    sources = trainer_model.specs(fmt)
+    lora = LoraRankTracer(vllm_config, base, inference, inputs.lora, getattr(torch, TRAINER_DTYPES[opts.trainer_dtype])) \
+        if inputs.lora is not None else None
+    sources = lora.sources if lora is not None else trainer_model.specs(fmt)
     trainer_layout = trainer_layout.bind(sources)
     add(timings, "setup", (start, start_cpu))  # importing vLLM, the engine configs, the trainer table
 
@@ -172,7 +180,7 @@ def _compile(opts: CompileOptions, inputs: _Inputs, trainer_model, log) -> Compi
     chains: tuple = ()
     assignments_total = 0
     quant_hooks = quant.hooks()
-    ranks = RankTracer(vllm_config, base, inference, sources, Conversion(trainer_model, fmt), timings, quant_hooks=quant_hooks)
+    ranks = lora or RankTracer(vllm_config, base, inference, sources, Conversion(trainer_model, fmt), timings, quant_hooks=quant_hooks)
     unloaded: dict[tuple, list[int]] = {}  # (name, shape, dtype) -> the inference ranks where vLLM's load never writes it
     for rank in range(inference.ranks):
         load = ranks.trace(rank, _progress(log, name, rank, inference.ranks))
@@ -191,7 +199,8 @@ def _compile(opts: CompileOptions, inputs: _Inputs, trainer_model, log) -> Compi
     trainer = TrainerHeader(fmt.value, opts.trainer_dtype, trainer_layout.token, trainer_layout.classes, opts.trainer_adapter or None,
                             pp=getattr(inputs.trainer_layout, "pp", 1) if getattr(inputs.trainer_layout, "pp", 1) > 1 else None)
     inference_meta = InferenceHeader(inference.token, inference.tp, inference.dp, inference.ep, current_platform_name(),
-                                     HOST_PROFILE, inference.gpus_per_node or None, draft, pp=inference.pp if inference.pp > 1 else None)
+                                     HOST_PROFILE, inference.gpus_per_node or None, draft, pp=inference.pp if inference.pp > 1 else None,
+                                     lora=lora.spec.header(lora.targets) if lora is not None else None)
     origin = PlanOrigin(vllm_version=vllm.__version__, model=name, config_sha256=config_hash(config_dir),
                         architecture=(draft_config(base) or base.model_config).architectures[0], trainer=trainer, inference=inference_meta,
                         quant=quant.name, src_ranks=trainer_layout.ranks, dst_ranks=inference.ranks)

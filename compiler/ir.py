@@ -26,7 +26,7 @@ class Op(str, enum.Enum):
     EXPAND = "expand"  # args: (shape,)
     CONTIGUOUS = "contiguous"  # args: (); clone and contiguous: identity on values
     CAST = "cast"  # args: (dtype name,)
-    MAP = "map"  # args: (step name,); an elementwise step of runtime/casts.py:ELEMENTWISE (exp, neg), in the input's dtype
+    MAP = "map"  # args: (step name,); an elementwise step of runtime/casts.py (exp, neg, scale:<float>), in the input's dtype
     CAT = "cat"  # args: (dim,); one input per concatenated tensor
     CONSTANT = "constant"  # args: (value,); no inputs: a fill_, zero_ or copy_ of a constant into a destination
 

@@ -21,7 +21,8 @@ weightplan plan (format {{ s.format_version }})
   vllm           {{ h.vllm_version }} on {{ s.inference.platform }}
   trainer        {{ s.trainer.format }}, {{ s.trainer.dtype }} masters, layout {{ s.trainer.token }} ({{ s.src_ranks }} ranks)
   inference      {{ s.inference.token }} ({{ s.dst_ranks }} ranks), quant {{ s.quant }}
-  sources        {{ h.sources | length }} trainer tensors
+{% if s.inference.get("lora") %}{% set l = s.inference.lora %}  lora           rank {{ l.rank }}, alpha {{ l.alpha }}, into one slot of max_lora_rank {{ l.max_rank }}; targets {{ l.targets | join(", ") }}
+{% endif %}  sources        {{ h.sources | length }} trainer tensors
   destinations   {{ s.dst_tensors }} tensors ({{ s.dst_entries }} distinct), {{ s.dst_bytes }} bytes, coverage {{ "%.6f" | format(s.dst_coverage) }}
   wire           {{ s.wire_bytes }} bytes{% if s.gather_bytes %} ({{ s.gather_bytes }} between trainer ranks){% endif %}{% if s.fanout %}, first hops only (second hops: fan-out){% endif %}
 {% if s.constant_runs %}  constants      {{ s.constant_bytes }} bytes in {{ s.constant_runs }} runs, written by the inference ranks, never on the wire

@@ -23,6 +23,7 @@ from .frontend.vllm_model import build_model, current_platform_name, make_vllm_c
 from .frontend.vllm_patches import HOST_PROFILE, host_independent, parallel_rank, triton_fp8_kernels
 from .models import config_hash, known_models, resolve_model
 from .quant_compile import quant_mode
+from .verify_lora import verify_lora
 
 
 @dataclass(frozen=True)
@@ -190,13 +191,15 @@ def verify_plan(
     full = random_sources(plan, reads, seed)
     shards = sampled_shards(plan, full, reads)
     info = plan.header.inference
+    if info.lora is not None:  # an adapter plan: vLLM's adapter load of a PEFT directory is the reference
+        tensors, nbytes, mismatches, compared = verify_lora(plan, config_dir, full, shards, {plan.dests[i].name for i in entries},
+                                                            ranks, make_vllm_config, log)
+        return VerifyResult(tensors, nbytes, tuple(mismatches), tuple(compared))
     draft = info.draft is not None  # a draft plan (compile-plan --draft): vLLM's MTP draft model is the reference
     base = make_vllm_config(config_dir, quantization=quant.vllm_quantization, draft=draft)
     vllm_config = (make_vllm_config(config_dir, tp=info.tp, dp=info.dp, ep=info.ep, pp=info.pp or 1, quantization=quant.vllm_quantization,
                                     draft=draft)
                    if plan.header.dst_ranks > 1 else base)
-
-    from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
 
     tensors, nbytes, mismatches, compared, unloaded = 0, 0, [], [], 0
     for group in execution_groups(plan, ranks):
@@ -224,16 +227,25 @@ def verify_plan(
                 unloaded += len(untouched) - len(written)
             else:
                 reference = vllm_load_quantized(vllm_config, base, plan, full, set(planned), at.tp, at.dp, pp_rank=at.pp)
-            expected = compute_tensor_digests(_Params(reference))
-            actual = compute_tensor_digests(_Params(planned))
-            mismatches += [f"{name} (inference rank {rank})" for name in sorted(expected) if expected[name] != actual.get(name)]
-            compared += [f"{name} (inference rank {rank})" for name in sorted(expected)]
-            tensors += len(expected)
+            differ, same = compare_digests(reference, planned, rank)
+            mismatches += differ
+            compared += same
+            tensors += len(same)
             nbytes += sum(t.numel() * t.element_size() for t in planned.values())
-            log(f"inference rank {rank}: {len(expected)} tensors compared")
+            log(f"inference rank {rank}: {len(same)} tensors compared")
     if not tensors:
         raise PlanMismatchError(f"nothing was compared: inference ranks {sorted(ranks)} hold none of the chosen tensors")
     return VerifyResult(tensors, nbytes, tuple(mismatches), tuple(compared), unloaded)
+
+
+def compare_digests(reference: dict[str, torch.Tensor], planned: dict[str, torch.Tensor], rank: int) -> tuple[list[str], list[str]]:
+    """(mismatching, compared) "name (inference rank k)" of the reference tensors, by vLLM's SHA-256 digests."""
+    from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
+
+    expected = compute_tensor_digests(_Params(reference))
+    actual = compute_tensor_digests(_Params(planned))
+    return ([f"{name} (inference rank {rank})" for name in sorted(expected) if expected[name] != actual.get(name)],
+            [f"{name} (inference rank {rank})" for name in sorted(expected)])
 
 
 def execution_groups(plan: Plan, ranks: Collection[int]) -> list[tuple[int, ...]]:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from weightplan.runtime.casts import scale_step
 from weightplan.runtime.plan.schema import dtype_name
 from ..ir import Assignment, Geometry, Node, Op
 from .errors import ConstantWriteError, DataDependentError, DestinationError, UnsupportedOpError
@@ -209,6 +210,23 @@ def _elementwise(step: str):
     return handler
 
 
+def _scale_in_place(tracer, func, args, kwargs):
+    """`x *= factor` with a Python number (vLLM folds a LoRA's scaling into lora_b so): x's chain gains a scale step.
+
+    The proxy is re-pointed in place, as the real tensor would be changed in place; views taken of it
+    earlier keep the unscaled chain, which is why only a plain number factor on a base proxy is accepted.
+    """
+    x, factor = args[0], args[1]
+    if isinstance(factor, torch.Tensor):
+        if isinstance(factor, LazyWeight) or factor.dim() != 0 or factor.device.type == "meta":
+            raise UnsupportedOpError(str(func), _arg_types(args, kwargs), tracer.loading)
+        factor = factor.item()
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        raise UnsupportedOpError(str(func), _arg_types(args, kwargs), tracer.loading)
+    x.node = Node(Op.MAP, (scale_step(factor),), (x.node,), x.node.shape, x.node.dtype)
+    return x
+
+
 def _cat(tracer, func, args, kwargs):
     tensors = args[0]
     if not all(isinstance(t, LazyWeight) for t in tensors):
@@ -255,6 +273,8 @@ _HANDLERS = {
     aten._to_copy.default: _to_copy,
     aten.exp.default: _elementwise("exp"),
     aten.neg.default: _elementwise("neg"),
+    aten.mul_.Tensor: _scale_in_place,
+    aten.mul_.Scalar: _scale_in_place,
     aten.cat.default: _cat,
     aten.copy_.default: _copy,
 }

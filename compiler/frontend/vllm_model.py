@@ -11,7 +11,7 @@ import torch
 
 from weightplan.runtime.errors import one_line
 from .errors import ModelConfigError
-from .vllm_patches import clear_layer_registry, host_independent, model_build, parallel_rank, share_with_target
+from .vllm_patches import clear_layer_registry, forget_pp_missing_layers, host_independent, model_build, parallel_rank, share_with_target
 
 # vLLM's MTP speculative decoding, as `--speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'` asks.
 MTP_SPECULATIVE_CONFIG = {"method": "mtp", "num_speculative_tokens": 1}
@@ -84,6 +84,7 @@ def build_model(vllm_config, device: str = "meta", *, tp_rank: int = 0, dp_rank:
 
     ensure_single_process_distributed(base_config or vllm_config)
     clear_layer_registry(vllm_config)
+    forget_pp_missing_layers()
     model_config = draft_config(vllm_config) or vllm_config.model_config
     try:
         with (

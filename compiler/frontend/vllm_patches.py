@@ -368,6 +368,18 @@ def clear_layer_registry(vllm_config) -> None:
     vllm_config.compilation_config.static_forward_context.clear()
 
 
+def forget_pp_missing_layers() -> None:
+    """Forget vLLM's cache of each model's `PPMissingLayer` names before building another model.
+
+    `models/utils.py:get_pp_missing_layer_names` caches by `id(model)`: one model per process in vLLM, but the
+    compiler builds one per rank, and a new model that reuses a freed model's id would get that model's pipeline
+    stage (its loader then skips the wrong layers, or looks up parameters the stage lacks).
+    """
+    from vllm.model_executor.models import utils
+
+    utils._model_to_pp_missing_layer_names.clear()
+
+
 def share_with_target(draft: torch.nn.Module) -> tuple[str, ...]:
     """Drop the modules an MTP draft shares with its target model; return the parameter names they held.
 

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from weightplan.runtime.casts import ELEMENTWISE
+from weightplan.runtime.casts import is_elementwise
 from weightplan.runtime.errors import WeightplanError
 from ..ir import Assignment, Copy, Fill, Geometry, Node, Op, Program
 
@@ -95,12 +95,12 @@ def _cast_chain(source_dtype: str, steps: tuple[str, ...]) -> tuple[str, ...]:
     """
     chain, current = [source_dtype], source_dtype
     for step in steps:
-        if step in ELEMENTWISE:
+        if is_elementwise(step):
             chain.append(step)
         elif step != current:
             chain.append(step)
             current = step
-    if chain[-1] in ELEMENTWISE:
+    if is_elementwise(chain[-1]):
         chain.append(current)
     return tuple(chain)
 

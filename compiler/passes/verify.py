@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from weightplan.runtime.casts import ELEMENTWISE
+from weightplan.runtime.casts import is_elementwise
 from weightplan.runtime.errors import WeightplanError
 from weightplan.runtime.plan import invariants
 from ..ir import Coverage, Program, Runs, itemsize
@@ -88,7 +88,7 @@ def _check_dtypes(program: Program, runs: Runs) -> None:
         if chain[0] != s.dtype or chain[-1] != d.dtype:
             raise PlanInvariantError(f"cast chain {chain} does not lead from {s.name} ({s.dtype}) to {d.name} ({d.dtype})")
         for step in chain:
-            if step not in ELEMENTWISE:
+            if not is_elementwise(step):
                 itemsize(step)
 
 

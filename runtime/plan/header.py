@@ -108,6 +108,34 @@ class RankCoords:
 
 
 @dataclass(frozen=True)
+class LoraHeader:
+    """A LoRA adapter's plan: PEFT rank and alpha, the engine's max_lora_rank the slot buffers are sized for, and the
+    PEFT target modules; its destinations are one slot of vLLM's `lora_{a,b}_stacked` buffers (docs/lora.md)."""
+
+    rank: int
+    alpha: float
+    max_rank: int
+    targets: tuple[str, ...]
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "alpha": self.alpha, "max_rank": self.max_rank, "targets": list(self.targets)}
+
+    @staticmethod
+    def from_json(obj, fail) -> "LoraHeader":
+        _check_keys(obj, LoraHeader, "inference.lora", fail)
+        rank, max_rank = (_int(obj, key, 1, 1 << 20, "inference.lora", fail) for key in ("rank", "max_rank"))
+        alpha = obj["alpha"]
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+            fail("inference.lora.alpha", "is not a finite number")
+        targets = obj["targets"]
+        if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t for t in targets):
+            fail("inference.lora.targets", "is not a list of module names")
+        if rank > max_rank:
+            fail("inference.lora.rank", f"{rank} is larger than max_rank {max_rank}")
+        return LoraHeader(rank, float(alpha), max_rank, tuple(targets))
+
+
+@dataclass(frozen=True)
 class InferenceHeader:
     """The inference side: vLLM's parallel layout (and --inference token), the platform and host choices it was traced
     with, the draft it updates, and the parameters vLLM's load never writes (`unloaded`, rows like the dests')."""
@@ -122,6 +150,7 @@ class InferenceHeader:
     draft: DraftHeader | None = _field(optional=True, default=None)
     unloaded: tuple[TensorEntry, ...] = _field(optional=True, default=())
     pp: int | None = _field(optional=True, default=None)  # pipeline ranks (absent: 1)
+    lora: LoraHeader | None = _field(optional=True, default=None)
 
     @property
     def ranks(self) -> int:
@@ -142,6 +171,8 @@ class InferenceHeader:
             obj["draft"] = self.draft.to_json()
         if self.unloaded:
             obj["unloaded"] = [e.dest_row() for e in self.unloaded]
+        if self.lora is not None:
+            obj["lora"] = self.lora.to_json()
         return obj
 
     @staticmethod
@@ -158,7 +189,8 @@ class InferenceHeader:
             _str(obj, "token", "inference", fail), tp, dp, obj["ep"], _str(obj, "platform", "inference", fail), host,
             _int(obj, "gpus_per_node", 1, MAX_RANKS, "inference", fail) if "gpus_per_node" in obj else None,
             DraftHeader.from_json(obj["draft"], fail) if "draft" in obj else None,
-            pp=_int(obj, "pp", 2, MAX_RANKS, "inference", fail) if "pp" in obj else None)
+            pp=_int(obj, "pp", 2, MAX_RANKS, "inference", fail) if "pp" in obj else None,
+            lora=LoraHeader.from_json(obj["lora"], fail) if "lora" in obj else None)
 
 
 @dataclass(frozen=True)

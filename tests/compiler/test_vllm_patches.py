@@ -36,6 +36,18 @@ def test_the_layer_registry_the_compiler_clears_exists():
     assert isinstance(config.compilation_config.static_forward_context, dict)
 
 
+def test_building_a_model_forgets_vllms_cache_of_pipeline_missing_layers():
+    """vLLM caches PPMissingLayer names by id(model): a model reusing a freed model's id would inherit its stage."""
+    from vllm.model_executor.models import utils
+
+    from weightplan.compiler.frontend.vllm_model import build_model, make_vllm_config
+
+    freed = 1  # no live object has id 1: stands for a model freed after its stage was cached
+    utils._model_to_pp_missing_layer_names[freed] = ["model.embed_tokens"]
+    build_model(make_vllm_config(config_dir("tiny-llama"), pp=2), pp_rank=0)
+    assert freed not in utils._model_to_pp_missing_layer_names
+
+
 def _snapshot(targets):
     return {target: (lambda owner, attr: (owner.__dict__.get(attr, "<inherited>"), getattr(owner, attr)))(*resolve(target))
             for target in targets}

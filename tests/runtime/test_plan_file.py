@@ -106,12 +106,13 @@ def test_malformed_strided_runs_are_refused(plan_cache, damage, message):
 
 
 @pytest.mark.parametrize("chain", [["bfloat16", "sqrt", "float32"], ["bfloat16", "exp"], ["exp", "bfloat16"], [],
-                                   ["bfloat16", 3]])
+                                   ["bfloat16", 3], ["bfloat16", "scale:nan", "bfloat16"]])
 def test_cast_chains_hold_only_dtypes_and_known_elementwise_steps(plan_cache, chain):
-    """A chain is a source dtype, dtypes and elementwise steps (exp, neg), then a wire dtype; anything else is refused."""
+    """A chain is a source dtype, dtypes and elementwise steps (exp, neg, scale:<finite float>), then a wire dtype;
+    anything else is refused."""
     plan = decode_plan(plan_cache("tiny-glm", "hf", "bf16", "fsdp=1", "tp=1").read_bytes())
     header = dataclasses.replace(plan.header, cast_chains=(tuple(chain),) + plan.header.cast_chains[1:])
-    with pytest.raises(PlanFormatError, match=r"cast_chains\[0\].*elementwise steps \(exp, neg\)"):
+    with pytest.raises(PlanFormatError, match=r"cast_chains\[0\].*elementwise steps \(exp, neg, scale:<float>\)"):
         decode_plan(encode_plan(header, {c: plan.table[c] for c in RUN_COLUMNS}))
 
 
