@@ -63,7 +63,8 @@ def test_bench_cluster_smoke(runtime_output):
     figures, stdout = last_json("bench_cluster.py", "--smoke", "--bench-output", str(runtime_output))
     assert_keys(figures, {"bf16_s", "fp8_s", "fp8_fanout_s", "max_nic_gb", "calibration_error_local",
                           "calibration_error_published", "calibration_source", "calibration_measured_at",
-                          "calibration_age_h"}, "bench_cluster.py")
+                          "calibration_age_h", "fp8_fanout_delta_s", "fp8_fanout_delta_wire_ratio",
+                          "fp8_fanout_delta_host_codec_s"}, "bench_cluster.py")
     assert figures["calibration_source"] == str(runtime_output)  # the run just made, named, never a saved file
 
 
