@@ -77,7 +77,8 @@ def test_bench_cluster_smoke_refuses_to_read_a_saved_output():
 def test_bench_engine_smoke():
     figures, _ = last_json("bench_engine.py", "--smoke")
     assert_keys(figures, {"update_s", "transfer_s", "post_process_s", "checkpoint_reload_s", "checkpoint_path",
-                          "speedup_vs_checkpoint", "cold_start_s", "gb", "load_weights_unavailable"}, "bench_engine.py")
+                          "speedup_vs_checkpoint", "cold_start_s", "gb", "load_weights_unavailable", "full_pause_s",
+                          "delta_pause_s", "full_pause_unprefetched_s", "delta_wire_ratio"}, "bench_engine.py")
 
 
 def test_bench_trainer_smoke():
