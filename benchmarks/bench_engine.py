@@ -16,12 +16,13 @@ tests/support/vllm_trainer_worker.py is rank 1), one `vllm.LLM` CPU engine (tp=1
   (c)  vLLM's own layerwise reload (initialize_layerwise_reload + load_weights of full in-memory
        tensors + finalize_layerwise_reload, what its nccl/ipc backends run), or null and why.
   (d)  the pause: the engine rejoins in a second job with delta syncs on (`delta=0.5` on every trainer and the
-       engine), version 1 full, then versions that change about 1% of the elements of the previous one (what an
-       optimizer step does to bf16 weights); every update prefetched (send_weights(prefetch=True): the workers read
-       the version in the background while the engine may generate, and the update call only applies it).
-       full_pause_s and delta_pause_s: the time the engine's worker spent inside the update calls of a full and of a
-       delta update (the window in which it can run no forward pass); full_pause_unprefetched_s: the same for (a),
-       whose updates are not prefetched (the transfer inside the pause).
+       engine); version 1 (full, a warm-up), then alternately a version that changes about 1% of the elements of
+       the previous one (what an optimizer step does to bf16 weights: taken as a delta) and a new random weight set
+       (its delta would exceed the trainers' delta regions: taken full), `updates` of each; every update prefetched
+       (send_weights(prefetch=True): the workers read the version in the background while the engine may
+       generate, and the update call only applies it). full_pause_s and delta_pause_s: the median time the engine's
+       worker spent inside the update calls of the full and of the delta updates (the window in which it can run
+       no forward pass); full_pause_unprefetched_s: the same for (a), whose updates are not prefetched.
 --smoke runs the same steps on tests/configs/engine-deepseek-v3 (a tiny MLA model) with 2 updates: it checks that
 they run, not the figures (tests/e2e/test_benchmark_smoke.py). The last line is one JSON object.
 """
@@ -74,8 +75,8 @@ def wait_for(path: Path, text: str, proc: subprocess.Popen) -> None:
 
 
 def delta_pauses(llm, plan, plan_path: Path, tmp: Path, updates: int) -> dict:
-    """(d): rejoin the engine in job bench-engine-delta with delta syncs on; version 1 full, versions 2..updates+1
-    sparse steps, every update prefetched; the engine's pause of each."""
+    """(d): rejoin the engine in job bench-engine-delta with delta syncs on; version 1 full, then `updates` sparse
+    steps (deltas) alternating with `updates` new weight sets (full), every update prefetched; the engine's pauses."""
     from tests.support.vllm_engine_support import full_weights, local_shards, sparse_step
     from weightplan.runtime import Rendezvous
     from weightplan.vllm_backend.clients import LLMClient
@@ -89,14 +90,16 @@ def delta_pauses(llm, plan, plan_path: Path, tmp: Path, updates: int) -> dict:
     trainer = WeightplanTrainerEngine.trainer_init(info, client=LLMClient(llm), source=ShardSource(tensors))
     gate = Rendezvous.connect(job, info.address, timeout=300)
     log = tmp / "rank1-delta.out"
+    sets = [1] + [x for k in range(updates) for x in ("s", k + 2)]  # as tests/support/vllm_trainer_worker.py reads them
     rank1 = subprocess.Popen([sys.executable, "-m", "tests.support.vllm_trainer_worker", "--plan", str(plan_path), "--rank", "1",
-                              "--address", info.address, "--job", job, "--timeout", "300", "--sets", "1", "--delta", "0.5",
-                              "--sparse-from", "2"], cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+                              "--address", info.address, "--job", job, "--timeout", "300", "--sets", ",".join(map(str, sets)),
+                              "--delta", "0.5"], cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     wait_for(log, '"ready"', rank1)
     rows = []
-    for version in range(1, updates + 2):
+    for version in range(1, len(sets) + 1):
         if version > 1:
-            full = sparse_step(full, version)
+            step = sets[version - 1]
+            full = sparse_step(full, version) if step == "s" else full_weights(plan, 0, step)
             for name, value in local_shards(plan, full, 0).items():
                 tensors[name].copy_(value)
         wait_for(log, f'"prepared", "version": {version}}}', rank1)
@@ -109,14 +112,15 @@ def delta_pauses(llm, plan, plan_path: Path, tmp: Path, updates: int) -> dict:
         print(f"delta job v{version}: {wall:.3f} s, took {e['took']} ({e['bytes'] / 1e9:.4f} GB read), prefetched "
               f"{e['prefetched']}: transfer {e['transfer_s']:.3f} s in the background, pause {e['pause_s']:.3f} s "
               f"(waiting {e['wait_s']:.3f} s, post-process {e['post_process_s']:.3f} s)")
-    gate.put(f"test/stop/{updates + 2}", b"1")
-    gate.put(f"test/go/{updates + 2}", b"1")
+    gate.put(f"test/stop/{len(sets) + 1}", b"1")
+    gate.put(f"test/go/{len(sets) + 1}", b"1")
     rank1.wait(60)
     trainer.shutdown()
-    deltas = [e for e in rows[1:] if e["took"] == "delta"]
-    if rows[0]["took"] != "full" or not deltas:
-        raise SystemExit(f"the delta job's updates took {[e['took'] for e in rows]}: expected full, then deltas")
-    return {"full_pause_s": round(rows[0]["pause_s"], 4),
+    took = [e["took"] for e in rows]
+    if took != ["full"] + ["delta", "full"] * updates:
+        raise SystemExit(f"the delta job's updates took {took}: expected full, then delta and full alternately")
+    deltas, fulls = rows[1::2], rows[2::2]
+    return {"full_pause_s": round(statistics.median(e["pause_s"] for e in fulls), 4),
             "delta_pause_s": round(statistics.median(e["pause_s"] for e in deltas), 4),
             "delta_transfer_s": round(statistics.median(e["transfer_s"] for e in deltas), 4),
             "delta_wire_ratio": round(statistics.median(e["bytes"] for e in deltas) / rows[0]["bytes"], 4)}

@@ -64,7 +64,8 @@ def test_delta_updates_prefetched_while_serving_equal_fresh_checkpoint_engines(t
         assert [(reports[v]["took"], reports[v]["prefetched"], reports[v]["version"]) for v in (1, 2, 3)] == \
             [("full", True, 1), ("delta", True, 2), ("delta", False, 3)], reports
         assert reports[2]["bytes"] < 0.2 * reports[1]["bytes"] and reports[2]["delta_trainers"] == [0]
-        assert reports[2]["pause_s"] < reports[2]["transfer_s"] + reports[2]["post_process_s"] + 1.0
+        for v in (1, 2):  # prefetched: the trainer's release returned after the engine read v, so the applying call
+            assert reports[v]["wait_s"] < reports[v]["transfer_s"], reports[v]  # found most of the transfer done
 
         publish = trainer.sender.publish
 
