@@ -13,7 +13,10 @@ benchmarks/calibrate_cluster.py (here: against a bench_runtime.py output: the ne
 benchmarks/results, --bench-output FILE, or --measure to run it now; the line and the JSON say which
 run and how old it is; published: against prime-rl's RDMA phase). The last line is one JSON object
 with keys bf16_s, fp8_s, fp8_fanout_s, max_nic_gb, calibration_error_local, calibration_error_published,
-calibration_source, calibration_measured_at and calibration_age_h (and a few more).
+calibration_source, calibration_measured_at and calibration_age_h (and a few more); fp8_fanout_delta_s is the fan-out
+plan's delta sync at --delta-density (default: the fp8 density bench-delta measured at lr 1e-6) with the seed file's
+assumed GPU encode and apply rates, fp8_fanout_delta_host_codec_s the same with the rates loopback.json holds for this
+host's numpy encoder and decoder (benchmarks/measure_delta_codec.py).
 --smoke compiles a tiny fan-out plan (tests/configs/fp8-glm, fsdp=2 -> dp=4,ep,gpus-per-node=2) instead of
 GLM-5.2's and needs --bench-output or --measure (it never falls back to a saved file): it checks that
 everything runs, not the figures (tests/e2e/test_benchmark_smoke.py).
@@ -22,6 +25,7 @@ everything runs, not the figures (tests/e2e/test_benchmark_smoke.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -38,6 +42,8 @@ SEED = str(ROOT / "plans" / "glm-5.2" / "stacked-bf16-fsdp64-ep8__tp1-dp32-ep__{
 FANOUT_OPTIONS = {"model": "glm-5.2", "trainer_format": "stacked", "trainer_dtype": "bf16", "quant": "fp8_per_block",
                   "trainer": "fsdp=64,ep=8", "inference": "dp=32,ep,gpus-per-node=8"}
 FANOUT_TOKEN = "tp1-dp32-ep-node8"
+# bench-delta's median density of the fp8 case at lr 1e-6 (docs/benchmarks.md, run of 2026-12-03 10:00-10:43 UTC)
+MEASURED_FP8_DENSITY = 0.01149
 SMOKE_FANOUT = {"model": str(ROOT / "tests" / "configs" / "fp8-glm"), "trainer_format": "hf", "trainer_dtype": "bf16",
                 "quant": "fp8_per_block", "trainer": "fsdp=2", "inference": "dp=4,ep,gpus-per-node=2"}
 CACHE = Path(os.environ.get("WEIGHTPLAN_BENCH_CACHE", Path(tempfile.gettempdir()) / "weightplan-bench-cluster"))
@@ -90,12 +96,12 @@ def calibration_source(args) -> tuple[Path, str]:
     return path, str(path.relative_to(ROOT))
 
 
-def simulate(plan, cluster, label: str) -> dict:
-    """Predict one plan's sync, print its lines, return simulate-plan's JSON figures."""
+def simulate(plan, cluster, label: str, delta=None, transfers=None) -> dict:
+    """Predict one plan's sync (a delta sync with `delta`), print its lines, return simulate-plan's JSON figures."""
     from weightplan.compiler.simulate.model import predict
     from weightplan.compiler.simulate.transfers import plan_transfers
 
-    prediction = predict(plan_transfers(plan), cluster)
+    prediction = predict(transfers or plan_transfers(plan), cluster, delta)
     d = prediction.as_dict()
     nic, hop = d["inference_nic_bytes"], d.get("second_hop_bytes")
     print(f"{label}: predicted sync {prediction.sync_s:.3f} s on {cluster.name}; bytes per inference NIC max "
@@ -113,6 +119,8 @@ def main() -> None:
     source.add_argument("--bench-output", type=Path, help="saved bench_runtime.py output (default: newest under benchmarks/results)")
     source.add_argument("--measure", action="store_true", help="run benchmarks/bench_runtime.py now for the local calibration")
     parser.add_argument("--fanout-plan", type=Path, help="the fp8 seed plan compiled with gpus-per-node=8 (default: compile or reuse the cache)")
+    parser.add_argument("--delta-density", type=float, default=MEASURED_FP8_DENSITY,
+                        help=f"changed fraction of wire units for the delta sync (default {MEASURED_FP8_DENSITY}: bench-delta, fp8, lr 1e-6)")
     parser.add_argument("--smoke", action="store_true", help="a tiny fan-out plan (and bench_runtime.py --smoke with --measure): "
                                                               "checks it runs, not its figures")
     args = parser.parse_args()
@@ -120,8 +128,15 @@ def main() -> None:
         parser.error("--smoke compiles its own tiny fan-out plan: drop --fanout-plan")
     if args.smoke and not (args.bench_output or args.measure):
         parser.error("--smoke needs --bench-output FILE or --measure (a smoke run never reads a saved output)")
+    from weightplan.compiler.simulate.delta import DeltaModelError, DeltaSync
     from weightplan.compiler.simulate.report import resolve_cluster
+    from weightplan.compiler.simulate.transfers import plan_transfers
     from weightplan.runtime import load_plan
+
+    try:
+        delta = DeltaSync(args.delta_density)
+    except DeltaModelError as exc:
+        parser.error(str(exc))
 
     cluster = resolve_cluster("dgx-h200-seed")
     bf16 = simulate(load_plan(SEED.format("none")), cluster, "bf16")
@@ -136,7 +151,13 @@ def main() -> None:
         check_fanout_plan(fan_plan, path)
     print(f"fp8 + fan-out plan: {path} ({'compiled in %.1f s' % compile_s if compile_s is not None else 'reused, not compiled now'}; "
           f"{len(fan_plan.fanout.first_hops)} replicated entries pulled once per node of {fan_plan.fanout.gpus_per_node})")
-    fan = simulate(fan_plan, cluster, " fp8 + fan-out")
+    fan_transfers = plan_transfers(fan_plan)
+    fan = simulate(fan_plan, cluster, " fp8 + fan-out", transfers=fan_transfers)
+    fan_delta = simulate(fan_plan, cluster, f" fp8 + fan-out, delta at density {delta.density}", delta, fan_transfers)
+    loopback = resolve_cluster("loopback")
+    host_codec = dataclasses.replace(cluster, delta_encode_gbytes_per_s=loopback.delta_encode_gbytes_per_s,
+                                     delta_apply_gbytes_per_s=loopback.delta_apply_gbytes_per_s)
+    fan_delta_host = simulate(fan_plan, host_codec, " fp8 + fan-out, delta, this host's numpy codec rates", delta, fan_transfers)
     bench, source = calibration_source(args)
     figures = bench_figures(bench)
     when = measured_at(bench, figures)
@@ -160,6 +181,12 @@ def main() -> None:
         "fp8_fanout_mean_nic_gb": round(fan["inference_nic_bytes"]["mean"] / 1e9, 3),
         "fp8_fanout_second_hop_gb": round(fan["second_hop_bytes"]["max"] / 1e9, 3),
         "fp8_fanout_critical_path": [s["phase"] for s in fan["critical_path"]],
+        "fp8_fanout_delta_s": round(fan_delta["sync_s"], 4),
+        "fp8_fanout_delta_density": delta.density,
+        "fp8_fanout_delta_wire_ratio": round(fan_delta["delta"]["wire_ratio"], 4),
+        "fp8_fanout_delta_max_nic_gb": round(fan_delta["inference_nic_bytes"]["max"] / 1e9, 3),
+        "fp8_fanout_delta_critical_path": [s["phase"] for s in fan_delta["critical_path"]],
+        "fp8_fanout_delta_host_codec_s": round(fan_delta_host["sync_s"], 4),
         "fp8_fanout_compile_s": None if compile_s is None else round(compile_s, 1),
         "calibration_error_local": round(local["error"], 4),
         "calibration_error_published": round(pub["error"], 4),

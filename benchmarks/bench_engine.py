@@ -15,6 +15,14 @@ tests/support/vllm_trainer_worker.py is rank 1), one `vllm.LLM` CPU engine (tp=1
        else by restarting the engine on the checkpoint (checkpoint_path says which);
   (c)  vLLM's own layerwise reload (initialize_layerwise_reload + load_weights of full in-memory
        tensors + finalize_layerwise_reload, what its nccl/ipc backends run), or null and why.
+  (d)  the pause: the engine rejoins in a second job with delta syncs on (`delta=0.5` on every trainer and the
+       engine); version 1 (full, a warm-up), then alternately a version that changes about 1% of the elements of
+       the previous one (what an optimizer step does to bf16 weights: taken as a delta) and a new random weight set
+       (its delta would exceed the trainers' delta regions: taken full), `updates` of each; every update prefetched
+       (send_weights(prefetch=True): the workers read the version in the background while the engine may
+       generate, and the update call only applies it). full_pause_s and delta_pause_s: the median time the engine's
+       worker spent inside the update calls of the full and of the delta updates (the window in which it can run
+       no forward pass); full_pause_unprefetched_s: the same for (a), whose updates are not prefetched.
 --smoke runs the same steps on tests/configs/engine-deepseek-v3 (a tiny MLA model) with 2 updates: it checks that
 they run, not the figures (tests/e2e/test_benchmark_smoke.py). The last line is one JSON object.
 """
@@ -58,6 +66,66 @@ def layerwise_reload(worker, path: str) -> float:
     return time.perf_counter() - began
 
 
+def wait_for(path: Path, text: str, proc: subprocess.Popen) -> None:
+    """Until `text` appears in a trainer worker's output; exit with its output if it died."""
+    while text not in path.read_text():
+        if proc.poll() is not None:
+            raise SystemExit(path.read_text()[-3000:])
+        time.sleep(0.2)
+
+
+def delta_pauses(llm, plan, plan_path: Path, tmp: Path, updates: int) -> dict:
+    """(d): rejoin the engine in job bench-engine-delta with delta syncs on; version 1 full, then `updates` sparse
+    steps (deltas) alternating with `updates` new weight sets (full), every update prefetched; the engine's pauses."""
+    from tests.support.vllm_engine_support import full_weights, local_shards, sparse_step
+    from weightplan.runtime import Rendezvous
+    from weightplan.vllm_backend.clients import LLMClient
+    from weightplan.vllm_backend.trainer import ShardSource, WeightplanTrainerEngine, WeightplanTrainerInitInfo
+
+    llm.shutdown_weight_transfer_engine()
+    job = "bench-engine-delta"
+    full = full_weights(plan, 0, 1)
+    tensors = local_shards(plan, full, 0)
+    info = WeightplanTrainerInitInfo(rank=0, plan=str(plan_path), address="127.0.0.1:0", job=job, timeout=300, delta=0.5)
+    trainer = WeightplanTrainerEngine.trainer_init(info, client=LLMClient(llm), source=ShardSource(tensors))
+    gate = Rendezvous.connect(job, info.address, timeout=300)
+    log = tmp / "rank1-delta.out"
+    sets = [1] + [x for k in range(updates) for x in ("s", k + 2)]  # as tests/support/vllm_trainer_worker.py reads them
+    rank1 = subprocess.Popen([sys.executable, "-m", "tests.support.vllm_trainer_worker", "--plan", str(plan_path), "--rank", "1",
+                              "--address", info.address, "--job", job, "--timeout", "300", "--sets", ",".join(map(str, sets)),
+                              "--delta", "0.5"], cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    wait_for(log, '"ready"', rank1)
+    rows = []
+    for version in range(1, len(sets) + 1):
+        if version > 1:
+            step = sets[version - 1]
+            full = sparse_step(full, version) if step == "s" else full_weights(plan, 0, step)
+            for name, value in local_shards(plan, full, 0).items():
+                tensors[name].copy_(value)
+        wait_for(log, f'"prepared", "version": {version}}}', rank1)
+        gate.put(f"test/go/{version}", b"1")
+        t = time.perf_counter()
+        trainer.send_weights(version, prefetch=True)
+        wall = time.perf_counter() - t
+        e = llm.collective_rpc(engine_info)[0]
+        rows.append(e)
+        print(f"delta job v{version}: {wall:.3f} s, took {e['took']} ({e['bytes'] / 1e9:.4f} GB read), prefetched "
+              f"{e['prefetched']}: transfer {e['transfer_s']:.3f} s in the background, pause {e['pause_s']:.3f} s "
+              f"(waiting {e['wait_s']:.3f} s, post-process {e['post_process_s']:.3f} s)")
+    gate.put(f"test/stop/{len(sets) + 1}", b"1")
+    gate.put(f"test/go/{len(sets) + 1}", b"1")
+    rank1.wait(60)
+    trainer.shutdown()
+    took = [e["took"] for e in rows]
+    if took != ["full"] + ["delta", "full"] * updates:
+        raise SystemExit(f"the delta job's updates took {took}: expected full, then delta and full alternately")
+    deltas, fulls = rows[1::2], rows[2::2]
+    return {"full_pause_s": round(statistics.median(e["pause_s"] for e in fulls), 4),
+            "delta_pause_s": round(statistics.median(e["pause_s"] for e in deltas), 4),
+            "delta_transfer_s": round(statistics.median(e["transfer_s"] for e in deltas), 4),
+            "delta_wire_ratio": round(statistics.median(e["bytes"] for e in deltas) / rows[0]["bytes"], 4)}
+
+
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return (text[0] if text else type(exc).__name__)[:300]
@@ -98,35 +166,30 @@ def main() -> None:
     rank1 = subprocess.Popen([sys.executable, "-m", "tests.support.vllm_trainer_worker", "--plan", str(plan_path), "--rank", "1",
                               "--address", info.address, "--job", "bench-engine", "--timeout", "300", "--sets", sets],
                              cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    while '"ready"' not in (tmp / "rank1.out").read_text():
-        if rank1.poll() is not None:
-            raise SystemExit((tmp / "rank1.out").read_text()[-3000:])
-        time.sleep(0.2)
+    wait_for(tmp / "rank1.out", '"ready"', rank1)
     rows = []
     for version in range(1, args.updates + 1):
         if version > 1:
             for name, value in local_shards(plan, full_weights(plan, 0, version), 0).items():
                 tensors[name].copy_(value)
-        while f'"prepared", "version": {version}}}' not in (tmp / "rank1.out").read_text():  # rank 1's new values are ready
-            if rank1.poll() is not None:
-                raise SystemExit((tmp / "rank1.out").read_text()[-3000:])
-            time.sleep(0.2)
+        wait_for(tmp / "rank1.out", f'"prepared", "version": {version}}}', rank1)  # rank 1's new values are ready
         t = time.perf_counter()
         gate.put(f"test/go/{version}", b"1")
         trainer.send_weights(version)
         wall = time.perf_counter() - t
         e = llm.collective_rpc(engine_info)[0]
-        rows.append((wall, e["transfer_s"], e["post_process_s"]))
+        rows.append((wall, e["transfer_s"], e["post_process_s"], e["pause_s"]))
         print(f"update v{version}: {wall:.3f} s (engine: transfer {e['transfer_s']:.3f} s, post-process "
               f"{e['post_process_s']:.3f} s, {e['bytes'] / 1e9:.2f} GB, {e['descriptors']} descriptors, {e['mode']} mode)")
     ours = greedy(llm)
     cold_start = engine_start + rows[0][0]
     steady = rows[1:] or rows
-    update_s, transfer_s, post_s = (statistics.median(r[i] for r in steady) for i in range(3))
+    update_s, transfer_s, post_s, pause_s = (statistics.median(r[i] for r in steady) for i in range(4))
     gate.put(f"test/stop/{args.updates + 1}", b"1")
     gate.put(f"test/go/{args.updates + 1}", b"1")
     rank1.wait(60)
     trainer.shutdown()
+    pauses = delta_pauses(llm, plan, plan_path, tmp, args.updates)
     shutdown(llm)
 
     full = full_weights(plan, 0, args.updates)  # the trainer's tensors; only writing them is timed
@@ -172,6 +235,7 @@ def main() -> None:
         "speedup_vs_load_weights": None if load_weights_reload is None else round(load_weights_reload / update_s, 2),
         "cold_start_s": round(cold_start, 3), "checkpoint_cold_start_s": round(checkpoint_cold_start, 3),
         "gb": round(gb, 3), "load_weights_unavailable": why,
+        "full_pause_unprefetched_s": round(pause_s, 4), **pauses,
     }
     print(f"ours {update_s:.3f} s per update vs {checkpoint_path} from a checkpoint {checkpoint_reload:.2f} s: "
           f"{result['speedup_vs_checkpoint']}x")

@@ -153,8 +153,11 @@ def simulate_main(argv: list[str] | None = None) -> int:
                         help="cluster file (JSON, see docs/simulate.md) or a shipped name: dgx-h200-seed, loopback")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--html", type=_output_path, metavar="OUT", help="also write the HTML report with the simulated timeline")
+    parser.add_argument("--delta-density", type=float, metavar="D",
+                        help="model a delta sync in which this fraction of wire units changed (docs/simulate.md)")
     args = parser.parse_args(argv)
     from weightplan.runtime import load_plan
+    from .simulate.delta import DeltaSync
     from .simulate.report import render_text, resolve_cluster
     from .simulate.model import predict
     from .simulate.transfers import plan_transfers
@@ -162,8 +165,9 @@ def simulate_main(argv: list[str] | None = None) -> int:
     try:
         cluster = resolve_cluster(args.cluster)
         plan = load_plan(args.plan)
+        delta = None if args.delta_density is None else DeltaSync(args.delta_density)
         transfers = plan_transfers(plan)
-        prediction = predict(transfers, cluster)
+        prediction = predict(transfers, cluster, delta)
         if args.html:
             from .plan_summary import summarize
             from .simulate.html_report import write_report

@@ -34,11 +34,14 @@ class AsyncLLMClient:
     """An `AsyncLLM` running on event loop `loop` (another thread) as a VLLMWeightSyncClient.
 
     Generation is paused (`pause_generation`) from start_weight_update to finish_weight_update,
-    so no request runs while the weights change.
+    so no request runs while the weights change; except after a prefetch (`update_weights` with
+    `"prefetch": True`, which only starts the workers' background reads): generation resumes until
+    the update that applies the version pauses it again.
     """
 
     def __init__(self, engine, loop: asyncio.AbstractEventLoop, timeout: float = 600.0) -> None:
         self.engine, self.loop, self.timeout = engine, loop, timeout
+        self.resumed_for_prefetch = False
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.timeout)
@@ -61,13 +64,21 @@ class AsyncLLMClient:
             raise
 
     def update_weights(self, update_info) -> None:
+        prefetch = isinstance(update_info, dict) and update_info.get("prefetch") is True
+        if self.resumed_for_prefetch and not prefetch:
+            self._run(self.engine.pause_generation())
+            self.resumed_for_prefetch = False
         try:
             self._run(self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info)))
         except BaseException:
             self._run(self.engine.resume_generation())
             raise
+        if prefetch:
+            self._run(self.engine.resume_generation())
+            self.resumed_for_prefetch = True
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.resumed_for_prefetch = False
         try:
             self._run(self.engine.finish_weight_update(weight_version))
         finally:

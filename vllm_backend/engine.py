@@ -16,6 +16,7 @@ from weightplan.runtime.plan.schema import DerivedItem
 from .engine_check import check_engine, plan_rank
 from .live_patches import allow_forward, refuse_forward
 from .init_info import InitInfoError, WeightplanInitInfo, WeightplanUpdateInfo
+from .prefetch import BackgroundSync
 from .staging import Destination, choose
 
 log = logging.getLogger("weightplan.vllm_backend")
@@ -48,7 +49,11 @@ class WeightplanWeightTransferEngine(WeightTransferEngine[WeightplanInitInfo, We
     `init_transfer_engine` validates the init info, picks the plan that matches this engine,
     refuses a mismatch before registering memory, chooses the mode and joins the job.
     `update_weights({"version": v})` syncs version v; in staged mode the engine keeps serving its
-    previous weights until the whole sync has landed and been applied.
+    previous weights until the whole sync has landed and been applied. In staged mode,
+    `update_weights({"version": v, "prefetch": True})` starts that sync on a background thread and returns at once,
+    so the engine keeps generating while the bytes move; the next `update_weights({"version": v})` waits for it and
+    only applies (direct mode ignores `prefetch`: its sync writes the live weights). With init info `delta` > 0 the
+    Receiver takes deltas when it holds the previous version; `info()` reports which the last update took.
 
     With `draft_plan` in the init info, `supports_draft_weight_update` is True: vLLM's
     `start_draft_weight_update` retargets the engine at the speculative draft model
@@ -69,6 +74,8 @@ class WeightplanWeightTransferEngine(WeightTransferEngine[WeightplanInitInfo, We
         self.rank: int | None = None
         self.last: dict[str, Any] = {}
         self.last_draft: dict[str, Any] = {}
+        self.prefetches: dict[str, BackgroundSync] = {}  # "target" or "draft": a sync running into staging
+        self.prefetch_rpc_s: dict[str, float] = {}  # how long the prefetch call held the worker, per side
 
     @property
     def supports_draft_weight_update(self) -> bool:  # vLLM's worker asks before start_draft_weight_update
@@ -134,7 +141,7 @@ class WeightplanWeightTransferEngine(WeightTransferEngine[WeightplanInitInfo, We
         derived = [d for d in plan.derived if d.where == DerivedItem.RECEIVER and set(d.reads) <= set(names)]
         rendezvous = Rendezvous.connect(job, init_info.address, timeout=init_info.timeout)
         receiver = Receiver(plan, rank, destination.tensors, rendezvous=rendezvous, timeout=init_info.timeout,
-                            verify=init_info.verify, derived="caller")
+                            verify=init_info.verify, derived="caller", delta=init_info.delta)
         receiver.start()
         log.info("weightplan backend: inference rank %d, %s %s (%s), %s mode (%s), %.1f MB staged", rank, what,
                  plan.header.model, plan.fingerprint[:12], destination.mode, destination.reason,
@@ -171,8 +178,24 @@ class WeightplanWeightTransferEngine(WeightTransferEngine[WeightplanInitInfo, We
         if side is None:
             raise RuntimeError("weightplan backend: start_draft_weight_update must be called before a draft update")
         began = time.perf_counter()
+        key = "target" if side is self.target else "draft"
+        pending = self.prefetches.pop(key, None)
+        if update_info.prefetch and side.destination.mode == "staged":
+            if pending is not None:  # an earlier prefetch never applied: let it end (its bytes are overwritten)
+                _settle(pending)
+            self.prefetches[key] = BackgroundSync(side.receiver, update_info.version)
+            self.prefetch_rpc_s[key] = time.perf_counter() - began
+            return
+        if update_info.prefetch:
+            return  # direct mode: the update itself syncs
+        prefetched = pending is not None and pending.version == update_info.version
         try:
-            report = side.receiver.sync(update_info.version)
+            if prefetched:
+                report = pending.wait()
+            else:
+                if pending is not None:
+                    _settle(pending)
+                report = side.receiver.sync(update_info.version)
         except Exception as exc:
             if side.destination.mode == "direct":  # the live weights are incomplete: refuse to serve them
                 refuse_forward(side.model, f"version {update_info.version}: {str(exc)[:200]}")
@@ -184,25 +207,41 @@ class WeightplanWeightTransferEngine(WeightTransferEngine[WeightplanInitInfo, We
             for module in side.derived:
                 module.process_weights_after_loading(self.model_config.dtype)
         done = time.perf_counter()
-        last = {"version": update_info.version, "transfer_s": transferred - began, "post_process_s": done - transferred,
+        # pause_s: the time this worker spent inside this version's update calls, when it could run no forward pass.
+        last = {"version": update_info.version, "transfer_s": pending.seconds if prefetched else transferred - began,
+                "post_process_s": done - transferred, "prefetched": prefetched, "wait_s": transferred - began,
+                "pause_s": done - began + (self.prefetch_rpc_s.pop(key, 0.0) if prefetched else 0.0),
+                "took": report.took, "delta_trainers": list(report.delta_trainers), "delta_bytes": report.delta_bytes,
                 "bytes": report.bytes, "descriptors": report.descriptors}
         if side is self.target:
             self.last = last
         else:
             self.last_draft = last
-        log.info("weightplan backend: %sversion %d on inference rank %d: %.3f s transfer, %.3f s post-process (%s mode)",
-                 "draft " if side is self.draft else "", update_info.version, self.rank, last["transfer_s"],
-                 last["post_process_s"], side.destination.mode)
+        log.info("weightplan backend: %sversion %d on inference rank %d: %.3f s transfer (%s%s), %.3f s post-process, "
+                 "%.3f s paused (%s mode)", "draft " if side is self.draft else "", update_info.version, self.rank,
+                 last["transfer_s"], report.took, ", prefetched" if prefetched else "", last["post_process_s"],
+                 last["pause_s"], side.destination.mode)
 
     def finish_weight_update(self) -> None:
         pass
 
     def shutdown(self) -> None:
+        for pending in self.prefetches.values():
+            _settle(pending)
+        self.prefetches = {}
         sides, self.target, self.draft = (self.target, self.draft), None, None
         for side in sides:
             if side is not None:
                 side.close()
         self.draft_plans = []
+
+
+def _settle(pending: BackgroundSync) -> None:
+    """Let a prefetch that will not be applied end; its failure was already reported to the trainers."""
+    try:
+        pending.wait()
+    except Exception as exc:
+        log.warning("weightplan backend: prefetch of version %d not applied: %s", pending.version, str(exc)[:200])
 
 
 def _side_info(side: Side | None) -> dict[str, Any]:

@@ -66,7 +66,8 @@ class WeightplanInitInfo(WeightTransferInitInfo):
     (chosen from the live engine and reported), "staged" or "direct". `fingerprint`: if given,
     the plan's fingerprint must equal it (the trainer passes its own plan's). `draft_plan`: the
     speculative-decoding draft's plan file(s) (`compile-plan --draft`); with it the engine takes
-    draft updates (`start_draft_weight_update`), synced in job `job + ".draft"`.
+    draft updates (`start_draft_weight_update`), synced in job `job + ".draft"`. `delta`: the Receiver's delta
+    fraction (docs/runtime.md, delta syncs; 0: every update full), in [0, 1].
     """
 
     plan: str | list[str]
@@ -78,6 +79,7 @@ class WeightplanInitInfo(WeightTransferInitInfo):
     mode: str = "auto"
     fingerprint: str | None = None
     draft_plan: str | list[str] | None = None
+    delta: float = 0.0
 
     @property
     def plans(self) -> list[str]:
@@ -123,7 +125,14 @@ class WeightplanInitInfo(WeightTransferInitInfo):
                    verify=_bool("verify", info.get("verify", False)),
                    rank_offset=_int("rank_offset", info.get("rank_offset", 0), 0, MAX_RANKS - 1), mode=mode,
                    fingerprint=fingerprint,
-                   draft_plan=draft_plan)
+                   draft_plan=draft_plan,
+                   delta=_fraction("delta", info.get("delta", 0.0)))
+
+
+def _fraction(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise InitInfoError(f"weightplan init_info field {name!r} must be a number in [0, 1], got {repr(value)[:40]}")
+    return float(value)
 
 
 def _plan_field(name: str, value: Any) -> str | list[str]:
@@ -149,12 +158,17 @@ def _paths(value: str | list[str]) -> list[str]:
 
 @dataclass
 class WeightplanUpdateInfo(WeightTransferUpdateInfo):
-    """One update: the version every trainer rank published."""
+    """One update: the version every trainer rank published. With `prefetch`, the worker starts syncing that version
+    into its staging buffers in the background and returns at once (the engine keeps generating); the next update of
+    the same version without `prefetch` waits for that sync and applies it."""
 
     version: int
+    prefetch: bool = False
 
     @classmethod
     def from_dict(cls, info: Any) -> "WeightplanUpdateInfo":
-        if not isinstance(info, dict) or set(info) != {"version"}:
-            raise InitInfoError(f"weightplan update_info must be {{'version': <int in 1..{MAX_VERSION}>}}, got {repr(info)[:80]}")
-        return cls(version=_int("version", info["version"], 1, MAX_VERSION))
+        if not isinstance(info, dict) or "version" not in info or not set(info) <= {"version", "prefetch"}:
+            raise InitInfoError(f"weightplan update_info must be {{'version': <int in 1..{MAX_VERSION}>[, 'prefetch': "
+                                f"true|false]}}, got {repr(info)[:80]}")
+        return cls(version=_int("version", info["version"], 1, MAX_VERSION),
+                   prefetch=_bool("prefetch", info.get("prefetch", False)))

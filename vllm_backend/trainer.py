@@ -49,7 +49,8 @@ class WeightplanTrainerInitInfo(TrainerInitInfo):
     publish digests and receivers check every sync against them. `engine`: extra worker init
     fields passed through (`mode`, `rank_offset`). `draft_plan`: the speculative draft's plan
     (`compile-plan --draft`); with it `trainer_init` takes `draft_source` (this rank's MTP shards)
-    and every `send_weights` also updates the engine's draft, in job `job + ".draft"`.
+    and every `send_weights` also updates the engine's draft, in job `job + ".draft"`. `delta`: the delta fraction of
+    this rank's Sender and of every inference worker's Receiver (docs/runtime.md, delta syncs; 0: every sync full).
     """
 
     backend: ClassVar[str] = BACKEND
@@ -63,12 +64,14 @@ class WeightplanTrainerInitInfo(TrainerInitInfo):
     inference_plan: str | None = None
     engine: dict[str, Any] | None = None
     draft_plan: str | None = None
+    delta: float = 0.0
 
     def worker_init_info(self, fingerprint: str) -> dict[str, Any]:
         """The JSON-native init info every inference worker gets."""
         draft = {"draft_plan": self.draft_plan} if self.draft_plan else {}
+        delta = {"delta": self.delta} if self.delta else {}
         return {"plan": self.inference_plan or self.plan, "address": self.address, "job": self.job, "timeout": self.timeout,
-                "verify": self.verify, "fingerprint": fingerprint, **draft, **(self.engine or {})}
+                "verify": self.verify, "fingerprint": fingerprint, **draft, **delta, **(self.engine or {})}
 
 
 class WeightplanTrainerEngine(TrainerWeightTransferEngine[WeightplanTrainerInitInfo]):
@@ -77,7 +80,11 @@ class WeightplanTrainerEngine(TrainerWeightTransferEngine[WeightplanTrainerInitI
     `send_weights(version=None)` publishes the next version (or `version`) on this rank; rank 0
     then calls start_weight_update, update_weights({"version": v}) and finish_weight_update(
     weight_version=str(v)) on the client; every rank finally releases v (waits for the inference
-    ranks' acknowledgements), after which its tensors may change again.
+    ranks' acknowledgements), after which its tensors may change again. With `prefetch=True` rank 0
+    first calls update_weights({"version": v, "prefetch": True}) (the workers start reading v in
+    the background and the engine keeps generating), and the update that applies v only after
+    its own release returned (every inference rank it serves has read v), so the engine's pause
+    holds no transfer.
     """
 
     init_info_cls = WeightplanTrainerInitInfo
@@ -103,7 +110,7 @@ class WeightplanTrainerEngine(TrainerWeightTransferEngine[WeightplanTrainerInitI
         if serve:
             init_info.address = rendezvous.address  # port 0 picks a free one
         sender = Sender(plan, init_info.rank, tensors, rendezvous=rendezvous, timeout=init_info.timeout,
-                        digests=init_info.verify)
+                        digests=init_info.verify, delta=init_info.delta)
         sender.start()
         draft_sender = None
         if init_info.draft_plan is not None:
@@ -118,7 +125,7 @@ class WeightplanTrainerEngine(TrainerWeightTransferEngine[WeightplanTrainerInitI
             client.init_weight_transfer_engine(init_info.worker_init_info(plan.fingerprint))
         return engine
 
-    def send_weights(self, version: int | None = None) -> None:
+    def send_weights(self, version: int | None = None, prefetch: bool = False) -> None:
         """Publish the next version (or `version`) on this rank; rank 0 drives the engine; every rank releases it.
 
         Rank 0 calls the client on a helper thread while this thread runs `release`: the receivers'
@@ -132,11 +139,16 @@ class WeightplanTrainerEngine(TrainerWeightTransferEngine[WeightplanTrainerInitI
             self.draft_sender.publish(v)
         failure: list[BaseException] = []
         driver = None
+        read = threading.Event() if prefetch else None  # set once this rank's release returned
         if self.is_sender and self.client is not None:
-            driver = threading.Thread(target=self._drive, args=(v, failure), name=f"weightplan-drive-v{v}", daemon=True)
+            driver = threading.Thread(target=self._drive, args=(v, failure, read), name=f"weightplan-drive-v{v}", daemon=True)
             driver.start()
         try:
-            self.last_release = self.sender.release(v)
+            try:
+                self.last_release = self.sender.release(v)
+            finally:
+                if read is not None:
+                    read.set()
             if self.draft_sender is not None:  # the engine takes the draft's update after the target's
                 self._await_joins(self.draft_sender, driver)
                 self.draft_sender.release(v)
@@ -161,9 +173,12 @@ class WeightplanTrainerEngine(TrainerWeightTransferEngine[WeightplanTrainerInitI
                 return
             time.sleep(0.01)
 
-    def _drive(self, version: int, failure: list) -> None:
+    def _drive(self, version: int, failure: list, read: threading.Event | None = None) -> None:
         try:
             self.client.start_weight_update()
+            if read is not None:
+                self.client.update_weights({"version": version, "prefetch": True})
+                read.wait()
             self.client.update_weights({"version": version})  # a failure ends the update on the workers
             self.client.finish_weight_update(weight_version=str(version))
             if self.draft_sender is not None:

@@ -13,7 +13,10 @@ REQUIRED = ("name", "nodes", "trainer", "inference", "nics_per_gpu", *RATES, "de
 # Optional network behaviour (defaults: an ideal NIC): the payload share of a NIC's line rate (TCP/IP headers per
 # frame) and a fixed time before a reader's bytes from one trainer flow (protocol round trips, READ requests).
 NETWORK = ("wire_efficiency", "read_latency_us")
-OPTIONAL = ("description", "sources", *NETWORK)
+# Optional delta-sync costs (needed only to model a delta sync): page bytes a trainer diffs and encodes per second,
+# and delta bytes a receiver decodes and writes into its destinations per second.
+DELTA_RATES = ("delta_encode_gbytes_per_s", "delta_apply_gbytes_per_s")
+OPTIONAL = ("description", "sources", *NETWORK, *DELTA_RATES)
 # Bounds that keep every predicted time a sane float: rates from 1 MB/s to 1 PB/s, a descriptor from 0 to 1 s.
 RATE_RANGE = (1e-3, 1e6)
 DESCRIPTOR_US_RANGE = (0.0, 1e6)
@@ -53,6 +56,8 @@ class Cluster:
     descriptor_us: float
     wire_efficiency: float = 1.0  # payload bytes per line-rate byte on a NIC (TCP over Ethernet at MTU 1500: 0.956)
     read_latency_us: float = 0.0  # before a read's bytes flow, once its trainer published (0: none)
+    delta_encode_gbytes_per_s: float | None = None  # page bytes diffed and encoded per second per trainer GPU
+    delta_apply_gbytes_per_s: float | None = None  # delta bytes decoded and applied per second per inference GPU
     description: str = ""
     sources: tuple[tuple[str, str], ...] = ()
 
@@ -114,6 +119,7 @@ def parse_cluster(data, where: str = "cluster") -> Cluster:
         descriptor_us=_number(data, "descriptor_us", where, DESCRIPTOR_US_RANGE),
         wire_efficiency=_number(data, "wire_efficiency", where, WIRE_EFFICIENCY_RANGE) if "wire_efficiency" in data else 1.0,
         read_latency_us=_number(data, "read_latency_us", where, READ_LATENCY_US_RANGE) if "read_latency_us" in data else 0.0,
+        **{k: _number(data, k, where, RATE_RANGE) for k in DELTA_RATES if k in data},
         description=_string(data, "description", where) if "description" in data else "",
         sources=tuple(sorted(sources.items())),
     )

@@ -6,11 +6,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from weightplan.runtime.delta.pages import PAGE_BYTES
 from .cluster import Cluster
+from .delta import DeltaModelError, DeltaSync
 from .fair_share import Resource, Schedule, Task, simulate
 from .transfers import PlanTransfers
 
-PHASES = ("gather", "sender-quantize", "read", "receiver-quantize", "second-hop")
+PHASES = ("gather", "sender-quantize", "sender-encode", "read", "receiver-apply", "receiver-quantize", "second-hop")
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,7 @@ class Prediction:
     phase_end_s: dict  # phase -> when its last task finished ("second-hop" only in a plan with fan-out)
     inference_bytes: np.ndarray  # bytes each inference rank reads from the trainers (first hops)
     second_hop_bytes: np.ndarray | None = None  # fan-out: [puller, peer] bytes read whole from the node's puller
+    delta: dict | None = None  # a delta sync: its density, wire ratio and the cluster's encode and apply rates
 
     def as_dict(self, top: int = 5) -> dict:
         busy = sorted(self.nic_busy.items(), key=lambda kv: (-round(kv[1], 9), _natural(kv[0])))
@@ -41,6 +44,7 @@ class Prediction:
             "tasks": len(self.tasks),
             "events": self.schedule.events,
             **({} if self.second_hop_bytes is None else {"second_hop_bytes": _second_hop_figures(self.second_hop_bytes)}),
+            **({} if self.delta is None else {"delta": self.delta}),
         }
 
     def timeline(self, ranks: int = 8) -> list[dict]:
@@ -82,14 +86,25 @@ def _natural(name: str) -> tuple:
     return tuple(int(w) if w.isdigit() else w for w in name.split())
 
 
-def predict(transfers: PlanTransfers, cluster: Cluster) -> Prediction:
+def predict(transfers: PlanTransfers, cluster: Cluster, delta: DeltaSync | None = None) -> Prediction:
     """Simulate one sync: gathers between trainer ranks, then each trainer's quantization (serial on
     its quantizer), then every trainer -> inference read once its trainer published, then each
     inference rank's own quantization once all its reads landed; with fan-out, then every second hop
     (a peer reading whole entries from its node's puller, over the node's link) once that puller's
     reads and quantization all finished (the runtime's per-sync "landed" flag) and so did the peer's own
-    (the runtime reads second hops after its own first hop landed)."""
+    (the runtime reads second hops after its own first hop landed).
+
+    With `delta`, every trainer rank diffs and encodes all the pages it serves after its quantization (before it
+    publishes), each read carries the delta's share of its bytes (receiver-side stage copies stay whole) with at most
+    one descriptor per page plus the page index, each inference rank decodes and applies what it read before its own
+    quantization, and second hops stay full (as in the runtime)."""
     n_src, n_dst = transfers.read_bytes.shape
+    ratio = 0.0
+    if delta is not None:
+        if cluster.delta_encode_gbytes_per_s is None or cluster.delta_apply_gbytes_per_s is None:
+            raise DeltaModelError(f"cluster {cluster.name!r} has no delta_encode_gbytes_per_s and delta_apply_gbytes_per_s: "
+                                  "a delta sync cannot be modelled on it")
+        ratio = delta.wire_ratio(transfers.unit_bytes or {})
     trainer_nodes, inference_nodes = cluster.nodes_of(n_src, n_dst)
     resources: list[Resource] = []
     index: dict[str, int] = {}
@@ -124,6 +139,12 @@ def predict(transfers: PlanTransfers, cluster: Cluster) -> Prediction:
             published[t] = (len(tasks) - 1,)
         else:
             published[t] = tuple(gathers[t])
+        if delta is not None and transfers.served_bytes[t] > 0:
+            tasks.append(Task(f"trainer {t} encode", "sender-encode", f"trainer {t}", float(transfers.served_bytes[t]),
+                              (res(f"trainer {t} encoder", cluster.delta_encode_gbytes_per_s * 1e9),), published[t]))
+            published[t] = (len(tasks) - 1,)
+    stage_read = transfers.stage_read_bytes if transfers.stage_read_bytes is not None else np.zeros_like(transfers.read_bytes)
+    applied = np.zeros(n_dst)
     landed: dict[int, list[int]] = {i: [] for i in range(n_dst)}
     for t, i in zip(*np.nonzero(transfers.read_bytes)):
         after = published[int(t)]
@@ -131,10 +152,20 @@ def predict(transfers: PlanTransfers, cluster: Cluster) -> Prediction:
             tasks.append(Task(f"trainer {t} -> inference {i} latency", "read", f"inference {i}", cluster.read_latency_us * 1e-6,
                               (res(f"trainer {t} -> inference {i} latency", 1.0),), after))
             after = (len(tasks) - 1,)
+        nbytes, descriptors = float(transfers.read_bytes[t, i]), float(transfers.read_descriptors[t, i])
+        if delta is not None:
+            whole = float(stage_read[t, i])
+            applied[i] += (nbytes - whole) * ratio
+            descriptors = min(descriptors, np.ceil((nbytes - whole) / PAGE_BYTES)) + 1
+            nbytes = whole + (nbytes - whole) * ratio
         landed[int(i)].append(move("read", f"trainer {t}", trainer_nodes[t], f"inference {i}", inference_nodes[i],
-                                   float(transfers.read_bytes[t, i]), float(transfers.read_descriptors[t, i]), after))
+                                   nbytes, descriptors, after))
     first_hops_done: dict[int, tuple[int, ...]] = {}
     for i in range(n_dst):
+        if applied[i] > 0:
+            tasks.append(Task(f"inference {i} apply", "receiver-apply", f"inference {i}", float(applied[i]),
+                              (res(f"inference {i} decoder", cluster.delta_apply_gbytes_per_s * 1e9),), tuple(landed[i])))
+            landed[i] = [len(tasks) - 1]
         if transfers.receiver_quant_bytes[i] > 0:
             tasks.append(Task(f"inference {i} quantize", "receiver-quantize", f"inference {i}", float(transfers.receiver_quant_bytes[i]),
                               (res(f"inference {i} quantizer", cluster.receiver_quant_gbytes_per_s * 1e9),), tuple(landed[i])))
@@ -150,10 +181,15 @@ def predict(transfers: PlanTransfers, cluster: Cluster) -> Prediction:
     sync = schedule.makespan
     nic_busy = {r.name: (float(schedule.busy[k] / sync) if sync else 0.0)
                 for k, r in enumerate(resources) if " NIC " in r.name or " link " in r.name}
+    optional = {"second-hop": hops is not None, "sender-encode": delta is not None, "receiver-apply": delta is not None}
     phase_end = {p: float(max((schedule.finish[i] for i, t in enumerate(tasks) if t.phase == p), default=0.0))
-                 for p in PHASES if p != "second-hop" or hops is not None}
+                 for p in PHASES if optional.get(p, True)}
+    read = transfers.read_bytes if delta is None else stage_read + (transfers.read_bytes - stage_read) * ratio
+    summary = None if delta is None else {
+        "density": delta.density, "wire_ratio": ratio, "encode_gbytes_per_s": cluster.delta_encode_gbytes_per_s,
+        "apply_gbytes_per_s": cluster.delta_apply_gbytes_per_s, "full_inference_nic_bytes_max": float(transfers.read_bytes.sum(axis=0).max(initial=0))}
     return Prediction(cluster.name, sync, tuple(resources), tuple(tasks), schedule, _critical_path(tasks, resources, schedule),
-                      nic_busy, phase_end, transfers.read_bytes.sum(axis=0), hops)
+                      nic_busy, phase_end, read.sum(axis=0), hops, summary)
 
 
 def _critical_path(tasks: list[Task], resources: list[Resource], schedule: Schedule) -> tuple[dict, ...]:

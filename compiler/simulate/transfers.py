@@ -32,6 +32,12 @@ class PlanTransfers:
     receiver_quant_bytes: np.ndarray
     second_hop_bytes: np.ndarray | None = None
     second_hop_descriptors: np.ndarray | None = None
+    # For delta syncs: the part of read_bytes a delta does not replace (receiver-side fp8 stage copies, always read
+    # whole), the bytes each trainer rank serves once (the pages it diffs at publish), and the plan's wire bytes per
+    # unit size (2: bf16, 1: fp8 values, 4: fp32 and scales).
+    stage_read_bytes: np.ndarray | None = None
+    served_bytes: np.ndarray | None = None
+    unit_bytes: dict | None = None
 
 
 def plan_transfers(plan: Plan) -> PlanTransfers:
@@ -65,7 +71,8 @@ def _first_hops(plan: Plan) -> PlanTransfers:
     holders = [e.ranks for e in plan.staging]
     pulled = stage["side"] == RECEIVER
     stage_bytes = (stage["length"] * sizes[stage["wire"]]).astype(np.float64)
-    read_bytes += _per_pair(stage["src_rank"][pulled], stage["stage"][pulled], stage_bytes[pulled], holders, n_src, n_dst)
+    stage_read = _per_pair(stage["src_rank"][pulled], stage["stage"][pulled], stage_bytes[pulled], holders, n_src, n_dst)
+    read_bytes += stage_read
     read_desc += _per_pair(stage["src_rank"][pulled], stage["stage"][pulled], np.ones(int(pulled.sum())), holders, n_src, n_dst)
     remote = (stage["side"] == GATHER) & (stage["src_rank"] != stage["quant_rank"])
     gather_bytes = np.zeros((n_src, n_src))
@@ -77,6 +84,7 @@ def _first_hops(plan: Plan) -> PlanTransfers:
     served = spans["side"] != RECEIVER
     span_bytes = np.zeros(len(spans["side"]))
     span_desc = np.zeros(len(spans["side"]))
+    fp8_values = 0
     for k in range(len(spans["side"])):
         entry = plan.staging[spans["stage"][k]]
         first, count = int(spans["first_block"][k]), int(spans["n_blocks"][k])
@@ -84,12 +92,22 @@ def _first_hops(plan: Plan) -> PlanTransfers:
         if served[k]:
             sender_quant[spans["src_rank"][k]] += 2 * elements
             span_bytes[k] = elements + 4 * count  # fp8 values and float32 scales
+            fp8_values += elements
             span_desc[k] = _segments(entry.shape, first, count) + 1
         else:
             receiver_quant[list(entry.ranks)] += 2 * elements
     read_bytes += _per_pair(spans["src_rank"][served], spans["stage"][served], span_bytes[served], holders, n_src, n_dst)
     read_desc += _per_pair(spans["src_rank"][served], spans["stage"][served], span_desc[served], holders, n_src, n_dst)
-    return PlanTransfers(read_bytes, read_desc, gather_bytes, gather_desc, sender_quant, receiver_quant)
+    served_bytes = np.bincount(table["src_rank"], weights=nbytes, minlength=n_src)[:n_src]
+    served_bytes += np.bincount(spans["src_rank"][served], weights=span_bytes[served], minlength=n_src)[:n_src]
+    unit_bytes: dict[int, float] = {}
+    for unit in np.unique(sizes[table["wire"]]) if len(nbytes) else ():
+        unit_bytes[int(unit)] = float(nbytes[sizes[table["wire"]] == unit].sum())
+    if fp8_values:
+        unit_bytes[1] = unit_bytes.get(1, 0.0) + float(fp8_values)
+        unit_bytes[4] = unit_bytes.get(4, 0.0) + 4.0 * float(spans["n_blocks"][served].sum())
+    return PlanTransfers(read_bytes, read_desc, gather_bytes, gather_desc, sender_quant, receiver_quant,
+                         stage_read_bytes=stage_read, served_bytes=served_bytes, unit_bytes=unit_bytes)
 
 
 def _per_pair(src_rank: np.ndarray, entry: np.ndarray, values: np.ndarray, ranks: list, n_src: int, n_dst: int) -> np.ndarray:

@@ -379,3 +379,75 @@ def test_the_html_report_of_4096_by_4096_ranks_is_bounded(tmp_path):
     assert sum(tag == "rect" for tag, _ in parser.tags) <= 128 * 128 + 2 * 512
     assert len(text) < 8 << 20
     assert "trainer ranks 0-31 -&gt; inference ranks 0-31: 32,768 bytes" in text  # 32 x 32 pairs of 32 bytes each
+
+
+def delta_transfers(read, served, stage=None, units=None, **kw) -> PlanTransfers:
+    import dataclasses
+
+    base = transfers(read, **kw)
+    return dataclasses.replace(base, served_bytes=np.array(served, dtype=np.float64), unit_bytes=units or {2: float(sum(served))},
+                               stage_read_bytes=np.zeros_like(base.read_bytes) if stage is None else np.array(stage, dtype=np.float64))
+
+
+def test_page_ratio_follows_the_runtimes_encodings():
+    """The wire ratio comes from runtime/delta/encode.py's sizes: near bench-delta's measured gaps column at 2%
+    (0.031 of page bytes), growing with density, and RAW (every unit plus a header and the index) when all changed."""
+    from weightplan.compiler.simulate.delta import page_ratio
+
+    assert 0.028 < page_ratio(0.02, 2) < 0.034
+    ratios = [page_ratio(d, 2) for d in (0.001, 0.01, 0.05, 0.3, 1.0)]
+    assert ratios == sorted(ratios) and ratios[0] < 0.003
+    assert ratios[-1] == pytest.approx(1 + 16 / 65536, rel=1e-9)
+    assert page_ratio(0.01, 1) > page_ratio(0.01, 2) > page_ratio(0.01, 4)  # a position costs more per value byte
+
+
+def test_a_delta_sync_adds_encode_and_apply_to_a_read_of_the_delta_bytes():
+    from weightplan.compiler.simulate.delta import DeltaSync, page_ratio
+
+    rates = parse_cluster(cluster(delta_encode_gbytes_per_s=20.0, delta_apply_gbytes_per_s=5.0))
+    t = delta_transfers([[10 * GB]], served=[40 * GB])
+    ratio = page_ratio(0.01, 2)
+    p = predict(t, rates, DeltaSync(0.01))
+    assert p.sync_s == pytest.approx(40 / 20 + 10 * ratio / 50 + 10 * ratio / 5, rel=1e-9)
+    assert [s["phase"] for s in p.critical_path] == ["sender-encode", "read", "receiver-apply"]
+    assert p.as_dict()["delta"]["wire_ratio"] == pytest.approx(ratio) and p.inference_bytes.tolist() == [10 * GB * ratio]
+    assert predict(t, rates).sync_s == pytest.approx(0.2, rel=1e-12)  # without delta: the full read only
+
+
+def test_a_delta_sync_reads_stage_copies_and_second_hops_whole():
+    from weightplan.compiler.simulate.delta import DeltaSync, page_ratio
+
+    rates = parse_cluster(one_inference_node(2, delta_encode_gbytes_per_s=1e6, delta_apply_gbytes_per_s=1e6))
+    t = delta_transfers([[10 * GB, 0]], served=[10 * GB], stage=[[2 * GB, 0]], second_hops=[[0, 4 * GB], [0, 0]])
+    p = predict(t, rates, DeltaSync(0.01))
+    ratio = page_ratio(0.01, 2)
+    first = (2 + 8 * ratio) / 50
+    assert p.phase_end_s["read"] == pytest.approx(1e-5 + first, rel=1e-6)
+    assert p.sync_s == pytest.approx(p.phase_end_s["receiver-apply"] + 4 / 400, rel=1e-9)
+
+
+def test_delta_needs_a_density_in_range_and_a_cluster_with_its_rates(tmp_path, capsys):
+    from weightplan.compiler.simulate.delta import DeltaModelError, DeltaSync
+
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(DeltaModelError, match="delta density must be in"):
+            DeltaSync(bad)
+    plan = two_rank_plan(tmp_path / "p.plan")
+    t = plan_transfers(load_plan(plan))
+    assert t.served_bytes.tolist() == [32, 32] and t.unit_bytes == {2: 64.0}
+    no_rates = tmp_path / "no-rates.json"
+    no_rates.write_text(json.dumps(cluster()))
+    capsys.readouterr()
+    assert simulate_main([plan, "--cluster", str(no_rates), "--delta-density", "0.01"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "delta_encode_gbytes_per_s" in err[0], err
+    assert simulate_main([plan, "--cluster", str(no_rates), "--delta-density", "2"]) == 2
+    assert "delta density must be in (0, 1]" in capsys.readouterr().err
+    rates = tmp_path / "rates.json"
+    rates.write_text(json.dumps(cluster(delta_encode_gbytes_per_s=1.0, delta_apply_gbytes_per_s=0.5)))
+    assert simulate_main([plan, "--cluster", str(rates), "--delta-density", "0.01"]) == 0
+    assert "delta sync      density 0.01: wire ratio" in capsys.readouterr().out
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(cluster(delta_apply_gbytes_per_s="fast")))
+    assert simulate_main([plan, "--cluster", str(bad)]) == 2
+    assert "field 'delta_apply_gbytes_per_s' must be a number" in capsys.readouterr().err

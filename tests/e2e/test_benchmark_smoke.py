@@ -63,7 +63,8 @@ def test_bench_cluster_smoke(runtime_output):
     figures, stdout = last_json("bench_cluster.py", "--smoke", "--bench-output", str(runtime_output))
     assert_keys(figures, {"bf16_s", "fp8_s", "fp8_fanout_s", "max_nic_gb", "calibration_error_local",
                           "calibration_error_published", "calibration_source", "calibration_measured_at",
-                          "calibration_age_h"}, "bench_cluster.py")
+                          "calibration_age_h", "fp8_fanout_delta_s", "fp8_fanout_delta_wire_ratio",
+                          "fp8_fanout_delta_host_codec_s"}, "bench_cluster.py")
     assert figures["calibration_source"] == str(runtime_output)  # the run just made, named, never a saved file
 
 
@@ -76,7 +77,8 @@ def test_bench_cluster_smoke_refuses_to_read_a_saved_output():
 def test_bench_engine_smoke():
     figures, _ = last_json("bench_engine.py", "--smoke")
     assert_keys(figures, {"update_s", "transfer_s", "post_process_s", "checkpoint_reload_s", "checkpoint_path",
-                          "speedup_vs_checkpoint", "cold_start_s", "gb", "load_weights_unavailable"}, "bench_engine.py")
+                          "speedup_vs_checkpoint", "cold_start_s", "gb", "load_weights_unavailable", "full_pause_s",
+                          "delta_pause_s", "full_pause_unprefetched_s", "delta_wire_ratio"}, "bench_engine.py")
 
 
 def test_bench_trainer_smoke():

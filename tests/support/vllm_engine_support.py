@@ -31,6 +31,17 @@ def full_weights(plan, seed: int, version: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def sparse_step(previous: dict[str, torch.Tensor], seed: int, changed: float = 0.01) -> dict[str, torch.Tensor]:
+    """What an optimizer step does to bf16 weights, roughly: a copy of `previous` with about `changed` of every
+    tensor's elements moved by a small random amount (the rest bit-identical), a function of `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in previous.items():
+        hit = torch.rand(t.shape, generator=g) < changed
+        out[name] = (t.float() + hit * 0.05 * torch.randn(t.shape, generator=g)).to(t.dtype)
+    return out
+
+
 def local_shards(plan, full: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
     from weightplan.compiler.verify_plan import shard_sources
 

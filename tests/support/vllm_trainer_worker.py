@@ -1,8 +1,8 @@
 """A trainer rank (>= 1) of the vLLM engine tests: a WeightplanTrainerEngine that sends a version when the test says so.
 
 Run as `python -m tests.support.vllm_trainer_worker --plan P --rank R --address A --job J --seed S`; waits for
-`test/go/<v>` in the store, sends version v (publish + release) with weight set `--sets`[v - 1] and prints
-one JSON line per version.
+`test/go/<v>` in the store, sends version v (publish + release) with weight set `--sets`[v - 1] (`s`: a sparse step
+of the previous version's weights, `sparse_step(previous, v)`) and prints one JSON line per version.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 from weightplan.runtime import Rendezvous, load_plan
 from weightplan.vllm_backend.trainer import ShardSource, WeightplanTrainerEngine, WeightplanTrainerInitInfo
 
-from .vllm_engine_support import full_weights, local_shards
+from .vllm_engine_support import full_weights, local_shards, sparse_step
 
 
 def main() -> None:
@@ -27,15 +27,17 @@ def main() -> None:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=60.0)
-    parser.add_argument("--sets", default="1,2,3", help="weight set of each version, from version 1")
+    parser.add_argument("--sets", default="1,2,3", help="weight set of each version, from version 1 (s: a sparse step)")
     parser.add_argument("--first-version", type=int, default=1)
+    parser.add_argument("--delta", type=float, default=0.0, help="the Sender's delta fraction (0: full syncs only)")
     parser.add_argument("--hold-after-publish", type=int, default=0, help="publish this version, then hang (to be killed)")
     args = parser.parse_args()
     plan = load_plan(args.plan)
-    sets = [int(x) for x in args.sets.split(",")]
-    tensors = local_shards(plan, full_weights(plan, args.seed, sets[args.first_version - 1]), args.rank)
+    sets = [x if x == "s" else int(x) for x in args.sets.split(",")]
+    full = full_weights(plan, args.seed, sets[args.first_version - 1])
+    tensors = local_shards(plan, full, args.rank)
     info = WeightplanTrainerInitInfo(rank=args.rank, plan=args.plan, address=args.address, job=args.job,
-                                     timeout=args.timeout)
+                                     timeout=args.timeout, delta=args.delta)
     engine = WeightplanTrainerEngine.trainer_init(info, client=None, source=ShardSource(tensors))
     gate = Rendezvous.connect(args.job, args.address, timeout=args.timeout)
     print(json.dumps({"event": "ready", "rank": args.rank}), flush=True)
@@ -43,7 +45,9 @@ def main() -> None:
     while True:
         upcoming = None  # the next version's values, computed before the go so that a sync never waits for them
         if version + 1 <= len(sets) and version + 1 != args.first_version:
-            upcoming = local_shards(plan, full_weights(plan, args.seed, sets[version]), args.rank)
+            step = sets[version]
+            full = sparse_step(full, version + 1) if step == "s" else full_weights(plan, args.seed, step)
+            upcoming = local_shards(plan, full, args.rank)
         print(json.dumps({"event": "prepared", "version": version + 1}), flush=True)
         gate.wait([f"test/go/{version + 1}"], 3600, "the test's go")
         version += 1

@@ -78,12 +78,19 @@ def test_draft_plan_is_optional_and_syncs_in_its_own_job():
         WeightplanInitInfo.from_dict({**good, "job": "j" * 60, "draft_plan": "d.plan"})
 
 
-def test_update_info_is_one_positive_version():
-    from weightplan.vllm_backend.init_info import InitInfoError, WeightplanUpdateInfo
+def test_update_info_is_one_positive_version_and_an_optional_prefetch():
+    from weightplan.vllm_backend.init_info import InitInfoError, WeightplanInitInfo, WeightplanUpdateInfo
 
-    assert WeightplanUpdateInfo.from_dict({"version": 3}).version == 3
+    assert WeightplanUpdateInfo.from_dict({"version": 3}) == WeightplanUpdateInfo(3, prefetch=False)
+    assert WeightplanUpdateInfo.from_dict({"version": 3, "prefetch": True}).prefetch
     assert WeightplanUpdateInfo.from_dict({"version": 2**62 - 1}).version == 2**62 - 1
-    for bad in ({"version": 0}, {"version": "3"}, {"version": 3, "x": 1}, [3], {"version": 2**62}):
+    good = {"plan": "p.plan", "address": "127.0.0.1:1", "job": "j"}
+    assert WeightplanInitInfo.from_dict(good).delta == 0.0 and WeightplanInitInfo.from_dict({**good, "delta": 0.5}).delta == 0.5
+    for bad in (-0.1, 1.5, True, "0.5"):
+        with pytest.raises(InitInfoError, match="field 'delta' must be a number in \\[0, 1\\]"):
+            WeightplanInitInfo.from_dict({**good, "delta": bad})
+    for bad in ({"version": 0}, {"version": "3"}, {"version": 3, "x": 1}, [3], {"version": 2**62}, {"prefetch": True},
+                {"version": 3, "prefetch": 1}):
         with pytest.raises(InitInfoError):
             WeightplanUpdateInfo.from_dict(bad)
 
