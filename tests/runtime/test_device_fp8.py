@@ -17,7 +17,9 @@ def _data(shape, scale, seed):
     return (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("shape", [(128, 128), (384, 256), (1, 1), (5, 300), (300, 5), (129, 257), (2048, 640)])
+# vLLM's per_block_cast_to_fp8 is torch.compile'd: each new kind of shape costs a compile, so one of each kind:
+# one tile, whole tiles, a partial tile on one edge, partial tiles on both.
+@pytest.mark.parametrize("shape", [(128, 128), (384, 256), (5, 300), (129, 257)])
 @pytest.mark.parametrize("scale", [1e-6, 1.0, 3e4])
 def test_device_path_matches_vllm(shape, scale):
     x = _data(shape, scale, sum(shape))
