@@ -90,3 +90,12 @@ def check_tensors(given: Mapping[str, torch.Tensor], expected: dict[str, tuple],
         raise PlanMismatchError(f"{side} tensors not in the plan: {', '.join(extra[:10])}{' ...' if len(extra) > 10 else ''}")
     for name, (shape, dtype) in expected.items():
         flat_view(name, given[name], shape, dtype, side)
+
+
+def check_host_only(tensors, options: Mapping[str, bool], side: str) -> None:
+    """Refuse, in one line, options whose work goes through numpy (digests, verify, delta pages) on device tensors."""
+    on = sorted(name for name, enabled in options.items() if enabled)
+    device = next((t.device for t in tensors if t.device.type != "cpu"), None)
+    if on and device is not None:
+        raise PlanMismatchError(f"{side}: {', '.join(on)} need host tensors (numpy hashes and encodes them), but its "
+                                f"tensors are on {device}; run without {' and '.join(on)} (docs/runtime.md, GPUs)")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..checks import check_no_aliases, check_tensors, check_version, flat_view, inference_names, named_tensors
+from ..checks import check_host_only, check_no_aliases, check_tensors, check_version, flat_view, inference_names, named_tensors
 from ..constant_writes import write_constants
 from ..device import DeviceSync, current_stream
 from ..errors import PlanMismatchError, SyncError, WeightplanError
@@ -149,6 +149,7 @@ class Receiver(AgentOwner):
         self._dst = {int(i): flat_view(plan.dests[i].name, given[plan.dests[i].name], plan.dests[i].shape,
                                        plan.dests[i].dtype, f"inference rank {rank}") for i in np.flatnonzero(held)}
         check_no_aliases({plan.dests[i].name: view for i, view in self._dst.items()}, f"inference rank {rank}")
+        check_host_only(self._dst.values(), {"verify=True": verify, "delta": bool(delta)}, f"inference rank {rank}")
         self._derived = DerivedRefresh(plan, set(expected), destination, derived, act_dtype)
         # fp8 staging slots live on the destinations' device and are quantized there (runtime/fp8/placement.py).
         fp8 = fp8_placement(self._dst.values() if plan.staging else (), fp8_path, f"inference rank {rank}")

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..casts import cast_along
-from ..checks import check_tensors, check_version, flat_view, named_tensors
+from ..checks import check_host_only, check_tensors, check_version, flat_view, named_tensors
 from ..device import DeviceSync
 from ..errors import SyncError, WeightplanError
 from ..fp8.placement import fp8_placement
@@ -118,6 +118,7 @@ class Sender(AgentOwner):
         flat = {s: flat_view(plan.sources[s].name, given[plan.sources[s].name], *expected[plan.sources[s].name],
                              f"trainer rank {rank}") for s in [r.source for r in self.regions] + local}
         self._sources = [flat[r.source] for r in self.regions]
+        check_host_only(flat.values(), {"digests=True": digests, "delta": bool(delta)}, f"trainer rank {rank}")
         self._served_runs = served_runs(plan, rank)
         self.packing = packing_of(self._served_runs)
         # Cast regions no receiver reads in place are cast straight into the packed region: no staging copy.
