@@ -140,7 +140,7 @@ class HostReceiver:
     made: list["HostReceiver"] = []
     shards: dict[str, dict[int, dict]] = {}  # job -> version -> trainer shards
 
-    def __init__(self, plan, rank, destination, *, rendezvous, timeout, verify, derived):
+    def __init__(self, plan, rank, destination, *, rendezvous, timeout, verify, derived, delta=0.0):
         self.plan, self.rank, self.destination, self.job = plan, rank, destination, rendezvous.job
         self.version, self.started, self.closed = None, False, False
         HostReceiver.made.append(self)
@@ -151,7 +151,8 @@ class HostReceiver:
     def sync(self, version):
         execute_local(self.plan, HostReceiver.shards[self.job][version], {self.rank: self.destination})
         self.version = version
-        return SimpleNamespace(bytes=sum(e.nbytes for e in self.plan.dests), descriptors=len(self.plan.table["dest"]))
+        return SimpleNamespace(bytes=sum(e.nbytes for e in self.plan.dests), descriptors=len(self.plan.table["dest"]),
+                               took="full", delta_trainers=(), delta_bytes=0)
 
     def close(self):
         self.closed = True
