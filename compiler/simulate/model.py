@@ -25,6 +25,7 @@ class Prediction:
     phase_end_s: dict  # phase -> when its last task finished ("second-hop" only in a plan with fan-out)
     inference_bytes: np.ndarray  # bytes each inference rank reads from the trainers (first hops)
     second_hop_bytes: np.ndarray | None = None  # fan-out: [puller, peer] bytes read whole from the node's puller
+    inference_nodes: tuple[str, ...] = ()  # the cluster node of each inference rank
 
     def as_dict(self, top: int = 5) -> dict:
         busy = sorted(self.nic_busy.items(), key=lambda kv: (-round(kv[1], 9), _natural(kv[0])))
@@ -38,10 +39,18 @@ class Prediction:
             "nic_busy_mean": float(np.mean(list(self.nic_busy.values()))) if self.nic_busy else 0.0,
             "inference_nic_bytes": {"max": int(self.inference_bytes.max(initial=0)),
                                     "mean": float(self.inference_bytes.mean()) if len(self.inference_bytes) else 0.0},
+            "inference_node_bytes": self.node_bytes(),
             "tasks": len(self.tasks),
             "events": self.schedule.events,
             **({} if self.second_hop_bytes is None else {"second_hop_bytes": _second_hop_figures(self.second_hop_bytes)}),
         }
+
+    def node_bytes(self) -> dict[str, int]:
+        """Bytes each inference node receives from the trainers (first hops), nodes in rank order."""
+        out: dict[str, int] = {}
+        for node, nbytes in zip(self.inference_nodes, self.inference_bytes.tolist()):
+            out[node] = out.get(node, 0) + int(nbytes)
+        return out
 
     def timeline(self, ranks: int = 8) -> list[dict]:
         """Lanes for the ranks on the critical path, then the inference ranks whose NIC was busiest (up
@@ -153,7 +162,7 @@ def predict(transfers: PlanTransfers, cluster: Cluster) -> Prediction:
     phase_end = {p: float(max((schedule.finish[i] for i, t in enumerate(tasks) if t.phase == p), default=0.0))
                  for p in PHASES if p != "second-hop" or hops is not None}
     return Prediction(cluster.name, sync, tuple(resources), tuple(tasks), schedule, _critical_path(tasks, resources, schedule),
-                      nic_busy, phase_end, transfers.read_bytes.sum(axis=0), hops)
+                      nic_busy, phase_end, transfers.read_bytes.sum(axis=0), hops, inference_nodes)
 
 
 def _critical_path(tasks: list[Task], resources: list[Resource], schedule: Schedule) -> tuple[dict, ...]:
