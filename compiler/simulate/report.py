@@ -41,15 +41,16 @@ def resolve_cluster(text: str) -> Cluster:
 
 
 def render_text(plan: Plan, cluster: Cluster, prediction: Prediction) -> str:
-    return TEXT.render(p=prediction, d=prediction.as_dict(), c=cluster, plan=plan, node_stages=node_stages(plan, prediction))
+    return TEXT.render(p=prediction, d=prediction.as_dict(), c=cluster, plan=plan, node_stages=node_stages(plan, prediction.inference_nodes))
 
 
-def node_stages(plan: Plan, prediction: Prediction) -> dict[str, str]:
-    """For a pipelined inference layout, the pipeline stages of each inference node ("stage 0", "stages 0-1"); else {}."""
+def node_stages(plan: Plan, inference_nodes: tuple[str, ...]) -> dict[str, str]:
+    """For a pipelined inference layout, the pipeline stages of each inference node ("stage 0", "stages 0-1") given each
+    inference rank's node; else {}."""
     inference = plan.header.inference
     if not inference.pp:
         return {}
     stages: dict[str, list[int]] = {}
-    for rank, node in enumerate(prediction.inference_nodes):
+    for rank, node in enumerate(inference_nodes):
         stages.setdefault(node, []).append(inference.rank_coords(rank).pp)
     return {node: f"stage {min(s)}" if min(s) == max(s) else f"stages {min(s)}-{max(s)}" for node, s in stages.items()}
