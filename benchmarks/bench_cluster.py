@@ -3,7 +3,8 @@
 Usage: python benchmarks/bench_cluster.py [--bench-output FILE | --measure] [--fanout-plan FILE] [--smoke]   (make bench-cluster)
 
 Simulates the checked-in seed plans (GLM-5.2, stacked bf16 masters, fsdp=64,ep=8 -> tp1-dp32-ep,
-bf16 and fp8_per_block) and the fp8 seed plan with node-local fan-out (the same options with
+bf16 and fp8_per_block), the checked-in pipelined plan of the same trainer -> tp=8,pp=2 (bf16; each
+pipeline stage on an inference node of its own), and the fp8 seed plan with node-local fan-out (the same options with
 --inference dp=32,ep,gpus-per-node=8, compiled here into a cache outside plans/, reused while the
 compiler's sources, vLLM and the options are unchanged; --fanout-plan gives one compiled elsewhere)
 on compiler/simulate/clusters/dgx-h200-seed.json with simulate-plan's model, prints the predicted
@@ -12,7 +13,7 @@ second hops each GPU reads over NVLink), the critical path, and the calibration 
 benchmarks/calibrate_cluster.py (here: against a bench_runtime.py output: the newest saved one under
 benchmarks/results, --bench-output FILE, or --measure to run it now; the line and the JSON say which
 run and how old it is; published: against prime-rl's RDMA phase). The last line is one JSON object
-with keys bf16_s, fp8_s, fp8_fanout_s, max_nic_gb, calibration_error_local, calibration_error_published,
+with keys bf16_s, fp8_s, tp8_pp2_s, fp8_fanout_s, max_nic_gb, calibration_error_local, calibration_error_published,
 calibration_source, calibration_measured_at and calibration_age_h (and a few more); fp8_fanout_delta_s is the fan-out
 plan's delta sync at --delta-density (default: the fp8 density bench-delta measured at lr 1e-6) with the seed file's
 assumed GPU encode and apply rates, fp8_fanout_delta_host_codec_s the same with the rates loopback.json holds for this
@@ -39,6 +40,7 @@ from calibrate_cluster import (PRIME_RL_RDMA_S, bench_figures, local_rows, measu
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = str(ROOT / "plans" / "glm-5.2" / "stacked-bf16-fsdp64-ep8__tp1-dp32-ep__{}.plan")
+TP8_PP2 = ROOT / "plans" / "glm-5.2" / "stacked-bf16-fsdp64-ep8__tp8-pp2__none.plan"
 FANOUT_OPTIONS = {"model": "glm-5.2", "trainer_format": "stacked", "trainer_dtype": "bf16", "quant": "fp8_per_block",
                   "trainer": "fsdp=64,ep=8", "inference": "dp=32,ep,gpus-per-node=8"}
 FANOUT_TOKEN = "tp1-dp32-ep-node8"
@@ -129,7 +131,7 @@ def main() -> None:
     if args.smoke and not (args.bench_output or args.measure):
         parser.error("--smoke needs --bench-output FILE or --measure (a smoke run never reads a saved output)")
     from weightplan.compiler.simulate.delta import DeltaModelError, DeltaSync
-    from weightplan.compiler.simulate.report import resolve_cluster
+    from weightplan.compiler.simulate.report import node_stages, resolve_cluster
     from weightplan.compiler.simulate.transfers import plan_transfers
     from weightplan.runtime import load_plan
 
@@ -141,6 +143,11 @@ def main() -> None:
     cluster = resolve_cluster("dgx-h200-seed")
     bf16 = simulate(load_plan(SEED.format("none")), cluster, "bf16")
     fp8 = simulate(load_plan(SEED.format("fp8_per_block")), cluster, " fp8")
+    pipelined = load_plan(TP8_PP2)
+    tp8_pp2 = simulate(pipelined, cluster, "bf16 tp=8,pp=2")
+    stages = node_stages(pipelined, cluster.nodes_of(pipelined.header.src_ranks, pipelined.header.dst_ranks)[1])
+    print(" " * 6 + "bytes per inference node: " + ", ".join(f"{node} {n / 1e9:.3f} GB ({stages[node]})"
+                                                            for node, n in tp8_pp2["inference_node_bytes"].items()))
     if args.smoke:
         path = Path(tempfile.mkdtemp(prefix="bench-cluster-smoke-")) / "fanout.plan"
         compile_s = _compile(SMOKE_FANOUT, path)
@@ -173,6 +180,8 @@ def main() -> None:
     print(json.dumps({
         "bf16_s": round(bf16["sync_s"], 4),
         "fp8_s": round(fp8["sync_s"], 4),
+        "tp8_pp2_s": round(tp8_pp2["sync_s"], 4),
+        "tp8_pp2_node_gb": {node: round(n / 1e9, 3) for node, n in tp8_pp2["inference_node_bytes"].items()},
         "fp8_fanout_s": round(fan["sync_s"], 4),
         "max_nic_gb": round(fp8["inference_nic_bytes"]["max"] / 1e9, 3),
         "mean_nic_gb": round(fp8["inference_nic_bytes"]["mean"] / 1e9, 3),

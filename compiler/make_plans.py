@@ -22,6 +22,10 @@ CHECKED_IN = (
     # The MTP speculative-decoding draft's plan for the seed inference layout (issue 16): the trainer's
     # MTP tensors under checkpoint names, FSDP=64 -> DP-attention + EP=32 (compile-plan --draft).
     CompileOptions("glm-5.2", trainer_format="hf", trainer_dtype="bf16", trainer="fsdp=64", inference="dp=32,ep", draft=True),
+    # Pipeline parallelism (issue 30): the seed trainer -> vLLM TP=8 x PP=2 (each stage's ranks get only its layers),
+    # and a 4-stage pipelined trainer (torchtitan's split, FSDP=16 and EP=8 within each stage) -> the seed inference layout.
+    CompileOptions("glm-5.2", trainer_format="stacked", trainer_dtype="bf16", trainer="fsdp=64,ep=8", inference="tp=8,pp=2"),
+    CompileOptions("glm-5.2", trainer_format="stacked", trainer_dtype="bf16", trainer="pp=4,fsdp=16,ep=8", inference="dp=32,ep"),
 )
 
 

@@ -42,7 +42,10 @@ class Cluster:
     `intra_node` its share of the node's fast link (NVLink; cma between processes here), the quant
     rates bf16 bytes in per second. A descriptor costs `descriptor_us` of its NICs' time. Trainer
     ranks fill the GPUs of node group `trainer` in order, inference ranks those of `inference`
-    (after the trainers' when both name the same group)."""
+    (after the trainers' when both name the same group). Rank order is each side's own: a pipelined
+    trainer's stages are contiguous rank blocks (TrainerHeader.stage_of), and inference ranks are
+    numbered dp, then pp, then tp (RankCoords), as vLLM fills nodes, so tp=8,pp=2 on 8-GPU nodes puts
+    each pipeline stage on a node of its own."""
 
     name: str
     groups: tuple[NodeGroup, ...]
@@ -69,7 +72,8 @@ class Cluster:
         return g.count * g.gpus_per_node
 
     def nodes_of(self, trainer_ranks: int, inference_ranks: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """The node (`group/index`) of every trainer rank and every inference rank; ClusterError if they do not fit."""
+        """The node (`group/index`) of every trainer rank and every inference rank, in rank order; ClusterError if they do
+        not fit."""
         first_free = {g.name: 0 for g in self.groups}
         out = []
         for side, group, ranks in (("trainer", self.trainer, trainer_ranks), ("inference", self.inference, inference_ranks)):

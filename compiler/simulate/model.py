@@ -28,6 +28,7 @@ class Prediction:
     inference_bytes: np.ndarray  # bytes each inference rank reads from the trainers (first hops)
     second_hop_bytes: np.ndarray | None = None  # fan-out: [puller, peer] bytes read whole from the node's puller
     delta: dict | None = None  # a delta sync: its density, wire ratio and the cluster's encode and apply rates
+    inference_nodes: tuple[str, ...] = ()  # the cluster node of each inference rank
 
     def as_dict(self, top: int = 5) -> dict:
         busy = sorted(self.nic_busy.items(), key=lambda kv: (-round(kv[1], 9), _natural(kv[0])))
@@ -41,11 +42,19 @@ class Prediction:
             "nic_busy_mean": float(np.mean(list(self.nic_busy.values()))) if self.nic_busy else 0.0,
             "inference_nic_bytes": {"max": int(self.inference_bytes.max(initial=0)),
                                     "mean": float(self.inference_bytes.mean()) if len(self.inference_bytes) else 0.0},
+            "inference_node_bytes": self.node_bytes(),
             "tasks": len(self.tasks),
             "events": self.schedule.events,
             **({} if self.second_hop_bytes is None else {"second_hop_bytes": _second_hop_figures(self.second_hop_bytes)}),
             **({} if self.delta is None else {"delta": self.delta}),
         }
+
+    def node_bytes(self) -> dict[str, int]:
+        """Bytes each inference node receives from the trainers (first hops), nodes in rank order."""
+        out: dict[str, int] = {}
+        for node, nbytes in zip(self.inference_nodes, self.inference_bytes.tolist()):
+            out[node] = out.get(node, 0) + int(nbytes)
+        return out
 
     def timeline(self, ranks: int = 8) -> list[dict]:
         """Lanes for the ranks on the critical path, then the inference ranks whose NIC was busiest (up
@@ -189,7 +198,7 @@ def predict(transfers: PlanTransfers, cluster: Cluster, delta: DeltaSync | None 
         "density": delta.density, "wire_ratio": ratio, "encode_gbytes_per_s": cluster.delta_encode_gbytes_per_s,
         "apply_gbytes_per_s": cluster.delta_apply_gbytes_per_s, "full_inference_nic_bytes_max": float(transfers.read_bytes.sum(axis=0).max(initial=0))}
     return Prediction(cluster.name, sync, tuple(resources), tuple(tasks), schedule, _critical_path(tasks, resources, schedule),
-                      nic_busy, phase_end, read.sum(axis=0), hops, summary)
+                      nic_busy, phase_end, read.sum(axis=0), hops, summary, tuple(inference_nodes))
 
 
 def _critical_path(tasks: list[Task], resources: list[Resource], schedule: Schedule) -> tuple[dict, ...]:

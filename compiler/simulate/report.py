@@ -20,6 +20,7 @@ predicted sync on {{ c.name }} (a model, not a measurement): {{ "%.3f" | format(
   bytes per inference NIC  max {{ "%.3f" | format(d.inference_nic_bytes.max / 1e9) }} GB, mean {{ "%.3f" | format(d.inference_nic_bytes.mean / 1e9) }} GB{% if plan.fanout %} (first hops, from the trainers){% endif %}
 {% if d.second_hop_bytes is defined %}  second hops     {{ "%.3f" | format(d.second_hop_bytes.max / 1e9) }} GB max, {{ "%.3f" | format(d.second_hop_bytes.mean / 1e9) }} GB mean per inference GPU from its node's pullers (gpus-per-node {{ plan.fanout.gpus_per_node }}); one puller serves at most {{ "%.3f" | format(d.second_hop_bytes.served_max / 1e9) }} GB
 {% endif %}{% if d.delta is defined %}  delta sync      density {{ d.delta.density }}: wire ratio {{ "%.4f" | format(d.delta.wire_ratio) }} (of {{ "%.3f" | format(d.delta.full_inference_nic_bytes_max / 1e9) }} GB full per inference NIC), encode {{ d.delta.encode_gbytes_per_s }} GB/s of page bytes per trainer, apply {{ d.delta.apply_gbytes_per_s }} GB/s of delta bytes per inference GPU; second hops full
+{% endif %}{% if node_stages %}  per node        bytes from the trainers per inference node (its pipeline stages): {% for node, n in d.inference_node_bytes.items() %}{{ node }} {{ "%.3f" | format(n / 1e9) }} GB ({{ node_stages[node] }}){% if not loop.last %}, {% endif %}{% endfor %}
 {% endif %}  phases end      {% for k, v in d.phase_end_s.items() %}{{ k }} {{ "%.4f" | format(v) }} s{% if not loop.last %}, {% endif %}{% endfor %}
   NIC busy        mean {{ "%.3f" | format(d.nic_busy_mean) }}; busiest {% for b in d.busiest_nics %}{{ b.nic }} {{ "%.3f" | format(b.busy) }}{% if not loop.last %}, {% endif %}{% endfor %}
   critical path
@@ -41,4 +42,16 @@ def resolve_cluster(text: str) -> Cluster:
 
 
 def render_text(plan: Plan, cluster: Cluster, prediction: Prediction) -> str:
-    return TEXT.render(p=prediction, d=prediction.as_dict(), c=cluster, plan=plan)
+    return TEXT.render(p=prediction, d=prediction.as_dict(), c=cluster, plan=plan, node_stages=node_stages(plan, prediction.inference_nodes))
+
+
+def node_stages(plan: Plan, inference_nodes: tuple[str, ...]) -> dict[str, str]:
+    """For a pipelined inference layout, the pipeline stages of each inference node ("stage 0", "stages 0-1") given each
+    inference rank's node; else {}."""
+    inference = plan.header.inference
+    if not inference.pp:
+        return {}
+    stages: dict[str, list[int]] = {}
+    for rank, node in enumerate(inference_nodes):
+        stages.setdefault(node, []).append(inference.rank_coords(rank).pp)
+    return {node: f"stage {min(s)}" if min(s) == max(s) else f"stages {min(s)}-{max(s)}" for node, s in stages.items()}

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from weightplan.compiler.cli import inspect_main, simulate_main
 from weightplan.compiler.ir import PlanOrigin, Program, Runs, TensorEntry
-from weightplan.compiler.plan_summary import per_rank_bytes
+from weightplan.compiler.plan_summary import per_rank_bytes, stage_pair_bytes
 from weightplan.compiler.plan_writer import write_program
 from weightplan.compiler.simulate.cluster import ClusterError, parse_cluster
 from weightplan.compiler.simulate.fair_share import Resource, Task, simulate
@@ -451,3 +451,30 @@ def test_delta_needs_a_density_in_range_and_a_cluster_with_its_rates(tmp_path, c
     bad.write_text(json.dumps(cluster(delta_apply_gbytes_per_s="fast")))
     assert simulate_main([plan, "--cluster", str(bad)]) == 2
     assert "field 'delta_apply_gbytes_per_s' must be a number" in capsys.readouterr().err
+
+
+def test_pipelined_plan_places_each_inference_stage_on_its_own_node(plan_cache, tmp_path, capsys):
+    """tp=2,pp=2 on inference nodes of 2 GPUs: ranks fill nodes in vLLM's (dp, pp, tp) order, so each pipeline stage
+    is one node, and each node receives exactly the bytes its stage's ranks hold (trainer stages feed them as
+    inspect-plan counts); the shipped loopback cluster has a process slot for each of the 8 ranks."""
+    path = plan_cache("tiny-llama", "hf", "bf16", "pp=2,fsdp=2", "tp=2,pp=2")
+    plan = load_plan(path)
+    nodes = parse_cluster(cluster(nodes={"t": {"count": 2, "gpus_per_node": 2}, "i": {"count": 2, "gpus_per_node": 2}}))
+    p = predict(plan_transfers(plan), nodes)
+    assert p.inference_nodes == ("i/0", "i/0", "i/1", "i/1")
+    assert [plan.header.inference.rank_coords(r).pp for r in range(4)] == [0, 0, 1, 1]
+    held = {f"i/{stage}": sum(e.nbytes for e in plan.dests for r in e.ranks if plan.header.inference.rank_coords(r).pp == stage)
+            for stage in (0, 1)}
+    assert p.node_bytes() == held and held["i/0"] > 0 and held["i/1"] > 0
+    assert p.as_dict()["inference_node_bytes"] == held
+    pairs = np.array(stage_pair_bytes(plan))
+    assert pairs.sum(axis=0).tolist() == [held["i/0"], held["i/1"]]
+    # No byte crosses from a trainer stage to an inference stage whose layers it does not hold.
+    t = plan_transfers(plan)
+    for s in range(2):
+        for stage in range(2):
+            block = t.read_bytes[2 * s:2 * s + 2, 2 * stage:2 * stage + 2]
+            assert block.sum() == pairs[s, stage]
+    assert simulate_main([str(path), "--cluster", "loopback"]) == 0
+    text = capsys.readouterr().out
+    assert "process/4 " in text and "(stage 0)" in text and "(stage 1)" in text and "process/0 " not in text.split("per node")[1]

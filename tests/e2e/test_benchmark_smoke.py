@@ -61,11 +61,12 @@ def test_bench_runtime_smoke(runtime_output):
 
 def test_bench_cluster_smoke(runtime_output):
     figures, stdout = last_json("bench_cluster.py", "--smoke", "--bench-output", str(runtime_output))
-    assert_keys(figures, {"bf16_s", "fp8_s", "fp8_fanout_s", "max_nic_gb", "calibration_error_local",
-                          "calibration_error_published", "calibration_source", "calibration_measured_at",
+    assert_keys(figures, {"bf16_s", "fp8_s", "tp8_pp2_s", "tp8_pp2_node_gb", "fp8_fanout_s", "max_nic_gb",
+                          "calibration_error_local", "calibration_error_published", "calibration_source", "calibration_measured_at",
                           "calibration_age_h", "fp8_fanout_delta_s", "fp8_fanout_delta_wire_ratio",
                           "fp8_fanout_delta_host_codec_s"}, "bench_cluster.py")
     assert figures["calibration_source"] == str(runtime_output)  # the run just made, named, never a saved file
+    assert sorted(figures["tp8_pp2_node_gb"]) == ["inference/0", "inference/1"]  # one node per pipeline stage
 
 
 def test_bench_cluster_smoke_refuses_to_read_a_saved_output():

@@ -96,7 +96,9 @@ def test_full_glm_plan_is_complete_and_minimal(fresh_plans, index):
 # slices stored as strided runs, cut at the 64 FSDP row boundaries (512 strided runs each).
 # (Seed 5 adds a routed w2_weight, 256 experts' strided runs; it passes too, but needs 11.7 GB.)
 # Index 5 is the MTP draft's plan (compile-plan --draft), verified against vLLM's own draft model.
-@pytest.mark.parametrize("index,seed", full_only((0, 3), (1, 1), (2, 3), (5, 2), keep=lambda v: v == (0, 3)))
+# Indices 6 and 7 are the pipelined plans: seed 3 samples both inference stages of tp=8,pp=2 (ranks 2, 5, 13, 14),
+# and in the 4-stage trainer's plan layers 7, 34, 55 and 59, one per trainer stage (1.1 and 3.0 GB peak, 2026-12-03).
+@pytest.mark.parametrize("index,seed", full_only((0, 3), (1, 1), (2, 3), (5, 2), (6, 3), (7, 3), keep=lambda v: v == (0, 3)))
 def test_full_glm_sampled_verify_matches_vllm(fresh_plans, index, seed):
     path, _ = fresh_plans[index]
     result = run_worker("verify", path, 4, seed)
