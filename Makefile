@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: plan test check-plans test-engine-slow bench-compile bench-runtime bench-cluster bench-engine bench-trainer bench-network soak bench-delta gpu-check bench-smoke sweep demo clean-venv
+.PHONY: plan test check-plans test-engine-slow bench-compile bench-runtime bench-cluster bench-engine bench-lora bench-trainer bench-network soak bench-delta gpu-check bench-smoke sweep demo clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -43,6 +43,10 @@ bench-cluster: $(STAMP)
 
 bench-engine: $(STAMP)
 	$(BIN)/python benchmarks/bench_engine.py
+
+# A LoRA adapter update of a live vLLM CPU engine vs saving it as a PEFT directory and loading it (docs/lora.md).
+bench-lora: $(STAMP)
+	$(BIN)/python benchmarks/bench_lora.py
 
 bench-trainer: $(STAMP)
 	$(BIN)/python benchmarks/bench_trainer.py
