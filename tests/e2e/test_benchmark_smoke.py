@@ -82,6 +82,12 @@ def test_bench_engine_smoke():
                           "delta_pause_s", "full_pause_unprefetched_s", "delta_wire_ratio"}, "bench_engine.py")
 
 
+def test_bench_lora_smoke():
+    figures, _ = last_json("bench_lora.py", "--smoke")
+    assert_keys(figures, {"update_s", "baseline_s", "speedup", "adapter_bytes", "identical"}, "bench_lora.py")
+    assert figures["identical"] is True, figures
+
+
 def test_bench_trainer_smoke():
     figures, _ = last_json("bench_trainer.py", "--smoke")
     assert_keys(figures, {"publish_s", "sync_s", "end_to_end_s", "baseline_s", "speedup", "staging_bytes",

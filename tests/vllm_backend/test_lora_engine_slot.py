@@ -2,7 +2,7 @@
 engine generates with the new adapter loaded from a PEFT directory (`LoRARequest` with a path).
 
 Slow (two engine starts): runs when WEIGHTPLAN_SLOW_ENGINE=1. The plan is executed inside the engine's worker by the
-host executor (`collective_rpc`); the `weightplan` backend's LoRA update (NIXL, two slots used alternately) is not built.
+host executor (`collective_rpc`); test_lora_engine_update.py runs the `weightplan` backend's LoRA update (NIXL).
 """
 
 from __future__ import annotations

@@ -150,3 +150,48 @@ def test_trainer_engine_takes_a_draft_source_exactly_with_a_draft_plan():
     with pytest.raises(TypeError, match="draft_source"):
         WeightplanTrainerEngine.trainer_init(WeightplanTrainerInitInfo(rank=0, plan="p.plan"), client=None,
                                              source=ShardSource({}), draft_source=ShardSource({}))
+
+
+def _lora_engine(model: str, *, max_rank: int, slots: int):
+    """(vllm_config, LoRA model manager) of a CPU engine of `model` started with enable_lora (rank-8 targets)."""
+    from weightplan.compiler.frontend.lora_trace import LoraSpec, enable_lora, lora_model
+    from weightplan.compiler.frontend.vllm_model import make_vllm_config
+
+    from ..conftest import config_dir
+
+    config = make_vllm_config(config_dir(model))
+    enable_lora(config, LoraSpec(8, 16.0, None, max_rank), None, slots=slots)
+    return config, lora_model(config, device="cpu")[1]
+
+
+def test_lora_plans_are_refused_in_one_line_by_engines_they_do_not_fit(tmp_path):
+    from weightplan.compiler.compile import CompileOptions, compile_plan
+    from weightplan.runtime import PlanMismatchError, load_plan
+    from weightplan.vllm_backend.engine_check import check_lora_engine
+    from weightplan.vllm_backend.init_info import InitInfoError, WeightplanInitInfo
+    from weightplan.vllm_backend.lora_update import LoraSide
+
+    from ..conftest import config_dir
+
+    plans = {}
+    for name, model, lora in (("fits", "engine-llama", "8,alpha=16"), ("rank16", "engine-llama", "16,alpha=16"),
+                              ("other", "vocab-llama", "8,alpha=16")):
+        compile_plan(CompileOptions(str(config_dir(model)), output=tmp_path / f"{name}.plan", lora=lora))
+        plans[name] = load_plan(tmp_path / f"{name}.plan")
+    config, manager = _lora_engine("engine-llama", max_rank=8, slots=2)
+    check_lora_engine(plans["fits"], 0, config, "cpu", manager)
+    refusals = {"rank16": "adapter rank 16 is larger than the engine's max_lora_rank 8",
+                "other": "a plan for another base model: .* LoRA layers differ, e.g. model.layers.0"}
+    for name, message in refusals.items():
+        with pytest.raises(PlanMismatchError, match=message) as info:
+            check_lora_engine(plans[name], 0, config, "cpu", manager)
+        assert "\n" not in str(info.value)
+    one_slot_config, one_slot_manager = _lora_engine("engine-llama", max_rank=8, slots=1)
+    with pytest.raises(PlanMismatchError, match="max_loras 1: LoRA updates alternate between two slots"):
+        check_lora_engine(plans["fits"], 0, one_slot_config, "cpu", one_slot_manager)
+    with pytest.raises(PlanMismatchError, match="LoRA slot 2 is out of range: the engine has 2 slots"):
+        LoraSide(plans["fits"], 0, manager, None, timeout=1, verify=False, slots=(0, 2))
+    assert manager.lora_index_to_id == [None, None]  # the refusals routed nothing
+    for bad in ([0, 0], [1], [0, -1], "01", [0, True]):
+        with pytest.raises(InitInfoError, match="field 'lora_slots' must be two different slot indices"):
+            WeightplanInitInfo.from_dict({"plan": "p.plan", "address": "127.0.0.1:1", "job": "j", "lora_slots": bad})
