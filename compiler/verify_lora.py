@@ -47,9 +47,9 @@ def vllm_slot_load(vllm_config, base, peft_dir: Path, tp_rank: int, dp_rank: int
 
 def verify_lora(plan: Plan, config_dir: Path, full: dict[str, torch.Tensor], shards, chosen_names: set[str],
                 ranks: set[int], make_config, log) -> tuple[int, int, list[str], list[str]]:
-    """(tensors, bytes, mismatches, compared) of executing the plan into NaN-poisoned slot buffers, rank by rank,
+    """(tensors, bytes, mismatches, compared) of executing the plan into poisoned slot buffers, rank by rank,
     against vLLM's load of a PEFT directory holding `full`."""
-    from .verify_plan import compare_digests
+    from .verify_plan import _poisoned, compare_digests
 
     spec, targets = spec_of(plan)
     info = plan.header.inference
@@ -60,12 +60,12 @@ def verify_lora(plan: Plan, config_dir: Path, full: dict[str, torch.Tensor], sha
     tensors, nbytes, mismatches, compared = 0, 0, [], []
     with tempfile.TemporaryDirectory(prefix="weightplan-lora-") as tmp:
         peft_dir = write_peft_dir(Path(tmp) / "adapter", spec, targets, full)
-        planned_of = {rank: {e.name: torch.full(e.shape, float("nan"), dtype=getattr(torch, e.dtype))
-                             for e in plan.dests if rank in e.ranks and e.name in chosen_names} for rank in sorted(ranks)}
+        planned_of = {rank: {e.name: _poisoned(e) for e in plan.dests if rank in e.ranks and e.name in chosen_names}
+                      for rank in sorted(ranks)}
         execute_local(plan, shards, planned_of, only=chosen_names)
         for rank, planned in planned_of.items():
-            tp_rank, dp_rank = rank % info.tp, rank // info.tp
-            slots = vllm_slot_load(vllm_config, base, peft_dir, tp_rank, dp_rank)
+            at = info.rank_coords(rank)
+            slots = vllm_slot_load(vllm_config, base, peft_dir, at.tp, at.dp)
             differ, same = compare_digests({name: slots[name] for name in planned}, planned, rank)
             mismatches += differ
             compared += same
