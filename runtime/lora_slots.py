@@ -13,6 +13,14 @@ from .plan.format import Plan
 _DEST = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_a_stacked|lora_b_stacked)\.(?P<slice>\d+)$")
 
 
+def stacked_slices(module, kind: str) -> tuple[torch.Tensor, ...]:
+    """A `*WithLoRA` layer's `lora_a_stacked` / `lora_b_stacked` as a tuple of slices: linear layers keep one tensor per
+    packed slice, embeddings and the LM head (`VocabParallelEmbeddingWithLoRA`, `LogitsProcessorWithLoRA`) a bare
+    tensor, which is their one slice."""
+    buffers = getattr(module, kind, ())
+    return (buffers,) if isinstance(buffers, torch.Tensor) else tuple(buffers)
+
+
 def slot_destination(plan: Plan, modules: Mapping[str, object], slot: int) -> dict[str, torch.Tensor]:
     """Plan destination name -> the `slot`-th slot (a contiguous `[slot:slot+1]` view) of that module's stacked buffer.
 
@@ -31,7 +39,7 @@ def slot_destination(plan: Plan, modules: Mapping[str, object], slot: int) -> di
         if module is None:
             raise PlanMismatchError(f"the engine has no LoRA layer {match['module']!r} (plan targets {', '.join(lora.targets)}; "
                                     "start it with the same --lora-target-modules)")
-        buffers = getattr(module, match["kind"])
+        buffers = stacked_slices(module, match["kind"])
         index = int(match["slice"])
         if index >= len(buffers):
             raise PlanMismatchError(f"{entry.name}: the engine's {match['module']} has {len(buffers)} slices")

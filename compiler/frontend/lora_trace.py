@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from weightplan.runtime.lora_slots import stacked_slices
 from weightplan.runtime.plan.header import LoraHeader
 from ..ir import TensorEntry
 from .errors import ModelConfigError, TraceError
@@ -145,7 +146,7 @@ def slot_buffers(manager) -> dict[str, torch.Tensor]:
     out = {}
     for module_name, module in manager.modules.items():
         for kind in STACKED:
-            for i, buffer in enumerate(getattr(module, kind, ())):
+            for i, buffer in enumerate(stacked_slices(module, kind)):
                 out[f"{module_name}.{kind}.{i}"] = buffer
     return out
 
@@ -153,26 +154,35 @@ def slot_buffers(manager) -> dict[str, torch.Tensor]:
 def adapter_sources(manager, spec: LoraSpec, dtype: torch.dtype) -> list[TensorEntry]:
     """The trainer's PEFT tensors (full, unsharded shapes) for every module the one-rank `manager` wraps.
 
-    A packed module (qkv_proj, gate_up_proj) is one PEFT module per slice (q_proj, k_proj, v_proj);
-    embeddings and lm_head take LoRA in vLLM only when targeted explicitly and are refused here.
+    A packed module (qkv_proj, gate_up_proj) is one PEFT module per slice (q_proj, k_proj, v_proj). An embedding's
+    tensors are PEFT's `lora_embedding_A` (rank x vocab) and `lora_embedding_B` (hidden x rank), which vLLM's
+    `set_lora` copies transposed / as is; the LM head is a PEFT linear (`lm_head.lora_{A,B}.weight`).
     """
     from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+    from vllm.lora.layers.logits_processor import LogitsProcessorWithLoRA
+    from vllm.lora.layers.vocab_parallel_embedding import VocabParallelEmbeddingWithLoRA
 
     out = []
     for module_name, module in manager.modules.items():
-        if not isinstance(module, BaseLinearLayerWithLoRA):
-            raise ModelConfigError(f"--lora: {module_name} ({type(module).__name__}) is not a linear layer; "
-                                   "LoRA plans cover linear modules only (no embeddings, lm_head or MoE experts yet)")
+        if isinstance(module, VocabParallelEmbeddingWithLoRA):  # lora_a_stacked: (slots, vocab, max_rank)
+            a, b = module.lora_a_stacked, module.lora_b_stacked
+            out.append(TensorEntry(f"{PEFT_PREFIX}{module_name}.lora_embedding_A", (spec.rank, a.shape[1]), dtype_name(dtype)))
+            out.append(TensorEntry(f"{PEFT_PREFIX}{module_name}.lora_embedding_B", (b.shape[-2], spec.rank), dtype_name(dtype)))
+            continue
+        if not isinstance(module, (BaseLinearLayerWithLoRA, LogitsProcessorWithLoRA)):
+            raise ModelConfigError(f"--lora: {module_name} ({type(module).__name__}) is not a linear, embedding or LM head "
+                                   "layer; LoRA plans do not cover it")
         subs = manager.packed_modules.get(module_name, [module_name])
-        for sub, a, b in zip(subs, module.lora_a_stacked, module.lora_b_stacked):
+        for sub, a, b in zip(subs, stacked_slices(module, "lora_a_stacked"), stacked_slices(module, "lora_b_stacked")):
             out.append(TensorEntry(f"{PEFT_PREFIX}{sub}.lora_A.weight", (spec.rank, a.shape[-1]), dtype_name(dtype)))
             out.append(TensorEntry(f"{PEFT_PREFIX}{sub}.lora_B.weight", (b.shape[-2], spec.rank), dtype_name(dtype)))
     return out
 
 
-# PEFT module names a default adapter leaves out: vLLM takes LoRA on them only when asked, and these plans do not
-# cover them (embeddings, lm_head) or vLLM's CPU platform cannot wrap them (MoE experts need its Triton MoE kernel).
-NOT_DEFAULT = ("embed_tokens", "lm_head", "experts")
+# PEFT module names a default adapter leaves out although vLLM's default (no --lora-target-modules) wraps them: routed
+# MoE experts, which vLLM's CPU platform cannot wrap (its fused-MoE LoRA kernel is Triton). vLLM's default does wrap the
+# embeddings and lm_head of a model class listing them in `embedding_modules`, and so do these plans.
+NOT_DEFAULT = ("experts",)
 
 
 def supported_targets(model) -> tuple[str, ...]:
@@ -184,17 +194,22 @@ def supported_targets(model) -> tuple[str, ...]:
                          for part in (packed.get(name, [name]) if name != "experts" else [name])}))
 
 
-def check_targets(spec: LoraSpec, supported: tuple[str, ...]) -> None:
+EMBEDDINGS = ("embed_tokens", "lm_head")  # the PEFT names vLLM's `embedding_modules` usually lists
+
+
+def check_targets(spec: LoraSpec, supported: tuple[str, ...], architecture: str) -> None:
     if spec.targets is None:
         return
     missing = sorted(set(spec.targets) - set(supported))
     if missing:
+        why = (f"; vLLM's {architecture} lists no embedding_modules, so it takes no embedding or lm_head LoRA"
+               if set(missing) & set(EMBEDDINGS) else "")
         raise ModelConfigError(f"--lora targets {', '.join(missing)}: the model has no such LoRA-capable module "
-                               f"(it has {', '.join(supported)})")
+                               f"(it has {', '.join(supported)}){why}")
     refused = sorted(set(spec.targets) & set(NOT_DEFAULT))
     if refused:
-        raise ModelConfigError(f"--lora targets {', '.join(refused)}: LoRA plans cover linear modules only "
-                               "(MoE experts need vLLM's Triton fused-MoE LoRA kernel, which its CPU platform lacks)")
+        raise ModelConfigError(f"--lora targets {', '.join(refused)}: routed MoE experts take LoRA only through vLLM's "
+                               "Triton fused-MoE LoRA kernel, which its CPU platform lacks")
 
 
 def peft_config(spec: LoraSpec, targets: tuple[str, ...]) -> dict:
@@ -240,7 +255,7 @@ class LoraRankTracer:
     def __init__(self, vllm_config, base_config, layout, spec: LoraSpec, dtype: torch.dtype):
         self.vllm_config, self.base_config, self.layout, self.spec = vllm_config, base_config, layout, spec
         supported = supported_targets(build_model(base_config, base_config=base_config))
-        check_targets(spec, supported)
+        check_targets(spec, supported, base_config.model_config.architecture)
         self.targets = spec.targets or tuple(t for t in supported if t not in NOT_DEFAULT)
         for config in {id(c): c for c in (base_config, vllm_config)}.values():
             enable_lora(config, spec, self.targets)
