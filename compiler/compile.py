@@ -137,8 +137,7 @@ def check_inputs(opts: CompileOptions) -> _Inputs:
     trainer_layout = check_trainer_stages(trainer_layout, config)
     if opts.draft:
         check_draft(config, config_dir / "config.json", fmt=fmt, quant=quant)
-    lora = check_lora(opts, fmt, quant, pipelined=inference.pp > 1 or getattr(trainer_layout, "pp", 1) > 1) \
-        if opts.lora is not None else None
+    lora = check_lora(opts, fmt, quant) if opts.lora is not None else None
     return _Inputs(fmt, quant, trainer_layout, inference, name, config_dir, lora)
 
 

@@ -5,7 +5,8 @@ layout's ranks; torchtitan's mesh puts `pp` outermost), sharded within the stage
 `fsdp/ep/replicas` shorthand. A layer's tensors live on the stage holding that layer; the
 embedding on the first stage, everything else outside the layers (final norm, LM head, MTP
 layers past `num_hidden_layers`) on the last; a tied embedding (no separate LM head tensor) on
-both, as a replica per stage. Layers split as torchtitan's `generate_llm_fqn_per_model_part`
+both, as a replica per stage. An embedding's LoRA adapter (PEFT `lora_embedding_A/B`) is never
+tied: it lives on the first stage only. Layers split as torchtitan's `generate_llm_fqn_per_model_part`
 does with input and output weight 1: the embedding and the head each count as one layer, the
 `L + 2` weighted layers are split evenly, the first `(L + 2) % P` stages taking one more.
 """
@@ -22,6 +23,7 @@ from .frontend.errors import ModelConfigError
 from .frontend.pipeline_stages import hidden_layers
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_ADAPTER = re.compile(r"\.lora_(?:embedding_)?[AB](?:\.weight)?$")  # a PEFT LoRA tensor (lora_A/B, lora_embedding_A/B)
 
 
 def torchtitan_stage_sizes(layers: int, pp: int) -> list[int]:
@@ -86,6 +88,8 @@ class StagedTrainer:
             layer = int(match[1])
             return next(((s,) for s, held in enumerate(self.layers) if layer in held), (last,))  # MTP layers: last
         if "embed" in name:
+            if _ADAPTER.search(name):  # an adapter lives with its module: PEFT ties no embedding adapter to the head
+                return (0,)
             tied = not any(n.startswith(("lm_head.", "output.")) for n in names)
             return (0, last) if tied and last else (0,)
         return (last,)

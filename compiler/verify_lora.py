@@ -28,7 +28,7 @@ def spec_of(plan: Plan) -> tuple[LoraSpec, tuple[str, ...]]:
     return LoraSpec(lora.rank, lora.alpha, lora.targets, lora.max_rank), lora.targets
 
 
-def vllm_slot_load(vllm_config, base, peft_dir: Path, tp_rank: int, dp_rank: int) -> dict[str, torch.Tensor]:
+def vllm_slot_load(vllm_config, base, peft_dir: Path, tp_rank: int, dp_rank: int, pp_rank: int = 0) -> dict[str, torch.Tensor]:
     """The slot buffers after vLLM's WorkerLoRAManager loads `peft_dir` (LoRARequest with a path) into a CPU model of
     this rank: vLLM's own reading, packing, scaling and set_lora."""
     from vllm.config import set_current_vllm_config
@@ -37,8 +37,8 @@ def vllm_slot_load(vllm_config, base, peft_dir: Path, tp_rank: int, dp_rank: int
     from .frontend.vllm_model import build_model
     from .frontend.vllm_patches import parallel_rank
 
-    model = build_model(vllm_config, "cpu", tp_rank=tp_rank, dp_rank=dp_rank, base_config=base)
-    with parallel_rank(vllm_config, tp_rank, dp_rank), set_current_vllm_config(vllm_config):
+    model = build_model(vllm_config, "cpu", tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank, base_config=base)
+    with parallel_rank(vllm_config, tp_rank, dp_rank, pp_rank), set_current_vllm_config(vllm_config):
         worker = WorkerLoRAManager(vllm_config, torch.device("cpu"), getattr(model, "embedding_modules", {}))
         worker.create_lora_manager(model, vllm_config)
         worker.add_adapter(LoRARequest("reference", 1, str(peft_dir)))
@@ -54,7 +54,7 @@ def verify_lora(plan: Plan, config_dir: Path, full: dict[str, torch.Tensor], sha
     spec, targets = spec_of(plan)
     info = plan.header.inference
     base = make_config(config_dir)
-    vllm_config = make_config(config_dir, tp=info.tp, dp=info.dp, ep=info.ep) if plan.header.dst_ranks > 1 else base
+    vllm_config = make_config(config_dir, tp=info.tp, dp=info.dp, ep=info.ep, pp=info.pp or 1) if plan.header.dst_ranks > 1 else base
     for config in {id(c): c for c in (base, vllm_config)}.values():
         enable_lora(config, spec, targets)
     tensors, nbytes, mismatches, compared = 0, 0, [], []
@@ -65,7 +65,7 @@ def verify_lora(plan: Plan, config_dir: Path, full: dict[str, torch.Tensor], sha
         execute_local(plan, shards, planned_of, only=chosen_names)
         for rank, planned in planned_of.items():
             at = info.rank_coords(rank)
-            slots = vllm_slot_load(vllm_config, base, peft_dir, at.tp, at.dp)
+            slots = vllm_slot_load(vllm_config, base, peft_dir, at.tp, at.dp, at.pp)
             differ, same = compare_digests({name: slots[name] for name in planned}, planned, rank)
             mismatches += differ
             compared += same

@@ -99,15 +99,13 @@ def _positive_int(text: str, what: str) -> int:
     return value
 
 
-def check_lora(opts, fmt, quant, *, pipelined: bool = False) -> LoraSpec:
+def check_lora(opts, fmt, quant) -> LoraSpec:
     """The parsed --lora, refusing options an adapter plan has no meaning for."""
     spec = LoraSpec.parse(opts.lora)
     spec.engine_max_rank()
     if opts.draft or opts.trainer_adapter or fmt.value != "hf" or quant.name != "none":
         raise ModelConfigError("--lora plans take the trainer's PEFT tensors as they are: "
                                "no --draft, --trainer-adapter, --trainer-format or --quant")
-    if pipelined:
-        raise ModelConfigError("--lora plans are not built for pipeline parallelism yet (pp=1 on both sides)")
     return spec
 
 
@@ -122,14 +120,15 @@ def enable_lora(vllm_config, spec: LoraSpec, targets: tuple[str, ...] | None, sl
     vllm_config.lora_config = config
 
 
-def lora_model(vllm_config, *, tp_rank: int = 0, dp_rank: int = 0, base_config=None, device: str = "meta"):
-    """(model, LoRAModelManager): the rank's model with vLLM's own *WithLoRA wrappers, as an engine's LoRA worker builds it."""
+def lora_model(vllm_config, *, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0, base_config=None, device: str = "meta"):
+    """(model, LoRAModelManager): the rank's model with vLLM's own *WithLoRA wrappers, as an engine's LoRA worker builds it
+    (on a pipeline rank, vLLM's manager skips the other stages' `PPMissingLayer`s: it wraps only the modules present)."""
     from vllm.config import set_current_vllm_config
     from vllm.lora.model_manager import LoRAModelManager, create_lora_manager
 
-    model = build_model(vllm_config, device, tp_rank=tp_rank, dp_rank=dp_rank, base_config=base_config)
+    model = build_model(vllm_config, device, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank, base_config=base_config)
     scheduler = vllm_config.scheduler_config
-    with parallel_rank(vllm_config, tp_rank, dp_rank), set_current_vllm_config(vllm_config), torch.device(device):
+    with parallel_rank(vllm_config, tp_rank, dp_rank, pp_rank), set_current_vllm_config(vllm_config), torch.device(device):
         try:
             manager = create_lora_manager(model, max_num_seqs=scheduler.max_num_seqs,
                                           max_num_batched_tokens=scheduler.max_num_batched_tokens,
@@ -267,8 +266,7 @@ class LoraRankTracer:
 
     def trace(self, rank: int, progress=None) -> TracedLoad:
         at = self.layout.rank_coords(rank)
-        tp_rank, dp_rank = at.tp, at.dp
-        model, manager = lora_model(self.vllm_config, tp_rank=tp_rank, dp_rank=dp_rank, base_config=self.base_config)
+        model, manager = lora_model(self.vllm_config, tp_rank=at.tp, dp_rank=at.dp, pp_rank=at.pp, base_config=self.base_config)
         self.stats["models_built"] += 1
-        with parallel_rank(self.vllm_config, tp_rank, dp_rank):
+        with parallel_rank(self.vllm_config, at.tp, at.dp, at.pp):
             return trace_adapter(model, manager, self.sources, self.spec, self.targets)

@@ -26,25 +26,36 @@ def lora_plan(tmp_path_factory):
 
 
 def test_lora_plan_matches_vllm_adapter_load(lora_plan, capsys):
+    """Default targets are vLLM's: every linear module, the embedding (PEFT's lora_embedding_A/B, copied transposed into
+    (slots, vocab, max_rank)) and lm_head (LogitsProcessorWithLoRA), all replicated across TP ranks."""
     assert inspect_main([str(lora_plan)]) == 0
     assert "lora           rank 4, alpha 12.0, into one slot of max_lora_rank 8; targets down_proj," in capsys.readouterr().out
     plan = load_plan(lora_plan)
     lora = plan.header.inference.lora
     assert (lora.rank, lora.alpha, lora.max_rank) == (4, 12.0, 8)
-    assert lora.targets == ("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj")
+    assert lora.targets == ("down_proj", "embed_tokens", "gate_proj", "k_proj", "lm_head", "o_proj", "q_proj", "up_proj", "v_proj")
     assert all(".lora_a_stacked." in d.name or ".lora_b_stacked." in d.name for d in plan.dests)
-    assert {s.name.split(".")[-2] for s in plan.sources} == {"lora_A", "lora_B"}
+    assert {s.name.split(".")[-2] for s in plan.sources if "embed_tokens" not in s.name} == {"lora_A", "lora_B"}
+    sources = {s.name: s.shape for s in plan.sources}
+    assert sources["base_model.model.model.embed_tokens.lora_embedding_A"] == (4, 320)  # rank x vocab
+    assert sources["base_model.model.model.embed_tokens.lora_embedding_B"] == (64, 4)  # hidden x rank
+    assert sources["base_model.model.lm_head.lora_B.weight"] == (320, 4)
+    dests = {d.name: d for d in plan.dests}
+    assert dests["model.embed_tokens.lora_a_stacked.0"].shape == (1, 320, 8)
+    assert dests["lm_head.lora_b_stacked.0"].shape == (1, 1, 320, 8)
+    assert dests["model.embed_tokens.lora_a_stacked.0"].ranks == (0, 1, 2, 3)  # not split by TP
     assert len(plan.constants) > 0  # B's columns 4..7 of every slot: vLLM's reset_lora zeros, not wire bytes
     result = verify_plan(lora_plan, model=str(config_dir("engine-llama")))
-    assert result.mismatches == () and result.tensors == 4 * 28
+    assert result.mismatches == () and result.tensors == 4 * (28 + 4)
 
 
 @pytest.mark.parametrize("model, modules", [
-    ("tiny-qwen3-moe", {"qkv_proj", "o_proj", "gate"}),
+    ("tiny-qwen3-moe", {"qkv_proj", "o_proj", "gate", "embed_tokens", "lm_head"}),
     ("tiny-deepseek-v3", {"fused_qkv_a_proj", "q_b_proj", "kv_b_proj", "o_proj", "gate", "gate_up_proj", "down_proj"})])
 def test_moe_model_lora_plans_match_vllm_adapter_load(tmp_path, model, modules):
     """MoE models: attention (MLA's packed q_a/kv_a included), the router gate and dense/shared-expert MLPs take LoRA;
-    routed experts do not (vLLM's FusedMoEWithLoRA needs its Triton kernel, absent on CPU)."""
+    routed experts do not (vLLM's FusedMoEWithLoRA needs its Triton kernel, absent on CPU). Qwen3-MoE's vLLM class lists
+    embedding_modules (embeddings and lm_head by default), DeepSeek-V3's does not."""
     out = tmp_path / "moe-lora.plan"
     compile_plan(CompileOptions(str(config_dir(model)), output=out, inference="tp=2", lora="8,alpha=16"))
     plan = load_plan(out)
@@ -55,14 +66,17 @@ def test_moe_model_lora_plans_match_vllm_adapter_load(tmp_path, model, modules):
 
 
 def test_lora_verify_can_fail(lora_plan, monkeypatch):
-    """A reference adapter with another alpha differs exactly in the B buffers (the scaling is folded into B)."""
+    """A reference adapter with another alpha differs exactly in the B buffers (the scaling is folded into B, the
+    embedding's and lm_head's included)."""
     from weightplan.compiler import verify_lora
 
     original = verify_lora.peft_config
     monkeypatch.setattr(verify_lora, "peft_config", lambda spec, targets: {**original(spec, targets), "lora_alpha": 24})
     result = verify_plan(lora_plan, model=str(config_dir("engine-llama")), ranks=[0])
     assert result.mismatches and all(".lora_b_stacked." in m for m in result.mismatches)
-    assert len(result.mismatches) == 14
+    assert len(result.mismatches) == 14 + 2
+    assert {"model.embed_tokens.lora_b_stacked.0 (inference rank 0)", "lm_head.lora_b_stacked.0 (inference rank 0)"} \
+        <= set(result.mismatches)
 
 
 def test_lora_bad_inputs(capsys, lora_plan):
@@ -70,13 +84,19 @@ def test_lora_bad_inputs(capsys, lora_plan):
     cases = [(["--lora", "32,max_rank=16"], "--lora rank 32 is larger than the engine's max_lora_rank 16"),
              (["--lora", "8,targets=q_proj+w_in"], "--lora targets w_in: the model has no such LoRA-capable module"),
              (["--lora", "0"], "--lora RANK 0 must be at least 1"),
-             (["--lora", "8,targets=embed_tokens"], "--lora targets embed_tokens: LoRA plans cover linear modules only"),
              (["--lora", "8,beta=2"], "--lora: unknown field 'beta=2'"),
              (["--lora", "1024"], "--lora rank 1024 is larger than vLLM's largest max_lora_rank 512"),
              (["--lora", "8", "--quant", "fp8_per_block"], "--lora plans take the trainer's PEFT tensors as they are"),
-             (["--lora", "8", "--inference", "tp=1,pp=2"], "--lora plans are not built for pipeline parallelism yet")]
+             (["--model", str(config_dir("tiny-deepseek-v3")), "--lora", "8,targets=embed_tokens+q_b_proj"],
+              "--lora targets embed_tokens: the model has no such LoRA-capable module"),
+             (["--model", str(config_dir("tiny-deepseek-v3")), "--lora", "8,targets=lm_head"],
+              "vLLM's DeepseekV3ForCausalLM lists no embedding_modules, so it takes no embedding or lm_head LoRA"),
+             (["--model", str(config_dir("tiny-qwen3-moe")), "--lora", "8,targets=experts"],
+              "--lora targets experts: routed MoE experts take LoRA only through vLLM's Triton fused-MoE LoRA kernel"),
+             (["--lora", "8", "--inference", "pp=3"], "inference pp=3 is more than the model's 2 hidden layers")]
     for extra, message in cases:
-        assert compile_main(["--model", llama, *extra, "-o", "/tmp/never-written.plan"]) == 2
+        model = [] if "--model" in extra else ["--model", llama]
+        assert compile_main([*model, *extra, "-o", "/tmp/never-written.plan"]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err and err.count("\n") == 1, err
     # a plan for another base model

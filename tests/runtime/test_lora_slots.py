@@ -63,6 +63,7 @@ def test_receiver_fills_chosen_slots_alternately(lora_plan, rendezvous, tmp_path
             reference = _vllm_reference(lora_plan, full_weights(lora_plan, 0, version), tmp_path / f"v{version}")
             got = slot_destination(lora_plan, modules, slot)
             assert reference.keys() == got.keys()
+            assert {"model.embed_tokens.lora_a_stacked.0", "lm_head.lora_b_stacked.0"} <= got.keys()  # vLLM's defaults
             assert all(byte_equal(got[name], reference[name]) for name in reference), f"slot {slot} != vLLM's load"
     finally:
         sender.close()
