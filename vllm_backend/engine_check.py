@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from weightplan.runtime import Plan, PlanMismatchError
+from weightplan.runtime.lora_slots import stacked_slices
 from weightplan.runtime.plan.header import DraftHeader
 
 from .live_patches import method_name
@@ -124,16 +125,23 @@ def check_lora_engine(plan: Plan, rank: int, vllm_config, platform: str, manager
         for entry in (e for e in plan.dests if rank in e.ranks):
             module_name, kind, index = entry.name.rsplit(".", 2)
             module = manager.modules.get(module_name)
-            buffers = getattr(module, kind, None) if module is not None else None
-            if buffers is None or not index.isdigit() or int(index) >= len(buffers):
+            buffers = stacked_slices(module, kind) if module is not None else ()
+            if not index.isdigit() or int(index) >= len(buffers):
                 wrong.append(f"{entry.name}: not in the engine")
                 continue
-            axis = -1 if kind == "lora_a_stacked" else -2  # the base layer's input (A) or output (B) size
+            # the base layer's input (A: last axis; an embedding's A is (slots, vocab, max_rank)) or output (B) size
+            axis = -1 if kind == "lora_a_stacked" and not _is_embedding(module) else -2
             if buffers[int(index)].shape[axis] != entry.shape[axis]:
                 wrong.append(f"{entry.name}: plan {entry.shape[axis]}, engine {buffers[int(index)].shape[axis]}")
         problems += [f"a plan for another base model: {len(wrong)} LoRA layers differ, e.g. {'; '.join(wrong[:3])}"] if wrong else []
     _refuse(problems, f"LoRA plan {plan.header.model!r} ({plan.header.fingerprint[:12]}) does not fit this engine "
                       f"({vllm_config.model_config.model}, inference rank {rank})")
+
+
+def _is_embedding(module) -> bool:
+    from vllm.lora.layers.vocab_parallel_embedding import VocabParallelEmbeddingWithLoRA
+
+    return isinstance(module, VocabParallelEmbeddingWithLoRA)
 
 
 def _draft_problems(draft: DraftHeader | None, model: torch.nn.Module, target: torch.nn.Module | None) -> list[str]:
