@@ -49,18 +49,21 @@ def test_lora_plan_matches_vllm_adapter_load(lora_plan, capsys):
     assert result.mismatches == () and result.tensors == 4 * (28 + 4)
 
 
-@pytest.mark.parametrize("model, modules", [
-    ("tiny-qwen3-moe", {"qkv_proj", "o_proj", "gate", "embed_tokens", "lm_head"}),
-    ("tiny-deepseek-v3", {"fused_qkv_a_proj", "q_b_proj", "kv_b_proj", "o_proj", "gate", "gate_up_proj", "down_proj"})])
-def test_moe_model_lora_plans_match_vllm_adapter_load(tmp_path, model, modules):
+@pytest.mark.parametrize("model, inference, modules", [
+    ("tiny-qwen3-moe", "dp=2,ep", {"qkv_proj", "o_proj", "gate", "embed_tokens", "lm_head"}),
+    ("tiny-deepseek-v3", "tp=2", {"fused_qkv_a_proj", "q_b_proj", "kv_b_proj", "o_proj", "gate", "gate_up_proj", "down_proj"})])
+def test_moe_model_lora_plans_match_vllm_adapter_load(tmp_path, model, inference, modules):
     """MoE models: attention (MLA's packed q_a/kv_a included), the router gate and dense/shared-expert MLPs take LoRA;
     routed experts do not (vLLM's FusedMoEWithLoRA needs its Triton kernel, absent on CPU). Qwen3-MoE's vLLM class lists
-    embedding_modules (embeddings and lm_head by default), DeepSeek-V3's does not."""
+    embedding_modules (embeddings and lm_head by default), DeepSeek-V3's does not. With EP (Qwen3-MoE, dp=2,ep) every
+    rank holds every LoRA layer: only routed experts are placed by EP, and they take no LoRA here."""
     out = tmp_path / "moe-lora.plan"
-    compile_plan(CompileOptions(str(config_dir(model)), output=out, inference="tp=2", lora="8,alpha=16"))
+    compile_plan(CompileOptions(str(config_dir(model)), output=out, inference=inference, lora="8,alpha=16"))
     plan = load_plan(out)
     assert {d.name.split(".")[-3] for d in plan.dests} == modules
     assert "experts" not in plan.header.inference.lora.targets
+    if "ep" in inference:
+        assert plan.header.inference.ep and all(d.ranks == (0, 1) for d in plan.dests)
     result = verify_plan(out, model=str(config_dir(model)))
     assert result.mismatches == () and result.tensors == sum(len(d.ranks) for d in plan.dests)
 
