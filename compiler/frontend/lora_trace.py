@@ -178,10 +178,14 @@ def adapter_sources(manager, spec: LoraSpec, dtype: torch.dtype) -> list[TensorE
     return out
 
 
-# PEFT module names a default adapter leaves out although vLLM's default (no --lora-target-modules) wraps them: routed
-# MoE experts, which vLLM's CPU platform cannot wrap (its fused-MoE LoRA kernel is Triton). vLLM's default does wrap the
-# embeddings and lm_head of a model class listing them in `embedding_modules`, and so do these plans.
-NOT_DEFAULT = ("experts",)
+# PEFT module names a default adapter leaves out although vLLM's default (no --lora-target-modules) wraps them.
+# Routed MoE experts: vLLM's CPU platform cannot wrap them (its fused-MoE LoRA kernel is Triton); `targets=` refuses
+# them. Embeddings and lm_head (wrapped by vLLM when the model class lists `embedding_modules`): a trainer's default
+# adapter holds neither (PEFT's "all-linear" leaves out the output layer and every embedding), and an embedding's A is
+# copied transposed (vocab x rank one-element descriptors: 512,115 instead of 114 for bench-llama at rank 16), so
+# they are planned only when `targets=` names them. Their slot bytes in an engine stay vLLM's zeros: no delta.
+NOT_DEFAULT = ("experts", "embed_tokens", "lm_head")
+REFUSED = ("experts",)
 
 
 def supported_targets(model) -> tuple[str, ...]:
@@ -205,7 +209,7 @@ def check_targets(spec: LoraSpec, supported: tuple[str, ...], architecture: str)
                if set(missing) & set(EMBEDDINGS) else "")
         raise ModelConfigError(f"--lora targets {', '.join(missing)}: the model has no such LoRA-capable module "
                                f"(it has {', '.join(supported)}){why}")
-    refused = sorted(set(spec.targets) & set(NOT_DEFAULT))
+    refused = sorted(set(spec.targets) & set(REFUSED))
     if refused:
         raise ModelConfigError(f"--lora targets {', '.join(refused)}: routed MoE experts take LoRA only through vLLM's "
                                "Triton fused-MoE LoRA kernel, which its CPU platform lacks")

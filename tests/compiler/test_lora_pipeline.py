@@ -20,7 +20,7 @@ def test_pipeline_lora_plan_traces_each_stage_and_matches_vllm(tmp_path):
     model = str(config_dir("vocab-llama-tied"))
     out = tmp_path / "pp-lora.plan"
     result = compile_plan(CompileOptions(model, output=out, trainer="pp=2,fsdp=2", trainer_dtype="fp32",
-                                         inference="pp=2", lora="4,alpha=8,max_rank=8"))
+                                         inference="pp=2", lora="4,alpha=8,max_rank=8,targets=down_proj+embed_tokens+gate_proj+k_proj+lm_head+o_proj+q_proj+up_proj+v_proj"))
     assert result.stats["dst_coverage"] == 1.0
     plan = load_plan(out)
     assert plan.header.inference.pp == 2 and plan.header.trainer.pp == 2

@@ -18,16 +18,17 @@ from ..conftest import config_dir
 
 @pytest.fixture(scope="module")
 def lora_plan(tmp_path_factory):
-    """Rank 4 into max_lora_rank 8 (the slot's other columns are zero constants), fp32 FSDP=2 trainer, TP=2 x DP=2."""
+    """Rank 4 into max_lora_rank 8 (the slot's other columns are zero constants), fp32 FSDP=2 trainer, TP=2 x DP=2,
+    every module vLLM takes LoRA on in Llama: the linear ones, embed_tokens and lm_head."""
     out = tmp_path_factory.mktemp("lora") / "llama-lora.plan"
     compile_plan(CompileOptions(str(config_dir("engine-llama")), output=out, trainer="fsdp=2", trainer_dtype="fp32",
-                                inference="tp=2,dp=2", lora="4,alpha=12,max_rank=8"))
+                                inference="tp=2,dp=2", lora="4,alpha=12,max_rank=8,targets=down_proj+embed_tokens+gate_proj+k_proj+lm_head+o_proj+q_proj+up_proj+v_proj"))
     return out
 
 
 def test_lora_plan_matches_vllm_adapter_load(lora_plan, capsys):
-    """Default targets are vLLM's: every linear module, the embedding (PEFT's lora_embedding_A/B, copied transposed into
-    (slots, vocab, max_rank)) and lm_head (LogitsProcessorWithLoRA), all replicated across TP ranks."""
+    """The linear modules, the embedding (PEFT's lora_embedding_A/B, A copied transposed into (slots, vocab, max_rank))
+    and lm_head (vLLM's LogitsProcessorWithLoRA); the embedding's and lm_head's slots are full copies on every TP rank."""
     assert inspect_main([str(lora_plan)]) == 0
     assert "lora           rank 4, alpha 12.0, into one slot of max_lora_rank 8; targets down_proj," in capsys.readouterr().out
     plan = load_plan(lora_plan)
@@ -50,18 +51,18 @@ def test_lora_plan_matches_vllm_adapter_load(lora_plan, capsys):
 
 
 @pytest.mark.parametrize("model, inference, modules", [
-    ("tiny-qwen3-moe", "dp=2,ep", {"qkv_proj", "o_proj", "gate", "embed_tokens", "lm_head"}),
+    ("tiny-qwen3-moe", "dp=2,ep", {"qkv_proj", "o_proj", "gate"}),
     ("tiny-deepseek-v3", "tp=2", {"fused_qkv_a_proj", "q_b_proj", "kv_b_proj", "o_proj", "gate", "gate_up_proj", "down_proj"})])
 def test_moe_model_lora_plans_match_vllm_adapter_load(tmp_path, model, inference, modules):
     """MoE models: attention (MLA's packed q_a/kv_a included), the router gate and dense/shared-expert MLPs take LoRA;
-    routed experts do not (vLLM's FusedMoEWithLoRA needs its Triton kernel, absent on CPU). Qwen3-MoE's vLLM class lists
-    embedding_modules (embeddings and lm_head by default), DeepSeek-V3's does not. With EP (Qwen3-MoE, dp=2,ep) every
+    routed experts do not (vLLM's FusedMoEWithLoRA needs its Triton kernel, absent on CPU). Default targets leave out
+    experts, embeddings and lm_head. With EP (Qwen3-MoE, dp=2,ep) every
     rank holds every LoRA layer: only routed experts are placed by EP, and they take no LoRA here."""
     out = tmp_path / "moe-lora.plan"
     compile_plan(CompileOptions(str(config_dir(model)), output=out, inference=inference, lora="8,alpha=16"))
     plan = load_plan(out)
     assert {d.name.split(".")[-3] for d in plan.dests} == modules
-    assert "experts" not in plan.header.inference.lora.targets
+    assert not {"experts", "embed_tokens", "lm_head"} & set(plan.header.inference.lora.targets)
     if "ep" in inference:
         assert plan.header.inference.ep and all(d.ranks == (0, 1) for d in plan.dests)
     result = verify_plan(out, model=str(config_dir(model)))

@@ -22,7 +22,7 @@ MODEL = "engine-llama"
 @pytest.fixture(scope="module")
 def lora_plan(tmp_path_factory):
     out = tmp_path_factory.mktemp("lora-slots") / "llama-lora.plan"
-    compile_plan(CompileOptions(str(config_dir(MODEL)), output=out, lora="8,alpha=16"))
+    compile_plan(CompileOptions(str(config_dir(MODEL)), output=out, lora="8,alpha=16,targets=down_proj+embed_tokens+gate_proj+k_proj+lm_head+o_proj+q_proj+up_proj+v_proj"))
     return load_plan(out)
 
 
@@ -63,7 +63,7 @@ def test_receiver_fills_chosen_slots_alternately(lora_plan, rendezvous, tmp_path
             reference = _vllm_reference(lora_plan, full_weights(lora_plan, 0, version), tmp_path / f"v{version}")
             got = slot_destination(lora_plan, modules, slot)
             assert reference.keys() == got.keys()
-            assert {"model.embed_tokens.lora_a_stacked.0", "lm_head.lora_b_stacked.0"} <= got.keys()  # vLLM's defaults
+            assert {"model.embed_tokens.lora_a_stacked.0", "lm_head.lora_b_stacked.0"} <= got.keys()
             assert all(byte_equal(got[name], reference[name]) for name in reference), f"slot {slot} != vLLM's load"
     finally:
         sender.close()

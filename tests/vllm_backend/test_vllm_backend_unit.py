@@ -175,14 +175,17 @@ def test_lora_plans_are_refused_in_one_line_by_engines_they_do_not_fit(tmp_path)
 
     plans = {}
     for name, model, lora in (("fits", "engine-llama", "8,alpha=16"), ("rank16", "engine-llama", "16,alpha=16"),
-                              ("other", "vocab-llama", "8,alpha=16")):
+                              ("other", "vocab-llama", "8,alpha=16"),
+                              ("embed", "engine-llama", "8,alpha=16,targets=embed_tokens+lm_head"),
+                              ("other_embed", "vocab-llama", "8,alpha=16,targets=embed_tokens")):
         compile_plan(CompileOptions(str(config_dir(model)), output=tmp_path / f"{name}.plan", lora=lora))
         plans[name] = load_plan(tmp_path / f"{name}.plan")
     config, manager = _lora_engine("engine-llama", max_rank=8, slots=2)
     check_lora_engine(plans["fits"], 0, config, "cpu", manager)
+    check_lora_engine(plans["embed"], 0, config, "cpu", manager)  # vLLM's default engine wraps embeddings and lm_head
     refusals = {"rank16": "adapter rank 16 is larger than the engine's max_lora_rank 8",
-                "other": "a plan for another base model: .* LoRA layers differ, e.g. "  # the vocabulary: an embedding's A rows
-                         "model.embed_tokens.lora_a_stacked.0: plan 999, engine 320"}
+                "other": "a plan for another base model: .* LoRA layers differ, e.g. model.layers.0",
+                "other_embed": "LoRA layers differ, e.g. model.embed_tokens.lora_a_stacked.0: plan 999, engine 320"}
     for name, message in refusals.items():
         with pytest.raises(PlanMismatchError, match=message) as info:
             check_lora_engine(plans[name], 0, config, "cpu", manager)
