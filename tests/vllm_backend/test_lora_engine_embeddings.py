@@ -1,0 +1,52 @@
+"""An embedding and lm_head LoRA plan written into a live CPU engine's slot: the slot's adapter id then generates what
+the engine generates with the same adapter loaded by vLLM from a PEFT directory under another id (one engine).
+
+Slow (an engine start): runs when WEIGHTPLAN_SLOW_ENGINE=1.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.support.vllm_engine_support import CONFIGS, make_llm, pin_no_amx
+from .test_lora_engine_slot import _greedy, plan_into_slot
+
+pytestmark = pytest.mark.skipif(os.environ.get("WEIGHTPLAN_SLOW_ENGINE") != "1",
+                                reason="slow engine test: set WEIGHTPLAN_SLOW_ENGINE=1")
+MODEL = "engine-llama"
+
+
+def test_embedding_and_lm_head_plan_in_a_live_slot_generates_like_vllms_load(tmp_path, monkeypatch):
+    from vllm.lora.request import LoRARequest
+
+    from weightplan.compiler.compile import CompileOptions, compile_plan
+    from weightplan.compiler.verify_lora import spec_of, write_peft_dir
+    from weightplan.runtime import load_plan
+
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    unpin = pin_no_amx(tmp_path)
+    plan_path = tmp_path / "lora.plan"
+    compile_plan(CompileOptions(str(CONFIGS / MODEL), output=plan_path, lora="8,alpha=16,targets=embed_tokens+lm_head"))
+    plan = load_plan(plan_path)
+    spec, targets = spec_of(plan)
+    assert {d.name.rsplit(".", 2)[0] for d in plan.dests} == {"model.embed_tokens", "lm_head"}
+    adapters = {}
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        tensors = {s.name: torch.randn(s.shape, generator=g).to(torch.bfloat16) for s in plan.sources}
+        adapters[seed] = str(write_peft_dir(tmp_path / f"adapter{seed}", spec, targets, tensors))
+    try:
+        llm = make_llm(CONFIGS / MODEL, dummy=True, backend=False, enable_lora=True, max_loras=2, max_lora_rank=8)
+        first = _greedy(llm, LoRARequest("first", 1, adapters[1]))
+        expected = _greedy(llm, LoRARequest("second", 2, adapters[2]))  # vLLM's own load, into the other slot
+        slot = llm.collective_rpc(plan_into_slot, args=(1, str(plan_path), adapters[2]))[0]
+        updated = _greedy(llm, LoRARequest("first", 1, adapters[1]))  # id 1's slot now holds the plan's bytes
+        del llm
+    finally:
+        unpin()
+    assert slot == 0
+    assert first != expected, "the two adapters generate alike: the check would prove nothing"
+    assert updated == expected
