@@ -9,10 +9,9 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from tests.support.vllm_engine_support import CONFIGS, make_llm, pin_no_amx
-from .test_lora_engine_slot import _greedy, plan_into_slot
+from .test_lora_engine_slot import _greedy, plan_into_slot, random_peft_dirs
 
 pytestmark = pytest.mark.skipif(os.environ.get("WEIGHTPLAN_SLOW_ENGINE") != "1",
                                 reason="slow engine test: set WEIGHTPLAN_SLOW_ENGINE=1")
@@ -23,7 +22,6 @@ def test_embedding_and_lm_head_plan_in_a_live_slot_generates_like_vllms_load(tmp
     from vllm.lora.request import LoRARequest
 
     from weightplan.compiler.compile import CompileOptions, compile_plan
-    from weightplan.compiler.verify_lora import spec_of, write_peft_dir
     from weightplan.runtime import load_plan
 
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
@@ -31,13 +29,8 @@ def test_embedding_and_lm_head_plan_in_a_live_slot_generates_like_vllms_load(tmp
     plan_path = tmp_path / "lora.plan"
     compile_plan(CompileOptions(str(CONFIGS / MODEL), output=plan_path, lora="8,alpha=16,targets=embed_tokens+lm_head"))
     plan = load_plan(plan_path)
-    spec, targets = spec_of(plan)
     assert {d.name.rsplit(".", 2)[0] for d in plan.dests} == {"model.embed_tokens", "lm_head"}
-    adapters = {}
-    for seed in (1, 2):
-        g = torch.Generator().manual_seed(seed)
-        tensors = {s.name: torch.randn(s.shape, generator=g).to(torch.bfloat16) for s in plan.sources}
-        adapters[seed] = str(write_peft_dir(tmp_path / f"adapter{seed}", spec, targets, tensors))
+    adapters = random_peft_dirs(plan, tmp_path, (1, 2))
     try:
         llm = make_llm(CONFIGS / MODEL, dummy=True, backend=False, enable_lora=True, max_loras=2, max_lora_rank=8)
         first = _greedy(llm, LoRARequest("first", 1, adapters[1]))

@@ -36,6 +36,19 @@ def plan_into_slot(worker, lora_id: int, plan_path: str, peft_dir: str) -> int:
     return slot
 
 
+def random_peft_dirs(plan, directory: Path, seeds) -> dict[int, str]:
+    """seed -> a PEFT directory of random bf16 tensors for the plan's sources, its config from the plan header."""
+    from weightplan.compiler.verify_lora import spec_of, write_peft_dir
+
+    spec, targets = spec_of(plan)
+    out = {}
+    for seed in seeds:
+        g = torch.Generator().manual_seed(seed)
+        tensors = {s.name: torch.randn(s.shape, generator=g).to(torch.bfloat16) for s in plan.sources}
+        out[seed] = str(write_peft_dir(directory / f"adapter{seed}", spec, targets, tensors))
+    return out
+
+
 def _greedy(llm, request) -> list[int]:
     from vllm import SamplingParams
 
@@ -48,20 +61,13 @@ def test_plan_written_into_a_live_slot_generates_like_a_fresh_engine(tmp_path, m
     from vllm.lora.request import LoRARequest
 
     from weightplan.compiler.compile import CompileOptions, compile_plan
-    from weightplan.compiler.verify_lora import spec_of, write_peft_dir
     from weightplan.runtime import load_plan
 
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     unpin = pin_no_amx(tmp_path)
     plan_path = tmp_path / "lora.plan"
     compile_plan(CompileOptions(str(CONFIGS / MODEL), output=plan_path, lora="8,alpha=16"))
-    plan = load_plan(plan_path)
-    spec, targets = spec_of(plan)
-    adapters = {}
-    for seed in (1, 2):
-        g = torch.Generator().manual_seed(seed)
-        tensors = {s.name: torch.randn(s.shape, generator=g).to(torch.bfloat16) for s in plan.sources}
-        adapters[seed] = str(write_peft_dir(tmp_path / f"adapter{seed}", spec, targets, tensors))
+    adapters = random_peft_dirs(load_plan(plan_path), tmp_path, (1, 2))
     lora = dict(enable_lora=True, max_loras=2, max_lora_rank=8)
     try:
         llm = make_llm(CONFIGS / MODEL, dummy=True, backend=False, **lora)
