@@ -184,8 +184,9 @@ def adapter_sources(manager, spec: LoraSpec, dtype: torch.dtype) -> list[TensorE
 # adapter holds neither (PEFT's "all-linear" leaves out the output layer and every embedding), and an embedding's A is
 # copied transposed (vocab x rank one-element descriptors: 512,115 instead of 114 for bench-llama at rank 16), so
 # they are planned only when `targets=` names them. Their slot bytes in an engine stay vLLM's zeros: no delta.
-NOT_DEFAULT = ("experts", "embed_tokens", "lm_head")
+EMBEDDINGS = ("embed_tokens", "lm_head")  # the PEFT names vLLM's `embedding_modules` usually lists
 REFUSED = ("experts",)
+NOT_DEFAULT = REFUSED + EMBEDDINGS
 
 
 def supported_targets(model) -> tuple[str, ...]:
@@ -195,9 +196,6 @@ def supported_targets(model) -> tuple[str, ...]:
     packed = process_packed_modules_mapping(model)
     return tuple(sorted({part for name in get_supported_lora_modules(model)
                          for part in (packed.get(name, [name]) if name != "experts" else [name])}))
-
-
-EMBEDDINGS = ("embed_tokens", "lm_head")  # the PEFT names vLLM's `embedding_modules` usually lists
 
 
 def check_targets(spec: LoraSpec, supported: tuple[str, ...], architecture: str) -> None:
