@@ -13,15 +13,13 @@ does with input and output weight 1: the embedding and the head each count as on
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 
 from weightplan.runtime.layout.placements import REPLICATE, Mesh, Sharding
 from weightplan.runtime.layout.shards import ShardLayout, TrainerLayout
+from weightplan.runtime.layout.stages import layer_of
 from .frontend.errors import ModelConfigError
 from .frontend.pipeline_stages import hidden_layers
-
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def torchtitan_stage_sizes(layers: int, pp: int) -> list[int]:
@@ -80,10 +78,9 @@ class StagedTrainer:
 
     def stages_of(self, name: str, names: frozenset[str]) -> tuple[int, ...]:
         """The stages holding trainer tensor `name` (`names`: every trainer tensor, to tell a tied embedding)."""
-        match = _LAYER.search(name)
+        layer = layer_of(name)
         last = self.pp - 1
-        if match:
-            layer = int(match[1])
+        if layer is not None:
             return next(((s,) for s, held in enumerate(self.layers) if layer in held), (last,))  # MTP layers: last
         if "embed" in name:
             tied = not any(n.startswith(("lm_head.", "output.")) for n in names)

@@ -10,6 +10,7 @@ from weightplan.runtime import load_plan
 
 from ..conftest import config_dir
 from ..support.fake_world import as_rank, run_in_fresh_process
+from ..support.pipeline_stage import stage_module
 from ..support.runtime_harness import Job
 
 VERSIONS = (1, 2)
@@ -35,18 +36,6 @@ def test_live_sender_serves_a_stage_module_and_refuses_another_stages_plan_rank(
     run_in_fresh_process(_stage_modules, str(path), str(config_dir("tiny-llama")))
 
 
-def _stage_module(full, stage: int, layers: range, last: bool):
-    """A pipeline stage as torchtitan's split leaves it: only its layers, under their global indices (a ModuleDict)."""
-    root, inner = torch.nn.Module(), torch.nn.Module()
-    root.model = inner
-    inner.layers = torch.nn.ModuleDict({str(i): full.model.layers[i] for i in layers})
-    if stage == 0:
-        inner.embed_tokens = full.model.embed_tokens
-    if last:
-        inner.norm, root.lm_head = full.model.norm, full.lm_head
-    return root
-
-
 def _stage_modules(path: str, model_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -64,7 +53,7 @@ def _stage_modules(path: str, model_dir: str) -> None:
         as_rank(rank, 4)
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "fsdp"))
         stage = rank // 2
-        module = _stage_module(full, stage, stages[stage], stage == 1) if rank % 2 == 0 else modules[-1]
+        module = stage_module(full, stage, stages[stage], stage == 1) if rank % 2 == 0 else modules[-1]
         if rank % 2 == 0:
             fully_shard(module, mesh=mesh["fsdp"])
             modules.append(module)
