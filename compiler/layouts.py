@@ -41,7 +41,7 @@ class InferenceLayout:
         return RankCoords.of(rank, self.tp, self.pp)
 
     def rank_of(self, at: RankCoords) -> int:
-        return (at.dp * self.pp + at.pp) * self.tp + at.tp
+        return at.rank(self.tp, self.pp)
 
     @property
     def token(self) -> str:
