@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from weightplan.runtime.errors import LayoutError
-from weightplan.runtime.layout.shards import MAX_RANKS, ShardLayout, TrainerLayout, layout_items
+from weightplan.runtime.layout.shards import MAX_RANKS, ShardLayout, TrainerLayout, layout_items, rank_boxes
 from weightplan.runtime.layout.layout_file import TrainerLayoutFile, read_trainer_layout
 from weightplan.runtime.layout.stages import layer_of
 from weightplan.runtime.plan.header import RankCoords
@@ -169,17 +169,17 @@ class ExplicitTrainer:
             layer = layer_of(name)
             if layer is not None and layer < self.layer_count:
                 held[entry.sharding.mesh.ranks[0] // per_stage].add(layer)
-        config = {"num_hidden_layers": self.layer_count}
+        config, names, world = {"num_hidden_layers": self.layer_count}, frozenset(s.name for s in specs), layout.ranks
         for explicit in (None, tuple(map(len, held))):
             for replicas in _divisors(per_stage):
                 for ep in _divisors(per_stage // replicas):
                     try:
                         staged = StagedTrainer(self.pp, TrainerLayout(per_stage // replicas, ep, replicas), explicit).resolve(config)
-                        candidate = staged.bind(specs)
+                        if all(rank_boxes(staged.sharding_of(s, names), tuple(s.shape), world) == layout.classes[layout.of[i]]
+                               for i, s in enumerate(specs)):
+                            return staged.token
                     except (ModelConfigError, ValueError):
                         continue
-                    if candidate.classes == layout.classes and candidate.of == layout.of:
-                        return candidate.token
         return layout.token
 
 

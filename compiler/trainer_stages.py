@@ -87,20 +87,20 @@ class StagedTrainer:
             return (0, last) if tied and last else (0,)
         return (last,)
 
-    def bind(self, specs) -> ShardLayout:
+    def sharding_of(self, spec, names: frozenset[str]) -> Sharding:
+        """Trainer tensor `spec`'s sharding over the whole trainer (`names`: every trainer tensor, see `stages_of`)."""
         if not self.layers:
-            raise ValueError("StagedTrainer.bind before resolve(config)")
+            raise ValueError("StagedTrainer.sharding_of before resolve(config)")
+        inner = self.inner.sharding_for(tuple(spec.shape), spec.sharding)
+        stages = self.stages_of(spec.name, names)
+        ranks = tuple(s * self.inner.ranks + r for s in stages for r in inner.mesh.ranks)
+        if len(stages) == 1:
+            return Sharding(Mesh(inner.mesh.shape, ranks), inner.placements)
+        return Sharding(Mesh((len(stages), *inner.mesh.shape), ranks), (REPLICATE, *inner.placements))
+
+    def bind(self, specs) -> ShardLayout:
         names = frozenset(s.name for s in specs)
-        n = self.inner.ranks
-        shardings = []
-        for spec in specs:
-            inner = self.inner.sharding_for(tuple(spec.shape), spec.sharding)
-            stages = self.stages_of(spec.name, names)
-            ranks = tuple(s * n + r for s in stages for r in inner.mesh.ranks)
-            if len(stages) == 1:
-                shardings.append(Sharding(Mesh(inner.mesh.shape, ranks), inner.placements))
-            else:
-                shardings.append(Sharding(Mesh((len(stages), *inner.mesh.shape), ranks), (REPLICATE, *inner.placements)))
+        shardings = [self.sharding_of(spec, names) for spec in specs]
         return dataclasses.replace(ShardLayout.build(specs, shardings), token=self.token)
 
 
