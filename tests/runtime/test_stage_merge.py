@@ -92,3 +92,18 @@ def test_a_layer_tensor_on_two_stages_in_a_file_is_refused(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(LayoutError, match=r'"pp" is 2, not a number of pipeline stages in 2\.\.world_size \(4\)'):
         read_trainer_layout(path)
+
+
+def test_pp_alone_stages_of_plain_tensors_are_held_by_their_own_rank():
+    """`pp=3` without FSDP: each stage is one rank holding plain tensors, described as whole on that rank only."""
+    import torch
+
+    from weightplan.runtime.layout.layout_file import describe_layout
+
+    stages = [{"model.embed_tokens.weight": torch.zeros(8, 4), "model.layers.0.w": torch.zeros(4)},
+              {"model.layers.1.w": torch.zeros(4)}, {"model.layers.2.w": torch.zeros(4), "lm_head.weight": torch.zeros(8, 4)}]
+    merged = merge_stage_layouts([describe_layout(t, world_size=3, plain_ranks=[r]) for r, t in enumerate(stages)])
+    assert merged["pp"] == 3
+    assert {n: merged["meshes"][e["mesh"]]["ranks"] for n, e in merged["tensors"].items()} == {
+        "model.embed_tokens.weight": [0], "model.layers.0.w": [0], "model.layers.1.w": [1], "model.layers.2.w": [2],
+        "lm_head.weight": [2]}
