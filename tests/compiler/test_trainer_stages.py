@@ -112,18 +112,21 @@ def _as_layout_file(staged, specs, path, pp=None) -> None:
                                 "pp": staged.pp if pp is None else pp, "meshes": meshes, "tensors": tensors}))
 
 
-@pytest.mark.parametrize("model,trainer,token", [
-    ("tiny-llama", "pp=2,fsdp=2", "pp2-fsdp2"),
-    ("tiny-llama", "pp=2,pp-layers=1+2,fsdp=2", "pp2-layers1+2-fsdp2"),  # not torchtitan's split: the explicit one
-    ("tiny-llama", "pp=3,pp-layers=1+1+1", "pp3-layers1+1+1-fsdp1"),  # torchtitan's split would leave stage 2 empty
-    ("vocab-llama-tied", "pp=2,fsdp=2", "pp2-fsdp2"),  # the tied embedding: one entry replicated over both stages
+@pytest.mark.parametrize("model,fmt,trainer,token", [
+    ("tiny-llama", "hf", "pp=2,fsdp=2", "pp2-fsdp2"),
+    ("tiny-llama", "hf", "pp=2,pp-layers=1+2,fsdp=2", "pp2-layers1+2-fsdp2"),  # not torchtitan's split: the explicit one
+    ("tiny-llama", "hf", "pp=3,pp-layers=1+1+1", "pp3-layers1+1+1-fsdp1"),  # torchtitan's split would leave stage 2 empty
+    ("vocab-llama-tied", "hf", "pp=2,fsdp=2", "pp2-fsdp2"),  # the tied embedding: one entry replicated over both stages
+    # FSDP over EP within each stage (_StridedShard experts): the same boxes as plain FSDP here, so the file takes the
+    # smallest-ep name, as unpipelined files do; the shorthand keeps the token it was given
+    ("tiny-qwen3-moe", "stacked", "pp=2,fsdp=2,ep=2", "pp2-fsdp2"),
 ])
-def test_a_pipelined_layout_file_binds_as_its_shorthand(tmp_path, model, trainer, token):
+def test_a_pipelined_layout_file_binds_as_its_shorthand(tmp_path, model, fmt, trainer, token):
     config = json.loads((config_dir(model) / "config.json").read_text())
-    specs = trainer_specs(config_dir(model), TrainerFormat.HF, torch.bfloat16)
-    staged = check_trainer_stages(parse_trainer(trainer), config)
+    specs = trainer_specs(config_dir(model), TrainerFormat(fmt), torch.bfloat16)
+    staged = check_trainer_stages(parse_trainer(trainer, fmt=TrainerFormat(fmt)), config)
     _as_layout_file(staged, specs, tmp_path / "layout.json")
-    from_file = check_trainer_stages(parse_trainer("fsdp=1", tmp_path / "layout.json"), config)
+    from_file = check_trainer_stages(parse_trainer("fsdp=1", tmp_path / "layout.json", TrainerFormat(fmt)), config)
     assert from_file.pp == staged.pp
     bound, shorthand = from_file.bind(specs), staged.bind(specs)
     assert (bound.token, bound.classes, bound.of) == (token, shorthand.classes, shorthand.of)
