@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from weightplan.runtime.errors import LayoutError
-from weightplan.runtime.layout.shards import MAX_RANKS, ShardLayout, TrainerLayout, layout_items, rank_boxes
+from weightplan.runtime.layout.shards import MAX_RANKS, ShardLayout, TrainerLayout, layout_items, rank_boxes, shorthands
 from weightplan.runtime.layout.layout_file import TrainerLayoutFile, read_trainer_layout
 from weightplan.runtime.layout.stages import layer_of
 from weightplan.runtime.plan.header import RankCoords
@@ -171,15 +171,14 @@ class ExplicitTrainer:
                 held[entry.sharding.mesh.ranks[0] // per_stage].add(layer)
         config, names, world = {"num_hidden_layers": self.layer_count}, frozenset(s.name for s in specs), layout.ranks
         for explicit in (None, tuple(map(len, held))):
-            for replicas in _divisors(per_stage):
-                for ep in _divisors(per_stage // replicas):
-                    try:
-                        staged = StagedTrainer(self.pp, TrainerLayout(per_stage // replicas, ep, replicas), explicit).resolve(config)
-                        if all(rank_boxes(staged.sharding_of(s, names), tuple(s.shape), world) == layout.classes[layout.of[i]]
-                               for i, s in enumerate(specs)):
-                            return staged.token
-                    except (ModelConfigError, ValueError):
-                        continue
+            for inner in shorthands(per_stage):
+                try:
+                    staged = StagedTrainer(self.pp, inner, explicit).resolve(config)
+                    if all(rank_boxes(staged.sharding_of(s, names), tuple(s.shape), world) == layout.classes[layout.of[i]]
+                           for i, s in enumerate(specs)):
+                        return staged.token
+                except (ModelConfigError, ValueError):
+                    continue
         return layout.token
 
 
@@ -197,7 +196,3 @@ def parse_inference(text: str) -> InferenceLayout:
     if layout.ranks > MAX_RANKS:
         raise ModelConfigError(f"--inference {text!r} has {layout.ranks} ranks; plans support at most {MAX_RANKS} per side")
     return layout
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
