@@ -3,15 +3,17 @@ vLLM cannot build or what does not fit the trainer's tensors, before anything is
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 from weightplan.runtime.errors import LayoutError
-from weightplan.runtime.layout.shards import MAX_RANKS, ShardLayout, TrainerLayout, layout_items
+from weightplan.runtime.layout.shards import MAX_RANKS, ShardLayout, TrainerLayout, layout_items, rank_boxes, shorthands
 from weightplan.runtime.layout.layout_file import TrainerLayoutFile, read_trainer_layout
+from weightplan.runtime.layout.stages import layer_of
 from weightplan.runtime.plan.header import RankCoords
 from .frontend.errors import ModelConfigError
-from .frontend.pipeline_stages import check_pipeline_stages
+from .frontend.pipeline_stages import check_pipeline_stages, hidden_layers
 from .frontend.trainer_formats import TrainerFormat
 from .trainer_stages import StagedTrainer, parse_staged
 
@@ -39,7 +41,7 @@ class InferenceLayout:
         return RankCoords.of(rank, self.tp, self.pp)
 
     def rank_of(self, at: RankCoords) -> int:
-        return (at.dp * self.pp + at.pp) * self.tp + at.tp
+        return at.rank(self.tp, self.pp)
 
     @property
     def token(self) -> str:
@@ -100,7 +102,7 @@ def routed_experts(config: dict) -> int | None:
 
 def check_trainer_stages(layout, config: dict):
     """The layout with a pipeline-parallel trainer's stages resolved for this config (others unchanged)."""
-    return layout.resolve(config) if isinstance(layout, StagedTrainer) else layout
+    return layout.resolve(config) if isinstance(layout, (StagedTrainer, ExplicitTrainer)) else layout
 
 
 def check_trainer_experts(layout, config: dict) -> None:
@@ -117,10 +119,19 @@ def check_trainer_experts(layout, config: dict) -> None:
 
 @dataclass(frozen=True)
 class ExplicitTrainer:
-    """A `--trainer-layout` file for trainer tensors of format `fmt`."""
+    """A `--trainer-layout` file for trainer tensors of format `fmt`; `layer_count` (from `resolve(config)`) lets a
+    pipelined file's plan take the `--trainer pp=` token when it holds the same boxes."""
 
     file: TrainerLayoutFile
     fmt: TrainerFormat
+    layer_count: int | None = None  # the model's num_hidden_layers
+
+    @property
+    def pp(self) -> int:
+        return self.file.pp or 1
+
+    def resolve(self, config: dict) -> "ExplicitTrainer":
+        return dataclasses.replace(self, layer_count=hidden_layers(config)) if self.pp > 1 else self
 
     def bind(self, specs) -> ShardLayout:
         """Check the file against the trainer's tensors (names, global shapes, dtypes); LayoutError names the tensor."""
@@ -144,7 +155,31 @@ class ExplicitTrainer:
             if entry.dtype != spec.dtype:
                 raise LayoutError(f"{where}: tensor {spec.name!r} is {entry.dtype}, the trainer tensor is {spec.dtype} "
                                   "(masters follow --trainer-dtype); pass the matching --trainer-dtype")
-        return ShardLayout.build(specs, [tensors[s.name].sharding for s in specs])
+        layout = ShardLayout.build(specs, [tensors[s.name].sharding for s in specs])
+        return dataclasses.replace(layout, token=self._staged_token(specs, layout)) if self.pp > 1 else layout
+
+    def _staged_token(self, specs, layout: ShardLayout) -> str:
+        """The token of the `--trainer pp=P,...` shorthand with this file's boxes (its default split first), else the
+        layout's own; each stage's inner shorthand is tried with the smallest ep first, as for unpipelined layouts."""
+        if self.layer_count is None:
+            return layout.token
+        per_stage = self.file.world_size // self.pp
+        held: list[set[int]] = [set() for _ in range(self.pp)]
+        for name, entry in self.file.tensors.items():
+            layer = layer_of(name)
+            if layer is not None and layer < self.layer_count:
+                held[entry.sharding.mesh.ranks[0] // per_stage].add(layer)
+        config, names, world = {"num_hidden_layers": self.layer_count}, frozenset(s.name for s in specs), layout.ranks
+        for explicit in (None, tuple(map(len, held))):
+            for inner in shorthands(per_stage):
+                try:
+                    staged = StagedTrainer(self.pp, inner, explicit).resolve(config)
+                    if all(rank_boxes(staged.sharding_of(s, names), tuple(s.shape), world) == layout.classes[layout.of[i]]
+                           for i, s in enumerate(specs)):
+                        return staged.token
+                except (ModelConfigError, ValueError):
+                    continue
+        return layout.token
 
 
 def parse_inference(text: str) -> InferenceLayout:

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 from weightplan.runtime.layout.placements import REPLICATE, Mesh, Sharding
 from weightplan.runtime.layout.shards import ShardLayout, TrainerLayout
+from weightplan.runtime.layout.stages import layer_of
 from .frontend.errors import ModelConfigError
 from .frontend.pipeline_stages import hidden_layers
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _ADAPTER = re.compile(r"\.lora_(?:embedding_)?[AB](?:\.weight)?$")  # a PEFT LoRA tensor (lora_A/B, lora_embedding_A/B)
 
 
@@ -82,10 +82,9 @@ class StagedTrainer:
 
     def stages_of(self, name: str, names: frozenset[str]) -> tuple[int, ...]:
         """The stages holding trainer tensor `name` (`names`: every trainer tensor, to tell a tied embedding)."""
-        match = _LAYER.search(name)
+        layer = layer_of(name)
         last = self.pp - 1
-        if match:
-            layer = int(match[1])
+        if layer is not None:
             return next(((s,) for s, held in enumerate(self.layers) if layer in held), (last,))  # MTP layers: last
         if "embed" in name:
             if _ADAPTER.search(name):  # an adapter lives with its module: PEFT ties no embedding adapter to the head
@@ -94,20 +93,20 @@ class StagedTrainer:
             return (0, last) if tied and last else (0,)
         return (last,)
 
-    def bind(self, specs) -> ShardLayout:
+    def sharding_of(self, spec, names: frozenset[str]) -> Sharding:
+        """Trainer tensor `spec`'s sharding over the whole trainer (`names`: every trainer tensor, see `stages_of`)."""
         if not self.layers:
-            raise ValueError("StagedTrainer.bind before resolve(config)")
+            raise ValueError("StagedTrainer.sharding_of before resolve(config)")
+        inner = self.inner.sharding_for(tuple(spec.shape), spec.sharding)
+        stages = self.stages_of(spec.name, names)
+        ranks = tuple(s * self.inner.ranks + r for s in stages for r in inner.mesh.ranks)
+        if len(stages) == 1:
+            return Sharding(Mesh(inner.mesh.shape, ranks), inner.placements)
+        return Sharding(Mesh((len(stages), *inner.mesh.shape), ranks), (REPLICATE, *inner.placements))
+
+    def bind(self, specs) -> ShardLayout:
         names = frozenset(s.name for s in specs)
-        n = self.inner.ranks
-        shardings = []
-        for spec in specs:
-            inner = self.inner.sharding_for(tuple(spec.shape), spec.sharding)
-            stages = self.stages_of(spec.name, names)
-            ranks = tuple(s * n + r for s in stages for r in inner.mesh.ranks)
-            if len(stages) == 1:
-                shardings.append(Sharding(Mesh(inner.mesh.shape, ranks), inner.placements))
-            else:
-                shardings.append(Sharding(Mesh((len(stages), *inner.mesh.shape), ranks), (REPLICATE, *inner.placements)))
+        shardings = [self.sharding_of(spec, names) for spec in specs]
         return dataclasses.replace(ShardLayout.build(specs, shardings), token=self.token)
 
 

@@ -4,6 +4,7 @@ from .errors import LayoutError, PlanFormatError, PlanMismatchError, SyncError, 
 from .host.executor import execute_local
 from .layout.layout_file import read_trainer_layout, write_trainer_layout
 from .layout.module_tensors import trainer_tensors
+from .layout.stage_merge import merge_stage_layouts, write_pipeline_layout
 from .plan.format import Plan, load_plan
 from .receiver.receiver import Receiver, SyncReport
 from .sender.live_module import LiveSender
@@ -12,6 +13,6 @@ from .transport.rendezvous import Rendezvous
 
 __all__ = [
     "LayoutError", "LiveSender", "Plan", "PlanFormatError", "PlanMismatchError", "Receiver", "ReleaseReport", "Rendezvous",
-    "Sender", "SyncError", "SyncReport", "WeightplanError", "execute_local", "load_plan", "read_trainer_layout",
-    "trainer_tensors", "write_trainer_layout",
+    "Sender", "SyncError", "SyncReport", "WeightplanError", "execute_local", "load_plan", "merge_stage_layouts",
+    "read_trainer_layout", "trainer_tensors", "write_pipeline_layout", "write_trainer_layout",
 ]

@@ -23,10 +23,11 @@ from .staging import Destination, choose
 log = logging.getLogger("weightplan.vllm_backend")
 
 
-def _tp_rank() -> int:
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
+def _tp_pp_ranks() -> tuple[int, int]:
+    """This worker's ranks in vLLM's tensor and pipeline parallel groups."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group, model_parallel_is_initialized
 
-    return get_tensor_model_parallel_rank() if model_parallel_is_initialized() else 0
+    return (get_tp_group().rank_in_group, get_pp_group().rank_in_group) if model_parallel_is_initialized() else (0, 0)
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class WeightplanWeightTransferEngine(WeightTransferEngine[WeightplanInitInfo, We
     def init_transfer_engine(self, init_info: WeightplanInitInfo) -> None:
         if self.target is not None or self.lora is not None:
             raise RuntimeError("the weightplan engine is already initialized; call shutdown_weight_transfer_engine first")
-        rank = plan_rank(self.parallel_config, _tp_rank(), init_info.rank_offset)
+        rank = plan_rank(self.parallel_config, *_tp_pp_ranks(), init_info.rank_offset)
         plans = [(path, load_plan(path)) for path in init_info.plans]
         if any(plan.header.inference.lora is not None for _, plan in plans):
             self.lora = self._join_lora(init_info, rank, plans)

@@ -6,14 +6,16 @@ import torch
 
 from weightplan.runtime import Plan, PlanMismatchError
 from weightplan.runtime.lora_slots import stacked_slices
-from weightplan.runtime.plan.header import DraftHeader
+from weightplan.runtime.plan.header import DraftHeader, RankCoords
 
 from .live_patches import method_name
 
 
-def plan_rank(parallel_config, tp_rank: int, offset: int) -> int:
-    """This worker's inference rank in the plan: vLLM's global worker index (dp index * world size + rank) + offset."""
-    return offset + parallel_config.data_parallel_index * parallel_config.world_size + tp_rank
+def plan_rank(parallel_config, tp_rank: int, pp_rank: int, offset: int) -> int:
+    """This worker's inference rank in the plan: `offset` plus its global worker index as vLLM numbers workers (dp, then
+    pp, then tp: RankCoords), from its ranks in vLLM's TP and PP groups and the engine's data parallel index."""
+    at = RankCoords(tp_rank, pp_rank, parallel_config.data_parallel_index)
+    return offset + at.rank(parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size)
 
 
 def owner(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str] | None:
@@ -92,6 +94,12 @@ def _layout_problems(plan: Plan, rank: int, vllm_config, platform: str, model_co
     par = vllm_config.parallel_config
     if inference.tp != par.tensor_parallel_size:
         problems.append(f"tensor parallel size: plan tp={inference.tp}, engine tp={par.tensor_parallel_size}")
+    if (inference.pp or 1) != par.pipeline_parallel_size:
+        problems.append(f"pipeline parallel size: plan pp={inference.pp or 1}, engine pipeline_parallel_size="
+                        f"{par.pipeline_parallel_size}; compile the plan with --inference ...,pp={par.pipeline_parallel_size}")
+    if getattr(par, "prefill_context_parallel_size", 1) > 1:
+        problems.append(f"prefill context parallel size {par.prefill_context_parallel_size}: plans describe tp, pp and dp "
+                        "only")
     if not 0 <= rank < header.dst_ranks:
         problems.append(f"inference rank: this worker is rank {rank}, the plan has ranks 0..{header.dst_ranks - 1}")
     if inference.platform != platform:

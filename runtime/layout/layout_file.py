@@ -1,6 +1,6 @@
 """The trainer layout file (--trainer-layout): read and check it, or write it from a live DTensor model.
 
-    {"format": "weightplan-trainer-layout", "version": 1, "world_size": 4,
+    {"format": "weightplan-trainer-layout", "version": 1, "world_size": 4, ["pp": 2,]
      "meshes": [{"shape": [2, 2], "ranks": [[0, 1], [2, 3]]}, ...],
      "tensors": {"<name>": {"shape": [...], "dtype": "bfloat16", "mesh": 0,
                             "placements": ["Shard(0)", "Replicate()"]}, ...}}
@@ -24,6 +24,7 @@ from ..plan.schema import DTYPE_SIZES
 from .module_tensors import trainer_tensors
 from .placements import Mesh, Placement, Sharding, mesh_boxes
 from .shards import MAX_RANKS
+from .stages import check_stages
 
 FORMAT = "weightplan-trainer-layout"
 VERSION = 1
@@ -43,6 +44,7 @@ class TrainerLayoutFile:
     path: str
     world_size: int
     tensors: dict[str, TensorLayout]
+    pp: int | None = None  # pipeline stages (runtime/layout/stages.py); None: one stage
 
 
 def read_trainer_layout(path: str | Path) -> TrainerLayoutFile:
@@ -68,7 +70,13 @@ def parse_trainer_layout(data, path: str | Path, *, stage: bool = False) -> Trai
     if missing and not stage:
         raise LayoutError(f"trainer layout {path}: trainer rank {missing[0]} of world_size {world} holds no tensor "
                           "(it is in no mesh a tensor uses); mesh rank ids must be the global trainer ranks 0..world_size-1")
-    return TrainerLayoutFile(str(path), world, layouts)
+    pp = data.get("pp")
+    if pp is not None:
+        if type(pp) is not int or not 2 <= pp <= world:
+            raise LayoutError(f"trainer layout {path}: \"pp\" is {str(pp)[:40]}, not a number of pipeline stages in "
+                              f"2..world_size ({world}); leave it out for a trainer without pipeline stages")
+        check_stages({name: t.sharding for name, t in layouts.items()}, world, pp, f"trainer layout {path}")
+    return TrainerLayoutFile(str(path), world, layouts, pp)
 
 
 def _unique_keys(path, pairs: list[tuple[str, object]]) -> dict:
@@ -129,18 +137,24 @@ def write_trainer_layout(tensors, path: str | Path, *, world_size: int | None = 
     (default: torch.distributed's world size, else 1 + the highest rank of any mesh).
     Partial placements are refused.
     """
-    data = describe_layout(tensors, world_size=world_size)
+    return write_layout_object(describe_layout(tensors, world_size=world_size), path)
+
+
+def write_layout_object(data: dict, path: str | Path) -> Path:
+    """Write a layout's JSON object (`describe_layout`'s form) atomically, one tensor per line."""
     lines = [f"  {json.dumps(name)}: {json.dumps(entry)}" for name, entry in data["tensors"].items()]
-    text = (f'{{"format": "{FORMAT}", "version": {VERSION}, "world_size": {data["world_size"]},\n "meshes": [\n  '
+    pp = f', "pp": {data["pp"]}' if data.get("pp") else ""
+    text = (f'{{"format": "{FORMAT}", "version": {VERSION}, "world_size": {data["world_size"]}{pp},\n "meshes": [\n  '
             + ",\n  ".join(json.dumps(m) for m in data["meshes"]) + '\n ],\n "tensors": {\n' + ",\n".join(lines) + "\n }\n}\n")
     return write_atomically(path, text.encode(), LayoutError, "trainer layout")
 
 
-def describe_layout(tensors, *, world_size: int | None = None) -> dict:
+def describe_layout(tensors, *, world_size: int | None = None, plain_ranks: list[int] | None = None) -> dict:
     """The layout file's JSON object for a live trainer (what write_trainer_layout writes).
 
     A module gives its trainer tensors (runtime/layout/module_tensors.py `trainer_tensors`: state-dict names
-    without wrapper prefixes, FSDP2's sharded parameters, persistent buffers, tied tensors once).
+    without wrapper prefixes, FSDP2's sharded parameters, persistent buffers, tied tensors once). Plain tensors are
+    held whole by `plain_ranks` (default: every rank; a pipeline stage's: its own ranks).
     """
     from torch.distributed.tensor import DTensor
 
@@ -160,7 +174,8 @@ def describe_layout(tensors, *, world_size: int | None = None) -> dict:
             shape, ranks = list(grid.shape), grid.tolist()
             placements = [_placement(name, p, tensor.ndim, i) for i, p in enumerate(tensor.placements)]
         else:
-            shape, ranks, placements = [world_size], list(range(world_size)), ["Replicate()"]
+            ranks = list(range(world_size)) if plain_ranks is None else list(plain_ranks)
+            shape, placements = [len(ranks)], ["Replicate()"]
         mesh = json.dumps({"shape": shape, "ranks": ranks})
         entries[name] = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
                          "mesh": meshes.setdefault(mesh, len(meshes)), "placements": placements}

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
@@ -180,14 +181,18 @@ class ShardLayout:
         return self
 
 
+def shorthands(ranks: int) -> Iterator[TrainerLayout]:
+    """Every `fsdp/ep/replicas` shorthand over `ranks` ranks, fewest replicas then smallest ep first (the naming order)."""
+    for replicas in _divisors(ranks):
+        for ep in _divisors(ranks // replicas):
+            yield TrainerLayout(ranks // replicas, ep, replicas)
+
+
 def _token(specs, classes: tuple[RankBoxes, ...], of: tuple[int, ...], world: int) -> str:
-    for replicas in _divisors(world):
-        fsdp = world // replicas
-        for ep in _divisors(fsdp):
-            candidate = TrainerLayout(fsdp, ep, replicas)
-            if all(rank_boxes(candidate.sharding_for(s.shape, s.sharding), tuple(s.shape), world) == classes[c]
-                   for s, c in zip(specs, of)):
-                return candidate.token
+    for candidate in shorthands(world):
+        if all(rank_boxes(candidate.sharding_for(s.shape, s.sharding), tuple(s.shape), world) == classes[c]
+               for s, c in zip(specs, of)):
+            return candidate.token
     tables = ShardLayout("", (), classes, of).as_dict()["boxes"], list(of)
     return "layout-" + hashlib.sha256(json.dumps(tables).encode()).hexdigest()[:12]
 

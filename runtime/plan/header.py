@@ -106,6 +106,10 @@ class RankCoords:
         """The coordinates of global inference rank `rank`, numbered as vLLM numbers workers: dp, then pp, then tp."""
         return RankCoords(rank % tp, rank // tp % pp, rank // (tp * pp))
 
+    def rank(self, tp: int, pp: int) -> int:
+        """The global inference rank at these coordinates (the inverse of `of`)."""
+        return (self.dp * pp + self.pp) * tp + self.tp
+
 
 @dataclass(frozen=True)
 class LoraHeader:

@@ -81,6 +81,9 @@ CASES = [
      rf"tensor '{EMBED}' names mesh 3; the file has meshes 0..0"),
     ("not a layout file", lambda d: d.__setitem__("format", "something-else"),
      "is not a weightplan trainer layout"),
+    ("pp over tensors on every rank", lambda d: d.__setitem__("pp", 2),
+     r"tensor '[^']+' is on pipeline stages \[0, 1\]; a tensor lives on one stage \(only a tied embedding"),
+    ("pp that is not a stage count", lambda d: d.__setitem__("pp", 1), r'"pp" is 1, not a number of pipeline stages in 2\.\.world_size'),
 ]
 
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings, strategies as st
 
 from weightplan.compiler.compile import CompileOptions, compile_plan
 from weightplan.compiler.frontend.errors import ModelConfigError
+from weightplan.compiler.frontend.trainer_formats import TrainerFormat, trainer_specs
+from weightplan.compiler.layouts import check_trainer_stages, parse_trainer
 from weightplan.compiler.plan_summary import summarize
 from weightplan.compiler.trainer_stages import torchtitan_stage_sizes
 from weightplan.runtime import load_plan
@@ -91,3 +95,50 @@ def test_stage_pairs_carry_each_layer_once(plan_cache):
     assert pairs[0][1] == pairs[1][0] == 0 < min(pairs[0][0], pairs[1][1])
     assert pairs[0][0] + pairs[1][1] == summary["wire_bytes"]
     assert summarize(load_plan(plan_cache("tiny-llama", "hf", "bf16", "fsdp=3", "tp=2")))["bytes_per_stage_pair"] is None
+
+
+def _as_layout_file(staged, specs, path, pp=None) -> None:
+    """Write the shards of a `--trainer pp=` layout as a --trainer-layout file (meshes and placements, and `pp`)."""
+    names = frozenset(s.name for s in specs)
+    meshes, tensors = [], {}
+    for spec in specs:
+        sharding = staged.sharding_of(spec, names)
+        mesh = {"shape": list(sharding.mesh.shape), "ranks": np.array(sharding.mesh.ranks).reshape(sharding.mesh.shape).tolist()}
+        if mesh not in meshes:
+            meshes.append(mesh)
+        tensors[spec.name] = {"shape": list(spec.shape), "dtype": spec.dtype, "mesh": meshes.index(mesh),
+                              "placements": [str(p) for p in sharding.placements]}
+    path.write_text(json.dumps({"format": "weightplan-trainer-layout", "version": 1, "world_size": staged.ranks,
+                                "pp": staged.pp if pp is None else pp, "meshes": meshes, "tensors": tensors}))
+
+
+@pytest.mark.parametrize("model,fmt,trainer,token", [
+    ("tiny-llama", "hf", "pp=2,fsdp=2", "pp2-fsdp2"),
+    ("tiny-llama", "hf", "pp=2,pp-layers=1+2,fsdp=2", "pp2-layers1+2-fsdp2"),  # not torchtitan's split: the explicit one
+    ("tiny-llama", "hf", "pp=3,pp-layers=1+1+1", "pp3-layers1+1+1-fsdp1"),  # torchtitan's split would leave stage 2 empty
+    ("vocab-llama-tied", "hf", "pp=2,fsdp=2", "pp2-fsdp2"),  # the tied embedding: one entry replicated over both stages
+    # FSDP over EP within each stage (_StridedShard experts): the same boxes as plain FSDP here, so the file takes the
+    # smallest-ep name, as unpipelined files do; the shorthand keeps the token it was given
+    ("tiny-qwen3-moe", "stacked", "pp=2,fsdp=2,ep=2", "pp2-fsdp2"),
+])
+def test_a_pipelined_layout_file_binds_as_its_shorthand(tmp_path, model, fmt, trainer, token):
+    config = json.loads((config_dir(model) / "config.json").read_text())
+    specs = trainer_specs(config_dir(model), TrainerFormat(fmt), torch.bfloat16)
+    staged = check_trainer_stages(parse_trainer(trainer, fmt=TrainerFormat(fmt)), config)
+    _as_layout_file(staged, specs, tmp_path / "layout.json")
+    from_file = check_trainer_stages(parse_trainer("fsdp=1", tmp_path / "layout.json", TrainerFormat(fmt)), config)
+    assert from_file.pp == staged.pp
+    bound, shorthand = from_file.bind(specs), staged.bind(specs)
+    assert (bound.token, bound.classes, bound.of) == (token, shorthand.classes, shorthand.of)
+
+
+def test_a_pipelined_layout_file_no_shorthand_describes_keeps_its_own_token(tmp_path):
+    config = json.loads((config_dir("tiny-llama") / "config.json").read_text())
+    specs = trainer_specs(config_dir("tiny-llama"), TrainerFormat.HF, torch.bfloat16)
+    _as_layout_file(check_trainer_stages(parse_trainer("pp=2,fsdp=2"), config), specs, tmp_path / "layout.json")
+    data = json.loads((tmp_path / "layout.json").read_text())
+    norm = data["tensors"]["model.norm.weight"]
+    norm["placements"] = ["Replicate()"] * len(norm["placements"])  # on the last stage, whole on both its ranks
+    (tmp_path / "layout.json").write_text(json.dumps(data))
+    from_file = check_trainer_stages(parse_trainer("fsdp=1", tmp_path / "layout.json"), config)
+    assert from_file.pp == 2 and from_file.bind(specs).token.startswith("layout-")

@@ -1,5 +1,7 @@
-"""A pipelined trainer to vLLM pipeline ranks over real NIXL/UCX between processes: each inference stage's receiver,
-into the model vLLM's loader builds for that stage, ends with vLLM's own load of the trainer's weights."""
+"""LiveSender on a pipelined trainer's stage modules under a fake process group: each stage's module is accepted for its
+own ranks and refused, in one line, as a rank of another stage. The multi-process NIXL sync of the same plan (into the
+models vLLM's loader builds for each pipeline rank, equal to vLLM's own load) is tests/runtime/test_pipeline_layout.py,
+whose live FSDP2 stage modules serve a plan with this one's fingerprint."""
 
 from __future__ import annotations
 
@@ -10,41 +12,15 @@ from weightplan.runtime import load_plan
 
 from ..conftest import config_dir
 from ..support.fake_world import as_rank, run_in_fresh_process
-from ..support.runtime_harness import Job
+from ..support.pipeline_stage import stage_module
 
-VERSIONS = (1, 2)
 _LAYER_OF_STAGE = [lambda n: not n.startswith(("lm_head", "model.norm", "model.layers.2.")),
                    lambda n: not n.startswith(("model.embed_tokens", "model.layers.0.", "model.layers.1."))]
-
-
-def test_two_stage_trainer_to_two_pipeline_ranks(plan_cache, tmp_path):
-    path = plan_cache("tiny-llama", "hf", "fp32", "pp=2,fsdp=2", "tp=1,pp=2")
-    plan = load_plan(path)
-    assert plan.header.trainer.pp == 2 and plan.header.inference.pp == 2
-    with Job(tmp_path, path, "pp-sync") as job:
-        job.start_sync(str(config_dir("tiny-llama")), 2, 4, VERSIONS)
-        for version in VERSIONS:
-            _, released = job.synced(2, 4, version)
-            # trainer stage s (ranks 2s, 2s + 1) serves exactly inference pipeline rank s
-            assert [e["acked"] for e in released] == [[0], [0], [1], [1]], released
-        job.assert_clean_exit()
 
 
 def test_live_sender_serves_a_stage_module_and_refuses_another_stages_plan_rank(plan_cache):
     path = plan_cache("tiny-llama", "hf", "fp32", "pp=2,fsdp=2", "tp=1,pp=2")
     run_in_fresh_process(_stage_modules, str(path), str(config_dir("tiny-llama")))
-
-
-def _stage_module(full, stage: int, layers: range, last: bool):
-    """A pipeline stage as torchtitan's split leaves it: only its layers, under their global indices (a ModuleDict)."""
-    root, inner = torch.nn.Module(), torch.nn.Module()
-    root.model = inner
-    inner.layers = torch.nn.ModuleDict({str(i): full.model.layers[i] for i in layers})
-    if stage == 0:
-        inner.embed_tokens = full.model.embed_tokens
-    if last:
-        inner.norm, root.lm_head = full.model.norm, full.lm_head
-    return root
 
 
 def _stage_modules(path: str, model_dir: str) -> None:
@@ -64,7 +40,7 @@ def _stage_modules(path: str, model_dir: str) -> None:
         as_rank(rank, 4)
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "fsdp"))
         stage = rank // 2
-        module = _stage_module(full, stage, stages[stage], stage == 1) if rank % 2 == 0 else modules[-1]
+        module = stage_module(full, stage, stages[stage], stage == 1) if rank % 2 == 0 else modules[-1]
         if rank % 2 == 0:
             fully_shard(module, mesh=mesh["fsdp"])
             modules.append(module)

@@ -81,6 +81,10 @@ class Job:
         self._spawn(key, [sys.executable, "-m", "tests.support.runtime_worker", role, "--plan", str(self.plan), "--rank", str(rank),
                           "--address", self.address, "--job", self.name, *gates, *args], node)
 
+    def start_module(self, key: str, module: str, *args: str) -> None:
+        """Start worker `key` running `python -m module args` (another worker than runtime_worker), on this host."""
+        self._spawn(key, [sys.executable, "-m", module, *args], None)
+
     def _spawn(self, key: str, cmd: list[str], node: str | None) -> None:
         out = open(self.tmp / f"{key}.out", "w")
         err = open(self.tmp / f"{key}.err", "w")
