@@ -11,8 +11,12 @@ a LoRA plan (`compile-plan --lora R`); this process is the trainer (fsdp=1, PEFT
        (`llm.llm_engine.add_lora`, vLLM's own load from disk: read, pack, activate into the third slot);
   identical: under both ids the engine generates the same greedy tokens, for every version.
 Medians over the updates after the first. adapter_bytes: the adapter's bytes on the wire (the plan's source bytes).
+update_breakdown (medians, seconds): the trainer's publish and release; the three engine calls start/update/finish
+(`*_rpc_s`, from this process); inside the update call the worker's own time (`worker_update_s`: freeing the slot,
+waiting for the trainer's version record, connecting, the READs, routing the id) and vLLM's RPC path to and from it
+(`update_rpc_in_s`/`update_rpc_out_s`, wall clocks of one host); `restore_s`: re-routing after vLLM's LoRA reset.
 Full size: benchmarks/configs/bench-llama (a dense Llama of 0.49 B parameters, 1 GB in bf16; a MoE engine with
-enable_lora dies on CPU: its fused MoE takes vLLM's Triton path), rank 16, 4 updates. --smoke:
+enable_lora dies on CPU: its fused MoE takes vLLM's Triton path), rank 16, 10 updates. --smoke:
 tests/configs/engine-llama, rank 8, 2 updates (tests/e2e/test_benchmark_smoke.py checks it runs, not its figures).
 The last line is one JSON object.
 """
@@ -96,14 +100,15 @@ _RPCS = ("start_weight_update", "update_weights", "finish_weight_update")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--updates", type=int, help="adapter versions (default 4; 2 with --smoke)")
+    parser.add_argument("--updates", type=int, help="adapter versions (default 10; 2 with --smoke)")
     parser.add_argument("--rank", type=int, help="adapter rank (default 16; 8 with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, rank 8, 2 updates: checks it runs")
     args = parser.parse_args()
-    updates = args.updates or (2 if args.smoke else 4)
+    updates = args.updates or (2 if args.smoke else 10)
     rank = args.rank or (8 if args.smoke else 16)
     model = ROOT / ("tests/configs/engine-llama" if args.smoke else "benchmarks/configs/bench-llama")
 
+    import torch
     from vllm.lora.request import LoRARequest
 
     from tests.support.vllm_engine_support import local_shards, make_llm, pin_no_amx, shutdown
@@ -113,6 +118,10 @@ def main() -> None:
     from weightplan.vllm_backend.clients import LLMClient
     from weightplan.vllm_backend.trainer import ShardSource, WeightplanTrainerEngine, WeightplanTrainerInitInfo
 
+    # This process is the trainer and the baseline's saver. One torch thread: on this host's 2 cores, shared with the
+    # engine and other jobs, a second OpenMP thread made each small op wait for it to be scheduled (the trainer's
+    # publish took 0.3-2.8 s instead of 2 ms at load average 18). The engine processes keep vLLM's own settings.
+    torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="bench-lora-"))
     unpin = pin_no_amx(tmp)
     plan_path = tmp / "lora.plan"
