@@ -16,7 +16,7 @@ update_breakdown (medians, seconds): the trainer's publish and release; the thre
 waiting for the trainer's version record, connecting, the READs, routing the id) and vLLM's RPC path to and from it
 (`update_rpc_in_s`/`update_rpc_out_s`, wall clocks of one host); `restore_s`: re-routing after vLLM's LoRA reset.
 Full size: benchmarks/configs/bench-llama (a dense Llama of 0.49 B parameters, 1 GB in bf16; a MoE engine with
-enable_lora dies on CPU: its fused MoE takes vLLM's Triton path), rank 16, 10 updates. --smoke:
+enable_lora dies on CPU: its fused MoE takes vLLM's Triton path), rank 16, 16 updates. --smoke:
 tests/configs/engine-llama, rank 8, 2 updates (tests/e2e/test_benchmark_smoke.py checks it runs, not its figures).
 The last line is one JSON object.
 """
@@ -100,11 +100,11 @@ _RPCS = ("start_weight_update", "update_weights", "finish_weight_update")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--updates", type=int, help="adapter versions (default 10; 2 with --smoke)")
+    parser.add_argument("--updates", type=int, help="adapter versions (default 16; 2 with --smoke)")
     parser.add_argument("--rank", type=int, help="adapter rank (default 16; 8 with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, rank 8, 2 updates: checks it runs")
     args = parser.parse_args()
-    updates = args.updates or (2 if args.smoke else 10)
+    updates = args.updates or (2 if args.smoke else 16)
     rank = args.rank or (8 if args.smoke else 16)
     model = ROOT / ("tests/configs/engine-llama" if args.smoke else "benchmarks/configs/bench-llama")
 

@@ -93,7 +93,8 @@ class LoraSide:
     def info(self) -> dict[str, Any]:
         return {"mode": "lora", "reason": "adapter versions alternate between two LoRA slots",
                 "plan": self.plan.fingerprint, "staging_bytes": 0, "version": self.version,
-                "lora_slots": {lora_id_of(v): s for v, s in self.slot_of.items()}, "restore_s": self.restore_s}
+                "lora_slots": {lora_id_of(v): s for v, s in self.slot_of.items()}, "restore_s": self.restore_s,
+                "incarnation": self.receiver.incarnation}  # one Receiver for the job's life: the same at every update
 
     def close(self) -> None:
         self.receiver.close()

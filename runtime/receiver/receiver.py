@@ -265,8 +265,9 @@ class Receiver(AgentOwner):
 
     @property
     def table_bytes(self) -> int:
-        """Every table this rank built, the trainers' packings it derived included: none has a row dimension."""
-        return self._tables.table_bytes
+        """Every table this rank built, the trainers' packings it derived included: none has a row dimension (each
+        alternate destination set adds its own local addresses)."""
+        return self._tables.table_bytes + sum(rows.nbytes for local in self._local_rows[1:] for rows in local.values())
 
     @property
     def packed_read_bytes(self) -> int:
