@@ -8,7 +8,7 @@ import torch
 # loaders compute them while loading (Mamba's `A = -exp(A_log.float())`); the sender applies them
 # when it stages the source, so the wire carries final values. On CPU these are the same torch
 # kernels vLLM's loader runs; a GPU sender's exp may differ from the CPU loader's in the last ulp.
-ELEMENTWISE = {"exp": torch.exp, "neg": torch.neg}
+ELEMENTWISE = {"exp": torch.exp, "neg": torch.neg}  # each takes `out=`
 # `scale:<float>`: multiply by a Python float in the value's dtype, as vLLM folds a LoRA adapter's alpha/rank into
 # lora_b (`lora_b *= scaling`, lora/lora_weights.py); the number is Python's round-tripping repr.
 SCALE = "scale:"
@@ -29,7 +29,7 @@ def elementwise(step: str):
         return None
     if factor != factor or factor in (float("inf"), float("-inf")):
         return None
-    return lambda value: torch.mul(value, factor)
+    return lambda value, out=None: torch.mul(value, factor, out=out)
 
 
 def is_elementwise(step: str) -> bool:
@@ -54,3 +54,24 @@ def cast_along(value: torch.Tensor, chain: tuple[str, ...]) -> torch.Tensor:
         function = elementwise(step)
         value = function(value) if function is not None else value.to(getattr(torch, step))
     return value
+
+
+def cast_into(out: torch.Tensor, value: torch.Tensor, chain: tuple[str, ...]) -> torch.Tensor:
+    """Write `cast_along(value, chain)` into `out` (the wire dtype), the chain's last real step writing `out` itself:
+    one pass over the bytes fewer than casting then copying (a dtype step to the dtype the value has is no step;
+    `copy_` casts as `.to()` does)."""
+    steps, dtype = [], value.dtype
+    for step in chain[1:]:
+        function = elementwise(step)
+        if function is None:
+            if getattr(torch, step) == dtype:
+                continue
+            dtype = getattr(torch, step)
+        steps.append((function, dtype))
+    for i, (function, dtype) in enumerate(steps):
+        if i == len(steps) - 1 and function is not None and value.dtype == out.dtype:
+            return function(value, out=out)
+        if i == len(steps) - 1 and function is None:
+            break  # the last cast: out.copy_ below
+        value = function(value) if function is not None else value.to(dtype)
+    return out.copy_(value)

@@ -27,6 +27,7 @@ from ..transport.peer import Connections, Peer, check_sequence
 from ..transport.peer_check import checked_regions, checked_word, region_fields
 from ..transport.region_digests import byte_view, run_digests
 from ..transport.rendezvous import Rendezvous
+from .alternates import alternate_views
 from .delta import ReceiverDelta
 from .derived import DerivedRefresh
 from .quant import ReceiverQuant
@@ -65,6 +66,10 @@ class SyncReport:
     took: str = "full"
     delta_trainers: tuple[int, ...] = ()
     delta_bytes: int = 0
+    # Fixed costs inside `seconds`: waiting for the trainers' version records, and connecting to trainer incarnations
+    # not seen before (their info and agent metadata loaded, their descriptor lists and READs prepared).
+    wait_seconds: float = 0.0
+    connect_seconds: float = 0.0
 
     @property
     def gbps(self) -> float:
@@ -78,8 +83,8 @@ class _Trainer:
     peer: Peer
     seq_read: object
     ring_word_read: object
-    group_reads: dict[int, list]
-    ring_reads: dict[int, list]  # READs of each ring chunk, when it serves through a ring
+    group_reads: tuple[dict[int, list], ...]  # per destination set (the destination, then each alternate)
+    ring_reads: tuple[dict[int, list], ...]  # READs of each ring chunk, when it serves through a ring, per set
     delta: object = None  # its delta areas (runtime/receiver/delta.py DeltaSource), None when it keeps no deltas
     full_only_reads: dict[int, list] = field(default_factory=dict)  # group READs a delta does not replace (staging slots)
     deltable_bytes: int = 0  # bytes of the READs from it a delta replaces
@@ -128,6 +133,14 @@ class Receiver(AgentOwner):
     blocks are quantized there in torch ops on a GPU, in the numba kernel in host memory; `fp8_path="device"` makes
     host destinations take the GPU's path (how the tests prove it here; runtime/fp8/placement.py).
 
+    `alternates` are more destination sets of the destination's geometry (same names, shapes, dtypes, contiguous, on
+    the same device, no memory shared with any other set): every set is registered with NIXL and gets its READ
+    descriptor lists prepared once, at `start()` and at the first sync from each trainer incarnation, and
+    `sync(version, into=k)` fills set k only (0: `destination`). A caller alternating between two copies of its
+    weights (e.g. two LoRA slots, runtime/lora_slots.py) so pays no per-version agent, registration or connection.
+    `versions` says which version each set holds. Alternates are refused with fp8 staging, fan-out, delta and
+    derived='refresh', whose state belongs to one set.
+
     The constructor only checks the destination against the plan and builds this rank's tables
     (runtime/tables/receiver.py); `start()` registers the destination with NIXL, writes the constants
     and joins, `close()` deregisters it and releases the agent. `with Receiver(...) as receiver:` does both.
@@ -136,7 +149,7 @@ class Receiver(AgentOwner):
     def __init__(self, plan: Plan, rank: int, destination, *, rendezvous: Rendezvous, timeout: float = 60.0,
                  verify: bool = False, group_bytes: int = 256 << 20, post_op=None, progress_thread: bool = False,
                  derived: str = "refresh", act_dtype: torch.dtype = torch.bfloat16, ring_bytes: int = DEFAULT_RING_BYTES,
-                 delta: float = 0.0, fp8_path: str = "auto"):
+                 delta: float = 0.0, fp8_path: str = "auto", alternates: tuple = ()):
         held = held_entries(plan, rank)
         if plan.staging:
             check_supported(plan)
@@ -158,25 +171,34 @@ class Receiver(AgentOwner):
         self._hops = SecondHops(plan, rank, self._dst, rendezvous)
         # The trainers' runs into second-hop entries, by trainer rank: what their digests cover (verify=True).
         self._hop_reads = runs_into(plan, rank, self._hops.entries) if self._hops.entries else {}
+        # Alternate destination sets (identical geometry) a sync may fill instead: `sync(version, into=k)`.
+        self._dsts = alternate_views(plan, rank, np.flatnonzero(held).tolist(), self._dst, alternates, {
+            "fp8 staging": bool(plan.staging), "node-local fan-out": bool(self._hops.entries or self._hops.served),
+            "delta": bool(delta), "derived='refresh'": bool(self._derived.modules)})
+        check_host_only([t for views in self._dsts[1:] for t in views.values()], {"verify=True": verify},
+                        f"inference rank {rank}")
+        self._held: list[int | None] = [None] * len(self._dsts)  # the version each destination set holds whole
         self._groups = read_groups(pull, rank, group_bytes, self._quant.grouping() if self._quant else None)
         if self._quant:
             self._quant.place(self._groups.stage_group, self.n_groups)
         self._seq = torch.zeros(plan.header.src_ranks, dtype=torch.int64)
         self._ring_word = torch.zeros((plan.header.src_ranks, 2), dtype=torch.int64)
-        addresses = np.zeros(len(plan.dests), dtype=np.int64)
-        addresses[list(self._dst)] = [t.data_ptr() for t in self._dst.values()]
         quant = {src: self._quant.descriptors(src) for src in self._quant.rows} if self._quant else {}
         try:
-            self._tables = read_tables(pull, self._groups, addresses, ring_bytes, quant)
+            tables = [read_tables(pull, self._groups, _addresses(plan, views), ring_bytes, quant) for views in self._dsts]
         except ValueError as exc:
             raise WeightplanError(f"inference rank {rank}: {exc}") from None
+        self._tables = tables[0]
+        # Every set's tables differ only in their local addresses: those are kept per set, prepared once at start().
+        self._local_rows = [{src: t.local for src, t in set_tables.descriptors.items()} for set_tables in tables]
         # Delta syncs: `delta` is the fraction of the pages it reads from each trainer that its delta staging holds.
         self._delta = (ReceiverDelta(pull, rank, self._qt, ring_bytes, self._tables, self._dst, delta) if delta else None)
         self._synced: dict[int, str] = {}  # trainer rank -> the incarnation this rank's current version came from
         self._trainers: Connections[_Trainer] = Connections(self._connect)
         # Quantized groups and derived state are computed on the destinations' device; they are waited for before the
         # staging slot is reused, before the ack / landed word, and before `version` is set (runtime/device.py).
-        self.device_sync = DeviceSync.of([*self._dst.values(), *(self._quant.slots if self._quant else [])], current_stream)
+        self.device_sync = DeviceSync.of([*(t for views in self._dsts for t in views.values()),
+                                          *(self._quant.slots if self._quant else [])], current_stream)
         self._version: int | None = None
         self._reading: dict[int, float] = {}  # trainer rank -> seconds its grouped READs were outstanding, this sync
         self._read_seconds = 0.0  # the grouped READs' phase of this sync, wall time
@@ -193,13 +215,13 @@ class Receiver(AgentOwner):
         if self.agent is not None:
             raise WeightplanError(f"inference rank {self.rank}: this Receiver was started already")
         self.agent = NixlAgent(protocol.inference(self.rank).agent(self.rendezvous.job), self._progress_thread)
-        self.agent.register(list(self._dst.values()) + [self._seq, self._ring_word] + (self._quant.slots if self._quant else [])
+        self.agent.register([t for views in self._dsts for t in views.values()] + [self._seq, self._ring_word] + (self._quant.slots if self._quant else [])
                             + self._hops.registered + (self._delta.registered if self._delta else []))
         self._hops.start(self.agent)
         if self._delta:
             self._delta.start(self.agent)
-        self._local = {src: self.agent.prepare(None, np.stack([t.local, t.nbytes], axis=1))
-                       for src, t in self._tables.descriptors.items()}
+        self._local = [{src: self.agent.prepare(None, np.stack([rows[src], t.nbytes], axis=1))
+                        for src, t in self._tables.descriptors.items()} for rows in self._local_rows]
         self._seq_local = {src: self.agent.prepare(None, np.array([[self._seq.data_ptr() + 8 * src, 8]])) for src in self.reads}
         self._ring_local = {src: self.agent.prepare(None, np.array([[self._ring_word[src].data_ptr(), 16]])) for src in self.reads}
         self.write_constants()  # with the destinations registered, before this rank says it joined
@@ -221,7 +243,8 @@ class Receiver(AgentOwner):
             return
         self._trainers.drop_all()
         self._hops.close(time.monotonic() + self.timeout)  # peers of this node may still read its last version
-        for prepared in [*self._local.values(), *self._seq_local.values(), *self._ring_local.values()]:
+        for prepared in [*(p for local in self._local for p in local.values()), *self._seq_local.values(),
+                         *self._ring_local.values()]:
             self.agent.release_list(prepared)
         if self._delta:
             self._delta.release(self.agent)
@@ -242,19 +265,34 @@ class Receiver(AgentOwner):
 
     @property
     def table_bytes(self) -> int:
-        """Every table this rank built, the trainers' packings it derived included: none has a row dimension."""
-        return self._tables.table_bytes
+        """Every table this rank built, the trainers' packings it derived included: none has a row dimension (each
+        alternate destination set adds its own local addresses)."""
+        return self._tables.table_bytes + sum(rows.nbytes for local in self._local_rows[1:] for rows in local.values())
 
     @property
     def packed_read_bytes(self) -> int:
         return self._tables.packed_read_bytes
 
-    def write_constants(self) -> int:
+    def write_constants(self, into: int | None = None) -> int:
         """(Re)write the plan's constant runs into this rank's destinations (not into second-hop entries, which arrive
         whole from their puller); returns the bytes written. A caller that wrote the destination itself calls this,
-        so the next sync takes its version full: a delta applies only to bytes this rank's last sync left."""
+        so the next sync takes its version full: a delta applies only to bytes this rank's last sync left.
+        With alternate destinations, `into` names the one set to write (default: every set)."""
         self._synced = {}
-        return write_constants(self._pull, self.rank, self._dst.__getitem__)
+        sets = range(len(self._dsts)) if into is None else [self._check_into(into)]
+        return sum(write_constants(self._pull, self.rank, self._dsts[k].__getitem__) for k in sets)
+
+    def _check_into(self, into) -> int:
+        if isinstance(into, bool) or not isinstance(into, int) or not 0 <= into < len(self._dsts):
+            raise WeightplanError(f"inference rank {self.rank}: destination set {into!r} does not exist: this Receiver "
+                                  f"has {len(self._dsts)} (0: the destination, 1..: its alternates)")
+        return into
+
+    @property
+    def versions(self) -> tuple[int | None, ...]:
+        """The version each destination set holds whole (0: the destination, then the alternates); None: none yet, or
+        its last sync failed."""
+        return tuple(self._held)
 
     @property
     def constant_bytes(self) -> int:
@@ -282,18 +320,24 @@ class Receiver(AgentOwner):
         """READ descriptors posted per sync (small runs arrive packed, so fewer than the plan's runs)."""
         return sum(len(t) for t in self._tables.descriptors.values())
 
-    def sync(self, version: int) -> SyncReport:
-        """Receive `version` from every trainer rank this rank reads; raise SyncError (weights incomplete) on failure."""
+    def sync(self, version: int, into: int = 0) -> SyncReport:
+        """Receive `version` from every trainer rank this rank reads; raise SyncError (weights incomplete) on failure.
+
+        `into` chooses the destination set written (0: the destination, k: alternate k); the other sets are not touched,
+        and a failed sync leaves only set `into` incomplete (`versions`)."""
         check_version(version)
+        self._check_into(into)
         if not self.running:
             raise WeightplanError(f"inference rank {self.rank}: call start() (or use the Receiver in a with block) "
                                   "before syncing, and not after close()")
-        previous, self._version = self._version, None
+        previous, self._version, self._held[into] = self._version, None, None
         start = time.monotonic()
         deadline = start + self.timeout
         synced, self._synced = self._synced, {}
         try:
-            return self._sync(version, start, deadline, previous, synced)
+            report = self._sync(version, start, deadline, previous, synced, into)
+            self._held[into] = version
+            return report
         except (SyncError, PlanMismatchError) as exc:
             self._hops.failed(version)
             for t in self._trainers.by_rank.values():
@@ -304,22 +348,24 @@ class Receiver(AgentOwner):
                             f"incomplete until a later sync succeeds: {exc}") from None
 
     def _sync(self, version: int, start: float, deadline: float, previous: int | None = None,
-              synced: dict[int, str] | None = None) -> SyncReport:
+              synced: dict[int, str] | None = None, into: int = 0) -> SyncReport:
         self._hops.writing(version, deadline)  # before any byte of this version lands: peers are done with the last
         sources = sorted(self.reads)
         self.rendezvous.wait([protocol.version_key(r, version) for r in sources], deadline - time.monotonic(),
                              f"version {version} from trainer ranks {sources}")
+        waited = time.monotonic()
         for r in sources:
             self._trainers.to(r, self.rendezvous.get_text(protocol.version_key(r, version), protocol.INCARNATION))
+        connected = time.monotonic()
         for t in self._trainers.by_rank.values():
             self.agent.notify(t.peer.name, protocol.begin(version))
-        check, spent = self._verifier(version, deadline) if self.verify else (None, [0.0])
+        check, spent = self._verifier(version, deadline, into) if self.verify else (None, [0.0])
         self._check_sequence(version, deadline, "before reading")
         if self._quant and self._quant.begin():
             self.device_sync.wait("staging slots zeroed")  # before READs land in them
         took, delta_bytes = self._delta_phase(version, previous, synced or {}, deadline)
-        self._ring_phase(version, deadline, took)
-        self._transfer(version, start, deadline, self._post_ops(check), took)
+        self._ring_phase(version, deadline, took, into)
+        self._transfer(version, start, deadline, self._post_ops(check), took, into)
         if self._quant:
             self._quant.end()
         self._check_sequence(version, deadline, "after reading")
@@ -346,7 +392,7 @@ class Receiver(AgentOwner):
                             self._quant.seconds if self._quant else 0.0, self._derived.seconds, self.table_bytes,
                             self.packed_read_bytes, self._hops.bytes, self._hops.seconds if self._hops.inbound else 0.0,
                             slowest, share, "full" if not took else "delta" if took == set(sources) else "mixed",
-                            tuple(sorted(took)), delta_bytes)
+                            tuple(sorted(took)), delta_bytes, waited - start, connected - waited)
         log.info("weightplan sync v%d inference rank %d (%s): %.3f GB, %d descriptors from %d trainer ranks, %.3f s, %.2f GB/s%s%s",
                  version, self.rank, report.took, report.bytes / 1e9, report.descriptors, report.trainer_ranks, report.seconds,
                  report.gbps, f", verified in {report.verify_seconds:.3f} s" if self.verify else "",
@@ -386,12 +432,12 @@ class Receiver(AgentOwner):
         return _Trainer(
             peer, peer.word(self._seq_local[rank], checked_word(rank, info, "seq")[0], 8, "seq"),
             peer.word(self._ring_local[rank], ring_addr, 16, "ring"),
-            {g: peer.reads(self._local[rank], remote, np.flatnonzero((table.group == g) & direct))
-             for g in np.unique(table.group[direct]).tolist()},
-            {c: peer.reads(self._local[rank], remote, np.flatnonzero(table.chunk == c))
-             for c in np.unique(table.chunk[~direct]).tolist()},
+            tuple({g: peer.reads(local[rank], remote, np.flatnonzero((table.group == g) & direct))
+                   for g in np.unique(table.group[direct]).tolist()} for local in self._local),
+            tuple({c: peer.reads(local[rank], remote, np.flatnonzero(table.chunk == c))
+                   for c in np.unique(table.chunk[~direct]).tolist()} for local in self._local),
             delta,
-            {} if delta is None else {g: peer.reads(self._local[rank], remote, rows) for g in np.unique(table.group[direct]).tolist()
+            {} if delta is None else {g: peer.reads(self._local[0][rank], remote, rows) for g in np.unique(table.group[direct]).tolist()
                                       if len(rows := np.flatnonzero((table.group == g) & direct & ~deltable))},
             int(table.nbytes[deltable].sum()))
 
@@ -443,14 +489,15 @@ class Receiver(AgentOwner):
         self._delta.apply(fetched.writes)
         return set(fetched.writes), fetched.nbytes
 
-    def _ring_phase(self, version: int, deadline: float, took: set[int] = frozenset()) -> None:
+    def _ring_phase(self, version: int, deadline: float, took: set[int] = frozenset(), into: int = 0) -> None:
         """READ every ring chunk this rank reads, from every trainer serving through a ring, as each becomes ready.
 
         A chunk is read once the trainer's ring word says it is stable for `version`, checked again after
         the READ (the trainer refills the ring only after this rank's `ring:v:c`, unless it gave up on
         it), then acknowledged. No wait blocks on one trainer, so rings of several trainers cannot deadlock.
         """
-        pending = {rank: sorted(t.ring_reads) for rank, t in self._trainers.by_rank.items() if t.ring_reads and rank not in took}
+        pending = {rank: sorted(t.ring_reads[into]) for rank, t in self._trainers.by_rank.items()
+                   if t.ring_reads[into] and rank not in took}
         backoff = Backoff()
         while pending:
             moved = False
@@ -459,7 +506,7 @@ class Receiver(AgentOwner):
                 what = f"trainer rank {rank}"
                 if self._ring_state(t, version, chunk, deadline) != "ready":
                     continue
-                self.agent.read_now([(h, what) for h in t.ring_reads[chunk]], deadline,
+                self.agent.read_now([(h, what) for h in t.ring_reads[into][chunk]], deadline,
                                     f"version {version} ring chunk {chunk + 1} of {what}")
                 if self._ring_state(t, version, chunk, deadline) != "ready":
                     raise SyncError(f"{what} refilled its ring while this rank read chunk {chunk + 1} of version {version}")
@@ -484,10 +531,11 @@ class Receiver(AgentOwner):
                             f"(it holds version {held}): it gave up waiting for this rank")
         return "wait"
 
-    def _transfer(self, version: int, start: float, deadline: float, post_op=None, took: set[int] = frozenset()) -> None:
+    def _transfer(self, version: int, start: float, deadline: float, post_op=None, took: set[int] = frozenset(),
+                  into: int = 0) -> None:
         """Move every group; with a post-op, at most two groups are in flight and group g's post-op overlaps g+1.
         From the trainer ranks in `took` (their delta is applied) only the READs a delta does not replace move."""
-        reads = {t.rank: t.full_only_reads if t.rank in took else t.group_reads for t in self._trainers.by_rank.values()}
+        reads = {t.rank: t.full_only_reads if t.rank in took else t.group_reads[into] for t in self._trainers.by_rank.values()}
         window = 2 if post_op is not None else self.n_groups
         posted = 0
         shown = start
@@ -530,14 +578,14 @@ class Receiver(AgentOwner):
 
         return run
 
-    def _verifier(self, version: int, deadline: float):
+    def _verifier(self, version: int, deadline: float, into: int = 0):
         """A post-op comparing each group's landed bytes with the digests the trainers published for `version`;
         check("second hops") compares the entries read from pullers of this node (fan-out) with them too."""
         trainers = sorted(set(self._trainers.by_rank) | set(self._hop_reads))
         self.rendezvous.wait([protocol.digests_key(r, version) for r in trainers], deadline - time.monotonic(),
                              "trainer digests (start trainers with digests=True)")
         theirs = {r: self.rendezvous.get_json(protocol.digests_key(r, version)) for r in trainers}
-        buffers = {d: byte_view(t) for d, t in self._dst.items()}
+        buffers = {d: byte_view(t) for d, t in self._dsts[into].items()}
         spent = [0.0]
 
         def check(group) -> None:
@@ -558,3 +606,10 @@ class Receiver(AgentOwner):
 
     def _key_name(self, key: str) -> str:
         return self.plan.dests[int(key)].name if key.isdigit() else self._quant.key_name(key)
+
+
+def _addresses(plan: Plan, views: dict[int, torch.Tensor]) -> np.ndarray:
+    """Each plan entry's address in one destination set (0 for entries this rank does not hold)."""
+    addresses = np.zeros(len(plan.dests), dtype=np.int64)
+    addresses[list(views)] = [t.data_ptr() for t in views.values()]
+    return addresses

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..casts import cast_along
+from ..casts import cast_into
 from ..tables.ranks import Packing, Reads
 from .gather import UNIT_DTYPES, units
 
@@ -69,4 +69,4 @@ class PackRuns:
             else:
                 size = cast.wire.itemsize
                 into = self.out[at * size : (at + len(starts) * count * width) * size].view(cast.wire).view(-1, count, width)
-                into.copy_(cast_along(torch.index_select(every, 0, starts), cast.chain))
+                cast_into(into, torch.index_select(every, 0, starts), cast.chain)

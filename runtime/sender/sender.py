@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..casts import cast_along
+from ..casts import cast_along, cast_into
 from ..checks import check_host_only, check_tensors, check_version, flat_view, named_tensors
 from ..device import DeviceSync
 from ..errors import SyncError, WeightplanError
@@ -265,7 +265,7 @@ class Sender(AgentOwner):
         with torch.no_grad():
             for region, src, out in zip(self.regions, self._sources, self._exposed):
                 if region.staged and out is not None:
-                    out.copy_(cast_along(src, self.plan.cast_chains[region.chain]))
+                    cast_into(out, src, self.plan.cast_chains[region.chain])
             self._packs[0]()
         self.device_sync.wait("publish: the trainer's kernels, casts and packing")
         self._ring_word[1] = 0

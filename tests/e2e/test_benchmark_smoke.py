@@ -84,7 +84,10 @@ def test_bench_engine_smoke():
 
 def test_bench_lora_smoke():
     figures, _ = last_json("bench_lora.py", "--smoke")
-    assert_keys(figures, {"update_s", "baseline_s", "speedup", "adapter_bytes", "identical"}, "bench_lora.py")
+    assert_keys(figures, {"update_s", "baseline_s", "speedup", "adapter_bytes", "identical", "update_breakdown"},
+                "bench_lora.py")
+    assert_keys(figures["update_breakdown"], {"publish_s", "start_rpc_s", "update_rpc_s", "finish_rpc_s", "release_s",
+                                              "worker_update_s", "wait_s", "read_s", "restore_s"}, "bench_lora.py")
     assert figures["identical"] is True, figures
 
 

@@ -1,5 +1,6 @@
-"""A Receiver writes a LoRA plan into a chosen slot of vLLM's LoRA layers (two NIXL agents, one process): the slot then
-holds what vLLM's own PEFT-directory adapter load gives, the other slot keeps the previous version."""
+"""A Receiver writes a LoRA plan into a chosen slot of vLLM's LoRA layers (two NIXL agents, one process; the two slots
+its destination and alternate): the slot then holds what vLLM's own PEFT-directory adapter load gives, the other slot
+keeps the previous version."""
 
 from __future__ import annotations
 
@@ -49,16 +50,20 @@ def test_receiver_fills_chosen_slots_alternately(lora_plan, rendezvous, tmp_path
     versions = {v: full_weights(lora_plan, 0, v) for v in (1, 2)}
     tensors = {name: t.clone() for name, t in shard(lora_plan, versions[1], 0).items()}
     sender = Sender(lora_plan, 0, tensors, rendezvous=rendezvous, timeout=10, progress_thread=True).start()
+    # One Receiver over both slots (the backend's): slot 0's views its destination, slot 1's its alternate, adjacent
+    # views of the same buffers.
+    receiver = Receiver(lora_plan, 0, slot_destination(lora_plan, modules, 0),
+                        alternates=[slot_destination(lora_plan, modules, 1)], rendezvous=rendezvous, timeout=10,
+                        derived="caller").start()
     try:
         for version, slot in ((1, 1), (2, 0)):  # version 2 into the other slot: requests on version 1 keep slot 1
             if version > 1:
                 for name, t in shard(lora_plan, versions[version], 0).items():
                     tensors[name].copy_(t)
             sender.publish(version)
-            with Receiver(lora_plan, 0, slot_destination(lora_plan, modules, slot), rendezvous=rendezvous, timeout=10,
-                          derived="caller") as receiver:
-                receiver.sync(version)
-                assert receiver.version == version
+            receiver.sync(version, into=slot)
+            assert receiver.version == version
+        assert receiver.versions == (2, 1)
         for version, slot in ((1, 1), (2, 0)):
             reference = _vllm_reference(lora_plan, full_weights(lora_plan, 0, version), tmp_path / f"v{version}")
             got = slot_destination(lora_plan, modules, slot)
@@ -66,6 +71,7 @@ def test_receiver_fills_chosen_slots_alternately(lora_plan, rendezvous, tmp_path
             assert {"model.embed_tokens.lora_a_stacked.0", "lm_head.lora_b_stacked.0"} <= got.keys()
             assert all(byte_equal(got[name], reference[name]) for name in reference), f"slot {slot} != vLLM's load"
     finally:
+        receiver.close()
         sender.close()
 
 

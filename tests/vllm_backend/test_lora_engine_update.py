@@ -97,5 +97,6 @@ def test_lora_versions_alternate_slots_and_generate_like_fresh_peft_engines(tmp_
     assert [(reports[v]["slot"], reports[v]["lora_id"], reports[v]["displaced_lora_id"]) for v in (1, 2, 3)] == \
         [(0, 1, None), (1, 2, None), (0, 3, 1)], reports
     assert [layouts[v] for v in (1, 2, 3)] == [[1, None], [1, 2], [3, 2]]
+    assert len({reports[v]["incarnation"] for v in (1, 2, 3)}) == 1, "every update must reuse the Receiver joined at init"
     assert got[1] == expected[1] and got[2] == expected[2] and got[3] == expected[3]
     assert got["1 after 2"] == expected[1]
