@@ -7,9 +7,11 @@ encode_pages over `--pages` 64 KiB bf16 pages): diff against the previous versio
 the pages into the previous version; page bytes per second. Apply: what a receiver does with those blobs
 (runtime/receiver/delta.py through runtime/delta/apply.py): decode them all, map the changes through its READ
 targets (here one per page, into one destination entry) and scatter them into the destination; delta bytes per
-second. Each checks the result against the per-page reference (runtime/delta/encode.py) or the new bytes. Best of 5,
-one process (one core), the kernels compiled (or loaded from numba's cache) before timing. Host-specific and, on a
-shared machine, worth their order of magnitude only. --write sets `delta_encode_gbytes_per_s` and
+second (and `apply_page_gbytes_per_s`: the same time per page byte). Each checks the result against the per-page
+reference (runtime/delta/encode.py) or the new bytes. Best of 5, one process, the kernels compiled (or loaded from
+numba's cache) before timing. The rates are per second of the thread's CPU time (`time.thread_time`: one core's
+rate, which a shared machine's scheduling does not dilute); the `_wall` rates are per wall-clock second. Host-specific
+and worth their order of magnitude only. --write sets `delta_encode_gbytes_per_s` and
 `delta_apply_gbytes_per_s` (and their sources) in a cluster file, leaving the rest.
 """
 
@@ -47,27 +49,34 @@ def measure(density: float, pages: int, seed: int = 0) -> dict:
     keys, keyed = page_keys(page_table), keyed_targets(page_table, found)
     region = np.zeros(2 * PAGE_BYTES * pages, dtype=np.uint8)
     scratch, ends = np.empty(n, dtype=np.int64), np.zeros(pages, dtype=np.int64)
-    encode_s, apply_s, used = [], [], 0
+    encode_s, apply_s, encode_cpu, apply_cpu, used = [], [], [], [], 0
     for _ in range(REPEATS + 1):  # the first round compiles or loads the kernels
         old = previous.copy()
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         used, fits, _ = kernels.encode_pages(current, current.view(np.uint8), 2, old, rows * n, np.full(pages, n), region,
                                              0, len(region), True, ends, rows, scratch, np.zeros(max(Encoding) + 1, np.int64))
-        t1 = time.perf_counter()
+        e_cpu, e_wall = time.thread_time() - c0, time.perf_counter() - t0
         assert fits and np.array_equal(old, current)
         target = previous.copy()
+        destination = destination_list({0: target.view(np.uint8)}, 1)  # built once per receiver, at its start
+        c1, t1 = time.thread_time(), time.perf_counter()
         changes = decode_all(region, np.concatenate([[0], ends[:-1]]), np.diff(ends, prepend=0), rows, page_table, keys)
-        apply_writes(writes_of(changes, keyed, np.array([2 * n * pages])), destination_list({0: target.view(np.uint8)}, 1))
-        t2 = time.perf_counter()
+        apply_writes(writes_of(changes, keyed, np.array([2 * n * pages])), destination)
+        c2, t2 = time.thread_time(), time.perf_counter()
         assert np.array_equal(target, current)
-        encode_s.append(t1 - t0)
+        encode_s.append(e_wall)
         apply_s.append(t2 - t1)
+        encode_cpu.append(e_cpu)
+        apply_cpu.append(c2 - c1)
     reference = np.concatenate([encode(current[c], changed(previous[c], current[c]))
                                 for c in (slice(p * n, (p + 1) * n) for p in range(pages))])
     assert np.array_equal(region[:used], reference), "the batched encoder's blobs differ from encode.encode's"
     return {"density": density, "pages": pages, "page_bytes": PAGE_BYTES * pages, "delta_bytes": used,
-            "delta_encode_gbytes_per_s": round(PAGE_BYTES * pages / min(encode_s[1:]) / 1e9, 4),
-            "delta_apply_gbytes_per_s": round(used / min(apply_s[1:]) / 1e9, 4),
+            "delta_encode_gbytes_per_s": round(PAGE_BYTES * pages / min(encode_cpu[1:]) / 1e9, 4),
+            "delta_apply_gbytes_per_s": round(used / min(apply_cpu[1:]) / 1e9, 4),
+            "delta_encode_wall_gbytes_per_s": round(PAGE_BYTES * pages / min(encode_s[1:]) / 1e9, 4),
+            "delta_apply_wall_gbytes_per_s": round(used / min(apply_s[1:]) / 1e9, 4),
+            "apply_page_gbytes_per_s": round(PAGE_BYTES * pages / min(apply_cpu[1:]) / 1e9, 4),
             "load": round(os.getloadavg()[0], 1), "measured_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")}
 
 
@@ -84,7 +93,7 @@ def main() -> None:
     if args.write:
         data = json.loads(args.write.read_text())
         how = (f"benchmarks/measure_delta_codec.py --density {args.density} at {out['measured_at']} (load {out['load']}): "
-               "the batched numba codec (runtime/delta/kernels.py), one core, bf16 pages of 64 KiB; ")
+               "the batched numba codec (runtime/delta/kernels.py), one core's CPU time, bf16 pages of 64 KiB; ")
         data["delta_encode_gbytes_per_s"] = out["delta_encode_gbytes_per_s"]
         data["delta_apply_gbytes_per_s"] = out["delta_apply_gbytes_per_s"]
         data.setdefault("sources", {})["delta_encode_gbytes_per_s"] = how + "page bytes diffed, encoded and kept per second"

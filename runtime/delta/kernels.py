@@ -221,7 +221,16 @@ def decode_blobs(staged, start, length, n_units, unit, key_base, keys, values):
             o = spelled
             end = a + m
             position = -1
-            for j in range(count):
+            if spelled_bytes == count:  # every gap one byte (below ~5% density): no varint continues
+                base = key_base[i]
+                for j in range(count):
+                    byte = staged[spelled + j]
+                    if byte >= 0x80:
+                        return i
+                    position += byte + 1
+                    keys[w + j] = base + u * position
+                o = end
+            for j in range(count if o < end else 0):
                 byte = staged[o] if o < end else 0x80
                 o += 1
                 if byte < 0x80:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ..delta.apply import (KeyedTargets, RefusedBlob, Writes, apply_writes, decode_all, destination_list, keyed_targets,
-                           page_keys, writes_of)
+                           page_keys, warm_up, writes_of)
 from ..delta.encode import DeltaError
 from ..delta.pages import Pages, Space, Targets, delta_pages, needed_pages, targets
 from ..errors import PlanMismatchError, SyncError
@@ -93,6 +93,7 @@ class ReceiverDelta:
         return sum(p.staging.numel() + p.index.numel() * 8 for p in self.trainers.values())
 
     def start(self, agent: NixlAgent) -> None:
+        warm_up()
         self._index_local = {src: agent.prepare(None, np.array([[p.index.data_ptr(), p.index.numel() * 8]]))
                              for src, p in self.trainers.items()}
 
