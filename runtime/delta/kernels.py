@@ -216,40 +216,32 @@ def decode_blobs(staged, start, length, n_units, unit, key_base, keys, values):
                 last = position
                 keys[w + j] = key_base[i] + u * position
         else:
-            # count varints, each within the blob and at most 5 bytes, ending exactly at its end (encode.decode's
-            # checks: as many terminating bytes as changes, the last byte one of them)
-            o = spelled
+            # encode.decode's checks: as many terminating bytes (< 0x80) as changes, the last byte one of them (then
+            # no varint runs past the blob), none longer than 5 bytes, the last position within the page
             end = a + m
+            ends = 0
+            for o in range(spelled, end):
+                ends += staged[o] < 0x80
+            if ends != count or (count and staged[end - 1] >= 0x80) or (not count and end > spelled):
+                return i
+            base = key_base[i]
+            o = spelled
             position = -1
-            if spelled_bytes == count:  # every gap one byte (below ~5% density): no varint continues
-                base = key_base[i]
-                for j in range(count):
-                    byte = staged[spelled + j]
-                    if byte >= 0x80:
-                        return i
-                    position += byte + 1
-                    keys[w + j] = base + u * position
-                o = end
-            for j in range(count if o < end else 0):
-                byte = staged[o] if o < end else 0x80
+            for j in range(count):
+                byte = staged[o]
                 o += 1
-                if byte < 0x80:
-                    position += byte + 1
-                else:
-                    g = np.int64(byte & 0x7F)
-                    shift = 7
-                    while True:
-                        if o >= end or shift >= 7 * _MAX_VARINT_BYTES:
-                            return i
-                        byte = staged[o]
-                        o += 1
-                        g |= np.int64(byte & 0x7F) << shift
-                        shift += 7
-                        if byte < 0x80:
-                            break
-                    position += g + 1
-                keys[w + j] = key_base[i] + u * position
-            if o != end or (count and position >= n):
+                g = np.int64(byte & 0x7F)
+                shift = 7
+                while byte >= 0x80:
+                    if shift >= 7 * _MAX_VARINT_BYTES:
+                        return i
+                    byte = staged[o]
+                    o += 1
+                    g |= np.int64(byte & 0x7F) << shift
+                    shift += 7
+                position += g + 1
+                keys[w + j] = base + u * position
+            if count and position >= n:
                 return i
         _copy_values(staged, v, count, u, values, w)
         w += count

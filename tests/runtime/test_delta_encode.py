@@ -131,6 +131,9 @@ def test_malformed_gaps_and_bitmasks_are_refused():
         decode(np.concatenate([gaps, [0x80]]).astype(np.uint8), 1000, 2)
     _refused_alike([np.concatenate([gaps[:-1], [gaps[-1] + 1]]).astype(np.uint8)], 1000, 2)
     _refused_alike([gaps, np.concatenate([gaps, [0x80]]).astype(np.uint8)], 1000, 2)
+    for encoding in Encoding:  # a header of no changes: nothing may follow it (but a bitmask's bytes)
+        for tail in ([], [0x80], [0, 0]):
+            _refused_alike([np.array([int(encoding), 1, 0, 0, 0, 0, 0, 0, *tail], dtype=np.uint8)], 9, 2)
     bits = encode(current[:999], np.array([3, 70]), Encoding.BITMASK)
     _refused_alike([bits, np.concatenate([bits[:-1], [bits[-1] | 0x80]]).astype(np.uint8)], 999, 2)
     _refused_alike([np.concatenate([bits[:-2], [bits[-2] | 1], bits[-1:]]).astype(np.uint8)], 999, 2)
