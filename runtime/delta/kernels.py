@@ -1,8 +1,8 @@
-"""Numba kernels of the delta codec, batched over every page of a space and every blob of a version: the same bytes as
-runtime/delta/encode.py's per-page reference, which stays the specification (and names the error of a refused blob).
+"""Numba kernels of the delta codec, batched over a space's pages and a version's blobs: encode.py's bytes, checks.
 
-Encoding ids, header layout and the choice between encodings are those of encode.py; a kernel that refuses a blob
-returns its number and leaves the message to encode.decode.
+runtime/delta/encode.py's per-page reference stays the specification (and names the error of a refused blob): these
+kernels write the same blobs and refuse the same ones. Encoding ids, header layout and the choice between encodings
+are encode.py's; a kernel that refuses a blob returns its number and leaves the message to encode.decode.
 """
 
 from __future__ import annotations
