@@ -17,7 +17,7 @@ with keys bf16_s, fp8_s, tp8_pp2_s, fp8_fanout_s, max_nic_gb, calibration_error_
 calibration_source, calibration_measured_at and calibration_age_h (and a few more); fp8_fanout_delta_s is the fan-out
 plan's delta sync at --delta-density (default: the fp8 density bench-delta measured at lr 1e-6) with the seed file's
 assumed GPU encode and apply rates, fp8_fanout_delta_host_codec_s the same with the rates loopback.json holds for this
-host's numpy encoder and decoder (benchmarks/measure_delta_codec.py).
+host's encoder and decoder (runtime/delta/kernels.py, one core; benchmarks/measure_delta_codec.py).
 --smoke compiles a tiny fan-out plan (tests/configs/fp8-glm, fsdp=2 -> dp=4,ep,gpus-per-node=2) instead of
 GLM-5.2's and needs --bench-output or --measure (it never falls back to a saved file): it checks that
 everything runs, not the figures (tests/e2e/test_benchmark_smoke.py).
@@ -164,7 +164,7 @@ def main() -> None:
     loopback = resolve_cluster("loopback")
     host_codec = dataclasses.replace(cluster, delta_encode_gbytes_per_s=loopback.delta_encode_gbytes_per_s,
                                      delta_apply_gbytes_per_s=loopback.delta_apply_gbytes_per_s)
-    fan_delta_host = simulate(fan_plan, host_codec, " fp8 + fan-out, delta, this host's numpy codec rates", delta, fan_transfers)
+    fan_delta_host = simulate(fan_plan, host_codec, " fp8 + fan-out, delta, this host's codec rates (loopback.json)", delta, fan_transfers)
     bench, source = calibration_source(args)
     figures = bench_figures(bench)
     when = measured_at(bench, figures)

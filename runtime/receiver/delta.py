@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..delta.apply import UnitWrites, apply_writes, writes_of
-from ..delta.encode import DeltaError, decode
+from ..delta.apply import (KeyedTargets, RefusedBlob, Writes, apply_writes, decode_all, destination_list, keyed_targets,
+                           page_keys, warm_up, writes_of)
+from ..delta.encode import DeltaError
 from ..delta.pages import Pages, Space, Targets, delta_pages, needed_pages, targets
 from ..errors import PlanMismatchError, SyncError
 from ..plan.format import Plan
@@ -31,6 +32,8 @@ class TrainerPages:
     pages: Pages
     need: np.ndarray  # rows of `pages` some of this rank's delta-able descriptors read
     targets: Targets
+    keys: np.ndarray  # page_keys(pages)
+    keyed: KeyedTargets  # targets in key order
     deltable: np.ndarray  # over the trainer's READ descriptors: replaced by the delta when one is taken
     staging: torch.Tensor  # the blobs of the needed pages land here
     index: torch.Tensor  # the trainer's page index lands here
@@ -50,7 +53,7 @@ class Fetched:
     """The deltas this rank read for one version: the writes by trainer rank, the trainers whose delta did not fit this
     rank's staging (they are read full), and the bytes READ."""
 
-    writes: dict[int, list[UnitWrites]]
+    writes: dict[int, Writes]
     too_large: tuple[int, ...]
     nbytes: int
 
@@ -69,13 +72,14 @@ class ReceiverDelta:
         for entry, t in destinations.items():
             bases[entry], sizes[entry] = t.data_ptr(), t.numel() * t.element_size()
         self.rank = rank
-        self._views = {entry: byte_view(t) for entry, t in destinations.items()}
+        self._entry_bytes = sizes
+        self._views = destination_list({entry: byte_view(t) for entry, t in destinations.items()}, len(plan.dests))
         self.trainers: dict[int, TrainerPages] = {}
         for src, d in read.descriptors.items():
             deltable, found = targets(d.region, d.remote_off, d.nbytes, d.local, d.chunk, bases, sizes)
             pages = delta_pages(plan, src, tables, ring_bytes)
             need = needed_pages(pages, found)
-            self.trainers[src] = TrainerPages(pages, need, found, deltable,
+            self.trainers[src] = TrainerPages(pages, need, found, page_keys(pages), keyed_targets(pages, found), deltable,
                                               torch.zeros(max(int(fraction * pages.nbytes[need].sum()), 64), dtype=torch.uint8),
                                               torch.zeros(INDEX_WORDS + len(pages), dtype=torch.int64))
         self._index_local: dict[int, object] = {}
@@ -89,6 +93,7 @@ class ReceiverDelta:
         return sum(p.staging.numel() + p.index.numel() * 8 for p in self.trainers.values())
 
     def start(self, agent: NixlAgent) -> None:
+        warm_up()
         self._index_local = {src: agent.prepare(None, np.array([[p.index.data_ptr(), p.index.numel() * 8]]))
                              for src, p in self.trainers.items()}
 
@@ -154,7 +159,7 @@ class ReceiverDelta:
                   for rank, (_, rows, _, lengths, local, _, _) in reads.items()}
         return Fetched(writes, tuple(too_large), nbytes)
 
-    def apply(self, writes: dict[int, list[UnitWrites]]) -> int:
+    def apply(self, writes: dict[int, Writes]) -> int:
         return sum(apply_writes(w, self._views) for w in writes.values())
 
     def _checked_index(self, rank: int, source: DeltaSource, record: DeltaRecord, version: int) -> np.ndarray:
@@ -176,19 +181,16 @@ class ReceiverDelta:
                             f"or not the {record.nbytes} its record names")
         return ends
 
-    def _decoded(self, rank: int, rows: np.ndarray, lengths: np.ndarray, local: np.ndarray, version: int) -> list[UnitWrites]:
+    def _decoded(self, rank: int, rows: np.ndarray, lengths: np.ndarray, local: np.ndarray, version: int) -> Writes:
         p = self.trainers[rank]
-        staged = byte_view(p.staging)
-        deltas = {}
-        for row, n, at in zip(rows.tolist(), lengths.tolist(), local.tolist()):
-            unit = int(p.pages.unit[row])
-            try:
-                deltas[row] = decode(staged[at : at + n], int(p.pages.nbytes[row]) // unit, unit)
-            except DeltaError as exc:
-                raise SyncError(f"trainer rank {rank}: its delta of version {version}, page {row} "
-                                f"({Space(int(p.pages.space[row])).name.lower()} {int(p.pages.index[row])} at byte "
-                                f"{int(p.pages.start[row])}): {exc}") from None
         try:
-            return writes_of(p.pages, deltas, p.targets)
+            changes = decode_all(byte_view(p.staging), local, lengths, rows, p.pages, p.keys)
+        except RefusedBlob as exc:
+            row = exc.row
+            raise SyncError(f"trainer rank {rank}: its delta of version {version}, page {row} "
+                            f"({Space(int(p.pages.space[row])).name.lower()} {int(p.pages.index[row])} at byte "
+                            f"{int(p.pages.start[row])}): {exc}") from None
+        try:
+            return writes_of(changes, p.keyed, self._entry_bytes)
         except DeltaError as exc:
             raise SyncError(f"trainer rank {rank}: its delta of version {version}: {exc}") from None

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..delta.encode import UNIT_DTYPES, Encoding, changed, encode
+from ..delta import kernels
+from ..delta.encode import UNIT_DTYPES, Encoding
 from ..delta.pages import Pages, delta_pages
 from ..plan.format import Plan
 from ..tables.quant import QuantTables
@@ -53,8 +54,14 @@ class SenderDelta:
             raise ValueError(f"delta={fraction}: give the fraction of the served bytes the delta region holds, in (0, 1]")
         self.pages: Pages = delta_pages(plan, rank, tables, ring_bytes)
         size = int(self.pages.nbytes.sum())
-        self.previous = torch.zeros(size, dtype=torch.uint8)
-        self._previous_at = np.cumsum(self.pages.nbytes) - self.pages.nbytes
+        self._spaces = self.pages.spaces()
+        # each space's previous pages back to back, every space starting 8-byte aligned (the kernel reads units)
+        space_bytes = np.array([int(self.pages.nbytes[rows].sum()) for _, _, rows in self._spaces], dtype=np.int64)
+        padded = (space_bytes + 7) // 8 * 8
+        self._previous_at = np.cumsum(padded) - padded
+        self.previous = torch.zeros(int(padded.sum()), dtype=torch.uint8)
+        self._scratch = np.empty(max([int(self.pages.nbytes[rows].max() // self.pages.unit[rows[0]])
+                                      for _, _, rows in self._spaces] or [1]), dtype=np.int64)
         self.region = torch.zeros(max(int(fraction * size), 64), dtype=torch.uint8)
         self.index = torch.zeros(INDEX_WORDS + len(self.pages), dtype=torch.int64)
         self.base: int | None = None  # the version `previous` holds, None before the first publish or after a failed one
@@ -79,28 +86,19 @@ class SenderDelta:
         base, self.base = self.base, None
         out, previous, capacity = byte_view(self.region), byte_view(self.previous), self.region.numel()
         ends = np.zeros(len(self.pages), dtype=np.int64)
-        used, fits, changed_units, units = 0, base is not None, 0, 0
-        kinds = {e.name.lower(): 0 for e in Encoding}
+        kinds = np.zeros(max(Encoding) + 1, dtype=np.int64)
+        used, fits, changed_units = 0, base is not None, 0
         p = self.pages
-        for kind, index, rows in p.spaces():
-            served = space(kind, index)
-            dtype = UNIT_DTYPES[int(p.unit[rows[0]])]
-            for r in rows.tolist():
-                start, n, at = int(p.start[r]), int(p.nbytes[r]), int(self._previous_at[r])
-                current, old = served[start : start + n].view(dtype), previous[at : at + n].view(dtype)
-                positions = changed(old, current)
-                changed_units += len(positions)
-                units += len(current)
-                if fits and len(positions):
-                    blob = encode(current, positions)
-                    if used + len(blob) > capacity:
-                        fits = False
-                    else:
-                        out[used : used + len(blob)] = blob
-                        used += len(blob)
-                        kinds[Encoding(int(blob[0])).name.lower()] += 1
-                ends[r] = used
-                old[:] = current
+        for (kind, index, rows), at in zip(self._spaces, self._previous_at.tolist()):
+            unit = int(p.unit[rows[0]])
+            served, dtype = space(kind, index), UNIT_DTYPES[unit]
+            nbytes = int(p.nbytes[rows].sum())
+            used, fits, k = kernels.encode_pages(
+                served[: len(served) // unit * unit].view(dtype), served, unit, previous[at : at + nbytes].view(dtype),
+                p.start[rows] // unit, p.nbytes[rows] // unit, out, used, capacity, fits, ends, rows, self._scratch, kinds)
+            changed_units += k
+        units = int((p.nbytes // p.unit).sum())
+        kinds = {e.name.lower(): int(kinds[e]) for e in Encoding}
         self.index[:INDEX_WORDS] = torch.tensor([version, base if fits else -1, len(p)])
         self.index[INDEX_WORDS:] = torch.from_numpy(ends)
         self.base = version

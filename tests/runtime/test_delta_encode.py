@@ -1,6 +1,8 @@
-"""Delta encoding (runtime/delta/encode.py) and its mapping to destinations (runtime/delta/pages.py, apply.py): round
-trips for random densities, units and encodings; applying a delta through strided READ descriptors cut at arbitrary
-page and shard boundaries equals writing the new bytes in full; malformed blobs are refused in one line."""
+"""Delta encoding (runtime/delta/encode.py, the per-page reference; runtime/delta/kernels.py, batched) and its mapping
+to destinations (runtime/delta/pages.py, apply.py): round trips for random densities, units and encodings; the
+batched encoder writes the reference's blobs; applying a batched delta through strided READ descriptors cut at
+arbitrary page and shard boundaries equals writing the new bytes in full; malformed blobs are refused in one line,
+by the batched decoder exactly where and as the reference refuses them."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from weightplan.runtime.delta.apply import apply_writes, writes_of
+from weightplan.runtime.delta import kernels
+from weightplan.runtime.delta.apply import (RefusedBlob, apply_writes, decode_all, destination_list, keyed_targets,
+                                            page_keys, writes_of)
 from weightplan.runtime.delta.encode import (HEADER_BYTES, UNIT_DTYPES, DeltaError, Encoding, apply, changed, choose,
                                              decode, encode, encoded_sizes)
 from weightplan.runtime.delta.pages import PAGE_BYTES, Pages, Space, needed_pages, targets
@@ -68,6 +72,54 @@ def test_malformed_blobs_are_refused_in_one_line(mutate, message):
     blob = encode(current, np.array([3, 70, 999]), Encoding.INDICES)
     with pytest.raises(DeltaError, match=message):
         decode(mutate(blob), 1000, 2)
+    _refused_alike([mutate(blob)], 1000, 2)
+
+
+def _refused_alike(blobs: list[np.ndarray], n: int, unit: int) -> None:
+    """The batched decoder refuses these blobs (pages of `n` units) at the first page, and with the message, the
+    reference refuses; when the reference takes them all, it decodes the same changes."""
+    lengths = np.array([len(b) for b in blobs], dtype=np.int64)
+    staged = np.concatenate([np.asarray(b, dtype=np.uint8) for b in blobs])
+    rows = np.arange(len(blobs), dtype=np.int64)
+    pages = Pages(np.zeros(len(blobs), np.int64), np.zeros(len(blobs), np.int64), rows * n * unit, np.full(len(blobs), n * unit),
+                  np.full(len(blobs), unit))
+    expected = None
+    decoded = []
+    for i, b in enumerate(blobs):
+        try:
+            decoded.append(decode(np.asarray(b, dtype=np.uint8), n, unit))
+        except DeltaError as exc:
+            expected = (i, str(exc))
+            break
+    if expected is None:
+        changes = decode_all(staged, np.cumsum(lengths) - lengths, lengths, rows, pages, page_keys(pages))
+        keys = [pages.start[i] + unit * (np.arange(n) if d.positions is None else d.positions)
+                for i, d in enumerate(decoded) if d is not None]
+        assert np.array_equal(changes.keys, np.concatenate(keys or [np.zeros(0, np.int64)]))
+        assert np.array_equal(changes.values, np.concatenate([d.values for d in decoded if d is not None] or [np.zeros(0, np.uint8)]))
+        return
+    with pytest.raises(RefusedBlob) as refused:
+        decode_all(staged, np.cumsum(lengths) - lengths, lengths, rows, pages, page_keys(pages))
+    assert (refused.value.row, str(refused.value)) == expected
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**31), unit=_UNITS, n=st.sampled_from([9, 300, 4096]), density=st.sampled_from([0.005, 0.05, 0.5, 1.0]),
+       forced=st.sampled_from(list(Encoding)), flips=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=3),
+       cut=st.integers(-3, 3))
+def test_the_batched_decoder_refuses_exactly_what_the_reference_refuses(seed, unit, n, density, forced, flips, cut):
+    blobs = []
+    for page in range(3):
+        previous, current = _page(seed + page, n, unit, density)
+        positions = changed(previous, current)
+        blobs.append(encode(current, positions, forced if len(positions) or forced is Encoding.RAW else None).copy())
+    target = max(range(3), key=lambda i: len(blobs[i]))
+    blob = blobs[target]
+    for at, value in flips:
+        if len(blob):
+            blob[at % len(blob)] = value
+    blobs[target] = blob[: max(len(blob) + cut, 0)] if cut < 0 else np.concatenate([blob, np.full(cut, 0x7F, np.uint8)])
+    _refused_alike([b for b in blobs if len(b)] or [np.zeros(0, np.uint8)], n, unit)
 
 
 def test_malformed_gaps_and_bitmasks_are_refused():
@@ -77,7 +129,14 @@ def test_malformed_gaps_and_bitmasks_are_refused():
         decode(np.concatenate([gaps[:-1], [gaps[-1] + 1]]).astype(np.uint8), 1000, 2)
     with pytest.raises(DeltaError, match="do not spell 3 varints"):
         decode(np.concatenate([gaps, [0x80]]).astype(np.uint8), 1000, 2)
+    _refused_alike([np.concatenate([gaps[:-1], [gaps[-1] + 1]]).astype(np.uint8)], 1000, 2)
+    _refused_alike([gaps, np.concatenate([gaps, [0x80]]).astype(np.uint8)], 1000, 2)
+    for encoding in Encoding:  # a header of no changes: nothing may follow it (but a bitmask's bytes)
+        for tail in ([], [0x80], [0, 0]):
+            _refused_alike([np.array([int(encoding), 1, 0, 0, 0, 0, 0, 0, *tail], dtype=np.uint8)], 9, 2)
     bits = encode(current[:999], np.array([3, 70]), Encoding.BITMASK)
+    _refused_alike([bits, np.concatenate([bits[:-1], [bits[-1] | 0x80]]).astype(np.uint8)], 999, 2)
+    _refused_alike([np.concatenate([bits[:-2], [bits[-2] | 1], bits[-1:]]).astype(np.uint8)], 999, 2)
     with pytest.raises(DeltaError, match="marks units beyond the page's 999"):
         decode(np.concatenate([bits[:-1], [bits[-1] | 0x80]]).astype(np.uint8), 999, 2)
     with pytest.raises(DeltaError, match="says 2 changed units, its positions give 3"):
@@ -111,6 +170,51 @@ def _layouts(draw):
     return unit, space_units, runs, sizes
 
 
+def _encode_batched(previous: np.ndarray, current: np.ndarray, pages: Pages, capacity: int | None):
+    """kernels.encode_pages over one space of `pages` (publish's call): (region bytes used, ends, kinds, fits); checks
+    that `previous` (a copy) became `current`."""
+    unit = current.dtype.itemsize
+    old = previous.copy()
+    region = np.zeros(2 * current.nbytes + 64 * len(pages), dtype=np.uint8)
+    ends, kinds = np.zeros(len(pages), dtype=np.int64), np.zeros(max(Encoding) + 1, dtype=np.int64)
+    rows = np.arange(len(pages), dtype=np.int64)
+    used, fits, k = kernels.encode_pages(current, current.view(np.uint8), unit, old, pages.start // unit, pages.nbytes // unit,
+                                         region, 0, len(region) if capacity is None else capacity, True, ends, rows,
+                                         np.empty(max(int(pages.nbytes.max()) // unit, 1), dtype=np.int64), kinds)
+    assert np.array_equal(old, current) and k == len(changed(previous, current))
+    return region[:used], ends, kinds, fits
+
+
+def _space_pages(units: int, unit: int, page_units: int) -> Pages:
+    starts = np.arange(0, units, page_units) * unit
+    return Pages(np.zeros(len(starts), np.int64), np.zeros(len(starts), np.int64), starts,
+                 np.minimum(starts + page_units * unit, units * unit) - starts, np.full(len(starts), unit))
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), unit=_UNITS, page_units=st.sampled_from([1, 7, 4096, PAGE_BYTES // 2, 65536, 70000]),
+       n_pages=st.integers(1, 6), density=st.sampled_from([0, 1e-4, 0.01, 0.02, 0.1, 0.3, 0.9, 1.0]),
+       last=st.integers(1, 70000), capacity=st.one_of(st.none(), st.integers(0, 50000)))
+def test_the_batched_encoder_writes_the_reference_blobs(seed, unit, page_units, n_pages, density, last, capacity):
+    units = page_units * (n_pages - 1) + min(last, page_units)  # the last page of a space may be short
+    previous, current = _page(seed, units, unit, density)
+    pages = _space_pages(units, unit, page_units)
+    blobs, ends, kinds, fits = _encode_batched(previous, current, pages, capacity)
+    reference, expected_ends, used, expected_fits = [], [], 0, True
+    for start, nbytes in zip((pages.start // unit).tolist(), (pages.nbytes // unit).tolist()):
+        blob = encode(current[start : start + nbytes], changed(previous[start : start + nbytes], current[start : start + nbytes]))
+        if expected_fits and len(blob):
+            if capacity is not None and used + len(blob) > capacity:
+                expected_fits = False
+            else:
+                reference.append(blob)
+                used += len(blob)
+        expected_ends.append(used)
+    assert fits == expected_fits and ends.tolist() == expected_ends
+    assert np.array_equal(blobs, np.concatenate(reference or [np.zeros(0, np.uint8)]))
+    assert int(kinds.sum()) == len(reference) and all(kinds[int(b[0])] >= 1 for b in reference)
+
+
 @settings(max_examples=40, deadline=None)
 @given(layout=_layouts(), seed=st.integers(0, 2**31), density=st.sampled_from([0.001, 0.02, 0.5, 1.0]))
 def test_a_delta_applied_through_descriptors_equals_writing_the_new_bytes_in_full(layout, seed, density):
@@ -138,12 +242,14 @@ def test_a_delta_applied_through_descriptors_equals_writing_the_new_bytes_in_ful
 
     landed, expected = land(previous), land(current)
     need = needed_pages(pages, found)
-    deltas = {}
-    for p in np.flatnonzero(need).tolist():
-        lo, hi = int(pages.start[p]) // unit, int(pages.start[p] + pages.nbytes[p]) // unit
-        blob = encode(current[lo:hi], changed(previous[lo:hi], current[lo:hi]))
-        deltas[p] = decode(blob, hi - lo, unit)
-    apply_writes(writes_of(pages, deltas, found), dict(enumerate(landed)))
+    blobs, ends, _, _ = _encode_batched(previous, current, pages, capacity=None)
+    rows = np.flatnonzero(need & (np.diff(ends, prepend=0) > 0))
+    begin = np.concatenate([[0], ends[:-1]])
+    changes = decode_all(blobs, begin[rows], ends[rows] - begin[rows], rows, pages, page_keys(pages))
+    reference = [decode(blobs[begin[r] : ends[r]], int(pages.nbytes[r]) // unit, unit) for r in rows.tolist()]
+    assert np.array_equal(changes.values, np.concatenate([d.values for d in reference] or [np.zeros(0, np.uint64)]))
+    writes = writes_of(changes, keyed_targets(pages, found), sizes * unit)
+    assert apply_writes(writes, destination_list(dict(enumerate(landed)), len(landed))) == writes.units
     assert all(np.array_equal(a, b) for a, b in zip(landed, expected))
     # a page no descriptor reads is never needed
     touched = np.zeros(len(pages), bool)
