@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-from numba import typed
 
-from . import kernels
 from .encode import DeltaError, decode
 from .pages import Pages, Targets
+
+if TYPE_CHECKING:
+    from numba import typed
+
+
+def delta_kernels():
+    """runtime/delta/kernels.py, imported on first use: numba loads llvmlite, and a vLLM CPU worker that imports this
+    package (through the backend plugin) before it starts would fail in vLLM's Triton-override scan of sys.modules
+    (`triton_utils/dispatcher.py:_rebind_kernels` reads `vars()` of llvmlite's `ffi.lib`, whose `__dict__` is not one)."""
+    from . import kernels
+
+    return kernels
+
 
 _SPACE_SHIFT = 40  # a key is (the space's ordinal among the trainer's page spaces) << 40 | the byte in that space
 
@@ -69,10 +81,10 @@ def decode_all(staged: np.ndarray, start: np.ndarray, length: np.ndarray, rows: 
     start, length, rows = (np.ascontiguousarray(a, dtype=np.int64) for a in (start, length, rows))
     unit = pages.unit[rows].astype(np.int64)
     n_units = pages.nbytes[rows] // unit
-    refused, total = kernels.count_changes(staged, start, length, n_units, unit)
+    refused, total = delta_kernels().count_changes(staged, start, length, n_units, unit)
     if refused < 0:
         out_keys, values = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.uint64)
-        refused = kernels.decode_blobs(staged, start, length, n_units, unit, keys[rows], out_keys, values)
+        refused = delta_kernels().decode_blobs(staged, start, length, n_units, unit, keys[rows], out_keys, values)
         if refused < 0:
             return Changes(out_keys, values)
     for i in range(refused + 1):  # the reference names the first refused page
@@ -117,6 +129,8 @@ def writes_of(changes: Changes, found: KeyedTargets, entry_bytes: np.ndarray) ->
 
 def destination_list(destinations: dict[int, np.ndarray], entries: int) -> typed.List:
     """Flat uint8 views of the entries held ({entry: view}), indexed by entry (empty for the others), for apply_writes."""
+    from numba import typed
+
     out = typed.List()
     empty = np.zeros(0, dtype=np.uint8)
     for entry in range(entries):
@@ -127,7 +141,7 @@ def destination_list(destinations: dict[int, np.ndarray], entries: int) -> typed
 def apply_writes(writes: Writes, destinations: typed.List) -> int:
     """Write every change of `writes` into its entries' bytes (destination_list's); returns the units written."""
     t = writes.targets
-    return int(kernels.scatter(destinations, writes.changes.keys, writes.changes.values, t.unit, writes.lo, writes.hi,
+    return int(delta_kernels().scatter(destinations, writes.changes.keys, writes.changes.values, t.unit, writes.lo, writes.hi,
                                t.key, t.entry, t.dst_byte))
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..delta import kernels
+from ..delta.apply import delta_kernels
 from ..delta.encode import UNIT_DTYPES, Encoding
 from ..delta.pages import Pages, delta_pages
 from ..plan.format import Plan
@@ -93,7 +93,7 @@ class SenderDelta:
             unit = int(p.unit[rows[0]])
             served, dtype = space(kind, index), UNIT_DTYPES[unit]
             nbytes = int(p.nbytes[rows].sum())
-            used, fits, k = kernels.encode_pages(
+            used, fits, k = delta_kernels().encode_pages(
                 served[: len(served) // unit * unit].view(dtype), served, unit, previous[at : at + nbytes].view(dtype),
                 p.start[rows] // unit, p.nbytes[rows] // unit, out, used, capacity, fits, ends, rows, self._scratch, kinds)
             changed_units += k

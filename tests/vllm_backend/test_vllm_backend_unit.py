@@ -199,3 +199,16 @@ def test_lora_plans_are_refused_in_one_line_by_engines_they_do_not_fit(tmp_path)
     for bad in ([0, 0], [1], [0, -1], "01", [0, True]):
         with pytest.raises(InitInfoError, match="field 'lora_slots' must be two different slot indices"):
             WeightplanInitInfo.from_dict({"plan": "p.plan", "address": "127.0.0.1:1", "job": "j", "lora_slots": bad})
+
+
+def test_importing_the_backend_loads_no_numba():
+    """vLLM's CPU worker scans sys.modules when it starts (`triton_utils/dispatcher.py:_rebind_kernels`) and fails on
+    llvmlite's `ffi.lib`; the backend is imported before that scan, so numba must load only when a kernel is used."""
+    import subprocess
+    import sys
+
+    code = ("import sys, weightplan.runtime, weightplan.vllm_backend.engine, weightplan.vllm_backend.trainer; "
+            "print(sorted(m for m in ('numba', 'llvmlite') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
