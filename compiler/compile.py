@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import os
 import resource
 import tempfile
@@ -24,6 +22,7 @@ from .frontend.trainer_adapter import check_adapter_spec, load_adapter
 from .frontend.trainer_formats import Conversion, TrainerFormat, load_trainer_model
 from .frontend.vllm_model import build_model, current_platform_name, draft_config, make_vllm_config
 from .frontend.vllm_patches import HOST_PROFILE, host_independent
+from .gc_pause import gc_paused
 from .layouts import (ExplicitTrainer, InferenceLayout, TrainerLayout, check_trainer_experts, check_trainer_stages, parse_inference,
                       parse_trainer)
 from .ir import PlanOrigin, Program, TensorEntry
@@ -272,15 +271,3 @@ def _progress(log, name: str, rank: int, ranks: int):
             log(f"tracing {name}{where}: {percent}% of traced trainer tensors")
 
     return progress
-
-
-@contextlib.contextmanager
-def gc_paused():
-    """Pause the cyclic GC: the IR is acyclic and large, and gen-2 scans of it dominate otherwise."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()

@@ -16,6 +16,11 @@ Guard: before a re-pointed trace is used, the last rank is traced on the re-poin
 built and traced for real (all names fed, its own post-load step); destinations, assignments and
 the post-load result sharing would give it must be identical, or every rank is built for real (as
 is any rank whose re-pointing would change a parameter shape).
+
+Without DP sharing and quantization hooks, with at least 4 TP ranks, only the first, second and
+last TP rank of each pipeline stage are built and traced; the others are derived from the first two
+(frontend/tp_extrapolate.py: every integer moves by one fixed step per TP rank). Guard: the last
+rank's derivation must equal its real trace, or every TP rank of that stage is built for real.
 """
 
 from __future__ import annotations
@@ -23,19 +28,23 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import gc
 from collections.abc import Callable
 
 from weightplan.runtime.plan.header import RankCoords
 from weightplan.runtime.plan.schema import DerivedItem
+from ..gc_pause import collect_dropped
 from ..timing import phase
 from .fp8_trace import derived_state
 from .layer_classes import layer_classes
+from .tp_extrapolate import NotAffine, extrapolate
 from .trace import TracedLoad, trace_load
 from .trainer_formats import Conversion
 from .unloaded import split_unloaded
 from .vllm_model import build_model, nonlocal_experts, place_experts
-from .vllm_patches import parallel_rank
+from .vllm_patches import clear_layer_registry, forget_pp_missing_layers, parallel_rank
+
+
+TP_TEMPLATE_MIN = 4  # with fewer TP ranks, the first, second and last are all of them
 
 
 class RankTracer:
@@ -56,6 +65,12 @@ class RankTracer:
         self.derived: list[DerivedItem] | None = None  # without quant hooks: derived post-load state, read from the first model traced
         if quant_hooks is not None:
             self.stats["post_load_traces"] = 0
+        # TP templates: keyed by (DP rank, pipeline rank), the traced loads of TP ranks 0 and 1, and the guard's verdict
+        self.derive_tp = not self.share and quant_hooks is None and layout.tp >= TP_TEMPLATE_MIN
+        self.tp_traced: dict[tuple[int, int], dict[int, TracedLoad]] = {}
+        self.tp_guard: dict[tuple[int, int], bool] = {}
+        self.stats["tp_ranks_derived"] = 0
+        self.stats["tp_guard"] = "not run" if self.derive_tp else "off"
 
     def trace(self, rank: int, progress: Callable[[int, int], None] | None = None) -> TracedLoad:
         at = self.layout.rank_coords(rank)
@@ -68,12 +83,62 @@ class RankTracer:
             if model is not None:
                 self.stats["ranks_repointed"] += at.dp > 0
                 return self._collect(self._trace(model, at, progress, shared=True))
+        if self.derive_tp:
+            return self._tp_rank(at, progress)
+        return self._collect(self._real(at, progress))
+
+    def _real(self, at: RankCoords, progress) -> tuple[TracedLoad, object]:
+        """Build this rank's own model, trace it and drop it."""
         model = self._build(at)
         try:
-            return self._collect(self._trace(model, at, progress, shared=False))
+            return self._trace(model, at, progress, shared=False)
         finally:
             del model
-            gc.collect()  # vLLM modules form cycles; with the GC paused, dropped models would pile up
+            self._drop_models()
+
+    def _drop_models(self) -> None:
+        """Free the models no longer held: vLLM's layer registries keep the last one alive, and its modules form cycles."""
+        with phase(self.timings, "build"):
+            clear_layer_registry(self.vllm_config)
+            forget_pp_missing_layers()
+            collect_dropped()
+
+    def _tp_rank(self, at: RankCoords, progress) -> TracedLoad:
+        """A rank of a stage whose TP ranks 0 and 1 are traced for real, the last too (the guard), the others derived."""
+        key, last = (at.dp, at.pp), self.layout.tp - 1
+        traced = self.tp_traced.setdefault(key, {})
+        if at.tp in traced:  # the guard's real trace, asked for now
+            return traced.pop(at.tp)
+        if at.tp < 2:
+            traced[at.tp] = self._real(at, progress)[0]
+            return traced[at.tp]
+        if key not in self.tp_guard:
+            traced[last] = self._real(dataclasses.replace(at, tp=last), None)[0]
+            self.tp_guard[key] = self._derive(traced[0], traced[1], last) == traced[last]
+            self._tp_guard_stats()
+            if not self.tp_guard[key]:
+                del traced[0], traced[1]
+        if not self.tp_guard[key]:
+            return self._real(at, progress)[0]
+        self.stats["tp_ranks_derived"] += 1
+        derived = self._derive(traced[0], traced[1], at.tp)
+        if at.tp == last - 1:  # the stage's last derivation: its templates are no longer needed
+            del traced[0], traced[1]
+        return derived
+
+    def _derive(self, first: TracedLoad, second: TracedLoad, tp: int) -> TracedLoad | None:
+        with phase(self.timings, "derive"):
+            try:
+                return extrapolate(first, second, tp)
+            except NotAffine:
+                return None
+
+    def _tp_guard_stats(self) -> None:
+        passed = [f"pp {pp}" + (f" dp {dp}" if dp else "") for (dp, pp), ok in sorted(self.tp_guard.items()) if ok]
+        failed = [f"pp {pp}" + (f" dp {dp}" if dp else "") for (dp, pp), ok in sorted(self.tp_guard.items()) if not ok]
+        self.stats["tp_guard"] = "; ".join(part for part in (
+            f"passed (TP rank {self.layout.tp - 1} of {', '.join(passed)})" if passed else "",
+            f"failed ({', '.join(failed)}): those stages' TP ranks built for real" if failed else "") if part)
 
     def _collect(self, traced: tuple) -> TracedLoad:
         load, post = traced
@@ -94,7 +159,7 @@ class RankTracer:
         del fresh
         context.clear()
         context.update(kept)
-        gc.collect()
+        collect_dropped()
         self.guarded[rank] = real
         if model is None:
             return  # _placed gave up already and said why
@@ -133,7 +198,7 @@ class RankTracer:
         self.models.clear()
         self.placed_at.clear()
         self.post.clear()
-        gc.collect()
+        self._drop_models()
 
     def _build(self, at: RankCoords):
         with phase(self.timings, "build"):
