@@ -1,6 +1,6 @@
 """Benchmark: compile full GLM-5.2 plans, each in a fresh process, and print the figures.
 
-Usage: python benchmarks/bench_compile.py [--out DIR] [--only TEXT] [--smoke]   (make bench-compile)
+Usage: python benchmarks/bench_compile.py [--out DIR] [--only TEXT ...] [--repeat N] [--smoke]   (make bench-compile)
 --smoke compiles one tiny plan instead (tests/configs/fp8-glm, fsdp=2 -> dp=2,ep, fp8_per_block): it checks that
 every step runs, not the figures (tests/e2e/test_benchmark_smoke.py).
 Each plan is compiled in a fresh worker process, which then loads and summarizes the plan
@@ -12,6 +12,10 @@ time, process wall time (includes importing torch), CPU time, peak RSS, how many
 built and how the shared-model guard ended, checkpoint names not fed and post-load traces run,
 assignments, runs before/after coalescing,
 descriptor lower bound, plan file size and whether it is byte-identical to the checked-in plan.
+With the seed plan among those compiled, each plan's compile CPU is also printed over the seed plan's
+(issue 30: the pipelined plans compile no slower than the seed plan). --repeat N compiles the selected
+plans N times, round by round (the seed, then the others, then again), and reports each plan's median
+round: this machine is shared, and one compile's CPU time varies by a third.
 The last line is a JSON array, one object per plan; its "plan" names the plan file.
 """
 
@@ -38,7 +42,11 @@ PLANS = [
     # The seed topology with vLLM's online fp8_per_block (issue 5): targets wire_bytes <= 1.05 x dst_bytes, 60 s.
     {"model": "glm-5.2", "trainer_format": "stacked", "trainer_dtype": "bf16", "trainer": "fsdp=64,ep=8", "inference": "dp=32,ep",
      "quant": "fp8_per_block"},
+    # Pipeline parallelism (issue 30): two 8-GPU inference nodes as vLLM pipeline stages, and a 4-stage trainer.
+    {"model": "glm-5.2", "trainer_format": "stacked", "trainer_dtype": "bf16", "trainer": "fsdp=64,ep=8", "inference": "tp=8,pp=2"},
+    {"model": "glm-5.2", "trainer_format": "stacked", "trainer_dtype": "bf16", "trainer": "pp=4,fsdp=16,ep=8", "inference": "dp=32,ep"},
 ]
+SEED = PLANS[2]
 SMOKE_PLANS = [
     {"model": str(REPO / "tests" / "configs" / "fp8-glm"), "trainer_format": "hf", "trainer_dtype": "bf16", "trainer": "fsdp=2",
      "inference": "dp=2,ep", "quant": "fp8_per_block"},
@@ -100,8 +108,11 @@ def run(spec: dict, out_dir: Path) -> dict:
         "write_s": round(t["write"], 2),
         "passes_s": round(t["passes"], 2),
         **{f"{phase}_cpu_s": round(t[f"{phase}_cpu"], 2) for phase in ("setup", "build", "trace", "passes", "write")},
+        "derive_cpu_s": round(t.get("derive_cpu", 0.0), 2),
         "models_built": s["models_built"],
         "guard": s["guard"],
+        "tp_ranks_derived": s.get("tp_ranks_derived", 0),
+        "tp_guard": s.get("tp_guard", "off"),
         "names_skipped": s.get("names_skipped", 0),
         "post_load_traces": s.get("post_load_traces", 0),
         "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
@@ -134,35 +145,70 @@ def _identity(row: dict) -> str:
     return f"identical to the checked-in plan: {row['identical_to_checked_in']}"
 
 
+def _selected(specs: list[dict], only: list[str] | None) -> list[dict]:
+    def text(spec):
+        return f"{spec.get('trainer', 'fsdp=1')} -> {spec.get('inference', 'tp=1')} {spec['trainer_format']} {spec.get('quant', 'none')}"
+    return [spec for spec in specs if not only or any(o in text(spec) for o in only)]
+
+
+def _median_round(rows: list[dict]) -> dict:
+    """The round whose compile CPU is the median of `rows` (the lower middle one for an even count)."""
+    return sorted(rows, key=lambda row: row["compile_cpu_s"])[(len(rows) - 1) // 2]
+
+
+def _print(row: dict) -> None:
+    print(
+        f"{row['plan']} ({row['layouts']}): compile {row['compile_s']} s in-process, {row['compile_cpu_s']} s CPU "
+        f"(wall/CPU s: setup {row['setup_s']}/{row['setup_cpu_s']}, build {row['build_s']}/{row['build_cpu_s']}, "
+        f"trace {row['trace_s']}/{row['trace_cpu_s']}, derive -/{row['derive_cpu_s']}, passes {row['passes_s']}/{row['passes_cpu_s']}, "
+        f"write {row['write_s']}/{row['write_cpu_s']}), "
+        f"{row['wall_s']} s wall / {row['cpu_s']} s CPU from process start to plan written (incl. imports), "
+        f"peak RSS {row['peak_rss_mb']} MB; "
+        f"{row['models_built']} vLLM models built, guard: {row['guard']}, {row['names_skipped']} checkpoint names skipped, "
+        f"{row['tp_ranks_derived']} TP ranks derived (guard: {row['tp_guard']}); "
+        f"{row['assignments']} assignments, {row['runs_before_coalesce']} runs -> {row['descriptors']} descriptors "
+        f"(lower bound {row['descriptors_lower_bound']}); plan {row['plan_bytes']} bytes; "
+        f"src_balance {row['src_balance']}, dst_balance {row['dst_balance']}; {_quant(row)}{_identity(row)}",
+        flush=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUTPUT"))
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--only", metavar="TEXT", help="compile only the plans whose layouts contain TEXT, e.g. dp=32")
+    parser.add_argument("--only", metavar="TEXT", action="append",
+                        help="compile only the plans whose layouts contain TEXT, e.g. dp=32 (repeat for several)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N", help="compile the selected plans N times, round by round")
     parser.add_argument("--smoke", action="store_true", help="one tiny plan: checks it runs, not its figures")
     args = parser.parse_args()
     if args.worker:
         return worker(json.loads(args.worker[0]), args.worker[1])
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat must be at least 1, not {args.repeat}")
     out_dir = args.out or Path(tempfile.mkdtemp(prefix="bench-compile-"))
-    rows = []
-    for spec in SMOKE_PLANS if args.smoke else PLANS:
-        if args.only and args.only not in f"{spec.get('trainer', 'fsdp=1')} -> {spec.get('inference', 'tp=1')} {spec['trainer_format']} {spec.get('quant', 'none')}":
-            continue
-        row = run(spec, out_dir)
-        rows.append(row)
-        print(
-            f"{row['plan']} ({row['layouts']}): compile {row['compile_s']} s in-process, {row['compile_cpu_s']} s CPU "
-            f"(wall/CPU s: setup {row['setup_s']}/{row['setup_cpu_s']}, build {row['build_s']}/{row['build_cpu_s']}, "
-            f"trace {row['trace_s']}/{row['trace_cpu_s']}, passes {row['passes_s']}/{row['passes_cpu_s']}, "
-            f"write {row['write_s']}/{row['write_cpu_s']}), "
-            f"{row['wall_s']} s wall / {row['cpu_s']} s CPU from process start to plan written (incl. imports), "
-            f"peak RSS {row['peak_rss_mb']} MB; "
-            f"{row['models_built']} vLLM models built, guard: {row['guard']}, {row['names_skipped']} checkpoint names skipped; "
-            f"{row['assignments']} assignments, {row['runs_before_coalesce']} runs -> {row['descriptors']} descriptors "
-            f"(lower bound {row['descriptors_lower_bound']}); plan {row['plan_bytes']} bytes; "
-            f"src_balance {row['src_balance']}, dst_balance {row['dst_balance']}; {_quant(row)}{_identity(row)}",
-            flush=True,
-        )
+    specs = _selected(SMOKE_PLANS if args.smoke else PLANS, args.only)
+    rounds: dict[int, list[dict]] = {i: [] for i in range(len(specs))}
+    for _ in range(args.repeat):
+        for i, spec in enumerate(specs):
+            rounds[i].append(run(spec, out_dir))
+            if args.repeat == 1:
+                _print(rounds[i][-1])
+    rows = [_median_round(rounds[i]) for i in range(len(specs))]
+    if args.repeat > 1:
+        for i, row in enumerate(rows):
+            row["compile_cpu_s_rounds"] = [r["compile_cpu_s"] for r in rounds[i]]
+            print(f"median of {args.repeat} rounds (compile CPU s {row['compile_cpu_s_rounds']}):")
+            _print(row)
+    if SEED in specs:
+        seed = rows[specs.index(SEED)]
+        for spec, row in zip(specs, rows):
+            row["compile_cpu_over_seed"] = round(row["compile_cpu_s"] / seed["compile_cpu_s"], 3)
+            row["cpu_from_start_over_seed"] = round(row["cpu_s"] / seed["cpu_s"], 3)
+            if spec is not SEED:
+                print(f"{row['plan']}: compile CPU {row['compile_cpu_s']} s against the seed plan's {seed['compile_cpu_s']} s: "
+                      f"compile_cpu_over_seed {row['compile_cpu_over_seed']}; from process start {row['cpu_s']} s against "
+                      f"{seed['cpu_s']} s: cpu_from_start_over_seed {row['cpu_from_start_over_seed']}", flush=True)
     print(json.dumps(rows))
 
 

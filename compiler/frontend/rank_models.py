@@ -51,7 +51,7 @@ class RankTracer:
     """`trace(rank)` -> (assignments, dests) of one inference rank; ranks are asked for in order."""
 
     def __init__(self, vllm_config, base_config, layout, sources, conversion: Conversion, timings: dict, *, share: bool = True,
-                 quant_hooks=None):
+                 quant_hooks=None, derive_tp: bool = True):
         self.vllm_config, self.base_config, self.layout = vllm_config, base_config, layout
         self.sources, self.conversion, self.timings = sources, conversion, timings
         self.hooks = quant_hooks
@@ -66,7 +66,7 @@ class RankTracer:
         if quant_hooks is not None:
             self.stats["post_load_traces"] = 0
         # TP templates: keyed by (DP rank, pipeline rank), the traced loads of TP ranks 0 and 1, and the guard's verdict
-        self.derive_tp = not self.share and quant_hooks is None and layout.tp >= TP_TEMPLATE_MIN
+        self.derive_tp = derive_tp and not self.share and quant_hooks is None and layout.tp >= TP_TEMPLATE_MIN
         self.tp_traced: dict[tuple[int, int], dict[int, TracedLoad]] = {}
         self.tp_guard: dict[tuple[int, int], bool] = {}
         self.stats["tp_ranks_derived"] = 0

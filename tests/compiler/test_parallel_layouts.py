@@ -161,3 +161,29 @@ def test_place_experts_gives_the_expert_map_of_a_real_build():
     assert moved == len(maps(real)) > 0
     assert maps(model) == maps(real)
     assert all(v[1].count(-1) == 6 for v in maps(real).values())  # 2 of the 8 experts are local
+
+
+TP_DERIVED_CASES = [  # (case, what the guard must say)
+    (("tiny-glm", "stacked", "bf16", "fsdp=4,ep=2", "tp=4"), "passed"),  # every routed expert TP-sliced
+    (("tiny-glm", "stacked", "bf16", "fsdp=2", "tp=4,pp=2"), "passed"),  # each pipeline stage derives its own
+    (("tiny-llama", "hf", "bf16", "fsdp=3", "tp=4"), "failed"),  # 2 KV heads for 4 ranks: rank r reads head r // 2
+]
+
+
+@pytest.mark.parametrize("case,guard", TP_DERIVED_CASES)
+def test_derived_tp_ranks_give_the_plan_of_real_builds(plan_cache, tmp_path, monkeypatch, case, guard):
+    import functools
+
+    from weightplan.compiler.frontend.rank_models import RankTracer
+
+    real, real_stats = _compile_with(tmp_path, monkeypatch, functools.partial(RankTracer, derive_tp=False), case, "real.plan")
+    derived_stats = compile_plan(CompileOptions(str(config_dir(case[0])), case[1], case[2], "none", tmp_path / "derived.plan",
+                                                trainer=case[3], inference=case[4])).stats
+    assert real_stats["tp_guard"] == "off" and real_stats["tp_ranks_derived"] == 0
+    assert derived_stats["tp_guard"].startswith(guard), derived_stats["tp_guard"]
+    stages = 2 if "pp=2" in case[4] else 1
+    if guard == "passed":  # TP ranks 0, 1 and 3 of each stage built and traced, rank 2 derived
+        assert derived_stats["tp_ranks_derived"] == stages and derived_stats["models_built"] == 3 * stages
+    else:  # rank 3 (the guard) is not what ranks 0 and 1 predict: every rank built for real
+        assert derived_stats["tp_ranks_derived"] == 0 and derived_stats["models_built"] == 4 * stages
+    assert (tmp_path / "derived.plan").read_bytes() == real

@@ -44,10 +44,13 @@ def runtime_output(tmp_path_factory) -> Path:
 
 
 def test_bench_compile_smoke():
-    rows, _ = last_json("bench_compile.py", "--smoke")
+    rows, _ = last_json("bench_compile.py", "--smoke", "--repeat", "2")
     assert isinstance(rows, list) and len(rows) == 1, rows
     assert_keys(rows[0], {"plan", "compile_s", "wall_s", "peak_rss_mb", "descriptors", "descriptors_lower_bound",
-                          "plan_bytes", "src_balance", "wire_over_dst", "identical_to_checked_in"}, "bench_compile.py")
+                          "plan_bytes", "src_balance", "wire_over_dst", "identical_to_checked_in", "tp_ranks_derived",
+                          "derive_cpu_s"}, "bench_compile.py")
+    rounds = rows[0]["compile_cpu_s_rounds"]
+    assert len(rounds) == 2 and rows[0]["compile_cpu_s"] == sorted(rounds)[0]  # the lower middle of two rounds
 
 
 def test_bench_runtime_smoke(runtime_output):
