@@ -19,7 +19,7 @@ is any rank whose re-pointing would change a parameter shape).
 
 Without DP sharing and quantization hooks, with at least 4 TP ranks, only the first, second and
 last TP rank of each pipeline stage are built and traced; the others are derived from the first two
-(frontend/tp_extrapolate.py: every integer moves by one fixed step per TP rank). Guard: the last
+(frontend/extrapolate.py: every integer moves by one fixed step per TP rank). Guard: the last
 rank's derivation must equal its real trace, or every TP rank of that stage is built for real.
 """
 
@@ -36,7 +36,7 @@ from ..gc_pause import collect_dropped
 from ..timing import phase
 from .fp8_trace import derived_state
 from .layer_classes import layer_classes
-from .tp_extrapolate import NotAffine, extrapolate
+from .extrapolate import Line, NotAffine
 from .trace import TracedLoad, trace_load
 from .trainer_formats import Conversion
 from .unloaded import split_unloaded
@@ -51,7 +51,7 @@ class RankTracer:
     """`trace(rank)` -> (assignments, dests) of one inference rank; ranks are asked for in order."""
 
     def __init__(self, vllm_config, base_config, layout, sources, conversion: Conversion, timings: dict, *, share: bool = True,
-                 quant_hooks=None, derive_tp: bool = True):
+                 quant_hooks=None, derive_tp: bool = True, derive_experts: bool = True):
         self.vllm_config, self.base_config, self.layout = vllm_config, base_config, layout
         self.sources, self.conversion, self.timings = sources, conversion, timings
         self.hooks = quant_hooks
@@ -68,8 +68,11 @@ class RankTracer:
         # TP templates: keyed by (DP rank, pipeline rank), the traced loads of TP ranks 0 and 1, and the guard's verdict
         self.derive_tp = derive_tp and not self.share and quant_hooks is None and layout.tp >= TP_TEMPLATE_MIN
         self.tp_traced: dict[tuple[int, int], dict[int, TracedLoad]] = {}
+        self.tp_lines: dict[tuple[int, int], Line] = {}  # -> the line through TP ranks 0 and 1, until the stage is derived
         self.tp_guard: dict[tuple[int, int], bool] = {}
         self.stats["tp_ranks_derived"] = 0
+        self.derive_experts = derive_experts
+        self.stats["expert_names_derived"] = 0  # over every trace run (frontend/expert_templates.py)
         self.stats["tp_guard"] = "not run" if self.derive_tp else "off"
 
     def trace(self, rank: int, progress: Callable[[int, int], None] | None = None) -> TracedLoad:
@@ -114,24 +117,22 @@ class RankTracer:
             return traced[at.tp]
         if key not in self.tp_guard:
             traced[last] = self._real(dataclasses.replace(at, tp=last), None)[0]
-            self.tp_guard[key] = self._derive(traced[0], traced[1], last) == traced[last]
+            with phase(self.timings, "derive"):
+                try:
+                    self.tp_lines[key] = Line(traced.pop(0), traced.pop(1))
+                    self.tp_guard[key] = self.tp_lines[key](last) == traced[last]
+                except NotAffine:
+                    self.tp_guard[key] = False
             self._tp_guard_stats()
-            if not self.tp_guard[key]:
-                del traced[0], traced[1]
         if not self.tp_guard[key]:
+            self.tp_lines.pop(key, None)
             return self._real(at, progress)[0]
         self.stats["tp_ranks_derived"] += 1
-        derived = self._derive(traced[0], traced[1], at.tp)
-        if at.tp == last - 1:  # the stage's last derivation: its templates are no longer needed
-            del traced[0], traced[1]
-        return derived
-
-    def _derive(self, first: TracedLoad, second: TracedLoad, tp: int) -> TracedLoad | None:
         with phase(self.timings, "derive"):
-            try:
-                return extrapolate(first, second, tp)
-            except NotAffine:
-                return None
+            derived = self.tp_lines[key](at.tp)
+        if at.tp == last - 1:  # the stage's last derivation
+            del self.tp_lines[key]
+        return derived
 
     def _tp_guard_stats(self) -> None:
         passed = [f"pp {pp}" + (f" dp {dp}" if dp else "") for (dp, pp), ok in sorted(self.tp_guard.items()) if ok]
@@ -215,7 +216,9 @@ class RankTracer:
             # on a shared model, experts other ranks hold are not fed (checked by the guard's real build)
             absent = nonlocal_experts(model) if shared else None
             traced = trace_load(model, self.sources, self.conversion, progress,
-                                skip=None if absent is None else functools.partial(self._skip, absent))
+                                skip=None if absent is None else functools.partial(self._skip, absent),
+                                derive_experts=self.derive_experts)
+            self.stats["expert_names_derived"] += traced.expert_names_derived
             if self.hooks is None:  # with --quant, the post-load step writes what load_weights does not
                 traced = split_unloaded(model, self.vllm_config, traced, self.layout.rank_of(at))
             dests = traced.dests

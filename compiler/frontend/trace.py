@@ -15,6 +15,7 @@ from .layer_classes import layer_classes, rename_assignments
 from weightplan.runtime.checks import persistent_buffers
 from weightplan.runtime.errors import WeightplanError
 from .errors import TraceError
+from .expert_templates import ExpertTemplates
 from .lazy_weight import LazyWeight, WriteRecorder, dtype_name, tracing
 from .trainer_formats import Conversion
 
@@ -32,6 +33,7 @@ class TracedLoad:
     # experts other ranks hold (rank_models.py), so its report is shorter while its assignments are the real build's
     claimed: frozenset[str] = field(default=frozenset(), compare=False)
     unloaded: tuple[TensorEntry, ...] = ()  # parameters vLLM's load never writes (frontend/unloaded.py), not in dests
+    expert_names_derived: int = field(default=0, compare=False)  # routed experts' checkpoint names derived, not fed (statistics)
 
     def expanded(self) -> list[Assignment]:
         """Every assignment, the reused layers' renamed from their template's (in member order)."""
@@ -52,13 +54,15 @@ def trace_load(
     *,
     reuse_layers: bool = True,
     skip: Callable[[str], bool] | None = None,
+    derive_experts: bool = True,
 ) -> TracedLoad:
     """Feed LazyWeights for `sources` through `model.load_weights`; return what was traced.
 
     With `reuse_layers`, layers identical up to their index are traced once (see layer_classes):
     the others are listed as reusing their template layer, which the expand_layers pass turns
     into runs. Checkpoint names `skip` accepts are not fed (e.g. experts another rank holds:
-    vllm_model.nonlocal_experts).
+    vllm_model.nonlocal_experts). With `derive_experts`, each MoE layer's routed experts between
+    its first two and its last are derived, not fed (frontend/expert_templates.py).
     """
     params = dict(model.named_parameters())
     dests = [TensorEntry(name, tuple(p.shape), dtype_name(p.dtype)) for name, p in params.items()]
@@ -67,9 +71,11 @@ def trace_load(
     claimed: set[str] = set()
     buffers = loaded_buffers(model, params)
     params = {**params, **buffers}
-    traced = _trace(model, params, fed, conversion, progress, skip, claimed)
+    experts = ExpertTemplates(model) if derive_experts else None
+    traced = _trace(model, params, fed, conversion, progress, skip, claimed, experts)
     if classes is None or not classes.template_of:
-        return _with_buffers(TracedLoad(traced, dests, claimed=frozenset(claimed)), buffers)
+        return _with_buffers(TracedLoad(traced, dests, claimed=frozenset(claimed),
+                                        expert_names_derived=experts.names_derived if experts is not None else 0), buffers)
 
     by_layer: dict[int | None, list[Assignment]] = defaultdict(list)
     for a in traced:
@@ -80,11 +86,11 @@ def trace_load(
             untrusted.add(template)
     if untrusted:  # a layer class loads differently per index: trace all of its layers for real
         retrace = [s for s in sources if classes.template_of.get(layer_of(s.name)) in untrusted]
-        traced += _trace(model, params, retrace, conversion, None, skip, claimed)
+        traced += _trace(model, params, retrace, conversion, None, skip, claimed, experts)
     reuse = tuple(LayerReuse(template, index) for index, template in sorted(classes.template_of.items())
                   if template not in untrusted)
-    return _with_buffers(TracedLoad(traced, dests, reuse, sum(len(by_layer[r.template]) for r in reuse), claimed=frozenset(claimed)),
-                         buffers)
+    return _with_buffers(TracedLoad(traced, dests, reuse, sum(len(by_layer[r.template]) for r in reuse), claimed=frozenset(claimed),
+                                    expert_names_derived=experts.names_derived if experts is not None else 0), buffers)
 
 
 def loaded_buffers(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -109,17 +115,27 @@ def _with_buffers(load: TracedLoad, buffers: dict[str, torch.Tensor]) -> TracedL
 
 
 def _trace(model, params, sources: list[TensorEntry], conversion: Conversion, progress, skip=None,
-           claimed: set[str] | None = None) -> list[Assignment]:
-    """The assignments of loading `sources`; the names load_weights reports as loaded go into `claimed`."""
+           claimed: set[str] | None = None, experts: ExpertTemplates | None = None) -> list[Assignment]:
+    """The assignments of loading `sources`; the names load_weights reports as loaded go into `claimed`.
+
+    With `experts`, the routed experts between each layer's templates and guard are not fed but derived
+    (frontend/expert_templates.py); if a guard fails, every name is traced for real.
+    """
     tracer = WriteRecorder(params)
     lazy = {spec.name: LazyWeight.source(spec.name, spec.shape, getattr(torch, spec.dtype)) for spec in sources}
     index = {name: i for i, name in enumerate(lazy)}
+    names: list[str] = []  # every checkpoint name loaded, fed or derived, in stream order
+    derived: set[str] = set()
 
     def stream():
         for name, tensor in conversion(lazy.items()):
             if progress is not None:
                 progress(max(index[s] for s in tensor.node.sources()) + 1, len(lazy))
             if skip is not None and skip(name):
+                continue
+            names.append(name)
+            if experts is not None and experts.derived(name):
+                derived.add(name)
                 continue
             tracer.loading = name
             yield name, tensor
@@ -135,4 +151,10 @@ def _trace(model, params, sources: list[TensorEntry], conversion: Conversion, pr
                              "transformers and vLLM agree on this architecture's checkpoint names") from None
     if claimed is not None and reported is not None:
         claimed.update(reported)
-    return tracer.assignments
+    if not derived:
+        return tracer.assignments
+    complete = experts.complete(tracer.assignments, names, derived)
+    if complete is None:
+        return _trace(model, params, sources, conversion, None, skip, claimed)
+    experts.names_derived += len(derived)
+    return complete

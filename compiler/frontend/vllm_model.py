@@ -157,8 +157,8 @@ def place_experts(model: torch.nn.Module, vllm_config, tp_rank: int = 0, dp_rank
     return moved
 
 
-_EXPERT_NAME = re.compile(r"^(?P<layer>.+)\.experts\.(?P<expert>\d+)\.")
-_EXPERT_MODULE = re.compile(r"^(?P<layer>.+)\.experts(\..+)?$")
+EXPERT_NAME = re.compile(r"^(?P<layer>.+)\.experts\.(?P<expert>\d+)\.")  # a routed expert's checkpoint name
+EXPERT_MODULE = re.compile(r"^(?P<layer>.+)\.experts(\..+)?$")
 
 
 def nonlocal_experts(model: torch.nn.Module) -> Callable[[str], bool] | None:
@@ -172,7 +172,7 @@ def nonlocal_experts(model: torch.nn.Module) -> Callable[[str], bool] | None:
 
     local: dict[str, list[bool]] = {}
     for name, module in model.named_modules():
-        match = _EXPERT_MODULE.match(name)
+        match = EXPERT_MODULE.match(name)
         expert_map = getattr(module, "_expert_map", None)
         if match and isinstance(module, RoutedExperts) and expert_map is not None:
             local[match["layer"]] = (expert_map >= 0).tolist()
@@ -180,7 +180,7 @@ def nonlocal_experts(model: torch.nn.Module) -> Callable[[str], bool] | None:
         return None
 
     def absent(name: str) -> bool:
-        match = _EXPERT_NAME.match(name)
+        match = EXPERT_NAME.match(name)
         if match is None or match["layer"] not in local:
             return False
         held, expert = local[match["layer"]], int(match["expert"])

@@ -1,11 +1,11 @@
-"""tp_extrapolate: a TP rank's traced load from ranks 0 and 1, every integer moved by its step, anything else refused."""
+"""extrapolate: a TP rank's traced load from ranks 0 and 1, every integer moved by its step, anything else refused."""
 
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, strategies as st
 
-from weightplan.compiler.frontend.tp_extrapolate import NotAffine, extrapolate
+from weightplan.compiler.frontend.extrapolate import NotAffine, extrapolate
 from weightplan.compiler.ir import Assignment, Geometry, Node, Op
 
 
