@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, strategies as st
 
-from weightplan.compiler.frontend.extrapolate import NotAffine, extrapolate
+from weightplan.compiler.frontend.extrapolate import Line, NotAffine, extrapolate
 from weightplan.compiler.ir import Assignment, Geometry, Node, Op
 
 
@@ -61,3 +61,18 @@ def test_floats_bools_and_types_must_be_equal():
     with pytest.raises(NotAffine, match="int against str"):
         extrapolate((1,), ("1",), 2)
     assert extrapolate((1, 0.5, None, frozenset({"a"})), (3, 0.5, None, frozenset({"a"})), 4) == (9, 0.5, None, frozenset({"a"}))
+
+
+def test_numbers_in_names_move_and_the_text_around_them_must_agree():
+    assert extrapolate("model.layers.3.mlp.experts.8.w1", "model.layers.3.mlp.experts.10.w1", 3) == "model.layers.3.mlp.experts.14.w1"
+    with pytest.raises(NotAffine):
+        extrapolate("experts.8.gate_proj", "experts.9.up_proj", 2)  # other text
+    with pytest.raises(NotAffine):
+        extrapolate("experts.08.w", "experts.09.w", 2)  # zero-padded: its width could change
+    with pytest.raises(NotAffine, match="would be -1"):
+        extrapolate("experts.1.w", "experts.0.w", 2)
+
+
+def test_a_line_builds_every_step_from_one_comparison():
+    line = Line(_load(0, 5, 16, 8), _load(1, 5, 16, 8))
+    assert [line(k) for k in (7, 0, 3)] == [_load(k, 5, 16, 8) for k in (7, 0, 3)]
