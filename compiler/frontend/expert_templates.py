@@ -22,7 +22,7 @@ import torch
 
 from ..ir import Assignment
 from .extrapolate import Line, NotAffine
-from .vllm_model import EXPERT_MODULE, EXPERT_NAME
+from .vllm_model import EXPERT_NAME, expert_maps
 
 
 MIN_LOCAL_EXPERTS = 4  # with fewer, the two templates and the guard are all of them
@@ -32,17 +32,11 @@ class ExpertTemplates:
     """Which checkpoint names of `model`'s routed experts are derived rather than fed, and their derivation."""
 
     def __init__(self, model: torch.nn.Module):
-        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
-
         self.local: dict[str, list[int]] = {}  # layer prefix -> the global ids of its local experts, ascending
-        for name, module in model.named_modules():
-            match = EXPERT_MODULE.match(name)
-            if match and isinstance(module, RoutedExperts):
-                expert_map = getattr(module, "_expert_map", None)
-                experts = range(module.global_num_experts) if expert_map is None else \
-                    [e for e, slot in enumerate(expert_map.tolist()) if slot >= 0]
-                if len(experts) >= MIN_LOCAL_EXPERTS:
-                    self.local[match["layer"]] = list(experts)
+        for layer, (count, expert_map) in expert_maps(model).items():
+            experts = list(range(count)) if expert_map is None else [e for e, slot in enumerate(expert_map) if slot >= 0]
+            if len(experts) >= MIN_LOCAL_EXPERTS:
+                self.local[layer] = experts
         self.position = {layer: {e: i for i, e in enumerate(experts)} for layer, experts in self.local.items()}
         self.names_derived = 0  # checkpoint names derived in traces that passed their guards
 

@@ -161,6 +161,19 @@ EXPERT_NAME = re.compile(r"^(?P<layer>.+)\.experts\.(?P<expert>\d+)\.")  # a rou
 EXPERT_MODULE = re.compile(r"^(?P<layer>.+)\.experts(\..+)?$")
 
 
+def expert_maps(model: torch.nn.Module) -> dict[str, tuple[int, list[int] | None]]:
+    """Each MoE layer's (number of routed experts, vLLM's expert map as a list or None without EP), keyed by layer prefix."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    out = {}
+    for name, module in model.named_modules():
+        match = EXPERT_MODULE.match(name)
+        if match and isinstance(module, RoutedExperts):
+            expert_map = getattr(module, "_expert_map", None)
+            out[match["layer"]] = (module.global_num_experts, None if expert_map is None else expert_map.tolist())
+    return out
+
+
 def nonlocal_experts(model: torch.nn.Module) -> Callable[[str], bool] | None:
     """A test for checkpoint names `<layer>.experts.<e>.*` of routed experts this rank does not hold (EP), or None.
 
@@ -168,14 +181,8 @@ def nonlocal_experts(model: torch.nn.Module) -> Callable[[str], bool] | None:
     -1), so leaving them out of a trace changes no assignment. Names whose layer has no
     `RoutedExperts` module under `<layer>.experts`, or no expert map, are never matched.
     """
-    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
-
-    local: dict[str, list[bool]] = {}
-    for name, module in model.named_modules():
-        match = EXPERT_MODULE.match(name)
-        expert_map = getattr(module, "_expert_map", None)
-        if match and isinstance(module, RoutedExperts) and expert_map is not None:
-            local[match["layer"]] = (expert_map >= 0).tolist()
+    local = {layer: [slot >= 0 for slot in expert_map] for layer, (_, expert_map) in expert_maps(model).items()
+             if expert_map is not None}
     if not local:
         return None
 
