@@ -31,6 +31,9 @@ def compile_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trainer-format", default="hf", help="trainer tensor names: hf (checkpoint) or transformers (alias stacked: transformers' in-memory state dict)")
     parser.add_argument("--trainer-dtype", default="bf16", help="trainer master weight dtype: bf16 or fp32")
     parser.add_argument("--quant", default="none", help="inference quantization: none or fp8_per_block (vLLM online 128x128 block fp8; quantized on the sender where blocks are shard-local)")
+    parser.add_argument("--scale-rounding", choices=("cuda", "ieee"), default=None,
+                        help="fp8 plans: how block scales (amax / 448) round: cuda (default: what a GPU engine's own "
+                             "quantization gives) or ieee (a CPU engine's); docs/fp8.md")
     trainer = parser.add_mutually_exclusive_group()
     trainer.add_argument("--trainer", default="fsdp=1", help="trainer layout: fsdp=N[,ep=M][,replicas=R]")
     trainer.add_argument("--trainer-layout", type=Path, metavar="FILE",
@@ -55,7 +58,8 @@ def compile_main(argv: list[str] | None = None) -> int:
         result = compile_plan(
             CompileOptions(args.model, args.trainer_format, args.trainer_dtype, args.quant, args.output,
                            trainer=args.trainer, inference=args.inference, trainer_layout=args.trainer_layout,
-                           check_passes=args.check_passes, trainer_adapter=args.trainer_adapter, draft=args.draft, lora=args.lora),
+                           check_passes=args.check_passes, trainer_adapter=args.trainer_adapter, draft=args.draft, lora=args.lora,
+                           scale_rounding=args.scale_rounding),
             log=_log,
         )
     except WeightplanError as exc:

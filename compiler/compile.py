@@ -52,6 +52,7 @@ class CompileOptions:
     trainer_adapter: str | None = None  # module:callable mapping a non-transformers trainer's tensors to checkpoint ones
     draft: bool = False  # the MTP speculative-decoding draft model's plan (frontend/draft.py), not the target's
     lora: str | None = None  # --lora: a LoRA adapter's plan into one slot of vLLM's LoRA buffers (frontend/lora_trace.py)
+    scale_rounding: str | None = None  # --scale-rounding of an fp8 plan: cuda (None: the default) or ieee
 
 
 @dataclass
@@ -80,7 +81,7 @@ def check_options(opts: CompileOptions) -> tuple[TrainerFormat, QuantMode]:
         fmt = TrainerFormat.ADAPTER
     if opts.trainer_dtype not in TRAINER_DTYPES:
         raise ModelConfigError(f"unknown --trainer-dtype {opts.trainer_dtype!r}; choose one of {', '.join(TRAINER_DTYPES)}")
-    return fmt, quant_mode(opts.quant)
+    return fmt, quant_mode(opts.quant, opts.scale_rounding)
 
 
 @dataclass(frozen=True)
@@ -229,7 +230,7 @@ def _compile(opts: CompileOptions, inputs: _Inputs, trainer_model, log) -> Compi
     }
     if header_stats.source_choice is not None:
         stats["source_choice"] = header_stats.source_choice.to_json()
-    path = opts.output or default_plan_path(name, trainer, inference_meta, quant.name)
+    path = opts.output or default_plan_path(name, trainer, inference_meta, quant.plan_token)
     with phase(timings, "write"):
         size = write_program(compiled, path)
     timings["total"] = time.perf_counter() - start

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from weightplan.runtime.fp8.rounding import SCALE_ROUNDINGS, ScaleRounding
 from weightplan.runtime.plan.header import QUANTS, QuantLayout
 from .frontend.errors import ModelConfigError
 from .ir import QuantTarget
@@ -20,6 +21,11 @@ class QuantMode:
     @property
     def quantizes(self) -> bool:
         return self.vllm_quantization is not None
+
+    @property
+    def plan_token(self) -> str:
+        """The mode's part of a default plan file name."""
+        return self.name
 
     def hooks(self) -> QuantHooks | None:
         """What RankTracer calls around each rank's build and trace (None: load_weights writes every parameter)."""
@@ -47,6 +53,7 @@ class Fp8PerBlock(QuantMode):
 
     name: ClassVar[str] = "fp8_per_block"
     vllm_quantization: ClassVar[str | None] = "fp8_per_block"
+    scale_rounding: ScaleRounding = ScaleRounding.CUDA  # --scale-rounding: the engines' platform (runtime/fp8/rounding.py)
 
     def hooks(self) -> QuantHooks:
         return QuantHooks(self)
@@ -61,17 +68,29 @@ class Fp8PerBlock(QuantMode):
     def kernel_layout(self) -> QuantLayout:
         from .frontend.fp8_kernels import KERNEL_LAYOUT
 
-        return KERNEL_LAYOUT
+        return dataclasses.replace(KERNEL_LAYOUT, scale_rounding=self.scale_rounding)
+
+    @property
+    def plan_token(self) -> str:
+        return self.name if self.scale_rounding is ScaleRounding.CUDA else f"{self.name}-{self.scale_rounding.value}"
 
 
 QUANT_MODES: dict[str, QuantMode] = {mode.name: mode for mode in (NoQuant(), Fp8PerBlock())}
 
 
-def quant_mode(name: str) -> QuantMode:
-    """The mode of a --quant value (the plan header's QUANTS are the names allowed)."""
+def quant_mode(name: str, scale_rounding: str | None = None) -> QuantMode:
+    """The mode of a --quant value (the plan header's QUANTS are the names allowed), with its --scale-rounding if it
+    quantizes (None: the default, CUDA's)."""
     if name not in QUANTS:
         raise ModelConfigError(f"unknown --quant {name!r}; this version compiles: {', '.join(QUANTS)}")
-    return QUANT_MODES[name]
+    mode = QUANT_MODES[name]
+    if scale_rounding is None:
+        return mode
+    if not isinstance(mode, Fp8PerBlock):
+        raise ModelConfigError(f"--scale-rounding applies to --quant fp8_per_block, not to --quant {name}")
+    if scale_rounding not in SCALE_ROUNDINGS:
+        raise ModelConfigError(f"unknown --scale-rounding {scale_rounding!r}; choose one of {', '.join(SCALE_ROUNDINGS)}")
+    return dataclasses.replace(mode, scale_rounding=ScaleRounding(scale_rounding))
 
 
 @dataclasses.dataclass

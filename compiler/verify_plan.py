@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -13,10 +14,12 @@ import torch
 from weightplan.runtime import execute_local, load_plan
 from weightplan.runtime.checks import named_tensors, persistent_buffers
 from weightplan.runtime.errors import PlanMismatchError
+from weightplan.runtime.fp8.rounding import ScaleRounding
 from weightplan.runtime.host.executor import rows_view
 from weightplan.runtime.plan.format import Plan
 from weightplan.runtime.tables.fanout import second_hops
 from weightplan.runtime.layout.shards import box_segments
+from .cuda_arithmetic import CudaArithmetic
 from .frontend.trainer_formats import Conversion, TrainerFormat
 from .frontend.errors import ModelConfigError
 from .frontend.vllm_model import build_model, current_platform_name, make_vllm_config
@@ -336,7 +339,7 @@ def _vllm_load_quantized(vllm_config, base, plan: Plan, conversion: Conversion, 
         if chosen is not None:
             owners = {_module_of(name) for name in chosen}
             layers = torch.nn.ModuleList([m for name, m in model.named_modules() if name in owners])
-        with torch.no_grad(), parallel_rank(vllm_config, tp_rank, dp_rank, pp_rank):
+        with torch.no_grad(), parallel_rank(vllm_config, tp_rank, dp_rank, pp_rank), platform_rounding(plan):
             model.load_weights(as_views(conversion, stream()))
             # Layers vLLM did not process while loading (padding left them incomplete) are processed here.
             finalize_layerwise_processing(layers, vllm_config.model_config)
@@ -345,6 +348,15 @@ def _vllm_load_quantized(vllm_config, base, plan: Plan, conversion: Conversion, 
                 if isinstance(method, QuantizeMethodBase):
                     method.process_weights_after_loading(module)
     return {name: p for name, p in model.named_parameters() if chosen is None or name in chosen}
+
+
+def platform_rounding(plan: Plan) -> contextlib.AbstractContextManager:
+    """Where vLLM's online quantization runs for the reference: on this CPU as a GPU engine rounds it (CudaArithmetic)
+    for a plan with the CUDA scale rounding, as the CPU rounds it for the IEEE one."""
+    layout = plan.header.quant_layout
+    if layout is not None and layout.scale_rounding is ScaleRounding.CUDA:
+        return CudaArithmetic()
+    return contextlib.nullcontext()
 
 
 class _ChunkViews(torch.Tensor):

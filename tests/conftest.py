@@ -68,11 +68,12 @@ def plan_cache(tmp_path_factory):
     cache: dict[tuple, Path] = {}
 
     def compile(model: str, fmt: str = "hf", dtype: str = "bf16", trainer: str = "fsdp=1", inference: str = "tp=1",
-                quant: str = "none") -> Path:
-        key = (model, fmt, dtype, trainer, inference, quant)
+                quant: str = "none", scale_rounding: str | None = None) -> Path:
+        key = (model, fmt, dtype, trainer, inference, quant, scale_rounding)
         if key not in cache:
-            out = root / f"{model}-{fmt}-{dtype}-{trainer}-{inference}-{quant}.plan".replace(",", "_").replace("=", "")
-            compile_plan(CompileOptions(str(config_dir(model)), fmt, dtype, quant, out, trainer=trainer, inference=inference))
+            out = root / f"{model}-{fmt}-{dtype}-{trainer}-{inference}-{quant}-{scale_rounding}.plan".replace(",", "_").replace("=", "")
+            compile_plan(CompileOptions(str(config_dir(model)), fmt, dtype, quant, out, trainer=trainer, inference=inference,
+                                        scale_rounding=scale_rounding))
             cache[key] = out
         return cache[key]
 

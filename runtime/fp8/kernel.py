@@ -8,6 +8,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from .format import BLOCK
+from .rounding import RECIPROCAL
 
 _I32 = ir.IntType(32)
 
@@ -106,14 +107,16 @@ def _accumulate_amax(row, top):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _band_scales(top, scales, inv):
-    """Per tile: scale = max(amax, 1e-4) / 448 and its reciprocal, in float32 as vLLM; returns how many tiles
-    hold inf or NaN (amax bits 0x7f80 and above)."""
+def _band_scales(top, scales, inv, cuda_rounding):
+    """Per tile: scale = max(amax, 1e-4) / 448 as the plan's rounding says (times fl32(1/448) under CUDA's, divided
+    under IEEE's; runtime/fp8/rounding.py) and its reciprocal, in float32 as vLLM; returns how many tiles hold inf or NaN
+    (amax bits 0x7f80 and above)."""
     nonfinite = 0
     for t in range(scales.size):
         bits = top[t * BLOCK : t * BLOCK + BLOCK].max()
         nonfinite += bits >= 0x7F80
-        scale = max(_f32_from_bits(np.uint32(bits) << 16), np.float32(1e-4)) / np.float32(448.0)
+        amax = max(_f32_from_bits(np.uint32(bits) << 16), np.float32(1e-4))
+        scale = amax * np.float32(RECIPROCAL) if cuda_rounding else amax / np.float32(448.0)
         scales[t] = scale
         inv[t] = np.float32(1.0) / scale
     return nonfinite
@@ -145,9 +148,10 @@ def _row_values(row, inv, out, finite, ahead, top):
 
 
 @njit(cache=True, nogil=True)
-def quantize_tiles(x, x_pitch, out, out_pitch, scales):
+def quantize_tiles(x, x_pitch, out, out_pitch, scales, cuda_rounding):
     """Quantize the whole tiles of bf16 bits x (flat, row pitch x_pitch) into fp8 bytes out (flat, row pitch
-    out_pitch) and float32 scales (one per tile, its shape the tile grid); returns how many tiles hold inf or NaN.
+    out_pitch) and float32 scales (one per tile, its shape the tile grid), the scales rounded as CUDA rounds them if
+    `cuda_rounding`, else by IEEE division; returns how many tiles hold inf or NaN.
 
     Band by band (BLOCK rows): the amax of the next band is gathered while this band's values are written.
     In a finite tile, |x| <= amax keeps |x * inv| within one float32 ulp of 448 (tests check every bf16 amax),
@@ -162,7 +166,7 @@ def quantize_tiles(x, x_pitch, out, out_pitch, scales):
         _accumulate_amax(x[r * x_pitch : r * x_pitch + width], top)
     nonfinite = 0
     for bi in range(n_brows):
-        band_nonfinite = _band_scales(top, scales[bi], inv)
+        band_nonfinite = _band_scales(top, scales[bi], inv, cuda_rounding)
         nonfinite += band_nonfinite
         ahead = bi + 1 < n_brows
         next_top[:] = 0

@@ -7,15 +7,17 @@ import math
 import numpy as np
 import torch
 
-from .format import BLOCK, FP8, FP8_MAX
+from .format import BLOCK, FP8
+from .rounding import ScaleRounding, block_scale, canonical_nans_
 from .torch_quant import TorchTiles
 
 
-def per_block_fp8(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def per_block_fp8(x: torch.Tensor, block: int = BLOCK, *, rounding: ScaleRounding) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D tensor in block x block tiles: (fp8 values of x's shape, float32 scale per tile).
 
     The same ops in the same order as vllm.utils.deep_gemm.per_block_cast_to_fp8(use_ue8m0=False):
-    zero-pad to whole tiles, amax per tile (floored at 1e-4), scale = amax / 448, value * (1 / scale).
+    zero-pad to whole tiles, amax per tile (floored at 1e-4), scale = amax / 448 (rounded as `rounding` says),
+    value * (1 / scale); then NaNs made canonical (runtime/fp8/rounding.py).
     Tiles are independent, so any block-aligned sub-tensor quantizes to the same bytes as the whole.
     """
     assert x.dim() == 2, x.shape
@@ -24,9 +26,11 @@ def per_block_fp8(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, to
     padded[:m, :n] = x
     tiles = padded.view(-1, block, padded.size(1) // block, block)
     amax = tiles.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
-    scale = amax / FP8_MAX
-    values = (tiles * (1.0 / scale)).to(FP8)
-    return values.view_as(padded)[:m, :n].contiguous(), scale.view(tiles.size(0), tiles.size(2))
+    scale = block_scale(amax, rounding)
+    values = (tiles * (1.0 / scale)).to(FP8).view_as(padded)[:m, :n].contiguous()
+    scale = scale.view(tiles.size(0), tiles.size(2))
+    canonical_nans_(values, scale)
+    return values, scale
 
 
 def block_grid(shape: tuple[int, ...], block: int = BLOCK) -> tuple[int, int, int]:
@@ -51,7 +55,7 @@ def span_bands(shape: tuple[int, ...], first: int, count: int, block: int = BLOC
 
 
 def quantize_span(staging: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, first: int, count: int,
-                  block: int = BLOCK) -> None:
+                  block: int = BLOCK, *, rounding: ScaleRounding) -> None:
     """Quantize blocks [first, first + count) of `staging` (bf16) into `weight` (fp8) and `scale` (float32).
 
     All three tensors are shaped as the plan says: weight like staging, scale [..., block rows, block cols].
@@ -63,7 +67,7 @@ def quantize_span(staging: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
     for matrix, brow, bcol, n in span_bands(tuple(staging.shape), first, count, block):
         r0, c0 = brow * block, bcol * block
         r1, c1 = min(r0 + block, rows), min(c0 + n * block, cols)
-        values, scales = per_block_fp8(s2[matrix, r0:r1, c0:c1], block)
+        values, scales = per_block_fp8(s2[matrix, r0:r1, c0:c1], block, rounding=rounding)
         w2[matrix, r0:r1, c0:c1] = values
         sc[matrix, brow, bcol : bcol + n] = scales[0]
 
@@ -99,9 +103,9 @@ def _flat(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 
 class BlockQuantizer:
-    """per_block_fp8 for large 2-D views, writing into given outputs.
+    """per_block_fp8 for large 2-D views, writing into given outputs, scales rounded as `rounding` says.
 
-    Same bytes as per_block_fp8. The path is picked by device: whole tiles of host tensors go through the numba
+    Same bytes as per_block_fp8, on every path. The path is picked by device: whole tiles of host tensors go through the numba
     kernel in fp8/kernel.py (`use_kernel`, the default); CUDA tensors (and host tensors with use_kernel=False, its
     reference) go through fp8/torch_quant.py's torch ops on their own device, never leaving it. Tiles the kernel
     finds holding inf or NaN are redone by the torch path: their bytes depend on how the CPU
@@ -109,7 +113,8 @@ class BlockQuantizer:
     block) go through per_block_fp8's padding.
     """
 
-    def __init__(self, chunk_elements: int = 1 << 18, block: int = BLOCK, use_kernel: bool = True):
+    def __init__(self, rounding: ScaleRounding, chunk_elements: int = 1 << 18, block: int = BLOCK, use_kernel: bool = True):
+        self.rounding = ScaleRounding(rounding)
         self.block, self.chunk_elements = block, chunk_elements
         self.use_kernel = use_kernel and block == BLOCK
         self._device_tiles: TorchTiles | None = None
@@ -132,11 +137,11 @@ class BlockQuantizer:
         if hf and wf and not (self.use_kernel and self._kernel_tiles(x, values, scales, hf, wf)):
             self._torch_tiles(x, values, scales, hf, wf)
         if wf < w:
-            v, s = per_block_fp8(x[:, wf:], b)
+            v, s = per_block_fp8(x[:, wf:], b, rounding=self.rounding)
             values[:, wf:] = v
             scales[:, wf // b :] = s
         if hf < h and wf:
-            v, s = per_block_fp8(x[hf:, :wf], b)
+            v, s = per_block_fp8(x[hf:, :wf], b, rounding=self.rounding)
             values[hf:, :wf] = v
             scales[hf // b :, : wf // b] = s
 
@@ -149,22 +154,22 @@ class BlockQuantizer:
         tile_scales = np.empty((hf // self.block, wf // self.block), dtype=np.float32)
         bits = _flat(x, hf, wf).view(torch.int16).numpy().view(np.uint16)
         out = _flat(values.view(torch.uint8), hf, wf).numpy()
-        if quantize_tiles(bits, x.stride(0), out, values.stride(0), tile_scales):
+        if quantize_tiles(bits, x.stride(0), out, values.stride(0), tile_scales, self.rounding is ScaleRounding.CUDA):
             return False
         scales[: hf // self.block, : wf // self.block] = torch.from_numpy(tile_scales)
         return True
 
     def _torch_tiles(self, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, hf: int, wf: int) -> None:
         if self._device_tiles is None:
-            self._device_tiles = TorchTiles(self.chunk_elements, self.block)
+            self._device_tiles = TorchTiles(self.rounding, self.chunk_elements, self.block)
         self._device_tiles(x, values, scales, hf, wf)
 
 
-def quantize_on_device(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_on_device(x: torch.Tensor, block: int = BLOCK, *, rounding: ScaleRounding) -> tuple[torch.Tensor, torch.Tensor]:
     """A 2-D bf16 tensor's fp8 values and float32 block scales, allocated and computed on its own device in torch ops
     (BlockQuantizer without the numba kernel: TorchTiles for whole tiles, per_block_fp8 for edge tiles): what a GPU
     rank runs, and on host tensors the same code path."""
     values = torch.empty(x.shape, dtype=FP8, device=x.device)
     scales = torch.empty((math.ceil(x.shape[0] / block), math.ceil(x.shape[1] / block)), dtype=torch.float32, device=x.device)
-    BlockQuantizer(block=block, use_kernel=False)(x, values, scales)
+    BlockQuantizer(rounding, block=block, use_kernel=False)(x, values, scales)
     return values, scales

@@ -49,7 +49,7 @@ def block_scale(amax: torch.Tensor, rounding: ScaleRounding) -> torch.Tensor:
     The divisor or factor is a tensor on amax's own device: a CPU-scalar divisor is exactly what a GPU rounds
     differently, and a device tensor operand takes TensorIterator's plain elementwise kernel on every device.
     """
-    if rounding is ScaleRounding.CUDA:
+    if ScaleRounding(rounding) is ScaleRounding.CUDA:
         return torch.mul(amax, torch.tensor(RECIPROCAL, dtype=torch.float32, device=amax.device))
     return torch.div(amax, torch.tensor(FP8_MAX, dtype=torch.float32, device=amax.device))
 

@@ -50,7 +50,8 @@ def trainer_quantize(plan: Plan, stage: int, side: int, rank: int, sources: Mapp
     s = plan.spans
     rows = np.flatnonzero((s["stage"] == stage) & (s["side"] == side) & (s["src_rank"] == rank))
     for i in rows.tolist():
-        quantize_span(arena, weight, scale, int(s["first_block"][i]), int(s["n_blocks"][i]))
+        quantize_span(arena, weight, scale, int(s["first_block"][i]), int(s["n_blocks"][i]),
+                      rounding=plan.header.quant_layout.scale_rounding)
     return weight, scale, rows
 
 
@@ -71,7 +72,8 @@ def execute_quant(plan: Plan, sources, dst_tensors: dict[int, dict[str, torch.Te
                 staging = torch.zeros(entry.shape, dtype=torch.bfloat16)
                 fill_staging(plan, stage_run_rows(plan, RECEIVER, stage), sources, staging)
                 for i in np.flatnonzero((s["stage"] == stage) & (s["side"] == RECEIVER)).tolist():
-                    quantize_span(staging, weight, scale, int(s["first_block"][i]), int(s["n_blocks"][i]))
+                    quantize_span(staging, weight, scale, int(s["first_block"][i]), int(s["n_blocks"][i]),
+                                  rounding=plan.header.quant_layout.scale_rounding)
                 # Sender and gather sides: each trainer rank quantizes its spans once; receivers copy the fp8 bytes and scales.
                 flat_w, flat_s = weight.view(-1), scale.view(-1)
                 trainer_side = (s["stage"] == stage) & np.isin(s["side"], TRAINER_SIDES)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from ..casts import CHAIN_RULE, is_chain
 from ..errors import PlanFormatError
+from ..fp8.rounding import SCALE_ROUNDINGS, ScaleRounding
 from ..layout.placements import Box
 from ..layout.shards import MAX_RANKS, RankBoxes
 from .schema import DTYPE_SIZES, ConstantRun, DerivedItem, Fanout, StagingEntry, TensorEntry
@@ -200,7 +201,9 @@ class InferenceHeader:
 @dataclass(frozen=True)
 class QuantLayout:
     """How vLLM's kernels for the plan's quantization want weights and scales: the kernels, the [rows, cols] of a
-    quantization block, the two dtypes and the memory layout ("plain": as the loader wrote them)."""
+    quantization block, the two dtypes, the memory layout ("plain": as the loader wrote them), and how a block scale
+    (amax / 448) rounds: as a GPU engine's quantization rounds it ("cuda") or a CPU engine's ("ieee"),
+    runtime/fp8/rounding.py. Every quantizing path of the runtime writes the bytes of that one rounding."""
 
     linear: str
     moe: str
@@ -208,21 +211,28 @@ class QuantLayout:
     weight_dtype: str
     scale_dtype: str
     layout: str
+    scale_rounding: ScaleRounding
 
     def to_json(self) -> dict:
-        return {**dataclasses.asdict(self), "block": list(self.block)}
+        return {**dataclasses.asdict(self), "block": list(self.block), "scale_rounding": self.scale_rounding.value}
 
     @staticmethod
     def from_json(obj, fail) -> "QuantLayout | None":
         """None for the empty object of an unquantized plan."""
         if isinstance(obj, dict) and not obj:
             return None
+        if isinstance(obj, dict) and "scale_rounding" not in obj:
+            fail("quant_layout.scale_rounding", "is missing: the plan was compiled before plans named how their fp8 block "
+                 "scales round (a GPU and a CPU round amax / 448 apart); recompile it with compile-plan")
         _check_keys(obj, QuantLayout, "quant_layout", fail)
         block = obj["block"]
         if not (isinstance(block, list) and len(block) == 2 and all(_count(b, MAX_ELEMENTS) and b for b in block)):
             fail("quant_layout.block", f"is {str(block)[:40]}, not the [rows, cols] of a quantization block")
         text = {key: _str(obj, key, "quant_layout", fail) for key in ("linear", "moe", "weight_dtype", "scale_dtype", "layout")}
-        return QuantLayout(**text, block=tuple(block))
+        rounding = obj["scale_rounding"]
+        if rounding not in SCALE_ROUNDINGS:
+            fail("quant_layout.scale_rounding", f"is {str(rounding)[:40]!r}, not one of {', '.join(SCALE_ROUNDINGS)}")
+        return QuantLayout(**text, block=tuple(block), scale_rounding=ScaleRounding(rounding))
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ class ReceiverQuant:
         p = tables.pieces
         self._pieces = np.flatnonzero((p.side == RECEIVER) & self.held[p.stage])
         self.slots: list[torch.Tensor] = []
-        self._quantize = BlockQuantizer(use_kernel=placement.kernel)
+        self._quantize = BlockQuantizer(plan.header.quant_layout.scale_rounding, use_kernel=placement.kernel)
         if self.quantizes:
             self._quantize.warm_up()
         self._dirty = False

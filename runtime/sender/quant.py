@@ -61,7 +61,7 @@ class SenderQuant:
         packed = tables.copies.take(self.packing.copy)
         self._pack = Gather(exposed, self.stage_packed, region_index(regions, packed), packed.src_off * 2,
                             packed.length * 2, self.packing.packed_byte, self.packing.unit)
-        self._quantize = BlockQuantizer(use_kernel=placement.kernel)
+        self._quantize = BlockQuantizer(plan.header.quant_layout.scale_rounding, use_kernel=placement.kernel)
         self._windows = self._plan_windows(sources)
         if self._windows:
             self._quantize.warm_up()

@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from weightplan.runtime.fp8.kernel import f32_bits_to_e4m3fn, scaled_bf16_to_e4m3fn
 from weightplan.runtime.fp8.numerics import BlockQuantizer
 
-from ..support.fp8 import same_bytes, vllm_per_block
+from weightplan.runtime.fp8.rounding import RECIPROCAL, ScaleRounding
+
+from ..support.fp8 import ROUNDINGS, same_bytes, vllm_per_block
 
 BF16_MAX = torch.finfo(torch.bfloat16).max
 
@@ -32,11 +34,16 @@ def test_e4m3fn_rounding_equals_torch_on_every_float32():
         assert bad.size == 0, f"float32 bits {bits[bad[0]]:#010x}: kernel {out[bad[0]]:#04x}, torch {ref[bad[0]]:#04x}"
 
 
-def test_finite_tile_products_stay_within_one_ulp_of_448():
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+def test_finite_tile_products_stay_within_one_ulp_of_448(rounding):
     """What lets finite tiles skip the saturating steps: for every finite bf16 amax (and so every |x| <= amax),
-    amax * (1 / (max(amax, 1e-4) / 448)) in float32, as the kernel computes it, is at most 448 plus one ulp."""
+    amax * (1 / scale(max(amax, 1e-4))) in float32, as the kernel computes it under either rounding, is at most 448 plus
+    one ulp."""
     amax = (np.arange(0x7F80, dtype=np.uint32) << 16).view(np.float32)
-    inv = np.float32(1.0) / (np.maximum(amax, np.float32(1e-4)) / np.float32(448.0))
+    floored = np.maximum(amax, np.float32(1e-4))
+    scale = floored * np.float32(RECIPROCAL) if rounding is ScaleRounding.CUDA else floored / np.float32(448.0)
+    assert scale.dtype == np.float32
+    inv = np.float32(1.0) / scale
     assert (amax * inv).max() <= np.nextafter(np.float32(448.0), np.float32(np.inf))
 
 
@@ -58,22 +65,24 @@ def test_scaled_bf16_cast_equals_torch_on_every_bf16(amax_bits):
         assert bad.size == 0, f"bf16 {halves[bad[0]]:#06x} * {scale_by}: kernel {out[bad[0]]:#04x}, torch {ref[bad[0]]:#04x}"
 
 
-def _quantize(x: torch.Tensor, use_kernel: bool = True, out_pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize(x: torch.Tensor, rounding: ScaleRounding, use_kernel: bool = True, out_pad: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """BlockQuantizer on x into fp8 values that are a view with a wider row pitch (out_pad extra columns)."""
     rows, cols = x.shape
     values = torch.zeros(rows, cols + out_pad, dtype=torch.float8_e4m3fn)[:, out_pad:]
     scales = torch.zeros(-(-rows // 128), -(-cols // 128))
-    BlockQuantizer(use_kernel=use_kernel)(x, values, scales)
+    BlockQuantizer(rounding, use_kernel=use_kernel)(x, values, scales)
     return values, scales
 
 
 def _check(x: torch.Tensor, out_pad: int = 0) -> None:
-    """The kernel path gives vLLM's bytes and the torch path's bytes."""
-    values, scales = _quantize(x, out_pad=out_pad)
-    ref_values, ref_scales = vllm_per_block(x.contiguous())
-    assert same_bytes(values.contiguous(), ref_values) and same_bytes(scales, ref_scales)
-    torch_values, torch_scales = _quantize(x, use_kernel=False)
-    assert same_bytes(values.contiguous(), torch_values.contiguous()) and same_bytes(scales, torch_scales)
+    """Under each rounding, the kernel path gives vLLM's bytes and the torch path's bytes."""
+    for rounding in ROUNDINGS:
+        values, scales = _quantize(x, rounding, out_pad=out_pad)
+        ref_values, ref_scales = vllm_per_block(x.contiguous(), rounding)
+        assert same_bytes(values.contiguous(), ref_values) and same_bytes(scales, ref_scales), rounding
+        torch_values, torch_scales = _quantize(x, rounding, use_kernel=False)
+        assert same_bytes(values.contiguous(), torch_values.contiguous()) and same_bytes(scales, torch_scales), rounding
 
 
 def _embedded(x: torch.Tensor, left: int, right: int) -> torch.Tensor:
@@ -138,30 +147,31 @@ def test_kernel_matches_vllm_on_infinite_inputs(special):
     _check(x)
 
 
-def test_nan_tiles_are_nan_like_vllm():
-    """Tiles with NaN come out NaN (every value, and the scale) as in vLLM, whose NaN signs and payloads follow
-    its torch.compile'd code, not eager torch; other tiles are byte-equal, and both BlockQuantizer paths agree."""
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+def test_nan_tiles_are_canonical_nan(rounding):
+    """Tiles with NaN (either sign) come out NaN with the canonical bytes (every value 0x7f, the scale 0x7fffffff) on
+    both BlockQuantizer paths, as vLLM's own function gives them on a GPU (CudaArithmetic); other tiles are vLLM's."""
     x = torch.randn(256, 384, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     x[5, 7] = float("nan")
     x[130, 300] = -float("nan")
-    values, scales = _quantize(x)
-    ref_values, ref_scales = vllm_per_block(x)
-    torch_values, torch_scales = _quantize(x, use_kernel=False)
+    values, scales = _quantize(x, rounding)
+    torch_values, torch_scales = _quantize(x, rounding, use_kernel=False)
     assert same_bytes(values, torch_values) and same_bytes(scales, torch_scales)
     nan_tile = torch.zeros(2, 3, dtype=torch.bool)
     nan_tile[0, 0] = nan_tile[1, 2] = True
-    assert torch.equal(scales.isnan(), nan_tile) and torch.equal(ref_scales.isnan(), nan_tile)
+    assert torch.equal(scales.isnan(), nan_tile)
+    assert (scales.view(torch.int32)[nan_tile] == 0x7FFFFFFF).all()
     tiles = nan_tile.repeat_interleave(128, 0).repeat_interleave(128, 1)
-    got, ref = values.view(torch.uint8), ref_values.view(torch.uint8)
-    assert ((got[tiles] & 0x7F) == 0x7F).all() and ((ref[tiles] & 0x7F) == 0x7F).all()
-    assert torch.equal(got[~tiles], ref[~tiles]) and torch.equal(scales[~nan_tile], ref_scales[~nan_tile])
+    assert (values.view(torch.uint8)[tiles] == 0x7F).all()
+    ref_values, ref_scales = vllm_per_block(x, rounding)
+    assert same_bytes(values, ref_values) and same_bytes(scales, ref_scales)
 
 
 def test_column_strided_input_falls_back_to_torch():
     """A transposed view (no unit column stride) cannot go to the kernel; the result is still vLLM's."""
     x = torch.randn(300, 256, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
-    values, scales = _quantize(x.t())
-    ref_values, ref_scales = vllm_per_block(x.t().contiguous())
+    values, scales = _quantize(x.t(), ScaleRounding.CUDA)
+    ref_values, ref_scales = vllm_per_block(x.t().contiguous(), ScaleRounding.CUDA)
     assert same_bytes(values.contiguous(), ref_values) and same_bytes(scales, ref_scales)
 
 
@@ -170,9 +180,11 @@ def test_warm_up_loads_the_kernel_before_the_first_quantization():
     code = ("from weightplan.runtime.fp8 import kernel as fp8_kernel\n"
             "from weightplan.runtime.fp8.numerics import BlockQuantizer\n"
             "assert not fp8_kernel.quantize_tiles.signatures\n"
-            "BlockQuantizer().warm_up()\n"
+            "BlockQuantizer('cuda').warm_up()\n"
             "assert len(fp8_kernel.quantize_tiles.signatures) == 1\n"
-            "BlockQuantizer(use_kernel=False).warm_up()\n")
+            "BlockQuantizer('ieee').warm_up()\n"
+            "assert len(fp8_kernel.quantize_tiles.signatures) == 1\n"
+            "BlockQuantizer('cuda', use_kernel=False).warm_up()\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 
@@ -181,5 +193,5 @@ def test_tensors_off_the_cpu_take_the_torch_path():
     x = torch.empty(256, 384, dtype=torch.bfloat16, device="meta")
     values = torch.empty(256, 384, dtype=torch.float8_e4m3fn, device="meta")
     scales = torch.empty(2, 3, device="meta")
-    BlockQuantizer()(x, values, scales)  # the kernel path would fail converting meta tensors to numpy
-    assert not BlockQuantizer()._kernel_tiles(x, values, scales, 256, 384)
+    BlockQuantizer("cuda")(x, values, scales)  # the kernel path would fail converting meta tensors to numpy
+    assert not BlockQuantizer("cuda")._kernel_tiles(x, values, scales, 256, 384)

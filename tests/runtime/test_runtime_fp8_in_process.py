@@ -28,14 +28,15 @@ def fp8_plan(plan_cache):
     return get
 
 
-def _world(plan, rendezvous, fp8_path="auto", **receiver_kwargs):
-    """Every trainer and inference rank of `plan` in this process, trainers holding version 1's shards."""
+def _world(plan, rendezvous, fp8_path="auto", sender_fp8_path=None, **receiver_kwargs):
+    """Every trainer and inference rank of `plan` in this process, trainers holding version 1's shards; the trainers
+    quantize on `sender_fp8_path` (default: `fp8_path`), the inference ranks on `fp8_path`."""
     full = full_weights(plan, 0, 1)
     tensors = {r: shard(plan, full, r) for r in range(plan.header.src_ranks)}
     # Both ends in one process: the targets need NIXL's progress thread.
     # One store client per trainer, as in separate processes: a client blocked in wait() serves no other thread.
     senders = [Sender(plan, r, tensors[r], rendezvous=Rendezvous.connect(rendezvous.job, rendezvous.address), timeout=10,
-                      digests=True, progress_thread=True, fp8_path=fp8_path).start()
+                      digests=True, progress_thread=True, fp8_path=sender_fp8_path or fp8_path).start()
                for r in range(plan.header.src_ranks)]
     destinations = {k: plain_destination(plan, k) for k in range(plan.header.dst_ranks)}
     receivers = [Receiver(plan, k, destinations[k], rendezvous=rendezvous, timeout=10, derived="caller", fp8_path=fp8_path,
@@ -119,6 +120,33 @@ def test_fp8_syncs_through_the_device_path_equal_the_host_executor(fp8_plan, ren
         _assert_equal_to_host(plan, destinations, version)
         for sender in senders:
             sender.release(version, timeout=2)
+
+
+@pytest.mark.parametrize("rounding", ["cuda", "ieee"])
+@pytest.mark.parametrize("sender_path,receiver_path", [("auto", "device"), ("device", "auto")])
+def test_blocks_quantized_by_different_paths_end_as_one_paths_bytes(plan_cache, rendezvous, rounding, sender_path,
+                                                                    receiver_path):
+    """Trainers quantizing their (sender- and gather-side) blocks on one path and inference ranks their receiver-side
+    blocks on the other (numba kernel vs torch ops) leave every tensor bit-equal to the host executor's single path,
+    under either scale rounding; and the rounding is the plan's: the other one's bytes differ."""
+    model, fmt, trainer, inference = CASES["deepseek"]
+    plan = load_plan(plan_cache(model, fmt, "bf16", trainer, inference, quant="fp8_per_block", scale_rounding=rounding))
+    assert plan.header.quant_layout.scale_rounding.value == rounding
+    tensors, senders, destinations, receivers = _world(plan, rendezvous, fp8_path=receiver_path, sender_fp8_path=sender_path,
+                                                       verify=True, group_bytes=64 << 10)
+    assert {s._quant._quantize.use_kernel for s in senders} == {sender_path == "auto"}
+    assert {r._quant._quantize.use_kernel for r in receivers if r._quant.quantizes} == {receiver_path == "auto"}
+    assert any(s._gather is not None for s in senders) and any(r._quant.quantizes for r in receivers)
+    _publish_all(senders, 1)
+    assert all(receiver.sync(1).verify_seconds is not None for receiver in receivers)
+    _assert_equal_to_host(plan, destinations, 1)
+    layout = plan.header.quant_layout
+    other = dataclasses.replace(layout, scale_rounding=next(r for r in type(layout.scale_rounding) if r != layout.scale_rounding))
+    with pytest.raises(AssertionError):
+        _assert_equal_to_host(dataclasses.replace(plan, header=dataclasses.replace(plan.header, quant_layout=other)),
+                              destinations, 1)
+    for sender in senders:
+        sender.release(1, timeout=2)
 
 
 def test_one_changed_fp8_byte_scale_or_staged_value_fails_verification(fp8_plan, rendezvous):

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
+
+from weightplan.compiler.cuda_arithmetic import CudaArithmetic
+from weightplan.runtime.fp8.rounding import ScaleRounding, canonical_nans_
 
 CASES = {  # name -> (model, trainer format, trainer layout, inference layout)
     # 256-row tensors over 2 trainer ranks: 128-row shards, block-aligned (fused_qkv_a mixes both ranks)
@@ -19,10 +24,21 @@ CASES = {  # name -> (model, trainer format, trainer layout, inference layout)
 }
 
 
-def vllm_per_block(x: torch.Tensor):
+ROUNDINGS = tuple(ScaleRounding)
+
+
+def vllm_per_block(x: torch.Tensor, rounding: ScaleRounding):
+    """vLLM's own per_block_cast_to_fp8, op by op (as inside the compiler's pins), on this CPU: as a GPU engine runs it
+    for the CUDA rounding (compiler/cuda_arithmetic.py, whose canonical NaNs are the rule's), as a CPU engine does for
+    the IEEE one, with the CPU's NaN bytes (x86's negative default NaN, input payloads) then made the canonical ones
+    both rules write (runtime/fp8/rounding.py): the only bytes of a CPU engine the IEEE rule does not reproduce."""
     from vllm.utils.deep_gemm import per_block_cast_to_fp8
 
-    return per_block_cast_to_fp8(x, block_size=[128, 128], use_ue8m0=False)
+    with torch.compiler.set_stance("force_eager"), (CudaArithmetic() if rounding is ScaleRounding.CUDA else nullcontext()):
+        values, scales = per_block_cast_to_fp8(x, block_size=[128, 128], use_ue8m0=False)
+    if rounding is ScaleRounding.IEEE:
+        canonical_nans_(values, scales)
+    return values, scales
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
