@@ -165,3 +165,26 @@ def test_overlapping_post_load_zero_fills_count_once(plan_cache):
     assert _union([(0, 4), (2, 6), (8, 9), (6, 7)]) == ((0, 7), (8, 9))
     path = plan_cache("tiny-glm", "stacked", "bf16", "fsdp=2", "dp=2,ep", quant="fp8_per_block")
     assert verify_plan(path, model=str(config_dir("tiny-glm")), seed=1).mismatches == ()
+
+
+@pytest.mark.parametrize("case", ["aligned", "deepseek"])
+def test_ieee_rounded_plans_match_vllm_on_this_cpu(plan_cache, case):
+    """--scale-rounding ieee: the plan of a CPU engine, proven against vLLM's quantization as this CPU runs it."""
+    model, fmt, trainer, inference = CASES[case]
+    path = plan_cache(model, fmt, "bf16", trainer, inference, quant="fp8_per_block", scale_rounding="ieee")
+    assert load_plan(path).header.quant_layout.scale_rounding.value == "ieee"
+    assert verify_plan(path, model=str(config_dir(model)), seed=5).mismatches == ()
+
+
+def test_a_cuda_rounded_plan_checked_against_the_cpus_rounding_mismatches(fp8_plan, monkeypatch):
+    """What makes a CUDA-rounded plan verify on this CPU is running vLLM's function with CUDA's arithmetic: without it,
+    vLLM's CPU scales differ from the plan's (so the check can fail)."""
+    import contextlib
+
+    from weightplan.compiler import verify_plan as verify_module
+
+    path = fp8_plan("aligned")
+    assert load_plan(path).header.quant_layout.scale_rounding.value == "cuda"
+    monkeypatch.setattr(verify_module, "platform_rounding", lambda plan: contextlib.nullcontext())
+    mismatches = verify_plan(path, model=str(config_dir(CASES["aligned"][0])), seed=3).mismatches
+    assert mismatches and all("weight" in str(m) for m in mismatches)
