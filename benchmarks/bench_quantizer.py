@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    paths = {"torch": BlockQuantizer(use_kernel=False), "numba": BlockQuantizer(use_kernel=True)}
+    paths = {"torch": BlockQuantizer("cuda", use_kernel=False), "numba": BlockQuantizer("cuda", use_kernel=True)}
     print(f"load average at start {os.getloadavg()}")
     results = [_measure(name, views, paths, args.repeats) for name, views in _cases().items()]
     for r in results:

@@ -106,7 +106,7 @@ def fp8_quantizer(device: str) -> dict:
     from weightplan.runtime.fp8.numerics import BlockQuantizer, quantize_on_device
 
     kernel = _importable("numba")
-    host_path = BlockQuantizer(use_kernel=kernel)
+    host_path = BlockQuantizer("cuda", use_kernel=kernel)
     g = torch.Generator().manual_seed(0)
     cases = {"4096x7168": (torch.randn(4096, 7168, generator=g) * 0.02), "129x257": torch.randn(129, 257, generator=g),
              "5x300 tiny": torch.randn(5, 300, generator=g) * 1e-6, "256x384 large": torch.randn(256, 384, generator=g) * 3e4}
@@ -120,7 +120,7 @@ def fp8_quantizer(device: str) -> dict:
     vllm = _importable("vllm.utils.deep_gemm")
     for name, x in cases.items():
         x = x.to(torch.bfloat16)
-        values, scales = quantize_on_device(x.cuda())
+        values, scales = quantize_on_device(x.cuda(), rounding="cuda")
         host_values = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
         host_scales = torch.empty(-(-x.shape[0] // 128), -(-x.shape[1] // 128))
         host_path(x, host_values, host_scales)
@@ -133,11 +133,11 @@ def fp8_quantizer(device: str) -> dict:
             if not (_same(values, ref_values) and _same(scales, ref_scales)):
                 vllm_mismatched.append(name)
     big = cases["4096x7168"].to(torch.bfloat16).cuda()
-    quantize_on_device(big)
+    quantize_on_device(big, rounding="cuda")
     _cuda_sync()
     began, repeats = time.perf_counter(), 20
     for _ in range(repeats):
-        quantize_on_device(big)
+        quantize_on_device(big, rounding="cuda")
     _cuda_sync()
     gbps = big.numel() * 2 * repeats / (time.perf_counter() - began) / 1e9
     against = f"the host path ({'numba kernel' if kernel else 'torch reference: numba not importable'})"

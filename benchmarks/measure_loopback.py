@@ -120,7 +120,7 @@ def quantizer_rate() -> float:
     torch.set_num_threads(1)
     x = torch.randn(4096, 4096, dtype=torch.bfloat16)
     values, scales = torch.empty(x.shape, dtype=torch.float8_e4m3fn), torch.empty(32, 32, dtype=torch.float32)
-    quantize = BlockQuantizer()
+    quantize = BlockQuantizer("cuda")
     quantize.warm_up()
     quantize(x, values, scales)
     times = []
