@@ -112,7 +112,7 @@ def check_output(path: Path | None) -> None:
         parent = next((p for p in path.absolute().parents if p.exists()), None)
         if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK) or str(path.absolute()).startswith("/proc/"):
             raise ModelConfigError(f"-o/--output {path}: cannot create files under {parent}")
-        # The writer's temporary name (runtime/plan/atomic_file.py) is the longest name it creates.
+        # The writer's temporary name (runtime/files.py: write_atomically) is the longest name it creates.
         longest = max([len(part.encode()) for part in path.parent.parts] + [len(f".{path.name}.12345678.tmp".encode())])
         if longest > os.pathconf(parent, "PC_NAME_MAX"):
             raise ModelConfigError(f"-o/--output {str(path)[:80]}...: a file name is longer than the "

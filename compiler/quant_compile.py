@@ -7,6 +7,7 @@ from typing import ClassVar
 
 from weightplan.runtime.fp8.rounding import SCALE_ROUNDINGS, ScaleRounding
 from weightplan.runtime.plan.header import QUANTS, QuantLayout
+from weightplan.runtime.plan.schema import Quant
 from .frontend.errors import ModelConfigError
 from .ir import QuantTarget
 
@@ -44,15 +45,15 @@ class QuantMode:
 class NoQuant(QuantMode):
     """--quant none: vLLM's bf16 model."""
 
-    name: ClassVar[str] = "none"
+    name: ClassVar[str] = Quant.NONE.value
 
 
 @dataclasses.dataclass(frozen=True)
 class Fp8PerBlock(QuantMode):
     """--quant fp8_per_block: vLLM's online 128x128 block fp8, quantized by its post-load step (traced per rank)."""
 
-    name: ClassVar[str] = "fp8_per_block"
-    vllm_quantization: ClassVar[str | None] = "fp8_per_block"
+    name: ClassVar[str] = Quant.FP8_PER_BLOCK.value
+    vllm_quantization: ClassVar[str | None] = "fp8_per_block"  # vLLM's --quantization name, which happens to be ours
     scale_rounding: ScaleRounding = ScaleRounding.CUDA  # --scale-rounding: the engines' platform (runtime/fp8/rounding.py)
 
     def hooks(self) -> QuantHooks:
@@ -76,6 +77,7 @@ class Fp8PerBlock(QuantMode):
 
 
 QUANT_MODES: dict[str, QuantMode] = {mode.name: mode for mode in (NoQuant(), Fp8PerBlock())}
+assert tuple(QUANT_MODES) == QUANTS, "a compiler mode for each quantization a plan may name (runtime/plan/schema.py: Quant)"
 
 
 def quant_mode(name: str, scale_rounding: str | None = None) -> QuantMode:

@@ -10,6 +10,7 @@ import torch
 
 from weightplan.runtime import execute_local
 from weightplan.runtime.plan.format import Plan
+from .digests import compare_digests, poisoned
 from .frontend.lora_trace import LoraSpec, enable_lora, peft_config, slot_buffers
 
 
@@ -49,7 +50,6 @@ def verify_lora(plan: Plan, config_dir: Path, full: dict[str, torch.Tensor], sha
                 ranks: set[int], make_config, log) -> tuple[int, int, list[str], list[str]]:
     """(tensors, bytes, mismatches, compared) of executing the plan into poisoned slot buffers, rank by rank,
     against vLLM's load of a PEFT directory holding `full`."""
-    from .verify_plan import _poisoned, compare_digests
 
     spec, targets = spec_of(plan)
     info = plan.header.inference
@@ -60,7 +60,7 @@ def verify_lora(plan: Plan, config_dir: Path, full: dict[str, torch.Tensor], sha
     tensors, nbytes, mismatches, compared = 0, 0, [], []
     with tempfile.TemporaryDirectory(prefix="weightplan-lora-") as tmp:
         peft_dir = write_peft_dir(Path(tmp) / "adapter", spec, targets, full)
-        planned_of = {rank: {e.name: _poisoned(e) for e in plan.dests if rank in e.ranks and e.name in chosen_names}
+        planned_of = {rank: {e.name: poisoned(e) for e in plan.dests if rank in e.ranks and e.name in chosen_names}
                       for rank in sorted(ranks)}
         execute_local(plan, shards, planned_of, only=chosen_names)
         for rank, planned in planned_of.items():

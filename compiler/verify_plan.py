@@ -26,6 +26,7 @@ from .frontend.vllm_model import build_model, current_platform_name, make_vllm_c
 from .frontend.vllm_patches import HOST_PROFILE, host_independent, parallel_rank, triton_fp8_kernels
 from .models import config_hash, known_models, resolve_model
 from .quant_compile import quant_mode
+from .digests import compare_digests, poisoned
 from .verify_lora import verify_lora
 
 
@@ -36,16 +37,6 @@ class VerifyResult:
     mismatches: tuple[str, ...]
     compared: tuple[str, ...] = ()  # "name (inference rank k)" of every tensor compared
     unloaded: int = 0  # parameters the plan lists as never written that vLLM's load was seen to leave untouched
-
-
-class _Params:
-    """The slice of a model compute_tensor_digests looks at: named_parameters()."""
-
-    def __init__(self, params: dict[str, torch.Tensor]):
-        self._params = params
-
-    def named_parameters(self):
-        return iter(self._params.items())
 
 
 def check_fingerprint(plan: Plan, config_dir: Path) -> None:
@@ -217,7 +208,7 @@ def verify_plan(
                 planned_of[rank] = _materialize(build_model(vllm_config, tp_rank=at.tp, dp_rank=at.dp, pp_rank=at.pp, base_config=base),
                                                 names, float("nan"))
             else:
-                planned_of[rank] = {e.name: _poisoned(e) for e in plan.dests if rank in e.ranks and e.name in names}
+                planned_of[rank] = {e.name: poisoned(e) for e in plan.dests if rank in e.ranks and e.name in names}
         execute_local(plan, shards, planned_of, only=chosen_names)
         for rank, planned in planned_of.items():
             if rank not in ranks:  # a puller executed only for the peers of its node it serves
@@ -239,16 +230,6 @@ def verify_plan(
     if not tensors:
         raise PlanMismatchError(f"nothing was compared: inference ranks {sorted(ranks)} hold none of the chosen tensors")
     return VerifyResult(tensors, nbytes, tuple(mismatches), tuple(compared), unloaded)
-
-
-def compare_digests(reference: dict[str, torch.Tensor], planned: dict[str, torch.Tensor], rank: int) -> tuple[list[str], list[str]]:
-    """(mismatching, compared) "name (inference rank k)" of the reference tensors, by vLLM's SHA-256 digests."""
-    from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
-
-    expected = compute_tensor_digests(_Params(reference))
-    actual = compute_tensor_digests(_Params(planned))
-    return ([f"{name} (inference rank {rank})" for name in sorted(expected) if expected[name] != actual.get(name)],
-            [f"{name} (inference rank {rank})" for name in sorted(expected)])
 
 
 def execution_groups(plan: Plan, ranks: Collection[int]) -> list[tuple[int, ...]]:
@@ -293,13 +274,6 @@ def shard_sources(plan: Plan, full: dict[str, torch.Tensor], ranks: set[int]) ->
             local[entry.name] = tensor.contiguous()
         out[rank] = local
     return out
-
-
-def _poisoned(entry) -> torch.Tensor:
-    """A destination tensor whose bytes are all 0x7f (NaN in bf16/fp8 e4m3, a large float32): unwritten bytes show."""
-    tensor = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
-    tensor.view(-1).view(torch.uint8).fill_(0x7F)
-    return tensor
 
 
 def vllm_load_quantized(vllm_config, base, plan: Plan, full: dict[str, torch.Tensor], chosen: set[str] | None,

@@ -1,10 +1,12 @@
-"""Reading the files users name (plans, layouts, cluster files, configs): regular files of bounded size, JSON in one-line errors."""
+"""The files users name (plans, layouts, cluster files, configs): read as regular files of bounded size, JSON in one-line errors; written atomically."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 MAX_JSON_BYTES = 256 << 20  # a layout, cluster or config file
@@ -49,3 +51,29 @@ def parse_json(data: bytes, error: type[Exception], what: str, **loads_kwargs):
 def read_json_file(path: str | Path, error: type[Exception], what: str, limit: int = MAX_JSON_BYTES, **loads_kwargs):
     """read_regular_file, then parse_json."""
     return parse_json(read_regular_file(path, limit, error, what), error, f"{what} {path}", **loads_kwargs)
+
+
+def write_atomically(path: str | Path, data: bytes, error: type[Exception], what: str) -> Path:
+    """Write `data` to `path` so a reader sees the old file or the new one, never part of one.
+
+    Concurrent writers of one path each rename a whole file; a failure leaves no temporary file
+    behind and raises `error` naming `what` and the path in one line.
+    """
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise error(f"cannot write {what} {path}: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise error(f"cannot write {what} {path}: {exc.strerror or exc}") from None
+    return path

@@ -8,7 +8,7 @@ import jinja2
 import numpy as np
 
 from weightplan.runtime.errors import WeightplanError
-from weightplan.runtime.plan.atomic_file import write_atomically
+from weightplan.runtime.files import write_atomically
 from weightplan.runtime.plan.format import Plan
 from .model import Prediction
 from .transfers import PlanTransfers

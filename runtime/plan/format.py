@@ -32,7 +32,7 @@ from ..errors import PlanFormatError
 from ..files import MAX_PLAN_BYTES, read_regular_file
 from ..layout.placements import Box
 from ..layout.shards import ShardLayout
-from .atomic_file import write_atomically
+from ..files import write_atomically
 from .columns import BlockSpans, Runs, StageRuns
 from .coverage import check_coverage
 from .header import MAX_ELEMENTS, PlanHeader, canonical_json, fingerprint
@@ -150,7 +150,7 @@ def encode_plan(header: PlanHeader, runs: dict[str, np.ndarray], stage: StageRun
 
 def write_plan(path: str | Path, header: PlanHeader, runs: dict[str, np.ndarray], stage: StageRuns | None = None,
                spans: BlockSpans | None = None) -> Path:
-    """Write atomically (runtime/plan/atomic_file.py): a reader never sees part of a plan; one PlanFormatError line on failure."""
+    """Write atomically (runtime/files.py): a reader never sees part of a plan; one PlanFormatError line on failure."""
     return write_atomically(path, encode_plan(header, runs, stage, spans), PlanFormatError, "plan")
 
 

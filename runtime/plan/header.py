@@ -13,12 +13,12 @@ from ..errors import PlanFormatError
 from ..fp8.rounding import SCALE_ROUNDINGS, ScaleRounding
 from ..layout.placements import Box
 from ..layout.shards import MAX_RANKS, RankBoxes
-from .schema import DTYPE_SIZES, ConstantRun, DerivedItem, Fanout, StagingEntry, TensorEntry
+from .schema import DTYPE_SIZES, ConstantRun, Quant, DerivedItem, Fanout, StagingEntry, TensorEntry
 
 MAX_ELEMENTS = 1 << 48  # elements in one tensor, and any offset, length or stride a plan stores
 MAX_DIMS = 8
 MAX_ROWS = 1 << 28  # rows of any one column table (about 2 GB per int64 column)
-QUANTS = ("none", "fp8_per_block")
+QUANTS = tuple(q.value for q in Quant)
 SOURCE_CHOICE_METHODS = ("flow", "greedy")
 KIND = "weightplan"
 FORMAT_VERSION = 6  # the newest format this reads: 6 adds node-local fan-out, 5 the constants table

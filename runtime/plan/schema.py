@@ -21,6 +21,13 @@ STAGE_COLUMNS = ("side", "src_rank", "quant_rank", "src", "src_off", "stage", "s
 SPAN_COLUMNS = ("stage", "first_block", "n_blocks", "side", "src_rank")
 
 
+class Quant(str, enum.Enum):
+    """The quantizations a plan may name (its header's `quant`): the one list of them; the compiler has a mode for each."""
+
+    NONE = "none"
+    FP8_PER_BLOCK = "fp8_per_block"
+
+
 class Side(enum.IntEnum):
     """Who quantizes a block span (and copies a stage run) of an fp8_per_block plan; stored as the `side` column."""
 
