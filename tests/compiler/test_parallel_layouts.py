@@ -8,10 +8,10 @@ import pytest
 from weightplan.compiler.compile import CompileOptions, compile_plan
 from weightplan.compiler.frontend.errors import ModelConfigError
 from weightplan.compiler.plan_summary import summarize
-from weightplan.compiler.verify_plan import verify_plan
 from weightplan.runtime import load_plan
 
 from ..conftest import config_dir
+from ..support.verified_plans import verified_plan
 
 CASES = [
     ("tiny-glm", "hf", "fp32", "fsdp=4", "tp=2"),
@@ -28,21 +28,6 @@ CASES = [
 @pytest.mark.parametrize("model,fmt,dtype,trainer,inference", CASES)
 def test_sharded_plan_matches_vllm_on_every_rank(plan_cache, model, fmt, dtype, trainer, inference):
     verified_plan(plan_cache, model, fmt, dtype, trainer, inference)
-
-
-def verified_plan(plan_cache, model, fmt, dtype, trainer, inference, seed=2):
-    """The compiled plan, after checking it against vLLM's own load on every rank, its coverage and descriptor bound."""
-    path = plan_cache(model, fmt, dtype, trainer, inference)
-    plan = load_plan(path)
-    result = verify_plan(path, model=str(config_dir(model)), seed=seed)
-    assert result.mismatches == ()
-    assert result.tensors == sum(len(e.ranks) for e in plan.dests)
-    summary = summarize(plan)
-    assert summary["dst_coverage"] == 1.0
-    assert summary["descriptors"] == summary["descriptors_lower_bound"]
-    assert len(summary["bytes_per_src_rank"]) == plan.header.src_ranks
-    assert len(summary["bytes_per_dst_rank"]) == plan.header.dst_ranks
-    return plan
 
 
 def test_dp_attention_weights_are_recorded_once(plan_cache):

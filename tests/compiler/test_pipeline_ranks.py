@@ -19,7 +19,7 @@ from weightplan.compiler.verify_plan import verify_plan
 from weightplan.runtime import load_plan
 
 from ..conftest import config_dir
-from .test_parallel_layouts import verified_plan
+from ..support.verified_plans import verified_plan
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 

@@ -11,7 +11,7 @@ import os
 import pytest
 
 from tests.support.vllm_engine_support import CONFIGS, make_llm, pin_no_amx
-from .test_lora_engine_slot import _greedy, plan_into_slot, random_peft_dirs
+from tests.support.lora_engine import greedy_with_lora, plan_into_slot, random_peft_dirs
 
 pytestmark = pytest.mark.skipif(os.environ.get("WEIGHTPLAN_SLOW_ENGINE") != "1",
                                 reason="slow engine test: set WEIGHTPLAN_SLOW_ENGINE=1")
@@ -33,10 +33,10 @@ def test_embedding_and_lm_head_plan_in_a_live_slot_generates_like_vllms_load(tmp
     adapters = random_peft_dirs(plan, tmp_path, (1, 2))
     try:
         llm = make_llm(CONFIGS / MODEL, dummy=True, backend=False, enable_lora=True, max_loras=2, max_lora_rank=8)
-        first = _greedy(llm, LoRARequest("first", 1, adapters[1]))
-        expected = _greedy(llm, LoRARequest("second", 2, adapters[2]))  # vLLM's own load, into the other slot
+        first = greedy_with_lora(llm, LoRARequest("first", 1, adapters[1]))
+        expected = greedy_with_lora(llm, LoRARequest("second", 2, adapters[2]))  # vLLM's own load, into the other slot
         slot = llm.collective_rpc(plan_into_slot, args=(1, str(plan_path), adapters[2]))[0]
-        updated = _greedy(llm, LoRARequest("first", 1, adapters[1]))  # id 1's slot now holds the plan's bytes
+        updated = greedy_with_lora(llm, LoRARequest("first", 1, adapters[1]))  # id 1's slot now holds the plan's bytes
         del llm
     finally:
         unpin()
