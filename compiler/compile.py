@@ -85,8 +85,9 @@ def check_options(opts: CompileOptions) -> tuple[TrainerFormat, QuantMode]:
 
 
 @dataclass(frozen=True)
-class _Inputs:
-    """The options, parsed once and checked against the model config before vLLM is imported."""
+class CompileSettings:
+    """Everything a compile reads, parsed once from CompileOptions and checked against the model config before vLLM
+    is imported (check_inputs): _compile reads nothing else."""
 
     trainer_format: TrainerFormat
     quant: QuantMode
@@ -94,7 +95,16 @@ class _Inputs:
     inference: InferenceLayout
     name: str
     config_dir: Path
+    trainer_dtype: str  # a TRAINER_DTYPES key
+    trainer_adapter: str | None
+    output: Path | None
+    check_passes: bool
+    draft: bool
     lora: LoraSpec | None = None
+
+    @property
+    def trainer_torch_dtype(self) -> torch.dtype:
+        return getattr(torch, TRAINER_DTYPES[self.trainer_dtype])
 
 
 def check_output(path: Path | None) -> None:
@@ -125,7 +135,7 @@ def check_output(path: Path | None) -> None:
         raise ModelConfigError(f"-o/--output {str(path)[:80]}: cannot create files there: {exc.strerror or exc}") from None
 
 
-def check_inputs(opts: CompileOptions) -> _Inputs:
+def check_inputs(opts: CompileOptions) -> CompileSettings:
     fmt, quant = check_options(opts)
     check_output(opts.output)
     trainer_layout = parse_trainer(opts.trainer, opts.trainer_layout, fmt)
@@ -138,39 +148,40 @@ def check_inputs(opts: CompileOptions) -> _Inputs:
     if opts.draft:
         check_draft(config, config_dir / "config.json", fmt=fmt, quant=quant)
     lora = check_lora(opts, fmt, quant) if opts.lora is not None else None
-    return _Inputs(fmt, quant, trainer_layout, inference, name, config_dir, lora)
+    return CompileSettings(fmt, quant, trainer_layout, inference, name, config_dir, opts.trainer_dtype, opts.trainer_adapter,
+                           opts.output, opts.check_passes, opts.draft, lora)
 
 
 def compile_plan(opts: CompileOptions, *, log=None) -> CompileResult:
     """Compile and write one plan; `log(msg)` receives progress lines."""
-    inputs = check_inputs(opts)
-    trainer_model = None if opts.lora else trainer_tensors(inputs.config_dir, opts.trainer_dtype, opts.trainer_adapter)
+    settings = check_inputs(opts)
+    trainer_model = None if settings.lora else trainer_tensors(settings.config_dir, settings.trainer_dtype, settings.trainer_adapter)
     with gc_paused(), host_independent():
-        return _compile(opts, inputs, trainer_model, log or (lambda msg: None))
+        return _compile(settings, trainer_model, log or (lambda msg: None))
 
 
-def _compile(opts: CompileOptions, inputs: _Inputs, trainer_model, log) -> CompileResult:
-    trainer_layout, inference, name, config_dir = inputs.trainer_layout, inputs.inference, inputs.name, inputs.config_dir
-    fmt, quant = inputs.trainer_format, inputs.quant
+def _compile(settings: CompileSettings, trainer_model, log) -> CompileResult:
+    trainer_layout, inference, name, config_dir = settings.trainer_layout, settings.inference, settings.name, settings.config_dir
+    fmt, quant = settings.trainer_format, settings.quant
     timings: dict[str, float] = {"setup": 0.0, "build": 0.0, "trace": 0.0, "passes": 0.0}
     start, start_cpu = time.perf_counter(), time.process_time()
 
     import vllm
 
-    base = make_vllm_config(config_dir, quantization=quant.vllm_quantization, draft=opts.draft)
+    base = make_vllm_config(config_dir, quantization=quant.vllm_quantization, draft=settings.draft)
     vllm_config = (make_vllm_config(config_dir, tp=inference.tp, dp=inference.dp, ep=inference.ep, pp=inference.pp,
-                                    quantization=quant.vllm_quantization, draft=opts.draft)
+                                    quantization=quant.vllm_quantization, draft=settings.draft)
                    if inference.ranks > 1 else base)
     draft = None
-    if opts.draft:  # the trainer's MTP tensors; the draft's own tensors are read off vLLM's one-rank draft
+    if settings.draft:  # the trainer's MTP tensors; the draft's own tensors are read off vLLM's one-rank draft
         check_draft_architecture(draft_config(base).architectures[0], config_dir / "config.json")
         one_rank = build_model(base)
         trainer_model = draft_trainer(trainer_model, load_config_json(config_dir), one_rank,
-                                      getattr(torch, TRAINER_DTYPES[opts.trainer_dtype]))
+                                      settings.trainer_torch_dtype)
         draft = DraftHeader(DRAFT_METHOD, tuple(one_rank.shared_with_target))
         del one_rank
-    lora = LoraRankTracer(vllm_config, base, inference, inputs.lora, getattr(torch, TRAINER_DTYPES[opts.trainer_dtype])) \
-        if inputs.lora is not None else None
+    lora = LoraRankTracer(vllm_config, base, inference, settings.lora, settings.trainer_torch_dtype) \
+        if settings.lora is not None else None
     sources = lora.sources if lora is not None else trainer_model.specs(fmt)
     trainer_layout = trainer_layout.bind(sources)
     add(timings, "setup", (start, start_cpu))  # importing vLLM, the engine configs, the trainer table
@@ -188,15 +199,15 @@ def _compile(opts: CompileOptions, inputs: _Inputs, trainer_model, log) -> Compi
         with phase(timings, "passes"):
             traced = Program(tuple(sources), tuple(load.dests), tuple(load.assignments), cast_chains=chains,
                              layer_reuse=load.layer_reuse, quant_targets=quant_hooks.targets() if quant_hooks else ())
-            lowered = run_stage(Stage.PER_RANK, traced, check_each=opts.check_passes)
+            lowered = run_stage(Stage.PER_RANK, traced, check_each=settings.check_passes)
             chains = lowered.cast_chains
             per_rank.append(dataclasses.replace(lowered, assignments=(), copies=()))  # keep only the runs
             assignments_total += len(load.assignments) + load.reused_assignments
             del load, traced, lowered
 
     started = clock()
-    trainer = TrainerHeader(fmt.value, opts.trainer_dtype, trainer_layout.token, trainer_layout.classes, opts.trainer_adapter or None,
-                            pp=getattr(inputs.trainer_layout, "pp", 1) if getattr(inputs.trainer_layout, "pp", 1) > 1 else None)
+    trainer = TrainerHeader(fmt.value, settings.trainer_dtype, trainer_layout.token, trainer_layout.classes, settings.trainer_adapter or None,
+                            pp=getattr(settings.trainer_layout, "pp", 1) if getattr(settings.trainer_layout, "pp", 1) > 1 else None)
     inference_meta = InferenceHeader(inference.token, inference.tp, inference.dp, inference.ep, current_platform_name(),
                                      HOST_PROFILE, inference.gpus_per_node or None, draft, pp=inference.pp if inference.pp > 1 else None,
                                      lora=lora.spec.header(lora.targets) if lora is not None else None)
@@ -204,16 +215,16 @@ def _compile(opts: CompileOptions, inputs: _Inputs, trainer_model, log) -> Compi
                         architecture=(draft_config(base) or base.model_config).architectures[0], trainer=trainer, inference=inference_meta,
                         quant=quant.name, src_ranks=trainer_layout.ranks, dst_ranks=inference.ranks)
     program = dataclasses.replace(
-        join_ranks(per_rank, chains, check_each=opts.check_passes), origin=origin, trainer_layout=trainer_layout,
+        join_ranks(per_rank, chains, check_each=settings.check_passes), origin=origin, trainer_layout=trainer_layout,
         quant_targets=quant.targets(quant_hooks),
         derived=tuple(quant_hooks.derived if quant_hooks else ranks.derived or ()),
         unloaded=tuple(TensorEntry(n, shape, dtype, ranks=tuple(r)) for (n, shape, dtype), r in sorted(unloaded.items())),
         kernel_layout=quant.kernel_layout())
     before_coalesce = {}
-    compiled = run_stage(Stage.WHOLE_PLAN, program, check_each=opts.check_passes, observe=_before_coalesce(before_coalesce))
-    compiled = run_stage(Stage.QUANT, compiled, check_each=opts.check_passes)
+    compiled = run_stage(Stage.WHOLE_PLAN, program, check_each=settings.check_passes, observe=_before_coalesce(before_coalesce))
+    compiled = run_stage(Stage.QUANT, compiled, check_each=settings.check_passes)
     compiled = run_stage(Stage.FANOUT, dataclasses.replace(compiled, gpus_per_node=inference.gpus_per_node),
-                         check_each=opts.check_passes)
+                         check_each=settings.check_passes)
     choice = compiled.source_choice
     header_stats = PlanStats(assignments_total, before_coalesce["runs"],
                              choice if choice is not None and choice.shared_bytes else None)  # absent: other plans keep their bytes
@@ -230,7 +241,7 @@ def _compile(opts: CompileOptions, inputs: _Inputs, trainer_model, log) -> Compi
     }
     if header_stats.source_choice is not None:
         stats["source_choice"] = header_stats.source_choice.to_json()
-    path = opts.output or default_plan_path(name, trainer, inference_meta, quant.plan_token)
+    path = settings.output or default_plan_path(name, trainer, inference_meta, quant.plan_token)
     with phase(timings, "write"):
         size = write_program(compiled, path)
     timings["total"] = time.perf_counter() - start

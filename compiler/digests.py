@@ -22,11 +22,15 @@ def poisoned(entry) -> torch.Tensor:
     return tensor
 
 
-def compare_digests(reference: dict[str, torch.Tensor], planned: dict[str, torch.Tensor], rank: int) -> tuple[list[str], list[str]]:
-    """(mismatching, compared) "name (inference rank k)" of the reference tensors, by vLLM's SHA-256 digests."""
+def tensor_digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """vLLM's own SHA-256 digest of each named tensor (compute_tensor_digests, which reads a model's parameters)."""
     from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
 
-    expected = compute_tensor_digests(_Params(reference))
-    actual = compute_tensor_digests(_Params(planned))
+    return compute_tensor_digests(_Params(tensors))
+
+
+def compare_digests(reference: dict[str, torch.Tensor], planned: dict[str, torch.Tensor], rank: int) -> tuple[list[str], list[str]]:
+    """(mismatching, compared) "name (inference rank k)" of the reference tensors, by vLLM's SHA-256 digests."""
+    expected, actual = tensor_digests(reference), tensor_digests(planned)
     return ([f"{name} (inference rank {rank})" for name in sorted(expected) if expected[name] != actual.get(name)],
             [f"{name} (inference rank {rank})" for name in sorted(expected)])

@@ -9,7 +9,8 @@ import torch
 
 from weightplan.compiler.cli import compile_main
 from weightplan.compiler.compile import CompileOptions, compile_plan
-from weightplan.compiler.verify_plan import _Params, shard_sources, verify_plan
+from weightplan.compiler.digests import tensor_digests
+from weightplan.compiler.verify_plan import shard_sources, verify_plan
 from weightplan.runtime import PlanMismatchError, execute_local, load_plan
 
 from ..conftest import config_dir
@@ -95,7 +96,7 @@ def test_draft_plan_matches_vllms_own_draft_load(draft_plans, model):
 
     planned = {e.name: torch.full(e.shape, float("nan"), dtype=getattr(torch, e.dtype)) for e in plan.dests}
     execute_local(plan, shard_sources(plan, checkpoint, {0}), {0: planned})
-    expected, actual = compute_tensor_digests(draft), compute_tensor_digests(_Params(planned))
+    expected, actual = compute_tensor_digests(draft), tensor_digests(planned)
     assert actual == {name: expected[name] for name in planned}
     shared = set(expected) - set(planned)
     assert shared == set(plan.header.inference.draft.shared_with_target) == {
@@ -224,7 +225,7 @@ def test_backend_draft_updates_land_in_the_draft_only(host_engine):
     with torch.no_grad(), host_independent(), parallel_rank(reference_config):
         reference.load_weights(iter(checkpoint.items()))
     expected = compute_tensor_digests(reference)
-    landed = compute_tensor_digests(_Params(side.destination.tensors))
+    landed = tensor_digests(side.destination.tensors)
     assert landed == {name: expected[name] for name in landed} and len(landed) == len(draft_plan.dests)
     # Parameters the draft's post-load step keeps (norms, the plain eh_proj) are live now.
     for name in ("model.layers.5.enorm.weight", "model.layers.5.hnorm.weight", "model.layers.5.shared_head.norm.weight"):

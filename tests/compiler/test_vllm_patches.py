@@ -99,8 +99,6 @@ def test_vllm_block_quantization_runs_eagerly_inside_the_pins():
     force_eager stance, with the bytes of vLLM's compiled function on this host."""
     from vllm.model_executor.layers.quantization.online import fp8 as online_fp8
 
-    from ..support.fp8 import vllm_per_block
-
     compiled = online_fp8.per_block_cast_to_fp8
     stances = []
     x = torch.randn(256, 384, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
@@ -109,7 +107,7 @@ def test_vllm_block_quantization_runs_eagerly_inside_the_pins():
             torch.compiler, "set_stance", lambda stance, _set=torch.compiler.set_stance: stances.append(stance) or _set(stance))
         values, scales = online_fp8.per_block_cast_to_fp8(x, block_size=[128, 128], use_ue8m0=False)
     assert stances == ["force_eager"]
-    compiled_values, compiled_scales = vllm_per_block(x)  # vLLM's own, compiled, outside the pins
+    compiled_values, compiled_scales = compiled(x, block_size=[128, 128], use_ue8m0=False)  # vLLM's own, compiled, outside the pins
     assert torch.equal(values.view(torch.uint8), compiled_values.view(torch.uint8)) and torch.equal(scales, compiled_scales)
     assert online_fp8.per_block_cast_to_fp8 is compiled  # restored on exit
 

@@ -236,20 +236,9 @@ def sync_versions(args, receiver, digests, extra=lambda report: {}) -> None:
              **extra(report))
 
 
-class _Params:
-    """What compute_tensor_digests reads of a model: named_parameters()."""
-
-    def __init__(self, params: dict[str, torch.Tensor]):
-        self.params = params
-
-    def named_parameters(self):
-        return iter(self.params.items())
-
-
 def run_quantized_inference(args, plan) -> None:
     """An inference rank holding a vLLM model after online fp8 quantization; checked against vLLM's own quantized load."""
-    from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
-
+    from weightplan.compiler.digests import tensor_digests
     from weightplan.compiler.frontend.vllm_model import make_vllm_config
     from weightplan.compiler.verify_plan import vllm_load_quantized
 
@@ -277,8 +266,8 @@ def run_quantized_inference(args, plan) -> None:
     emit(event="joined", rank=args.rank)
     sync_versions(
         args, receiver,
-        lambda version: (compute_tensor_digests(_Params(vllm_quantized(full_weights(plan, args.seed, version)))),
-                         compute_tensor_digests(_Params(params))),
+        lambda version: (tensor_digests(vllm_quantized(full_weights(plan, args.seed, version))),
+                         tensor_digests(params)),
         lambda report: dict(quantize_seconds=report.quantize_seconds, staging_bytes=receiver.staging_bytes,
                             fp8=sum(t.dtype == torch.float8_e4m3fn for t in params.values())),
     )
