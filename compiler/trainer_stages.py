@@ -32,7 +32,8 @@ def torchtitan_stage_sizes(layers: int, pp: int) -> list[int]:
     if pp == 1:
         return [layers]
     if weighted // pp < 1:
-        raise ModelConfigError(f"trainer pp={pp} is more than the {layers} hidden layers plus embedding and head: a stage would be empty")
+        raise ModelConfigError(f"trainer pp={pp} is more than the model's {layers} hidden layers plus embedding and head: "
+                               "a stage would be empty")
     sizes = [weighted // pp + (stage < weighted % pp) for stage in range(pp)]
     sizes[0] -= 1  # the embedding's weight
     sizes[-1] -= 1  # the final norm and head's weight
@@ -62,7 +63,9 @@ class StagedTrainer:
         return f"pp{self.pp}{split}-{self.inner.token}"
 
     def resolve(self, config: dict) -> "StagedTrainer":
-        """The stage layer ranges for this model config; refuses a stage without layers or a list that does not fit."""
+        """The stage layer ranges for this model config. torchtitan's split may leave the first stage only the embedding
+        and the last only the final norm and head, and so may an explicit list; a middle stage without layers, a split
+        torchtitan refuses, or a list that does not fit is refused."""
         total = hidden_layers(config)
         if self.explicit is not None:
             if len(self.explicit) != self.pp:
@@ -72,11 +75,11 @@ class StagedTrainer:
                                        f"layers; the model has {total}: every layer must be in exactly one stage")
             sizes = list(self.explicit)
         else:
-            if self.pp > total:
-                raise ModelConfigError(f"trainer pp={self.pp} is more than the model's {total} hidden layers: a stage would hold none")
             sizes = torchtitan_stage_sizes(total, self.pp)
-        if 0 in sizes:
-            raise ModelConfigError(f"trainer pp={self.pp}: stage {sizes.index(0)} holds no layers (split {sizes})")
+        empty = [s for s, n in enumerate(sizes) if n == 0 and 0 < s < self.pp - 1]
+        if empty:
+            raise ModelConfigError(f"trainer pp={self.pp}: stage {empty[0]} holds no layers (split {sizes}); only the first "
+                                   "and last stages, which hold the embedding and the head, may hold none")
         starts = [sum(sizes[:s]) for s in range(self.pp)]
         return dataclasses.replace(self, layers=tuple(range(a, a + n) for a, n in zip(starts, sizes)))
 

@@ -15,7 +15,7 @@ from weightplan.compiler.frontend.errors import ModelConfigError
 from weightplan.compiler.frontend.trainer_formats import TrainerFormat, trainer_specs
 from weightplan.compiler.layouts import check_trainer_stages, parse_trainer
 from weightplan.compiler.plan_summary import summarize
-from weightplan.compiler.trainer_stages import torchtitan_stage_sizes
+from weightplan.compiler.trainer_stages import parse_staged, torchtitan_stage_sizes
 from weightplan.runtime import load_plan
 
 from ..conftest import config_dir
@@ -34,13 +34,19 @@ def test_stage_split_is_torchtitans(layers, pp):
         with pytest.raises(ModelConfigError):
             torchtitan_stage_sizes(layers, pp)
         return
-    assert torchtitan_stage_sizes(layers, pp) == [sum(m.startswith("layers.") for m in part) for part in parts]
+    sizes = torchtitan_stage_sizes(layers, pp)
+    assert sizes == [sum(m.startswith("layers.") for m in part) for part in parts]
     assert "tok_embeddings" in parts[0] and "lm_head" in parts[-1]
+    # what torchtitan builds, a first or last stage without a decoder layer included, compiles
+    staged = parse_staged({"pp": str(pp)}, "").resolve({"num_hidden_layers": layers})
+    assert [len(r) for r in staged.layers] == sizes
 
 
 STAGED_CASES = [
     ("tiny-llama", "hf", "bf16", "pp=2,fsdp=2", "tp=2,pp=2"),
-    ("tiny-llama", "hf", "bf16", "pp=3,pp-layers=1+1+1", "tp=1"),  # torchtitan's rule would leave stage 2 empty
+    ("tiny-llama", "hf", "bf16", "pp=3,pp-layers=1+1+1", "tp=1"),
+    ("tiny-llama", "hf", "bf16", "pp=3", "tp=1"),  # torchtitan's split [1, 2, 0]: the last stage holds norm and head only
+    ("tiny-llama", "hf", "bf16", "pp=5", "tp=2"),  # [0, 1, 1, 1, 0]: the first holds the embedding only
     ("tiny-qwen3-moe", "stacked", "bf16", "pp=2,fsdp=2,ep=2", "dp=2,ep"),
     ("vocab-llama-tied", "hf", "bf16", "pp=2,fsdp=2", "tp=1,pp=2"),  # tied embedding: on both trainer stages
 ]
@@ -69,12 +75,11 @@ def test_staged_trainer_plan_matches_vllm(plan_cache, model, fmt, dtype, trainer
 
 
 @pytest.mark.parametrize("trainer,message", [
-    ("pp=4", "trainer pp=4 is more than the model's 3 hidden layers"),
-    ("pp=3", "stage 2 holds no layers"),
+    ("pp=6", "trainer pp=6 is more than the model's 3 hidden layers plus embedding and head"),
+    ("pp=3,pp-layers=1+0+2", "stage 1 holds no layers"),
     ("pp=3,pp-layers=1+1", "pp-layers gives 2 stages, pp=3"),
     ("pp=2,pp-layers=1+1", "covers 2 layers; the model has 3"),  # a stage list that skips a layer
     ("pp=2,pp-layers=2+2", "covers 4 layers; the model has 3"),  # ... or repeats one
-    ("pp=2,pp-layers=3+0", "stage 1 holds no layers"),
     ("pp=2,pp=3", "gives pp or pp-layers twice"),
     ("pp-layers=1+2", "pp-layers needs pp=P"),
     ("pp=x", "bad --trainer item 'pp=x'"),
