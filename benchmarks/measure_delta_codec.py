@@ -85,7 +85,10 @@ def main() -> None:
     parser.add_argument("--density", type=float, default=0.0115, help="changed fraction of units (default: bench-delta's fp8 lr 1e-6)")
     parser.add_argument("--pages", type=int, default=256)
     parser.add_argument("--write", type=Path, metavar="CLUSTER", help="set the two rates in this cluster file")
+    parser.add_argument("--smoke", action="store_true", help="4 pages: runs, prints its JSON line (make test)")
     args = parser.parse_args()
+    if args.smoke:
+        args.pages = 4
     if not 0 < args.density <= 1 or args.pages < 1:
         parser.error("--density must be in (0, 1] and --pages positive")
     out = measure(args.density, args.pages)

@@ -183,6 +183,19 @@ def test_the_gpu_checks_fp8_plan_is_what_the_compiler_writes_now(plan_cache):
         "'benchmarks/data/gpu-check-fp8.plan', trainer='fsdp=3', inference='tp=2'))\"")
 
 
+def test_measure_delta_codec_smoke(tmp_path):
+    """The README's measure of the host delta codec's rates, and its --write into a copy of the seed cluster file."""
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text((ROOT / "compiler" / "simulate" / "clusters" / "dgx-h200-seed.json").read_text())
+    figures, _ = last_json("measure_delta_codec.py", "--smoke", "--write", str(cluster))
+    assert_keys(figures, {"density", "pages", "delta_bytes", "delta_encode_gbytes_per_s", "delta_apply_gbytes_per_s",
+                          "measured_at"}, "measure_delta_codec.py")
+    assert figures["pages"] == 4 and figures["delta_encode_gbytes_per_s"] > 0 and figures["delta_apply_gbytes_per_s"] > 0
+    written = json.loads(cluster.read_text())
+    assert written["delta_encode_gbytes_per_s"] == figures["delta_encode_gbytes_per_s"]
+    assert "measure_delta_codec.py" in written["sources"]["delta_apply_gbytes_per_s"]
+
+
 def test_bench_delta_smoke():
     figures, _ = last_json("bench_delta.py", "--smoke")
     cases = {"lr_1e-05", "fp8_lr_1e-05"}
