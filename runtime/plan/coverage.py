@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from ..errors import PlanFormatError
+from .loaded import Plan
 from .schema import DTYPE_SIZES
-
-if TYPE_CHECKING:
-    from .format import Plan
 
 # Strided runs whose extents overlap others' (rows interleaving) are checked row by row; at most this many rows,
 # plus 16 per stored run, so the proof allocates a bounded multiple of the file's own size.

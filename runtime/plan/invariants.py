@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
@@ -12,10 +10,8 @@ from ..errors import PlanFormatError
 from .columns import Runs
 from ..layout.shards import MAX_RANKS
 from .header import MAX_ELEMENTS
+from .loaded import Plan
 from .schema import DTYPE_SIZES, GATHER, RECEIVER, SENDER
-
-if TYPE_CHECKING:
-    from .format import Plan
 
 
 def malformed_strides(runs: Runs) -> np.ndarray:
