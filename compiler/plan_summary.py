@@ -20,7 +20,7 @@ weightplan plan (format {{ s.format_version }})
   model          {{ s.model }} ({{ h.architecture }}), config sha256 {{ h.config_sha256[:16] }}
   vllm           {{ h.vllm_version }} on {{ s.inference.platform }}
   trainer        {{ s.trainer.format }}, {{ s.trainer.dtype }} masters, layout {{ s.trainer.token }} ({{ s.src_ranks }} ranks)
-  inference      {{ s.inference.token }} ({{ s.dst_ranks }} ranks), quant {{ s.quant }}
+  inference      {{ s.inference.token }} ({{ s.dst_ranks }} ranks), quant {{ s.quant }}{% if s.scale_rounding %} ({{ s.scale_rounding }} scale rounding){% endif %}
 {% if s.inference.get("lora") %}{% set l = s.inference.lora %}  lora           rank {{ l.rank }}, alpha {{ l.alpha }}, into one slot of max_lora_rank {{ l.max_rank }}; targets {{ l.targets | join(", ") }}
 {% endif %}  sources        {{ h.sources | length }} trainer tensors
   destinations   {{ s.dst_tensors }} tensors ({{ s.dst_entries }} distinct), {{ s.dst_bytes }} bytes, coverage {{ "%.6f" | format(s.dst_coverage) }}
@@ -145,6 +145,7 @@ def summarize(plan: Plan) -> dict:
         "trainer": {k: v for k, v in h.trainer.to_json().items() if k != "boxes"},
         "inference": h.inference.to_json(),
         "quant": h.quant,
+        "scale_rounding": h.quant_layout.scale_rounding.value if h.quant_layout is not None else None,
         "src_ranks": h.src_ranks,
         "dst_ranks": h.dst_ranks,
         "dst_tensors": sum(len(e.ranks) for e in plan.dests),
