@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: plan test check-plans test-engine-slow bench-compile bench-runtime bench-cluster bench-engine bench-lora bench-trainer bench-network soak bench-delta gpu-check bench-smoke sweep demo clean-venv
+.PHONY: plan test check-plans test-engine-slow bench-compile bench-runtime bench-cluster bench-engine bench-lora bench-trainer bench-network soak bench-delta gpu-bundle gpu-check bench-smoke sweep demo clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -71,11 +71,16 @@ bench-smoke: $(STAMP)
 sweep: $(STAMP)
 	$(BIN)/python benchmarks/sweep.py
 
-# The prepared GPU check (docs/runtime.md, "GPUs"). Not tied to .venv: a lent GPU machine has a CUDA PyTorch and no
-# internet, so it runs with whatever python has that PyTorch (GPU_PY=...); parts it cannot prove print skipped.
-GPU_PY ?= python3
+# The prepared GPU run (docs/runtime.md, "GPUs"): `make gpu-bundle` here writes .gpu/ (pruned nixl-cu13, vLLM's fp8
+# source; needs PyPI), carry .gpu to the GPU machine, run `make gpu-check` there from the repository root. gpu-check is
+# not tied to the venv's install step: a lent GPU machine has no .venv and no internet, so it runs .venv/bin/python
+# where there is one and python3 otherwise (GPU_PY=... picks another); parts it cannot prove print skipped.
+GPU_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-bundle: $(STAMP)
+	$(BIN)/python benchmarks/gpu_bundle.py --out .gpu
+
 gpu-check:
-	$(GPU_PY) benchmarks/gpu_check.py
+	$(GPU_PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/python examples/rl_loop.py

@@ -145,28 +145,6 @@ def test_ceiling_reads_continue_after_a_short_read_and_name_what_failed():
         _readv(pid, base_dst + np.array([0, 64]), np.array([base_src, 16]), np.array([64, 64]))
 
 
-GPU_PARTS = {"fp8_quantizer", "ordering_device", "sync_vram", "sync_host_sender", "sync_vs_copy", "ordering_sync", "sync_fp8"}
-
-
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is here: make gpu-check runs every part")
-def test_gpu_check_without_a_gpu_skips_every_part_with_its_reason_and_exits_0():
-    figures, stdout = last_json("gpu_check.py")
-    assert set(figures["parts"]) == GPU_PARTS, figures
-    for name, part in figures["parts"].items():
-        assert part["status"] == "skipped" and part["reason"], (name, part)
-        assert f"{name}: skipped (" in stdout
-
-
-def test_gpu_check_harness_syncs_host_memory_between_processes():
-    """--device cpu runs the sync parts' processes, plans and digests on host memory: the harness itself works here,
-    and its fp8 part (5 processes) takes the GPU's fp8 code path on host tensors."""
-    figures, _ = last_json("gpu_check.py", "--device", "cpu", "--parts", "sync_vram,sync_fp8", "--mib", "4")
-    part = figures["parts"]["sync_vram"]
-    assert part["status"] == "ok" and part["versions"] == 3 and part["bytes"] == 4 << 20, part
-    fp8 = figures["parts"]["sync_fp8"]
-    assert fp8["status"] == "ok" and (fp8["trainers"], fp8["receivers"], fp8["versions"]) == (3, 2, 3), fp8
-
-
 def test_the_gpu_checks_fp8_plan_is_what_the_compiler_writes_now(plan_cache):
     """benchmarks/data/gpu-check-fp8.plan is carried to GPU machines (they have no vLLM to compile it): it must be
     today's compile of its case, or the check would prove an old format. Rewrite it with the command below."""
