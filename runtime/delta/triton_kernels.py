@@ -127,7 +127,7 @@ def _load_le(ptr, at, mask, width):
     """The little-endian integers of `width` (<= 8) bytes at ptr[at:]."""
     value = tl.zeros(at.shape, tl.int64)
     for b in tl.static_range(8):
-        byte = tl.load(ptr + at + b, mask=mask & (b < width), other=0).to(tl.int64)
+        byte = tl.load(ptr + at + b, mask=mask & (tl.full(at.shape, b, tl.int64) < width), other=0).to(tl.int64)
         value |= byte << (8 * b)
     return value
 
@@ -259,4 +259,4 @@ def scatter(keys, values, chunk_target, chunk_first, hi, target_key, target_at, 
     at = tl.load(target_at + t) + key - tl.load(target_key + t)
     u = tl.load(target_unit + t)
     for b in tl.static_range(8):
-        tl.store(base + at + b, ((value >> (8 * b)) & 0xFF).to(tl.uint8), mask=inside & (b < u))
+        tl.store(base + at + b, ((value >> (8 * b)) & 0xFF).to(tl.uint8), mask=inside & (tl.full(i.shape, b, tl.int64) < u))

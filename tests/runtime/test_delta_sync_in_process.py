@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from weightplan.runtime import Receiver, Rendezvous, Sender, SyncError, execute_local, load_plan
+from weightplan.runtime.delta.rates import DeltaRates
 from weightplan.runtime.transport import protocol
 from weightplan.runtime.transport.region_digests import byte_view
 
@@ -189,14 +190,17 @@ def test_bad_deltas_are_refused_in_one_line_with_nothing_applied(tp2_plan, rende
 def test_fp8_per_block_delta_syncs_equal_the_host_executor(plan_cache, rendezvous, case):
     model, fmt, trainer, inference = CASES[case]
     plan = load_plan(plan_cache(model, fmt, "bf16", trainer, inference, quant="fp8_per_block"))
-    tensors, senders, destinations, readers = _world(plan, rendezvous, group_bytes=64 << 10)
+    # a changed bf16 element requantizes its whole block: dense fp8 deltas, which the default rates would read full;
+    # a slow READ makes every delta smaller than its full bytes worth taking, so the delta path is what is proven here
+    tensors, senders, destinations, readers = _world(plan, rendezvous, group_bytes=64 << 10,
+                                                     delta_rates=DeltaRates(read_gbytes_per_s=1e-3))
     _publish(senders, 1)
     assert all(r.sync(1).took == "full" for r in readers.values())
     for version in (2, 3):
         _train(tensors, 0.01, version)
         _publish(senders, version)
         reports = [r.sync(version) for r in readers.values()]
-        assert all(r.took == "delta" for r in reports), [r.took for r in reports]
+        assert all(r.took == "delta" for r in reports), [r.why for r in reports]
         _assert_equal_to_host(plan, tensors, destinations)
     # fp8 values and scales are diffed after quantization: a changed bf16 element changes its whole block's scale
     assert any(s.delta_stats.density > 0 for s in senders)
@@ -246,3 +250,26 @@ def test_a_delta_record_forged_without_the_job_secret_is_never_read(tp2_plan, re
     impostor.put(protocol.delta_key(0, 2), protocol.delta_record(protocol.DeltaRecord(1, 64, "0" * 64)))
     assert receiver.sync(2).took == "delta"  # the signed record, under its derived key, is the one read
     _assert_equal_to_host(plan, tensors, destinations)
+
+
+def test_a_delta_predicted_slower_than_full_is_read_full_and_says_why(tp2_plan, rendezvous):
+    plan = tp2_plan("bf16")
+    tensors, senders, destinations, readers = _world(plan, rendezvous, receivers=[0])
+    receiver = readers[0]
+    _publish(senders, 1)
+    assert _sync(senders, [receiver], 1)[0].took == "full"
+    _train(tensors, 1.0, 2)  # every element changes: the delta is every page raw, more bytes than full
+    _publish(senders, 2)
+    dense = _sync(senders, [receiver], 2)[0]
+    assert senders[0].delta_stats.density > 0.9
+    assert dense.took == "full" and dense.delta_choices and not any(c.taken for c in dense.delta_choices), dense
+    assert "full at density" in dense.why and dense.delta_choices[0].delta_seconds > dense.delta_choices[0].full_seconds
+    _assert_equal_to_host(plan, tensors, destinations)
+    _train(tensors, 0.01, 3)
+    _publish(senders, 3)
+    sparse = _sync(senders, [receiver], 3)[0]
+    assert sparse.took == "delta" and all(c.taken for c in sparse.delta_choices), sparse.why
+    assert "delta at density" in sparse.why
+    _assert_equal_to_host(plan, tensors, destinations)
+    for r in [receiver, *senders]:
+        r.close()
