@@ -3,8 +3,12 @@ a delta is taken only when reading and applying it is predicted faster than read
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field, replace
+import os
+from dataclasses import dataclass, field, fields, replace
+
+ENV = "WEIGHTPLAN_DELTA_RATES"  # a JSON object of DeltaRates fields overriding the defaults, e.g. {"read_gbytes_per_s": 25}
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,21 @@ class DeltaRates:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value > 0 and not math.isnan(value)):
                 raise ValueError(f"DeltaRates.{name} must be a positive number of GB/s, got {value!r}")
+
+    @classmethod
+    def from_env(cls) -> "DeltaRates":
+        """The defaults with WEIGHTPLAN_DELTA_RATES's overrides (what a Receiver without `delta_rates` uses)."""
+        text = os.environ.get(ENV)
+        if not text:
+            return cls()
+        try:
+            given = json.loads(text)
+        except ValueError:
+            given = None
+        names = {f.name for f in fields(cls)} - {"sources"}
+        if not isinstance(given, dict) or set(given) - names:
+            raise ValueError(f"{ENV} must be a JSON object of {', '.join(sorted(names))}, got {text[:80]!r}")
+        return cls(**given, sources={**SOURCES, **dict.fromkeys(given, f"{ENV}={text}")})
 
     def apply_gbytes_per_s(self, path: str) -> float:
         return self.device_apply_gbytes_per_s if path == "device" else self.host_apply_gbytes_per_s

@@ -73,7 +73,7 @@ class ReceiverDelta:
             raise ValueError(f"delta={fraction}: give the fraction of the read bytes the delta staging holds, in (0, 1]")
         # host: numba kernels; device: the Triton kernels on the destinations' device, staging there too
         self.path, device = delta_path(destinations.values(), path, f"inference rank {rank}")
-        self.rates = rates or DeltaRates()
+        self.rates = rates or DeltaRates.from_env()
         bases = np.full(len(plan.dests), -1, dtype=np.int64)
         sizes = np.zeros(len(plan.dests), dtype=np.int64)
         for entry, t in destinations.items():
