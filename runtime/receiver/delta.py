@@ -12,6 +12,8 @@ from ..delta.apply import (KeyedTargets, RefusedBlob, Writes, apply_writes, deco
                            page_keys, warm_up, writes_of)
 from ..delta.encode import DeltaError
 from ..delta.pages import Pages, Space, Targets, delta_pages, needed_pages, targets
+from ..delta.path import delta_path
+from ..delta.rates import DeltaChoice, DeltaRates, choose
 from ..errors import PlanMismatchError, SyncError
 from ..plan.format import Plan
 from ..tables.quant import QuantTables
@@ -56,6 +58,7 @@ class Fetched:
     writes: dict[int, Writes]
     too_large: tuple[int, ...]
     nbytes: int
+    choices: tuple[DeltaChoice, ...] = ()  # one per trainer whose delta fit: taken, or declined as slower than full
 
 
 class ReceiverDelta:
@@ -64,23 +67,39 @@ class ReceiverDelta:
     fit that staging is read full from that trainer."""
 
     def __init__(self, plan: Plan, rank: int, tables: QuantTables | None, ring_bytes: int, read: ReadTables,
-                 destinations: dict[int, torch.Tensor], fraction: float):
+                 destinations: dict[int, torch.Tensor], fraction: float, path: str = "auto",
+                 rates: DeltaRates | None = None):
         if not 0 < fraction <= 1:
             raise ValueError(f"delta={fraction}: give the fraction of the read bytes the delta staging holds, in (0, 1]")
+        # host: numba kernels; device: the Triton kernels on the destinations' device, staging there too
+        self.path, device = delta_path(destinations.values(), path, f"inference rank {rank}")
+        self.rates = rates or DeltaRates.from_env()
         bases = np.full(len(plan.dests), -1, dtype=np.int64)
         sizes = np.zeros(len(plan.dests), dtype=np.int64)
         for entry, t in destinations.items():
             bases[entry], sizes[entry] = t.data_ptr(), t.numel() * t.element_size()
         self.rank = rank
         self._entry_bytes = sizes
-        self._views = destination_list({entry: byte_view(t) for entry, t in destinations.items()}, len(plan.dests))
+        if self.path == "device":
+            from ..delta import device as codec
+
+            self._codec = codec
+            base = min(destinations.values(), key=lambda t: t.data_ptr()) if destinations else torch.zeros(1)
+            self._base = base.detach().reshape(-1).view(torch.uint8)
+            self._entry_at = torch.as_tensor(np.where(bases >= 0, bases - self._base.data_ptr(), 0), device=device)
+            self._entry_bytes_on = torch.as_tensor(sizes, device=device)
+        else:
+            self._views = destination_list({entry: byte_view(t) for entry, t in destinations.items()}, len(plan.dests))
         self.trainers: dict[int, TrainerPages] = {}
         for src, d in read.descriptors.items():
             deltable, found = targets(d.region, d.remote_off, d.nbytes, d.local, d.chunk, bases, sizes)
             pages = delta_pages(plan, src, tables, ring_bytes)
             need = needed_pages(pages, found)
-            self.trainers[src] = TrainerPages(pages, need, found, page_keys(pages), keyed_targets(pages, found), deltable,
-                                              torch.zeros(max(int(fraction * pages.nbytes[need].sum()), 64), dtype=torch.uint8),
+            keyed = keyed_targets(pages, found)
+            self.trainers[src] = TrainerPages(pages, need, found, page_keys(pages),
+                                              self._codec.keyed_on(keyed, device) if self.path == "device" else keyed,
+                                              deltable, torch.zeros(max(int(fraction * pages.nbytes[need].sum()), 64),
+                                                                    dtype=torch.uint8, device=device),
                                               torch.zeros(INDEX_WORDS + len(pages), dtype=torch.int64))
         self._index_local: dict[int, object] = {}
 
@@ -93,7 +112,8 @@ class ReceiverDelta:
         return sum(p.staging.numel() + p.index.numel() * 8 for p in self.trainers.values())
 
     def start(self, agent: NixlAgent) -> None:
-        warm_up()
+        if self.path == "host":
+            warm_up()
         self._index_local = {src: agent.prepare(None, np.array([[p.index.data_ptr(), p.index.numel() * 8]]))
                              for src, p in self.trainers.items()}
 
@@ -117,27 +137,33 @@ class ReceiverDelta:
         return DeltaSource(peer.word(self._index_local[rank], index_addr, index_bytes, "delta.index"), region, capacity)
 
     def fetch(self, agent: NixlAgent, sources: dict[int, tuple[Peer, DeltaSource, DeltaRecord]], version: int,
-              deadline: float) -> Fetched:
-        """READ the index, then the needed blobs, of every trainer in `sources` and decode them all: a SyncError naming
-        the trainer and page for anything inconsistent, before any destination byte is written."""
+              deadline: float, full_bytes: dict[int, int]) -> Fetched:
+        """READ the index, then the needed blobs, of every trainer in `sources` whose delta is predicted faster than
+        reading its `full_bytes[rank]` (runtime/delta/rates.py), and decode them all: a SyncError naming the trainer and
+        page for anything inconsistent, before any destination byte is written."""
         agent.read_now([(s.index_read, f"trainer rank {r}") for r, (_, s, _) in sources.items()], deadline,
                        f"version {version}: reading delta indexes")
-        reads, too_large, nbytes = {}, [], 0
+        reads, too_large, nbytes, choices = {}, [], 0, []
         for rank, (peer, source, record) in sources.items():
             ends = self._checked_index(rank, source, record, version)
             p = self.trainers[rank]
             begin = np.concatenate([[0], ends[:-1]])
             rows = np.flatnonzero(p.need & (ends > begin))
             lengths = ends[rows] - begin[rows]
+            nbytes += 8 * (INDEX_WORDS + len(p.pages))
             if lengths.sum() > p.staging.numel():
                 too_large.append(rank)
+                continue
+            blobs = int(lengths.sum())
+            choices.append(choose(self.rates, rank, self.path, record.density, blobs, full_bytes[rank], blobs))
+            if not choices[-1].taken:
                 continue
             local = np.cumsum(lengths) - lengths
             # blobs of consecutive needed pages continue each other: one descriptor each such stretch
             first = np.flatnonzero(np.concatenate([[True], begin[rows][1:] != ends[rows][:-1]])) if len(rows) else rows
             sizes = np.add.reduceat(lengths, first) if len(rows) else lengths
             reads[rank] = (peer, rows, begin[rows], lengths, local, first, sizes)
-            nbytes += 8 * (INDEX_WORDS + len(p.pages)) + int(lengths.sum())
+            nbytes += blobs
         posted = []
         try:
             for rank, (peer, rows, start, lengths, local, first, sizes) in reads.items():
@@ -157,9 +183,11 @@ class ReceiverDelta:
                 agent.release_list(local_list)
         writes = {rank: self._decoded(rank, rows, lengths, local, version)
                   for rank, (_, rows, _, lengths, local, _, _) in reads.items()}
-        return Fetched(writes, tuple(too_large), nbytes)
+        return Fetched(writes, tuple(too_large), nbytes, tuple(choices))
 
     def apply(self, writes: dict[int, Writes]) -> int:
+        if self.path == "device":
+            return sum(self._codec.apply_writes(w, self._base, self._entry_at) for w in writes.values())
         return sum(apply_writes(w, self._views) for w in writes.values())
 
     def _checked_index(self, rank: int, source: DeltaSource, record: DeltaRecord, version: int) -> np.ndarray:
@@ -183,14 +211,18 @@ class ReceiverDelta:
 
     def _decoded(self, rank: int, rows: np.ndarray, lengths: np.ndarray, local: np.ndarray, version: int) -> Writes:
         p = self.trainers[rank]
+        device = self.path == "device"
         try:
-            changes = decode_all(byte_view(p.staging), local, lengths, rows, p.pages, p.keys)
+            changes = (self._codec.decode_all(p.staging, local, lengths, rows, p.pages, p.keys) if device else
+                       decode_all(byte_view(p.staging), local, lengths, rows, p.pages, p.keys))
         except RefusedBlob as exc:
             row = exc.row
             raise SyncError(f"trainer rank {rank}: its delta of version {version}, page {row} "
                             f"({Space(int(p.pages.space[row])).name.lower()} {int(p.pages.index[row])} at byte "
                             f"{int(p.pages.start[row])}): {exc}") from None
         try:
+            if device:
+                return self._codec.writes_of(changes, p.keyed, self._entry_bytes_on)
             return writes_of(changes, p.keyed, self._entry_bytes)
         except DeltaError as exc:
             raise SyncError(f"trainer rank {rank}: its delta of version {version}: {exc}") from None

@@ -28,6 +28,7 @@ from ..transport.peer_check import checked_regions, checked_word, region_fields
 from ..transport.region_digests import byte_view, run_digests
 from ..transport.rendezvous import Rendezvous
 from .alternates import alternate_views
+from ..delta.rates import DeltaChoice, DeltaRates
 from .delta import ReceiverDelta
 from .derived import DerivedRefresh
 from .quant import ReceiverQuant
@@ -66,6 +67,9 @@ class SyncReport:
     took: str = "full"
     delta_trainers: tuple[int, ...] = ()
     delta_bytes: int = 0
+    # Per trainer whose delta applied and fit: whether it was taken or declined as predicted slower than reading the
+    # same bytes full, with the prediction (runtime/delta/rates.py); `why` says it in words.
+    delta_choices: tuple[DeltaChoice, ...] = ()
     # Fixed costs inside `seconds`: waiting for the trainers' version records, and connecting to trainer incarnations
     # not seen before (their info and agent metadata loaded, their descriptor lists and READs prepared).
     wait_seconds: float = 0.0
@@ -74,6 +78,11 @@ class SyncReport:
     @property
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+    @property
+    def why(self) -> str:
+        """Why each trainer's bytes came as a delta or full, where a delta was on offer."""
+        return "; ".join(c.why for c in self.delta_choices)
 
 
 @dataclass(frozen=True)
@@ -149,7 +158,8 @@ class Receiver(AgentOwner):
     def __init__(self, plan: Plan, rank: int, destination, *, rendezvous: Rendezvous, timeout: float = 60.0,
                  verify: bool = False, group_bytes: int = 256 << 20, post_op=None, progress_thread: bool = False,
                  derived: str = "refresh", act_dtype: torch.dtype = torch.bfloat16, ring_bytes: int = DEFAULT_RING_BYTES,
-                 delta: float = 0.0, fp8_path: str = "auto", alternates: tuple = ()):
+                 delta: float = 0.0, fp8_path: str = "auto", alternates: tuple = (), delta_path: str = "auto",
+                 delta_rates: DeltaRates | None = None):
         held = held_entries(plan, rank)
         if plan.staging:
             check_supported(plan)
@@ -162,7 +172,7 @@ class Receiver(AgentOwner):
         self._dst = {int(i): flat_view(plan.dests[i].name, given[plan.dests[i].name], plan.dests[i].shape,
                                        plan.dests[i].dtype, f"inference rank {rank}") for i in np.flatnonzero(held)}
         check_no_aliases({plan.dests[i].name: view for i, view in self._dst.items()}, f"inference rank {rank}")
-        check_host_only(self._dst.values(), {"verify=True": verify, "delta": bool(delta)}, f"inference rank {rank}")
+        check_host_only(self._dst.values(), {"verify=True": verify}, f"inference rank {rank}")
         self._derived = DerivedRefresh(plan, set(expected), destination, derived, act_dtype)
         # fp8 staging slots live on the destinations' device and are quantized there (runtime/fp8/placement.py).
         fp8 = fp8_placement(self._dst.values() if plan.staging else (), fp8_path, f"inference rank {rank}")
@@ -192,7 +202,8 @@ class Receiver(AgentOwner):
         # Every set's tables differ only in their local addresses: those are kept per set, prepared once at start().
         self._local_rows = [{src: t.local for src, t in set_tables.descriptors.items()} for set_tables in tables]
         # Delta syncs: `delta` is the fraction of the pages it reads from each trainer that its delta staging holds.
-        self._delta = (ReceiverDelta(pull, rank, self._qt, ring_bytes, self._tables, self._dst, delta) if delta else None)
+        self._delta = (ReceiverDelta(pull, rank, self._qt, ring_bytes, self._tables, self._dst, delta, delta_path,
+                                     delta_rates) if delta else None)
         self._synced: dict[int, str] = {}  # trainer rank -> the incarnation this rank's current version came from
         self._trainers: Connections[_Trainer] = Connections(self._connect)
         # Quantized groups and derived state are computed on the destinations' device; they are waited for before the
@@ -363,7 +374,7 @@ class Receiver(AgentOwner):
         self._check_sequence(version, deadline, "before reading")
         if self._quant and self._quant.begin():
             self.device_sync.wait("staging slots zeroed")  # before READs land in them
-        took, delta_bytes = self._delta_phase(version, previous, synced or {}, deadline)
+        took, delta_bytes, choices = self._delta_phase(version, previous, synced or {}, deadline)
         self._ring_phase(version, deadline, took, into)
         self._transfer(version, start, deadline, self._post_ops(check), took, into)
         if self._quant:
@@ -392,7 +403,7 @@ class Receiver(AgentOwner):
                             self._quant.seconds if self._quant else 0.0, self._derived.seconds, self.table_bytes,
                             self.packed_read_bytes, self._hops.bytes, self._hops.seconds if self._hops.inbound else 0.0,
                             slowest, share, "full" if not took else "delta" if took == set(sources) else "mixed",
-                            tuple(sorted(took)), delta_bytes, waited - start, connected - waited)
+                            tuple(sorted(took)), delta_bytes, choices, waited - start, connected - waited)
         log.info("weightplan sync v%d inference rank %d (%s): %.3f GB, %d descriptors from %d trainer ranks, %.3f s, %.2f GB/s%s%s",
                  version, self.rank, report.took, report.bytes / 1e9, report.descriptors, report.trainer_ranks, report.seconds,
                  report.gbps, f", verified in {report.verify_seconds:.3f} s" if self.verify else "",
@@ -465,13 +476,15 @@ class Receiver(AgentOwner):
         check_sequence(self.agent, {rank: t.seq_read for rank, t in self._trainers.by_rank.items()}, self._seq, version,
                        deadline, f"reading trainer sequence words {when}", unstable)
 
-    def _delta_phase(self, version: int, previous: int | None, synced: dict[int, str], deadline: float) -> tuple[set[int], int]:
+    def _delta_phase(self, version: int, previous: int | None, synced: dict[int, str],
+                     deadline: float) -> tuple[set[int], int, tuple[DeltaChoice, ...]]:
         """Take `version` as a delta from every trainer rank whose delta applies to what this rank holds: its record names
         `previous` as base and this rank's current version came from that same trainer incarnation. Every delta is
         read and decoded before any is applied (a bad one fails the sync with nothing written). Returns the trainer
-        ranks whose delta was applied and the bytes READ for them; the others are read full."""
+        ranks whose delta was applied, the bytes READ for them (indexes included) and the choices made; the others are
+        read full, among them those whose delta was predicted slower than reading full (runtime/delta/rates.py)."""
         if self._delta is None or previous is None:
-            return set(), 0
+            return set(), 0, ()
         sources = {}
         for rank, t in self._trainers.by_rank.items():
             key = protocol.delta_key(rank, version)
@@ -481,13 +494,18 @@ class Receiver(AgentOwner):
             if record.base == previous:
                 sources[rank] = (t.peer, t.delta, record)
         if not sources:
-            return set(), 0
-        fetched = self._delta.fetch(self.agent, sources, version, deadline)
+            return set(), 0, ()
+        fetched = self._delta.fetch(self.agent, sources, version, deadline,
+                                    {r: self._trainers.by_rank[r].deltable_bytes for r in sources})
         if fetched.too_large:
             log.info("inference rank %d: the deltas of version %d from trainer ranks %s exceed this rank's delta staging; "
                      "reading them full", self.rank, version, list(fetched.too_large))
+        declined = [c.why for c in fetched.choices if not c.taken]
+        if declined:
+            log.info("inference rank %d: version %d read full where a delta is predicted slower: %s", self.rank, version,
+                     "; ".join(declined))
         self._delta.apply(fetched.writes)
-        return set(fetched.writes), fetched.nbytes
+        return set(fetched.writes), fetched.nbytes, fetched.choices
 
     def _ring_phase(self, version: int, deadline: float, took: set[int] = frozenset(), into: int = 0) -> None:
         """READ every ring chunk this rank reads, from every trainer serving through a ring, as each becomes ready.

@@ -12,6 +12,7 @@ import torch
 
 from ..delta.apply import delta_kernels
 from ..delta.encode import UNIT_DTYPES, Encoding
+from ..delta.path import delta_path
 from ..delta.pages import Pages, delta_pages
 from ..plan.format import Plan
 from ..tables.quant import QuantTables
@@ -49,9 +50,12 @@ class SenderDelta:
     the region has none (receivers take it full); `previous` is updated either way.
     """
 
-    def __init__(self, plan: Plan, rank: int, tables: QuantTables | None, ring_bytes: int, fraction: float):
+    def __init__(self, plan: Plan, rank: int, tables: QuantTables | None, ring_bytes: int, fraction: float,
+                 spaces: list[torch.Tensor] = (), path: str = "auto"):
         if not 0 < fraction <= 1:
             raise ValueError(f"delta={fraction}: give the fraction of the served bytes the delta region holds, in (0, 1]")
+        # host: numba kernels on host memory; device: the Triton kernels where the served spaces are (runtime/delta/path.py)
+        self.path, device = delta_path(spaces, path, f"trainer rank {rank}")
         self.pages: Pages = delta_pages(plan, rank, tables, ring_bytes)
         size = int(self.pages.nbytes.sum())
         self._spaces = self.pages.spaces()
@@ -59,10 +63,14 @@ class SenderDelta:
         space_bytes = np.array([int(self.pages.nbytes[rows].sum()) for _, _, rows in self._spaces], dtype=np.int64)
         padded = (space_bytes + 7) // 8 * 8
         self._previous_at = np.cumsum(padded) - padded
-        self.previous = torch.zeros(int(padded.sum()), dtype=torch.uint8)
+        self.previous = torch.zeros(int(padded.sum()), dtype=torch.uint8, device=device)
         self._scratch = np.empty(max([int(self.pages.nbytes[rows].max() // self.pages.unit[rows[0]])
                                       for _, _, rows in self._spaces] or [1]), dtype=np.int64)
-        self.region = torch.zeros(max(int(fraction * size), 64), dtype=torch.uint8)
+        self.region = torch.zeros(max(int(fraction * size), 64), dtype=torch.uint8, device=device)
+        if self.path == "device":
+            from ..delta.device import DeviceEncoder
+
+            self._encoder = DeviceEncoder(self.pages, self._spaces, self._previous_at, device)
         self.index = torch.zeros(INDEX_WORDS + len(self.pages), dtype=torch.int64)
         self.base: int | None = None  # the version `previous` holds, None before the first publish or after a failed one
         self.stats: DeltaStats | None = None
@@ -79,11 +87,16 @@ class SenderDelta:
     def info(self) -> dict:
         return {"index": [self.index.data_ptr(), self.index.numel() * 8], "region": [self.region.data_ptr(), self.region.numel()]}
 
-    def publish(self, version: int, space: Callable[[int, int], np.ndarray]) -> DeltaRecord:
+    def publish(self, version: int, space: Callable[[int, int], torch.Tensor]) -> DeltaRecord:
         """Diff every page against the previous version, encode the delta of `version` and keep its bytes as the next
-        base. `space(space, index)` gives the bytes of a page space as served now (a uint8 view)."""
+        base. `space(space, index)` gives the bytes of a page space as served now (a flat uint8 tensor)."""
         began = time.perf_counter()
         base, self.base = self.base, None
+        if self.path == "device":
+            encoded = self._encoder.encode(lambda i: space(*self._spaces[i][:2]), self.previous, self.region,
+                                           self.region.numel(), base is not None)
+            return self._published(version, base, encoded.used, encoded.fits, encoded.changed_units, encoded.ends,
+                                   encoded.kinds, began)
         out, previous, capacity = byte_view(self.region), byte_view(self.previous), self.region.numel()
         ends = np.zeros(len(self.pages), dtype=np.int64)
         kinds = np.zeros(max(Encoding) + 1, dtype=np.int64)
@@ -91,12 +104,18 @@ class SenderDelta:
         p = self.pages
         for (kind, index, rows), at in zip(self._spaces, self._previous_at.tolist()):
             unit = int(p.unit[rows[0]])
-            served, dtype = space(kind, index), UNIT_DTYPES[unit]
+            served, dtype = byte_view(space(kind, index)), UNIT_DTYPES[unit]
             nbytes = int(p.nbytes[rows].sum())
             used, fits, k = delta_kernels().encode_pages(
                 served[: len(served) // unit * unit].view(dtype), served, unit, previous[at : at + nbytes].view(dtype),
                 p.start[rows] // unit, p.nbytes[rows] // unit, out, used, capacity, fits, ends, rows, self._scratch, kinds)
             changed_units += k
+        return self._published(version, base, used, fits, changed_units, ends, kinds, began)
+
+    def _published(self, version: int, base: int | None, used: int, fits: bool, changed_units: int, ends: np.ndarray,
+                   kinds: np.ndarray, began: float) -> DeltaRecord:
+        """The page index, stats and record of a publish's delta."""
+        p = self.pages
         units = int((p.nbytes // p.unit).sum())
         kinds = {e.name.lower(): int(kinds[e]) for e in Encoding}
         self.index[:INDEX_WORDS] = torch.tensor([version, base if fits else -1, len(p)])
@@ -104,4 +123,5 @@ class SenderDelta:
         self.base = version
         self.stats = DeltaStats(version, base if fits else None, changed_units, units, used if fits else 0,
                                 int(p.nbytes.sum()), kinds, time.perf_counter() - began, base is not None and not fits)
-        return DeltaRecord(base if fits else None, used if fits else 0, hashlib.sha256(byte_view(self.index)).hexdigest())
+        return DeltaRecord(base if fits else None, used if fits else 0, hashlib.sha256(byte_view(self.index)).hexdigest(),
+                           self.stats.density)

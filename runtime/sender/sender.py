@@ -98,7 +98,7 @@ class Sender(AgentOwner):
 
     def __init__(self, plan: Plan, rank: int, tensors, *, rendezvous: Rendezvous, timeout: float = 60.0,
                  digests: bool = False, progress_thread: bool = False, ring_bytes: int = DEFAULT_RING_BYTES,
-                 progress: str = "auto", delta: float = 0.0, fp8_path: str = "auto"):
+                 progress: str = "auto", delta: float = 0.0, fp8_path: str = "auto", delta_path: str = "auto"):
         check_src_rank(plan, rank)
         progress = "thread" if progress_thread else check_progress(progress)  # see runtime/transport/progress.py
         if plan.staging:
@@ -118,7 +118,7 @@ class Sender(AgentOwner):
         flat = {s: flat_view(plan.sources[s].name, given[plan.sources[s].name], *expected[plan.sources[s].name],
                              f"trainer rank {rank}") for s in [r.source for r in self.regions] + local}
         self._sources = [flat[r.source] for r in self.regions]
-        check_host_only(flat.values(), {"digests=True": digests, "delta": bool(delta)}, f"trainer rank {rank}")
+        check_host_only(flat.values(), {"digests=True": digests}, f"trainer rank {rank}")
         self._served_runs = served_runs(plan, rank)
         self.packing = packing_of(self._served_runs)
         # Cast regions no receiver reads in place are cast straight into the packed region: no staging copy.
@@ -154,7 +154,7 @@ class Sender(AgentOwner):
                                    *((self._gather.buffer, self._gather.offset) if self._gather else ()))
                        if tables else None)
         # Delta syncs (runtime/sender/delta.py): `delta` is the fraction of the served pages its region holds; 0: none.
-        self._delta = SenderDelta(plan, rank, tables, ring_bytes, delta) if delta else None
+        self._delta = SenderDelta(plan, rank, tables, ring_bytes, delta, self._delta_spaces(), delta_path) if delta else None
         self._seq = torch.ones(1, dtype=torch.int64)  # odd: nothing published yet
         # Publishing waits for every kernel queued on the devices of these tensors (optimizer, casts, packing,
         # quantization) before the sequence word, ring word or version record exposes their bytes (runtime/device.py).
@@ -314,16 +314,21 @@ class Sender(AgentOwner):
             self._ring_word[1] = 0
         self.rendezvous.put(protocol.delta_key(self.rank, version), protocol.delta_record(record))
 
-    def _delta_space(self, space: int, index: int) -> np.ndarray:
-        """The bytes of one delta page space as served for the version being published."""
+    def _delta_spaces(self) -> list[torch.Tensor]:
+        """Every tensor a delta page space can be served from (their device decides the codec's path)."""
+        return [t for t in [*self._exposed, self._packed, *((self._quant.fp8, self._quant.scales) if self._quant else ())]
+                if t is not None]
+
+    def _delta_space(self, space: int, index: int) -> torch.Tensor:
+        """The bytes of one delta page space as served for the version being published (flat uint8)."""
         if space == Space.REGION:
-            return byte_view(self._exposed[index])
+            return _flat_bytes(self._exposed[index])
         if space == Space.PACKED:
             if self.ring is not None:
                 with torch.no_grad():
                     self._packs[index]()
-            return byte_view(self._packed)
-        return byte_view(self._quant.fp8 if space == Space.FP8 else self._quant.scales)
+            return _flat_bytes(self._packed)
+        return _flat_bytes(self._quant.fp8 if space == Space.FP8 else self._quant.scales)
 
     @property
     def delta_stats(self) -> DeltaStats | None:
@@ -425,3 +430,7 @@ class Sender(AgentOwner):
             self._live.add(rank)
             self._given_up.pop(rank, None)
             yield rank, message
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().reshape(-1).view(torch.uint8)

@@ -98,10 +98,12 @@ class DeltaRecord:
     base: int | None
     nbytes: int
     index_sha256: str
+    density: float | None = None  # changed units over page units, as the trainer measured them (absent: older senders)
 
 
 def delta_record(record: DeltaRecord) -> dict:
-    return {"base": record.base, "bytes": record.nbytes, "index": record.index_sha256}
+    return {"base": record.base, "bytes": record.nbytes, "index": record.index_sha256,
+            **({"density": record.density} if record.density is not None else {})}
 
 
 def parse_delta_record(value: dict, rank: int, version: int) -> DeltaRecord:
@@ -113,7 +115,10 @@ def parse_delta_record(value: dict, rank: int, version: int) -> DeltaRecord:
         raise SyncError(f"trainer rank {rank}: its delta record of version {version} has bytes {str(nbytes)[:24]}")
     if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
         raise SyncError(f"trainer rank {rank}: its delta record of version {version} has no SHA-256 index digest")
-    return DeltaRecord(base, nbytes, digest)
+    density = value.get("density")
+    if not (density is None or (isinstance(density, (int, float)) and not isinstance(density, bool) and 0 <= density <= 1)):
+        raise SyncError(f"trainer rank {rank}: its delta record of version {version} has density {str(density)[:24]}")
+    return DeltaRecord(base, nbytes, digest, None if density is None else float(density))
 
 
 def joined_key(rank: int) -> str:

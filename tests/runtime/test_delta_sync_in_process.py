@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from weightplan.runtime import Receiver, Rendezvous, Sender, SyncError, execute_local, load_plan
+from weightplan.runtime.delta.rates import DeltaRates
 from weightplan.runtime.transport import protocol
 from weightplan.runtime.transport.region_digests import byte_view
 
@@ -20,10 +21,14 @@ from ..support.runtime_worker import byte_equal, full_weights, plain_destination
 
 # Syncs that are expected to succeed wait long: a loaded host (other jobs on 2 cores) must not fail them.
 TIMEOUT = 30
+SLOW_READ = DeltaRates(read_gbytes_per_s=1e-3)
 
 
 def _world(plan, rendezvous, receivers=None, ring_bytes=512 << 20, delta=0.5, secret=None, **receiver_kwargs):
-    """Every trainer rank of `plan` (keeping deltas) and the given inference ranks in this process, at version 1's weights."""
+    """Every trainer rank of `plan` (keeping deltas) and the given inference ranks in this process, at version 1's weights.
+    Receivers READ at an assumed slow rate unless told otherwise: every delta smaller than full is taken (density 0.01
+    sits near the host codec's crossover with loopback READs), so these tests prove the delta path itself."""
+    receiver_kwargs.setdefault("delta_rates", SLOW_READ)
     full = full_weights(plan, 0, 1)
     tensors = {r: shard(plan, full, r) for r in range(plan.header.src_ranks)}
     # one store client per trainer: a client blocked in wait() serves no other thread (gathering fp8 trainers)
@@ -189,6 +194,7 @@ def test_bad_deltas_are_refused_in_one_line_with_nothing_applied(tp2_plan, rende
 def test_fp8_per_block_delta_syncs_equal_the_host_executor(plan_cache, rendezvous, case):
     model, fmt, trainer, inference = CASES[case]
     plan = load_plan(plan_cache(model, fmt, "bf16", trainer, inference, quant="fp8_per_block"))
+    # a changed bf16 element requantizes its whole block: dense fp8 deltas, which the default rates would read full
     tensors, senders, destinations, readers = _world(plan, rendezvous, group_bytes=64 << 10)
     _publish(senders, 1)
     assert all(r.sync(1).took == "full" for r in readers.values())
@@ -196,7 +202,7 @@ def test_fp8_per_block_delta_syncs_equal_the_host_executor(plan_cache, rendezvou
         _train(tensors, 0.01, version)
         _publish(senders, version)
         reports = [r.sync(version) for r in readers.values()]
-        assert all(r.took == "delta" for r in reports), [r.took for r in reports]
+        assert all(r.took == "delta" for r in reports), [r.why for r in reports]
         _assert_equal_to_host(plan, tensors, destinations)
     # fp8 values and scales are diffed after quantization: a changed bf16 element changes its whole block's scale
     assert any(s.delta_stats.density > 0 for s in senders)
@@ -246,3 +252,28 @@ def test_a_delta_record_forged_without_the_job_secret_is_never_read(tp2_plan, re
     impostor.put(protocol.delta_key(0, 2), protocol.delta_record(protocol.DeltaRecord(1, 64, "0" * 64)))
     assert receiver.sync(2).took == "delta"  # the signed record, under its derived key, is the one read
     _assert_equal_to_host(plan, tensors, destinations)
+
+
+def test_a_delta_predicted_slower_than_full_is_read_full_and_says_why(tp2_plan, rendezvous):
+    plan = tp2_plan("bf16")
+    tensors, senders, destinations, readers = _world(plan, rendezvous, receivers=[0], delta_rates=DeltaRates())
+    receiver = readers[0]
+    _publish(senders, 1)
+    assert _sync(senders, [receiver], 1)[0].took == "full"
+    # a third of the elements change: the delta fits (bitmask pages, ~0.37 of the bytes) but applying it on the host
+    # (0.22 GB/s) costs more than reading everything at 7.1 GB/s
+    _train(tensors, 0.3, 2)
+    _publish(senders, 2)
+    dense = _sync(senders, [receiver], 2)[0]
+    assert 0.2 < senders[0].delta_stats.density < 0.4
+    assert dense.took == "full" and dense.delta_choices and not any(c.taken for c in dense.delta_choices), dense
+    assert "full at density" in dense.why and dense.delta_choices[0].delta_seconds > dense.delta_choices[0].full_seconds
+    _assert_equal_to_host(plan, tensors, destinations)
+    _train(tensors, 0.001, 3)
+    _publish(senders, 3)
+    sparse = _sync(senders, [receiver], 3)[0]
+    assert sparse.took == "delta" and all(c.taken for c in sparse.delta_choices), sparse.why
+    assert "delta at density" in sparse.why
+    _assert_equal_to_host(plan, tensors, destinations)
+    for r in [receiver, *senders]:
+        r.close()

@@ -247,17 +247,17 @@ def test_a_trainer_info_whose_memory_record_is_wrong_fails_the_sync_in_one_line(
         receiver.close()
 
 
-def test_digests_verify_and_deltas_with_tensors_on_a_gpu_are_refused_in_one_line(bf16_plan, no_agents):
+def test_digests_and_verify_with_tensors_on_a_gpu_are_refused_in_one_line(bf16_plan, no_agents):
+    # delta syncs on device tensors run the Triton kernels (runtime/delta/device.py, tests/runtime/test_delta_triton.py)
     plan = bf16_plan
     tensors = {name: on_cuda(t, 0) for name, t in shard(plan, full_weights(plan, 0, 1), 0).items()}
     destination = {name: on_cuda(t, 0) for name, t in plain_destination(plan, 0).items()}
     for make, message in [
         (lambda: Sender(plan, 0, tensors, rendezvous=None, digests=True), r"trainer rank 0: digests=True need host tensors"),
-        (lambda: Sender(plan, 0, tensors, rendezvous=None, delta=0.5), r"trainer rank 0: delta need host tensors"),
         (lambda: Receiver(plan, 0, destination, rendezvous=None, derived="caller", verify=True),
          r"inference rank 0: verify=True need host tensors .* on cuda:0"),
         (lambda: Receiver(plan, 0, destination, rendezvous=None, derived="caller", verify=True, delta=0.5),
-         r"inference rank 0: delta, verify=True need host tensors"),
+         r"inference rank 0: verify=True need host tensors"),
     ]:
         with pytest.raises(WeightplanError, match=message) as err:
             make()
