@@ -11,7 +11,7 @@ together within 5 minutes), and every worker's stdout and stderr is kept in the 
 - `fp8_quantizer`: under ScaleRounding.CUDA, on the GPU, the Triton kernel, the torch path (quantize_on_device), vLLM's
   per_block_cast_to_fp8 run there (the CUDA rule by definition) and the host path give the same bytes; GB/s of the
   Triton kernel (target: 1,000 of bf16 input).
-- `delta_rates`: device delta encode and apply rates (weightplan.runtime.delta.device_rates).
+- `delta_rates`: device delta encode and apply rates (weightplan.runtime.delta.measure_device).
 - `ordering_device`: a read after the runtime's DeviceSync sees a still-sleeping side-stream kernel's writes; a
   control read without it does not.
 - `copies`: a device-to-device copy and a pinned host-to-device copy of the sync's bytes (the targets' yardsticks).
@@ -236,79 +236,60 @@ def fp8_cases() -> dict:
 
 
 def fp8_quantizer(args, state: dict) -> dict:
+    """Every quantizing path under each scale rounding against the host path (numba, the bytes the CPU tests prove), and
+    vLLM's own function on the GPU against the CUDA rounding; the Triton kernel's GB/s of bf16 input."""
     from weightplan.runtime.fp8.numerics import BlockQuantizer, quantize_on_device
     from weightplan.runtime.fp8.rounding import ScaleRounding
+    from weightplan.runtime.fp8.triton_quant import quantize_tiles_triton
 
-    cuda = ScaleRounding.CUDA
-    notes = []
-    torch_kw = _kwargs_it_takes(quantize_on_device, rounding=cuda)
-    host_kw = _kwargs_it_takes(BlockQuantizer, rounding=cuda)
-    if not torch_kw or not host_kw:
-        notes.append("quantize_on_device/BlockQuantizer take no rounding here: their own rule is compared")
-    try:
-        from weightplan.runtime.fp8.triton_quant import quantize_tiles_triton
-    except Exception as exc:  # noqa: BLE001 - absent until its branch lands
-        quantize_tiles_triton, triton_reason = None, f"{type(exc).__name__}: {str(exc)[:150]}"
     vllm_fn, vllm_from = vllm_per_block_cast()
     numba = _importable("numba")
-    host = BlockQuantizer(use_kernel=numba, **host_kw)
-    paths = ["torch", "host"] + (["triton"] if quantize_tiles_triton else []) + (["vllm"] if vllm_fn else [])
     differ: dict[str, list[str]] = {}
-    for name, x in fp8_cases().items():
-        dev = x.cuda()
-        out = {"torch": quantize_on_device(dev, **torch_kw)}
-        values = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
-        scales = torch.empty(-(-x.shape[0] // 128), -(-x.shape[1] // 128))
-        host(x, values, scales)
-        out["host"] = (values, scales)
-        if vllm_fn:
-            out["vllm"] = vllm_fn(dev, block_size=[128, 128], use_ue8m0=False)
-        hf, wf = x.shape[0] // 128 * 128, x.shape[1] // 128 * 128
-        if quantize_tiles_triton and hf and wf:
-            v = torch.zeros(x.shape, dtype=torch.float8_e4m3fn, device="cuda")
-            s = torch.zeros(scales.shape, device="cuda")
-            quantize_tiles_triton(dev, v, s, hf, wf, cuda)
-            out["triton"] = (v, s)
-        reference = out["vllm"] if vllm_fn else out["torch"]
-        for path, (v, s) in out.items():
-            if path == "triton":  # whole tiles only: compare those
-                same = _same(v[:hf, :wf].cpu(), reference[0][:hf, :wf].cpu()) and \
-                    _same(s[: hf // 128, : wf // 128].cpu(), reference[1][: hf // 128, : wf // 128].cpu())
-            else:
-                same = _same(v.cpu(), reference[0].cpu()) and _same(s.cpu(), reference[1].cpu())
-            if not same:
-                differ.setdefault(path, []).append(name)
+    for rounding in ScaleRounding:
+        host = BlockQuantizer(rounding, use_kernel=numba)
+        for name, x in fp8_cases().items():
+            dev = x.cuda()
+            values = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+            scales = torch.empty(-(-x.shape[0] // 128), -(-x.shape[1] // 128))
+            host(x, values, scales)
+            out = {"torch": quantize_on_device(dev, rounding=rounding)}
+            if vllm_fn and rounding is ScaleRounding.CUDA:
+                out["vllm"] = vllm_fn(dev, block_size=[128, 128], use_ue8m0=False)
+            hf, wf = x.shape[0] // 128 * 128, x.shape[1] // 128 * 128
+            if hf and wf:
+                v = torch.zeros(x.shape, dtype=torch.float8_e4m3fn, device="cuda")
+                s = torch.zeros(scales.shape, device="cuda")
+                quantize_tiles_triton(dev, v, s, hf, wf, rounding)
+                out["triton"] = (v, s)
+            for path, (v, s) in out.items():
+                rows, cols = (hf, wf) if path == "triton" else x.shape  # the kernel writes whole tiles only
+                same = _same(v[:rows, :cols].cpu(), values[:rows, :cols]) and \
+                    _same(s[: -(-rows // 128), : -(-cols // 128)].cpu(), scales[: -(-rows // 128), : -(-cols // 128)])
+                if not same:
+                    differ.setdefault(f"{path}/{rounding.value}", []).append(name)
     big = torch.randn(16384, 16384, device="cuda").to(torch.bfloat16)  # 512 MiB: far beyond the 60 MB L2
-    figures = {"paths": paths, "reference": "vllm" if vllm_fn else "torch", "vllm_from": vllm_from,
-               "host_path": "numba" if numba else "torch reference"}
-    figures["torch_gbytes_per_s"] = round(big.numel() * 2 / _timed(lambda: quantize_on_device(big, **torch_kw), 5) / 1e9, 1)
-    if quantize_tiles_triton:
-        v = torch.empty(big.shape, dtype=torch.float8_e4m3fn, device="cuda")
-        s = torch.empty(128, 128, device="cuda")
-        rate = big.numel() * 2 / _timed(lambda: quantize_tiles_triton(big, v, s, 16384, 16384, cuda), 20) / 1e9
-        figures["triton_gbytes_per_s"] = round(rate, 1)
-        state["quantizer_gbytes_per_s"] = figures["triton_gbytes_per_s"]
-    else:
-        figures["triton"] = skipped(f"weightplan.runtime.fp8.triton_quant.quantize_tiles_triton not importable: {triton_reason}")
-    figures["notes"] = notes
+    cuda = ScaleRounding.CUDA
+    figures = {"reference": f"host path ({'numba' if numba else 'torch reference'})", "vllm_from": vllm_from}
+    figures["torch_gbytes_per_s"] = round(big.numel() * 2 / _timed(lambda: quantize_on_device(big, rounding=cuda), 5) / 1e9, 1)
+    v = torch.empty(big.shape, dtype=torch.float8_e4m3fn, device="cuda")
+    s = torch.empty(128, 128, device="cuda")
+    rate = big.numel() * 2 / _timed(lambda: quantize_tiles_triton(big, v, s, 16384, 16384, cuda), 20) / 1e9
+    figures["triton_gbytes_per_s"] = state["quantizer_gbytes_per_s"] = round(rate, 1)
     if differ:
-        return failed(f"under ScaleRounding.CUDA, bytes differ from {figures['reference']} in {differ}", **figures)
-    return ok(f"{', '.join(paths)} give the same bytes under ScaleRounding.CUDA on {len(fp8_cases())} cases", **figures)
+        return failed(f"bytes differ from the host path in {differ}", **figures)
+    return ok(f"torch, Triton{', vLLM (cuda)' if vllm_fn else ''} and the host path give the same bytes under both scale "
+              f"roundings on {len(fp8_cases())} cases", **figures)
 
 
 def delta_rates(args, state: dict) -> dict:
-    try:
-        from weightplan.runtime.delta.device_rates import measure_delta_device_rates
-    except Exception as exc:  # noqa: BLE001 - absent until its branch lands
-        return skipped(f"weightplan.runtime.delta.device_rates.measure_delta_device_rates not importable: "
-                       f"{type(exc).__name__}: {str(exc)[:150]}")
-    rates = measure_delta_device_rates(**_kwargs_it_takes(measure_delta_device_rates, device=torch.device("cuda")))
-    got = {k: (rates.get(k) if isinstance(rates, dict) else getattr(rates, k, None))
-           for k in ("encode_gbytes_per_s", "apply_gbytes_per_s")}
-    if None in got.values():
-        return failed(f"measure_delta_device_rates returned no encode/apply_gbytes_per_s: {str(rates)[:200]}")
-    state["delta_encode_gbytes_per_s"], state["delta_apply_gbytes_per_s"] = got.values()
-    return ok("device delta encode and apply measured", **got)
+    from weightplan.runtime.delta.measure_device import measure_delta_device_rates
+
+    rates = measure_delta_device_rates("cuda")
+    if rates.get("status") != "ok":
+        return skipped(rates.get("reason", str(rates)[:200]))
+    for key in ("delta_encode_gbytes_per_s", "delta_apply_gbytes_per_s"):
+        state[key] = rates[key]
+    return ok("device delta encode and apply, byte-equal to the host codec", **rates)
 
 
 def ordering_device(args, state: dict) -> dict:
@@ -692,23 +673,13 @@ def fp8_receiver_worker(args) -> None:
     print(json.dumps({"versions": rows}), flush=True)
 
 
-def _plan_rounding(plan) -> str | None:
-    """The fp8 scale rounding the plan records, under whatever name its header gives it; None if it records none."""
-    for holder in (plan, plan.header):
-        for name in dir(holder):
-            if "rounding" in name and not name.startswith("_"):
-                value = getattr(holder, name)
-                return getattr(value, "value", value) if not callable(value) else None
-    return None
-
-
 def sync_fp8(args, state: dict) -> dict:
     from ucx_proto_info import transports
 
     from weightplan.runtime import Rendezvous, load_plan
 
     plan = load_plan(FP8_PLAN)
-    rounding = _plan_rounding(plan)
+    rounding = plan.header.quant_layout.scale_rounding.value
     job = f"gpucheckfp8{os.getpid()}x{int(time.time() * 1000) % 10**9}"
     deadline = args.deadline_at - time.monotonic() - 1
     timeout = max(5.0, deadline - 5)
@@ -730,10 +701,10 @@ def sync_fp8(args, state: dict) -> dict:
     where = f"{args.device} on both sides, fp8 work on the {'GPU' if args.device == 'cuda' else 'host through the GPU code path'}"
     if bad:
         return failed(f"{where}: digests differ from the host executor's at (inference rank, version) {bad}", **figures)
-    if args.device == "cuda" and rounding not in ("cuda", None):
+    if args.device == "cuda" and rounding != "cuda":
         return failed(f"the carried plan records the {rounding!r} rounding; the check wants the CUDA rule", **figures)
     return ok(f"{where}: every destination's SHA-256 equals the host executor's on {len(receivers)} inference ranks, "
-              f"{VERSIONS} versions" + ("" if rounding else "; the plan records no rounding (older format)"), **figures)
+              f"{VERSIONS} versions, {rounding} scale rounding", **figures)
 
 
 CHECKS = {"fp8_quantizer": fp8_quantizer, "delta_rates": delta_rates, "ordering_device": ordering_device,
