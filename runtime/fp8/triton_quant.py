@@ -87,6 +87,14 @@ def _check(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, hf: int,
     if len({x.device, values.device, scales.device}) != 1:
         raise WeightplanError(f"triton fp8 quantizer: input, values and scales on several devices "
                               f"({x.device}, {values.device}, {scales.device})")
+    if x.device.type != "cuda" and not interpreted():
+        raise WeightplanError(f"triton fp8 quantizer: tensors on {x.device} need a CUDA device, or TRITON_INTERPRET=1 "
+                              "set before this module was imported")
+
+
+def interpreted() -> bool:
+    """Whether the kernels run in Triton's interpreter (TRITON_INTERPRET=1 when they were defined)."""
+    return not isinstance(_quantize_tile_kernel, triton.runtime.JITFunction)
 
 
 def quantize_tiles_triton(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, hf: int, wf: int,
