@@ -68,7 +68,7 @@ def e4m3fn_bytes_triton(p: torch.Tensor) -> torch.Tensor:
     """uint8 e4m3fn bytes of a 1-D contiguous float32 tensor through the kernel's rounding (NaN -> 0x7f)."""
     out = torch.empty(p.numel(), dtype=torch.uint8, device=p.device)
     size = 1 << 14
-    _e4m3fn_kernel[(triton.cdiv(p.numel(), size),)](p, out, p.numel(), SIZE=size)
+    _e4m3fn_kernel[(triton.cdiv(p.numel(), size),)](p, out, p.numel(), SIZE=size, enable_fp_fusion=False)
     return out
 
 
