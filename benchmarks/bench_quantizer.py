@@ -1,11 +1,14 @@
 """Benchmark: BlockQuantizer's numba kernel against its torch path on one thread, same data, one run.
 
-Usage: python benchmarks/bench_quantizer.py [--repeats N]
+Usage: python benchmarks/bench_quantizer.py [--repeats N] [--device cpu|cuda]
 Cases: a 4096 x 7168 bf16 matrix, and a stack of 16 experts (512 x 7168 each) quantized expert by expert
 through 2-D views of half their columns (row pitch 7168, so rows are strided). Per case it prints the
 median over N interleaved repeats of G elements/s for each path and their ratio, after checking that both
 paths wrote the same bytes. The kernel's first call (numba compile or cache load, plus the first pass) is
 timed apart and not among the repeats. The last line is JSON.
+
+--device cuda: the Triton kernel against the torch path on the GPU instead (benchmarks/triton_quantizer.py: bytes
+under both roundings, GB/s of bf16 input); without a CUDA device it prints one JSON line saying skipped, exit 0.
 """
 
 from __future__ import annotations
@@ -62,7 +65,13 @@ def _measure(name: str, views: list[torch.Tensor], paths: dict[str, BlockQuantiz
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
+    if args.device == "cuda":
+        from triton_quantizer import measure_triton_quantizer
+
+        print(json.dumps(measure_triton_quantizer("cuda", repeats=max(args.repeats, 5))))
+        return
     torch.set_num_threads(1)
     paths = {"torch": BlockQuantizer("cuda", use_kernel=False), "numba": BlockQuantizer("cuda", use_kernel=True)}
     print(f"load average at start {os.getloadavg()}")
