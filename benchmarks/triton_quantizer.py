@@ -61,15 +61,16 @@ def measure_triton_quantizer(device: str = "cuda", repeats: int = 20) -> dict:
         torch.cuda.synchronize()
         out[rounding] = (values.cpu().clone(), scales.cpu().clone())  # .cpu() of a host tensor is no copy
     torch_values, torch_scales = torch.empty_like(values), torch.empty_like(scales)
-    torch_path = BlockQuantizer(use_kernel=False)
-    torch_path(gx, torch_values, torch_scales)
-    host_values, host_scales = torch.empty(SHAPE, dtype=torch.float8_e4m3fn), torch.empty(h // 128, w // 128)
-    BlockQuantizer()(x, host_values, host_scales)
+    BlockQuantizer(ScaleRounding.CUDA, use_kernel=False)(gx, torch_values, torch_scales)
+    host = {}
+    for rounding in ScaleRounding:
+        host[rounding] = torch.empty(SHAPE, dtype=torch.float8_e4m3fn), torch.empty(h // 128, w // 128)
+        BlockQuantizer(rounding)(x, *host[rounding])
     checks = {
-        "cuda_rule_equals_torch_path_on_gpu": _same(out[ScaleRounding.CUDA][0], torch_values)
-        and _same(out[ScaleRounding.CUDA][1], torch_scales),
-        "ieee_rule_equals_host_kernel": _same(out[ScaleRounding.IEEE][0], host_values)
-        and _same(out[ScaleRounding.IEEE][1], host_scales),
+        "cuda_rule_equals_torch_path_on_gpu": _same(out[ScaleRounding.CUDA][0], torch_values.cpu())
+        and _same(out[ScaleRounding.CUDA][1], torch_scales.cpu()),
+        **{f"{r.value}_rule_equals_host_kernel": _same(out[r][0], host[r][0]) and _same(out[r][1], host[r][1])
+           for r in ScaleRounding},
         "rules_differ": not _same(out[ScaleRounding.CUDA][1], out[ScaleRounding.IEEE][1]),
     }
     gbytes = gx.numel() * gx.element_size() / 1e9

@@ -105,11 +105,11 @@ def _flat(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 class BlockQuantizer:
     """per_block_fp8 for large 2-D views, writing into given outputs, scales rounded as `rounding` says.
 
-    Same bytes as per_block_fp8, on every path. The path is picked by device: whole tiles of host tensors go through the numba
-    kernel in fp8/kernel.py (`use_kernel`, the default); CUDA tensors (and host tensors with use_kernel=False, its
-    reference) go through fp8/torch_quant.py's torch ops on their own device, never leaving it. Tiles the kernel
-    finds holding inf or NaN are redone by the torch path: their bytes depend on how the CPU
-    propagates NaN, which the kernel does not model. Edge tiles (rows or columns not a multiple of the
+    Same bytes as per_block_fp8, on every path. With `use_kernel` (the default) the path is picked by device: whole tiles
+    of host tensors go through the numba kernel in fp8/kernel.py, of CUDA tensors through the Triton kernel in
+    fp8/triton_quant.py; without it (or without Triton), fp8/torch_quant.py's torch ops run on the tensors' own device,
+    never leaving it. Tiles the numba kernel finds holding inf or NaN are redone by the torch path (the Triton kernel
+    writes their canonical NaN bytes itself). Edge tiles (rows or columns not a multiple of the
     block) go through per_block_fp8's padding.
     """
 
@@ -119,12 +119,12 @@ class BlockQuantizer:
         self.use_kernel = use_kernel and block == BLOCK
         self._device_tiles: TorchTiles | None = None
 
-    def warm_up(self) -> None:
-        """Load the kernel now (numba's import and its compiled-code cache take about a second in a fresh process),
-        so that the first sync does not pay it."""
+    def warm_up(self, device: torch.device = torch.device("cpu")) -> None:
+        """Load the kernel of `device` now (numba's import and compiled-code cache take about a second in a fresh process,
+        Triton's compile or cache load about as long), so that the first sync does not pay it."""
         if self.use_kernel:
-            tile = torch.zeros(BLOCK, BLOCK, dtype=torch.bfloat16)
-            self(tile, torch.empty(BLOCK, BLOCK, dtype=FP8), torch.empty(1, 1))
+            tile = torch.zeros(BLOCK, BLOCK, dtype=torch.bfloat16, device=device)
+            self(tile, torch.empty(BLOCK, BLOCK, dtype=FP8, device=device), torch.empty(1, 1, device=device))
 
     def __call__(self, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
         """Quantize bf16 `x` (h, w) into fp8 `values` (h, w) and float32 `scales` (ceil(h/B), ceil(w/B)).
@@ -134,7 +134,8 @@ class BlockQuantizer:
         b = self.block
         h, w = x.shape
         hf, wf = h // b * b, w // b * b
-        if hf and wf and not (self.use_kernel and self._kernel_tiles(x, values, scales, hf, wf)):
+        if hf and wf and not (self.use_kernel and (self._triton_tiles(x, values, scales, hf, wf)
+                                                   or self._kernel_tiles(x, values, scales, hf, wf))):
             self._torch_tiles(x, values, scales, hf, wf)
         if wf < w:
             v, s = per_block_fp8(x[:, wf:], b, rounding=self.rounding)
@@ -157,6 +158,18 @@ class BlockQuantizer:
         if quantize_tiles(bits, x.stride(0), out, values.stride(0), tile_scales, self.rounding is ScaleRounding.CUDA):
             return False
         scales[: hf // self.block, : wf // self.block] = torch.from_numpy(tile_scales)
+        return True
+
+    def _triton_tiles(self, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, hf: int, wf: int) -> bool:
+        """Whole tiles of CUDA tensors through the Triton kernel (runtime/fp8/triton_quant.py), one launch; False if the
+        tensors are not on a GPU, or Triton is missing (then torch ops run there)."""
+        if x.device.type != "cuda" or x.dtype != torch.bfloat16 or x.stride(1) != 1 or values.stride(1) != 1:
+            return False
+        try:
+            from .triton_quant import quantize_tiles_triton
+        except ImportError:
+            return False
+        quantize_tiles_triton(x, values, scales, hf, wf, self.rounding)
         return True
 
     def _torch_tiles(self, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, hf: int, wf: int) -> None:

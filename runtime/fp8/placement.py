@@ -14,8 +14,8 @@ FP8_PATHS = ("auto", "device")
 
 @dataclass(frozen=True)
 class Fp8Placement:
-    """The device of a rank's fp8 values, scales, bf16 stage copies, arenas and staging slots, and whether whole
-    host tiles go through the numba kernel (`kernel`) or the torch ops a GPU rank runs (runtime/fp8/torch_quant.py)."""
+    """The device of a rank's fp8 values, scales, bf16 stage copies, arenas and staging slots, and whether whole tiles
+    go through the device's kernel (`kernel`: numba on the host, Triton on a GPU) or torch ops (runtime/fp8/torch_quant.py)."""
 
     device: torch.device
     kernel: bool
@@ -24,9 +24,10 @@ class Fp8Placement:
 def fp8_placement(tensors: Iterable[torch.Tensor], fp8_path: str, who: str) -> Fp8Placement:
     """The placement of a rank's fp8 work from the tensors it reads or writes, all on one device.
 
-    `fp8_path` "auto" (the default): host tensors quantize in the numba kernel, CUDA tensors in torch ops on their
-    GPU. "device": the GPU's path (buffers on the tensors' device, torch-op gathers and quantization) wherever the
-    tensors are; on host tensors it is how the tests prove that path's bytes on a machine without a GPU.
+    `fp8_path` "auto" (the default): host tensors quantize in the numba kernel, CUDA tensors in the Triton kernel on
+    their GPU. "device": buffers on the tensors' device, torch-op gathers and torch-op quantization wherever the tensors
+    are; on host tensors it is how the tests prove that path's bytes on a machine without a GPU (the Triton kernel's
+    are proven interpreted, tests/runtime/test_fp8_triton.py).
     """
     if fp8_path not in FP8_PATHS:
         raise WeightplanError(f"{who}: fp8_path {fp8_path!r} is not one of {', '.join(FP8_PATHS)}")
@@ -35,4 +36,4 @@ def fp8_placement(tensors: Iterable[torch.Tensor], fp8_path: str, who: str) -> F
         raise WeightplanError(f"{who}: fp8 plans with tensors on several devices ({', '.join(sorted(map(str, devices)))}) "
                               "are not built yet; keep one rank's tensors on one device")
     device = devices.pop() if devices else torch.device("cpu")
-    return Fp8Placement(device, fp8_path == "auto" and device.type == "cpu")
+    return Fp8Placement(device, fp8_path == "auto")

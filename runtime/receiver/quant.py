@@ -57,7 +57,7 @@ class ReceiverQuant:
     `quantize(g)` runs as group g's post-op while group g + 1 moves.
 
     The slots live on `placement.device`, the destinations' device: on a GPU the bf16 lands there and is quantized
-    there in torch ops. Host destinations quantize in the numba kernel unless `placement.kernel` is off.
+    there (the Triton kernel on a GPU, the numba kernel on the host) unless `placement.kernel` is off.
     """
 
     def __init__(self, plan: Plan, rank: int, tables: QuantTables, dst: dict[int, torch.Tensor], placement: Fp8Placement):
@@ -71,7 +71,7 @@ class ReceiverQuant:
         self.slots: list[torch.Tensor] = []
         self._quantize = BlockQuantizer(plan.header.quant_layout.scale_rounding, use_kernel=placement.kernel)
         if self.quantizes:
-            self._quantize.warm_up()
+            self._quantize.warm_up(self.device)
         self._dirty = False
         self.seconds = 0.0
 

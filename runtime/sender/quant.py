@@ -36,7 +36,8 @@ class SenderQuant:
 
     Everything it allocates (fp8, scales, packed stage copies, arena, gather indexes) lives on `placement.device`,
     the device of the trainer's tensors: on a GPU the whole publish runs there in torch ops and receivers READ it
-    GPU to GPU. Host tensors quantize in the numba kernel unless `placement.kernel` is off (runtime/fp8/placement.py).
+    GPU to GPU. Whole tiles quantize in the device's kernel (numba on the host, Triton on a GPU) unless `placement.kernel`
+    is off (runtime/fp8/placement.py).
     """
 
     def __init__(self, plan: Plan, rank: int, tables: QuantTables, regions: tuple[ServedRegion, ...],
@@ -64,7 +65,7 @@ class SenderQuant:
         self._quantize = BlockQuantizer(plan.header.quant_layout.scale_rounding, use_kernel=placement.kernel)
         self._windows = self._plan_windows(sources)
         if self._windows:
-            self._quantize.warm_up()
+            self._quantize.warm_up(self.device)
         self._digest_rows = self._digest_table(regions, len(exposed))
         self.seconds = 0.0
 
