@@ -112,6 +112,12 @@ def _int(value, field: str, who: str, upper: int = 1 << 64) -> int:
     return value
 
 
+def _pid(value, who: str) -> int:
+    if _int(value, "local.pid", who, MAX_PID) == 0:
+        raise SyncError(f"{who}: its info's 'local.pid' is 0, not a process")
+    return value
+
+
 def _hex(value, field: str, who: str) -> bytes:
     if not isinstance(value, str) or len(value) > 2 * MAX_HANDLE_BYTES or not re.fullmatch(r"(?:[0-9a-f]{2})*", value):
         raise SyncError(f"{who}: its info's '{field}' is not hex of at most {MAX_HANDLE_BYTES} bytes")
@@ -160,5 +166,5 @@ def parse_local(value, who: str) -> LocalRecord | None:
         raise SyncError(f"{who}: its info's 'local.cuda' is not a list of at most {MAX_SHARES} CUDA storages")
     return LocalRecord(HostId(_text(host["boot_id"], _BOOT_ID, "local.host.boot_id", who),
                               _text(host["hostname"], _HOSTNAME, "local.host.hostname", who)),
-                       _int(value["pid"], "local.pid", who, MAX_PID), _int(probe[0], "local.probe", who),
+                       _pid(value["pid"], who), _int(probe[0], "local.probe", who),
                        tuple(parse_share(s, f"local.cuda[{i}]", who) for i, s in enumerate(cuda)))

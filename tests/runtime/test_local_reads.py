@@ -105,7 +105,7 @@ def test_a_trainer_that_cannot_be_opened_is_read_over_nixl_with_the_same_bytes(b
 
 BAD_RECORDS = {
     "local": lambda local: ["not", "an", "object"],
-    "local.pid": lambda local: dict(local, pid=-3),
+    "local.pid": lambda local: dict(local, pid=0),
     "local.probe": lambda local: dict(local, probe=[local["probe"][0], 4096]),
     "local.host.boot_id": lambda local: dict(local, host=dict(local["host"], boot_id="../../etc/passwd")),
     "local.cuda": lambda local: dict(local, cuda=[{}] * (1 << 16 | 1)),
