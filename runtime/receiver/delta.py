@@ -19,6 +19,7 @@ from ..plan.format import Plan
 from ..tables.quant import QuantTables
 from ..tables.receiver import ReadTables
 from ..transport.nixl_agent import NixlAgent
+from ..transport.reader import PeerReader
 from ..transport.peer import Peer
 from ..transport.peer_check import checked_word
 from ..transport.protocol import DeltaRecord
@@ -58,6 +59,7 @@ class Fetched:
     writes: dict[int, Writes]
     too_large: tuple[int, ...]
     nbytes: int
+    by_rank: dict[int, int]  # `nbytes` by trainer rank
     choices: tuple[DeltaChoice, ...] = ()  # one per trainer whose delta fit: taken, or declined as slower than full
 
 
@@ -136,21 +138,21 @@ class ReceiverDelta:
                                     f"expects {len(p.pages)}: give both sides the same plan and ring_bytes")
         return DeltaSource(peer.word(self._index_local[rank], index_addr, index_bytes, "delta.index"), region, capacity)
 
-    def fetch(self, agent: NixlAgent, sources: dict[int, tuple[Peer, DeltaSource, DeltaRecord]], version: int,
+    def fetch(self, agent: PeerReader, sources: dict[int, tuple[Peer, DeltaSource, DeltaRecord]], version: int,
               deadline: float, full_bytes: dict[int, int]) -> Fetched:
         """READ the index, then the needed blobs, of every trainer in `sources` whose delta is predicted faster than
         reading its `full_bytes[rank]` (runtime/delta/rates.py), and decode them all: a SyncError naming the trainer and
         page for anything inconsistent, before any destination byte is written."""
         agent.read_now([(s.index_read, f"trainer rank {r}") for r, (_, s, _) in sources.items()], deadline,
                        f"version {version}: reading delta indexes")
-        reads, too_large, nbytes, choices = {}, [], 0, []
+        reads, too_large, by_rank, choices = {}, [], {}, []
         for rank, (peer, source, record) in sources.items():
             ends = self._checked_index(rank, source, record, version)
             p = self.trainers[rank]
             begin = np.concatenate([[0], ends[:-1]])
             rows = np.flatnonzero(p.need & (ends > begin))
             lengths = ends[rows] - begin[rows]
-            nbytes += 8 * (INDEX_WORDS + len(p.pages))
+            by_rank[rank] = 8 * (INDEX_WORDS + len(p.pages))  # the index, read whatever is chosen
             if lengths.sum() > p.staging.numel():
                 too_large.append(rank)
                 continue
@@ -163,16 +165,17 @@ class ReceiverDelta:
             first = np.flatnonzero(np.concatenate([[True], begin[rows][1:] != ends[rows][:-1]])) if len(rows) else rows
             sizes = np.add.reduceat(lengths, first) if len(rows) else lengths
             reads[rank] = (peer, rows, begin[rows], lengths, local, first, sizes)
-            nbytes += blobs
+            by_rank[rank] += blobs
         posted = []
         try:
             for rank, (peer, rows, start, lengths, local, first, sizes) in reads.items():
                 if not len(rows):
                     continue
                 p, source = self.trainers[rank], sources[rank][1]
-                remote_list = agent.prepare(peer.name, np.stack([source.region + start[first], sizes], axis=1), peer.memory)
+                remote_list = peer.reader.prepare(peer.name, np.stack([source.region + start[first], sizes], axis=1),
+                                                  peer.memory)
                 local_list = agent.prepare(None, np.stack([p.staging.data_ptr() + local[first], sizes], axis=1))
-                handle = agent.make_read(local_list, remote_list, np.arange(len(first)))
+                handle = peer.reader.make_read(local_list, remote_list, np.arange(len(first)))
                 posted.append((handle, remote_list, local_list, f"trainer rank {rank}"))
                 agent.post(handle, f"trainer rank {rank}")
             agent.wait([(h, who) for h, _, _, who in posted], deadline, f"version {version}: reading deltas")
@@ -183,7 +186,7 @@ class ReceiverDelta:
                 agent.release_list(local_list)
         writes = {rank: self._decoded(rank, rows, lengths, local, version)
                   for rank, (_, rows, _, lengths, local, _, _) in reads.items()}
-        return Fetched(writes, tuple(too_large), nbytes, tuple(choices))
+        return Fetched(writes, tuple(too_large), sum(by_rank.values()), by_rank, tuple(choices))
 
     def apply(self, writes: dict[int, Writes]) -> int:
         if self.path == "device":

@@ -22,9 +22,12 @@ from ..tables.receiver import read_groups, read_tables, runs_into
 from ..tables.ring import DEFAULT_RING_BYTES
 from ..transport import protocol
 from ..transport.lifecycle import AgentOwner
+from ..transport.local_peer import HOST_READ, NotLocal, open_local
+from ..transport.local_record import LocalRecord, parse_local
 from ..transport.nixl_agent import Backoff, NixlAgent
 from ..transport.peer import Connections, Peer, check_sequence
 from ..transport.peer_check import checked_regions, checked_word, region_fields
+from ..transport.reader import Routed
 from ..transport.region_digests import byte_view, run_digests
 from ..transport.rendezvous import Rendezvous
 from .alternates import alternate_views
@@ -36,6 +39,7 @@ from .second_hops import SecondHops
 
 log = logging.getLogger("weightplan.runtime")
 PROGRESS_EVERY = 5.0  # seconds between progress lines of a long sync
+DEVICE_IPC = ("auto", "off")  # read trainers on this host directly when they open ("auto"), or always over NIXL
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,9 @@ class SyncReport:
     # not seen before (their info and agent metadata loaded, their descriptor lists and READs prepared).
     wait_seconds: float = 0.0
     connect_seconds: float = 0.0
+    # `bytes` by the path that moved them: "nixl", or for trainers on this host "process_vm_readv" (their host memory)
+    # and "cuda_ipc" (their GPU memory) (runtime/transport/local_peer.py; Receiver's `device_ipc`).
+    paths: dict[str, int] = field(default_factory=dict)
 
     @property
     def gbps(self) -> float:
@@ -97,6 +104,9 @@ class _Trainer:
     delta: object = None  # its delta areas (runtime/receiver/delta.py DeltaSource), None when it keeps no deltas
     full_only_reads: dict[int, list] = field(default_factory=dict)  # group READs a delta does not replace (staging slots)
     deltable_bytes: int = 0  # bytes of the READs from it a delta replaces
+    paths: dict[str, int] = field(default_factory=dict)  # bytes of a full sync from it, by path (SyncReport.paths)
+    deltable_paths: dict[str, int] = field(default_factory=dict)  # of those, the bytes a delta replaces
+    delta_path: str = "nixl"  # the path its delta bytes (host memory) take
 
     @property
     def rank(self) -> int:
@@ -150,6 +160,12 @@ class Receiver(AgentOwner):
     `versions` says which version each set holds. Alternates are refused with fp8 staging, fan-out, delta and
     derived='refresh', whose state belongs to one set.
 
+    A trainer on this host is read without NIXL unless `device_ipc="off"` (default "auto"): its host memory with
+    process_vm_readv, its GPU memory opened once over CUDA IPC and copied on this rank's current stream
+    (runtime/transport/local_peer.py); notifications still go over NIXL. A trainer that cannot be opened so (another
+    host, no permission, a handle refused) is read over NIXL, logged once. `SyncReport.paths` says which path moved
+    how many bytes.
+
     The constructor only checks the destination against the plan and builds this rank's tables
     (runtime/tables/receiver.py); `start()` registers the destination with NIXL, writes the constants
     and joins, `close()` deregisters it and releases the agent. `with Receiver(...) as receiver:` does both.
@@ -159,7 +175,10 @@ class Receiver(AgentOwner):
                  verify: bool = False, group_bytes: int = 256 << 20, post_op=None, progress_thread: bool = False,
                  derived: str = "refresh", act_dtype: torch.dtype = torch.bfloat16, ring_bytes: int = DEFAULT_RING_BYTES,
                  delta: float = 0.0, fp8_path: str = "auto", alternates: tuple = (), delta_path: str = "auto",
-                 delta_rates: DeltaRates | None = None):
+                 delta_rates: DeltaRates | None = None, device_ipc: str = "auto"):
+        if device_ipc not in DEVICE_IPC:
+            raise WeightplanError(f"inference rank {rank}: device_ipc must be one of {', '.join(DEVICE_IPC)}, not {device_ipc!r}")
+        self.device_ipc = device_ipc
         held = held_entries(plan, rank)
         if plan.staging:
             check_supported(plan)
@@ -215,6 +234,9 @@ class Receiver(AgentOwner):
         self._read_seconds = 0.0  # the grouped READs' phase of this sync, wall time
         self.incarnation = uuid.uuid4().hex
         self.agent: NixlAgent | None = None  # created, with the destinations registered, by start()
+        self.reader: Routed | None = None  # READs through the agent or a trainer's LocalReader, from start()
+        self._registered: list[torch.Tensor] = []
+        self._not_local: set[tuple[int, str]] = set()  # (trainer rank, why) already logged
         self._progress_thread = progress_thread
 
     def start(self) -> "Receiver":
@@ -226,8 +248,11 @@ class Receiver(AgentOwner):
         if self.agent is not None:
             raise WeightplanError(f"inference rank {self.rank}: this Receiver was started already")
         self.agent = NixlAgent(protocol.inference(self.rank).agent(self.rendezvous.job), self._progress_thread)
-        self.agent.register([t for views in self._dsts for t in views.values()] + [self._seq, self._ring_word] + (self._quant.slots if self._quant else [])
-                            + self._hops.registered + (self._delta.registered if self._delta else []))
+        self._registered = ([t for views in self._dsts for t in views.values()] + [self._seq, self._ring_word]
+                            + (self._quant.slots if self._quant else []) + self._hops.registered
+                            + (self._delta.registered if self._delta else []))
+        self.agent.register(self._registered)
+        self.reader = Routed(self.agent)
         self._hops.start(self.agent)
         if self._delta:
             self._delta.start(self.agent)
@@ -374,7 +399,8 @@ class Receiver(AgentOwner):
         self._check_sequence(version, deadline, "before reading")
         if self._quant and self._quant.begin():
             self.device_sync.wait("staging slots zeroed")  # before READs land in them
-        took, delta_bytes, choices = self._delta_phase(version, previous, synced or {}, deadline)
+        took, delta_read, choices = self._delta_phase(version, previous, synced or {}, deadline)
+        delta_bytes = sum(delta_read.values())
         self._ring_phase(version, deadline, took, into)
         self._transfer(version, start, deadline, self._post_ops(check), took, into)
         if self._quant:
@@ -398,12 +424,16 @@ class Receiver(AgentOwner):
         seconds = time.monotonic() - start
         slowest = max(self._reading, key=self._reading.get, default=None)
         share = min(1.0, self._reading[slowest] / self._read_seconds) if slowest is not None and self._read_seconds > 0 else 0.0
-        report = SyncReport(version, self.rank, read + delta_bytes, self.descriptors, len(sources), self.n_groups,
-                            seconds, spent[0] if self.verify else None,
-                            self._quant.seconds if self._quant else 0.0, self._derived.seconds, self.table_bytes,
-                            self.packed_read_bytes, self._hops.bytes, self._hops.seconds if self._hops.inbound else 0.0,
-                            slowest, share, "full" if not took else "delta" if took == set(sources) else "mixed",
-                            tuple(sorted(took)), delta_bytes, choices, waited - start, connected - waited)
+        report = SyncReport(
+            version=version, rank=self.rank, bytes=read + delta_bytes, descriptors=self.descriptors,
+            trainer_ranks=len(sources), groups=self.n_groups, seconds=seconds,
+            verify_seconds=spent[0] if self.verify else None,
+            quantize_seconds=self._quant.seconds if self._quant else 0.0, derived_seconds=self._derived.seconds,
+            table_bytes=self.table_bytes, packed_bytes=self.packed_read_bytes, second_hop_bytes=self._hops.bytes,
+            second_hop_seconds=self._hops.seconds if self._hops.inbound else 0.0, slowest_trainer=slowest,
+            slowest_share=share, took="full" if not took else "delta" if took == set(sources) else "mixed",
+            delta_trainers=tuple(sorted(took)), delta_bytes=delta_bytes, delta_choices=choices,
+            wait_seconds=waited - start, connect_seconds=connected - waited, paths=self._paths(took, delta_read))
         log.info("weightplan sync v%d inference rank %d (%s): %.3f GB, %d descriptors from %d trainer ranks, %.3f s, %.2f GB/s%s%s",
                  version, self.rank, report.took, report.bytes / 1e9, report.descriptors, report.trainer_ranks, report.seconds,
                  report.gbps, f", verified in {report.verify_seconds:.3f} s" if self.verify else "",
@@ -427,7 +457,10 @@ class Receiver(AgentOwner):
             raise PlanMismatchError(f"trainer rank {rank} serves its small runs from a region of {slot_bytes} bytes, this "
                                     f"rank expects {self._tables.slot_bytes[rank]}: give its Sender and this Receiver the same ring_bytes")
         quant = self._quant_regions(rank, info)
+        local = parse_local(info.get("local"), f"trainer rank {rank}") if self.device_ipc == "auto" else None
         peer.load()
+        if local is not None:
+            peer.reader = self._open_local(rank, peer, local)
         table = self._tables.descriptors[rank]
         bases = region_addresses(table.region, regions, {RemoteRegion.PACKED: packed_addr, **quant})
         # The info's areas these READs use, to name the one the trainer did not register if NIXL refuses them.
@@ -436,7 +469,8 @@ class Receiver(AgentOwner):
             ((RemoteRegion.STAGE_PACKED, "stage_packed"), (RemoteRegion.SCALES, "scales"), (RemoteRegion.FP8, "fp8")) if quant}
         fields = region_fields(info, table.region[table.region >= 0].tolist()) | dict(
             areas[region] for region in areas if (table.region == region).any())
-        remote = peer.prepare(np.stack([bases + table.remote_off, table.nbytes], axis=1), fields=fields)
+        remote_rows = np.stack([bases + table.remote_off, table.nbytes], axis=1)
+        remote = peer.prepare(remote_rows, fields=fields)
         direct = table.chunk < 0
         delta = self._delta.connect(rank, peer, info) if self._delta else None
         deltable = self._delta.trainers[rank].deltable if self._delta else np.zeros(len(table), dtype=bool)
@@ -450,7 +484,38 @@ class Receiver(AgentOwner):
             delta,
             {} if delta is None else {g: peer.reads(self._local[0][rank], remote, rows) for g in np.unique(table.group[direct]).tolist()
                                       if len(rows := np.flatnonzero((table.group == g) & direct & ~deltable))},
-            int(table.nbytes[deltable].sum()))
+            int(table.nbytes[deltable].sum()), peer.reader.path_bytes(peer.memory, remote_rows),
+            peer.reader.path_bytes(peer.memory, remote_rows[deltable]),
+            HOST_READ if peer.reader is not self.agent else self.agent.path)  # deltas are of host tensors only
+
+    def _open_local(self, rank: int, peer: Peer, record: LocalRecord):
+        """A LocalReader of trainer `rank` when it runs on this host and opens here, else its NIXL agent (why: logged
+        once per trainer rank and reason)."""
+        try:
+            reader = open_local(record, peer.memory, peer.incarnation, self._registered, str(peer.endpoint))
+        except NotLocal as exc:
+            if (rank, str(exc)) not in self._not_local:
+                self._not_local.add((rank, str(exc)))
+                log.warning("inference rank %d reads trainer rank %d over NIXL, not directly: %s", self.rank, rank, exc)
+            return self.agent
+        # NIXL still carries the notifications: one READ over it wires its connection up now (a connection UCX makes
+        # on a first notification needs this rank to progress its agent afterwards, which it would not do).
+        seq = peer.word(self._seq_local[rank], checked_word(rank, peer.info, "seq")[0], 8, "seq")
+        self.agent.read_now([(seq, f"trainer rank {rank}")], time.monotonic() + self.timeout, "connecting over NIXL")
+        return reader
+
+    def _paths(self, took: set[int], delta_read: dict[int, int]) -> dict[str, int]:
+        """The sync's `bytes` by path: each trainer's full bytes, or for one whose delta applied, the bytes a delta does
+        not replace and its delta."""
+        out: dict[str, int] = {}
+        for rank, t in self._trainers.by_rank.items():
+            parts = [t.paths]
+            if rank in took:
+                parts += [{k: -v for k, v in t.deltable_paths.items()}, {t.delta_path: delta_read.get(rank, 0)}]
+            for part in parts:
+                for path, n in part.items():
+                    out[path] = out.get(path, 0) + n
+        return {path: n for path, n in sorted(out.items()) if n}
 
     def _quant_regions(self, rank: int, info: dict) -> dict[RemoteRegion, int]:
         """Addresses of trainer `rank`'s packed stage copies, scales and fp8 values, after checking their sizes."""
@@ -473,18 +538,18 @@ class Receiver(AgentOwner):
             state = "is staging or retired it" if seq == 2 * version + 1 else f"holds version {seq // 2}"
             return f"trainer rank {rank} {when}: expected stable version {version}, the trainer {state}"
 
-        check_sequence(self.agent, {rank: t.seq_read for rank, t in self._trainers.by_rank.items()}, self._seq, version,
+        check_sequence(self.reader, {rank: t.seq_read for rank, t in self._trainers.by_rank.items()}, self._seq, version,
                        deadline, f"reading trainer sequence words {when}", unstable)
 
     def _delta_phase(self, version: int, previous: int | None, synced: dict[int, str],
-                     deadline: float) -> tuple[set[int], int, tuple[DeltaChoice, ...]]:
+                     deadline: float) -> tuple[set[int], dict[int, int], tuple[DeltaChoice, ...]]:
         """Take `version` as a delta from every trainer rank whose delta applies to what this rank holds: its record names
         `previous` as base and this rank's current version came from that same trainer incarnation. Every delta is
         read and decoded before any is applied (a bad one fails the sync with nothing written). Returns the trainer
-        ranks whose delta was applied, the bytes READ for them (indexes included) and the choices made; the others are
+        ranks whose delta was applied, the bytes READ for each (indexes included) and the choices made; the others are
         read full, among them those whose delta was predicted slower than reading full (runtime/delta/rates.py)."""
         if self._delta is None or previous is None:
-            return set(), 0, ()
+            return set(), {}, ()
         sources = {}
         for rank, t in self._trainers.by_rank.items():
             key = protocol.delta_key(rank, version)
@@ -494,8 +559,8 @@ class Receiver(AgentOwner):
             if record.base == previous:
                 sources[rank] = (t.peer, t.delta, record)
         if not sources:
-            return set(), 0, ()
-        fetched = self._delta.fetch(self.agent, sources, version, deadline,
+            return set(), {}, ()
+        fetched = self._delta.fetch(self.reader, sources, version, deadline,
                                     {r: self._trainers.by_rank[r].deltable_bytes for r in sources})
         if fetched.too_large:
             log.info("inference rank %d: the deltas of version %d from trainer ranks %s exceed this rank's delta staging; "
@@ -505,7 +570,7 @@ class Receiver(AgentOwner):
             log.info("inference rank %d: version %d read full where a delta is predicted slower: %s", self.rank, version,
                      "; ".join(declined))
         self._delta.apply(fetched.writes)
-        return set(fetched.writes), fetched.nbytes, fetched.choices
+        return set(fetched.writes), fetched.by_rank, fetched.choices
 
     def _ring_phase(self, version: int, deadline: float, took: set[int] = frozenset(), into: int = 0) -> None:
         """READ every ring chunk this rank reads, from every trainer serving through a ring, as each becomes ready.
@@ -524,7 +589,7 @@ class Receiver(AgentOwner):
                 what = f"trainer rank {rank}"
                 if self._ring_state(t, version, chunk, deadline) != "ready":
                     continue
-                self.agent.read_now([(h, what) for h in t.ring_reads[into][chunk]], deadline,
+                self.reader.read_now([(h, what) for h in t.ring_reads[into][chunk]], deadline,
                                     f"version {version} ring chunk {chunk + 1} of {what}")
                 if self._ring_state(t, version, chunk, deadline) != "ready":
                     raise SyncError(f"{what} refilled its ring while this rank read chunk {chunk + 1} of version {version}")
@@ -540,7 +605,7 @@ class Receiver(AgentOwner):
 
     def _ring_state(self, t: _Trainer, version: int, chunk: int, deadline: float) -> str:
         """'ready' when trainer `t`'s ring holds `chunk` of `version`, 'wait' before; SyncError once past it."""
-        self.agent.read_now([(t.ring_word_read, f"trainer rank {t.rank}")], deadline, "reading a trainer's ring word")
+        self.reader.read_now([(t.ring_word_read, f"trainer rank {t.rank}")], deadline, "reading a trainer's ring word")
         held, state = self._ring_word[t.rank].tolist()
         if held == version and state == 2 * chunk:
             return "ready"
@@ -565,10 +630,10 @@ class Receiver(AgentOwner):
                 posted_at[posted] = time.monotonic()
                 for t in self._trainers.by_rank.values():
                     for handle in reads[t.rank].get(posted, ()):
-                        self.agent.post(handle, f"trainer rank {t.rank}")
+                        self.reader.post(handle, f"trainer rank {t.rank}")
                 posted += 1
             handles = [(h, f"trainer rank {t.rank}") for t in self._trainers.by_rank.values() for h in reads[t.rank].get(g, ())]
-            done_at = self.agent.wait(handles, deadline, f"version {version} group {g + 1}/{self.n_groups}")
+            done_at = self.reader.wait(handles, deadline, f"version {version} group {g + 1}/{self.n_groups}")
             for t in self._trainers.by_rank.values():
                 if reads[t.rank].get(g):
                     self._reading[t.rank] = self._reading.get(t.rank, 0.0) + done_at[f"trainer rank {t.rank}"] - posted_at[g]

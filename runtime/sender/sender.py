@@ -22,6 +22,7 @@ from ..tables.ranks import check_src_rank, packing_of, readers, served_runs
 from ..tables.ring import DEFAULT_RING_BYTES, ring_chunks
 from ..transport import protocol
 from ..transport.lifecycle import AgentOwner
+from ..transport.local_record import local_record
 from ..transport.nixl_agent import NixlAgent
 from ..transport.progress import check_mode as check_progress
 from ..transport.protocol import Kind, Message
@@ -203,10 +204,13 @@ class Sender(AgentOwner):
         rank, rendezvous = self.rank, self.rendezvous
         me = protocol.trainer(rank)
         self.agent = NixlAgent(me.agent(rendezvous.job), self._progress)
-        self.agent.register([t for t in self._exposed if t is not None] + [self._packed, self._seq, self._ring_word]
-                            + (self._quant.registered if self._quant else [])
-                            + (self._gather.registered if self._gather else [])
-                            + (self._delta.registered if self._delta else []))
+        registered = ([t for t in self._exposed if t is not None] + [self._packed, self._seq, self._ring_word]
+                      + (self._quant.registered if self._quant else [])
+                      + (self._gather.registered if self._gather else [])
+                      + (self._delta.registered if self._delta else []))
+        self.agent.register(registered)
+        # Readers on this host check that this process holds its incarnation here before reading it directly.
+        self._probe = torch.tensor(list(bytes.fromhex(self.incarnation)), dtype=torch.uint8)
         plan = self.plan
         rendezvous.put(me.metadata_key(self.incarnation), self.agent.metadata())
         rendezvous.put(protocol.trainer_info_key(rank), {
@@ -221,6 +225,7 @@ class Sender(AgentOwner):
             **({"quant": self._quant.info()} if self._quant else {}),
             "memory": self.agent.memory.record(),  # host or which GPU each registered area is on
             **({"delta": self._delta.info()} if self._delta else {}),
+            "local": local_record(registered, self._probe).record(),  # what a reader on this host opens directly
         })
         log.info("trainer rank %d serves %d regions (%d staged) to inference ranks %s",
                  rank, len(self.regions), sum(r.staged for r in self.regions), list(self.readers))

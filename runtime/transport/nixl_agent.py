@@ -43,10 +43,12 @@ class Backoff:
 
 @dataclass(frozen=True)
 class Prepared:
-    """One prepared descriptor list as callers see it: a NIXL list per placement its rows lie in (`rows` says where)."""
+    """One prepared descriptor list as callers see it: a NIXL list per placement its rows lie in (`rows` says where),
+    and its (address, bytes) rows (`table`), which a reader other than NIXL (runtime/transport/local_peer.py) copies into."""
 
     lists: tuple
     rows: RowGroups
+    table: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,8 @@ class Read:
 
 class NixlAgent:
     """One NIXL agent of this process. Every transfer is a one-sided READ initiated here."""
+
+    path = "nixl"  # its name in SyncReport.paths
 
     def __init__(self, name: str, progress: bool | str = False):
         """`progress` (runtime/transport/progress.py): "thread" (or True) is NIXL's progress thread, which spins a
@@ -142,14 +146,14 @@ class NixlAgent:
             raise SyncError(f"{peer}: a descriptor {exc} of that process (its info's 'memory')") from None
         if groups is None:  # an empty list: the memory type does not matter
             return Prepared((self._agent.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", np.zeros((0, 3), dtype=np.uint64),
-                                                         HOST.kind),), group_rows(EMPTY, rows))
+                                                         HOST.kind),), group_rows(EMPTY, rows), rows)
         lists = []
         for placement, members in zip(groups.placements, groups.members):
             table = np.zeros((len(members), 3), dtype=np.uint64)
             table[:, :2] = rows[members]
             table[:, 2] = placement.device
             lists.append(self._agent.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", table, placement.kind))
-        return Prepared(tuple(lists), groups)
+        return Prepared(tuple(lists), groups, rows)
 
     def make_read(self, local: Prepared, remote: Prepared, indices: np.ndarray, message: bytes = b"") -> Read:
         """A READ of the given descriptor indices of two prepared lists (row i of one into row i of the other): one
@@ -169,6 +173,10 @@ class NixlAgent:
         """READs of descriptor rows `rows` of two prepared lists, DESCRIPTORS_PER_READ rows per request."""
         return [self.make_read(local, remote, rows[i : i + DESCRIPTORS_PER_READ])
                 for i in range(0, len(rows), DESCRIPTORS_PER_READ)]
+
+    def path_bytes(self, memory: MemoryMap, rows: np.ndarray) -> dict[str, int]:
+        """{path: bytes} READing (address, bytes) `rows` of a peer's `memory` moves: all of them over NIXL."""
+        return {self.path: int(np.asarray(rows).reshape(-1, 2)[:, 1].sum())}
 
     def read_now(self, handles: list[tuple[object, str]], deadline: float, what: str) -> None:
         """Post every prepared (READ, peer) and wait for all of them."""

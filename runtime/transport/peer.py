@@ -12,6 +12,7 @@ from ..errors import SyncError
 from .memory import MemoryMap
 from .nixl_agent import NixlAgent
 from .protocol import Endpoint
+from .reader import PeerReader
 from .rendezvous import Rendezvous
 
 
@@ -25,8 +26,10 @@ class Peer:
         self.name = endpoint.agent(rendezvous.job)
         self.info = rendezvous.get_json(endpoint.info_key(incarnation))
         self._agent, self._rendezvous = agent, rendezvous
-        self._handles: list = []
-        self._lists: list = []
+        # How its memory is read: its NIXL agent, or a LocalReader when it runs on this host (set before preparing).
+        self.reader: PeerReader = agent
+        self._handles: list = []  # (the reader that made it, the READ)
+        self._lists: list = []  # (the reader that prepared it, the list)
         self.memory: MemoryMap | None = None  # where its registered memory lives (its info's 'memory'), set by load()
 
     def load(self) -> None:
@@ -40,44 +43,47 @@ class Peer:
 
         Remote rows come from the peer's published info, `fields` ({info field: (address, bytes)}) naming the areas
         they lie in: memory the peer did not register is a SyncError naming the first such field."""
+        reader = self._agent if local else self.reader
         try:
-            prepared = self._agent.prepare(None if local else self.name, rows, self.memory)
+            prepared = reader.prepare(None if local else self.name, rows, self.memory)
         except Exception as exc:  # NIXL raises per-status types, e.g. nixlNotFoundError for memory the peer did not register
             if local:
                 raise
             raise SyncError(f"{self.endpoint}: its info's {self._unregistered(fields or {}) or 'addresses'} name memory "
                             f"it did not register ({type(exc).__name__}); is that record its own?") from None
-        self._lists.append(prepared)
+        self._lists.append((reader, prepared))
         return prepared
 
     def _unregistered(self, fields: dict[str, tuple[int, int]]) -> str:
         """The first field whose area alone the peer's memory does not hold (tried one at a time, on the error path)."""
         for name, (address, nbytes) in fields.items():
             try:
-                self._lists.append(self._agent.prepare(self.name, np.array([[address, nbytes]]), self.memory))
+                self._lists.append((self.reader, self.reader.prepare(self.name, np.array([[address, nbytes]]), self.memory)))
             except Exception:  # noqa: BLE001 - the refusal is the answer
                 return f"{name!r} ([{address:#x}, +{nbytes}))"
         return ""
 
     def reads(self, local, remote, rows: np.ndarray) -> list:
-        """READs of descriptor rows `rows` of two prepared lists (NixlAgent.make_reads), released with this peer."""
-        handles = self._agent.make_reads(local, remote, rows)
-        self._handles += handles
+        """READs of descriptor rows `rows` of two prepared lists (PeerReader.make_reads), released with this peer."""
+        handles = self.reader.make_reads(local, remote, rows)
+        self._handles += [(self.reader, h) for h in handles]
         return handles
 
     def word(self, local, address: int, nbytes: int, field: str):
         """A READ of `nbytes` at `address` on this peer (its info's `field`: a sequence, ring or landed word) into the
         prepared `local`."""
-        handle = self._agent.make_read(local, self.prepare(np.array([[address, nbytes]]), fields={field: (address, nbytes)}),
+        handle = self.reader.make_read(local, self.prepare(np.array([[address, nbytes]]), fields={field: (address, nbytes)}),
                                        np.zeros(1))
-        self._handles.append(handle)
+        self._handles.append((self.reader, handle))
         return handle
 
     def drop(self) -> None:
-        for handle in self._handles:
-            self._agent.release(handle)
-        for prepared in self._lists:
-            self._agent.release_list(prepared)
+        for reader, handle in self._handles:
+            reader.release(handle)
+        for reader, prepared in self._lists:
+            reader.release_list(prepared)
+        if self.reader is not self._agent:
+            self.reader.close()
         self._agent.remove_peer(self.name)
 
 
@@ -110,7 +116,7 @@ class Connections(Generic[T]):
             self.drop(rank)
 
 
-def check_sequence(agent: NixlAgent, seq_reads: dict[int, object], words: torch.Tensor, version: int, deadline: float,
+def check_sequence(agent: PeerReader, seq_reads: dict[int, object], words: torch.Tensor, version: int, deadline: float,
                    what: str, unstable: Callable[[int, int], str]) -> None:
     """The seqlock check of a read: READ the sequence word of every trainer rank in `seq_reads` ({rank: its READ into
     words[rank]}); SyncError(unstable(rank, word)) for the first that does not hold `version` stable (2 * version)."""

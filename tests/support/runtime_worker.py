@@ -11,6 +11,7 @@ every process whose rank the case has, so several plans share the cost of starti
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -88,6 +89,15 @@ def wait_gate(args, rendezvous, kind: str, version: int) -> None:
         time.sleep(0.005)  # the readers of a benchmark start within a few ms of each other
 
 
+def destination_digest(destination: dict[str, torch.Tensor]) -> str:
+    """One SHA-256 over every destination tensor's bytes, in name order: equal digests, equal destinations."""
+    digest = hashlib.sha256()
+    for name in sorted(destination):
+        digest.update(name.encode())
+        digest.update(destination[name].reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def byte_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
@@ -144,7 +154,8 @@ def run_plain_inference(args, plan) -> None:
 
     receiver = Receiver(plan, args.rank, destination, rendezvous=rendezvous, timeout=args.timeout, verify=args.verify,
                         derived="caller",  # plain tensors: no modules whose derived state could go stale
-                        group_bytes=args.group_bytes, post_op=hold, ring_bytes=args.ring_bytes, delta=args.delta).start()
+                        group_bytes=args.group_bytes, post_op=hold, ring_bytes=args.ring_bytes, delta=args.delta,
+                        device_ipc=args.device_ipc).start()
     emit(event="joined", rank=args.rank)
     for version in args.versions:
         if args.gate:
@@ -163,7 +174,8 @@ def run_plain_inference(args, plan) -> None:
              differ=differ[:5], n_differ=len(differ), bytes=report.bytes, descriptors=report.descriptors,
              groups=report.groups, seconds=report.seconds, verify_seconds=report.verify_seconds,
              second_hop_bytes=report.second_hop_bytes, slowest_trainer=report.slowest_trainer,
-             slowest_share=report.slowest_share, took=report.took, delta_bytes=report.delta_bytes)
+             slowest_share=report.slowest_share, took=report.took, delta_bytes=report.delta_bytes, paths=report.paths,
+             sha256=destination_digest(destination))
     receiver.close()  # with fan-out, after this node's peers finished reading its last version
 
 
@@ -300,19 +312,21 @@ def main(argv=None) -> None:
     parser.add_argument("--progress", default="auto", help="trainer's target-side progress (runtime/transport/progress.py)")
     parser.add_argument("--delta", type=float, default=0.0, help="Sender/Receiver delta (fraction held for deltas; 0: off)")
     parser.add_argument("--sparse", type=float, default=0.0, help="each later version changes about this fraction of elements")
+    parser.add_argument("--device-ipc", default="auto", help="Receiver device_ipc: auto (same-host reads direct) or off; comma-separated, one per --plan")
     parser.add_argument("--linger", type=float, default=0.0, help="trainer stays alive this long after the last version")
     args = parser.parse_args(argv)
     plans, jobs = args.plan.split(","), args.job.split(",")
     models = args.model.split(",") if args.model else [None] * len(plans)
-    if not len(plans) == len(jobs) == len(models):
-        raise SystemExit("--plan, --job and --model must list the same number of cases")
-    for path, job, model in zip(plans, jobs, models):
+    ipcs = args.device_ipc.split(",") if "," in args.device_ipc else [args.device_ipc] * len(plans)
+    if not len(plans) == len(jobs) == len(models) == len(ipcs):
+        raise SystemExit("--plan, --job, --model and --device-ipc must list the same number of cases")
+    for path, job, model, ipc in zip(plans, jobs, models, ipcs):
         _CASE["job"] = job
         plan = load_plan(path)
         ranks = plan.header.src_ranks if args.role == "trainer" else plan.header.dst_ranks
         if args.rank < ranks:
-            (run_trainer if args.role == "trainer" else run_inference)(argparse.Namespace(**{**vars(args), "plan": path,
-                                                                                          "job": job, "model": model}), plan)
+            (run_trainer if args.role == "trainer" else run_inference)(argparse.Namespace(**{
+                **vars(args), "plan": path, "job": job, "model": model, "device_ipc": ipc}), plan)
             emit(event="case-done", rank=args.rank)
 
 
