@@ -37,7 +37,6 @@ import argparse
 import hashlib
 import importlib
 import importlib.util
-import inspect
 import json
 import os
 import signal
@@ -199,12 +198,6 @@ def _cuda_sync() -> None:
 
 def _same(a, b) -> bool:
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-
-
-def _kwargs_it_takes(fn, **maybe) -> dict:
-    """The keyword arguments among `maybe` that `fn` accepts (names other engineers are adding)."""
-    params = inspect.signature(fn).parameters
-    return {k: v for k, v in maybe.items() if k in params}
 
 
 def _timed(fn, repeats: int) -> float:
@@ -398,8 +391,7 @@ def sender_worker(args) -> None:
     if device.type == "cpu" and torch.cuda.is_available():
         tensors = {n: t.pin_memory() for n, t in tensors.items()}
     rendezvous.wait([protocol.joined_key(0)], args.timeout, "the gpu check's receiver process")
-    with Sender(plan, 0, tensors, rendezvous=rendezvous, timeout=args.timeout,
-                **(_kwargs_it_takes(Sender, device_ipc=args.device_ipc) if args.device_ipc else {})) as sender:
+    with Sender(plan, 0, tensors, rendezvous=rendezvous, timeout=args.timeout) as sender:
         if args.no_device_wait:
             sender.device_sync = DeviceSync(())  # the control: publish without waiting for the device
         for version in range(1, args.versions + 1):
@@ -427,9 +419,7 @@ def receiver_worker(args) -> None:
     rendezvous = Rendezvous.connect(args.job, args.address, timeout=args.timeout)
     device = torch.device(args.receiver_device)
     destination = {e.name: torch.zeros(e.shape, dtype=getattr(torch, e.dtype), device=device) for e in plan.dests}
-    extra = _kwargs_it_takes(Receiver, device_ipc=args.device_ipc) if args.device_ipc else {}
-    if args.device_ipc and not extra:
-        raise SystemExit(f"this checkout's Receiver takes no device_ipc (asked for {args.device_ipc!r})")
+    extra = {"device_ipc": args.device_ipc} if args.device_ipc else {}
     rows = []
     with Receiver(plan, 0, destination, rendezvous=rendezvous, timeout=args.timeout, derived="caller", **extra) as receiver:
         for version in range(1, args.versions + 1):
@@ -437,7 +427,7 @@ def receiver_worker(args) -> None:
             expected = version_values(plan, version, device)
             equal = all(torch.equal(destination[n].view(torch.int16), t.view(torch.int16)) for n, t in expected.items())
             rows.append({"version": version, "seconds": report.seconds, "bytes": report.bytes, "equal": equal,
-                         "paths": getattr(report, "paths", None)})
+                         "paths": report.paths})
     print(json.dumps({"versions": rows}), flush=True)
 
 
@@ -534,20 +524,14 @@ def _sync_plan(args, tmp: Path, mib: int) -> Path:
 
 
 def sync_vram(args, state: dict) -> dict:
-    from weightplan.runtime import Receiver
-
     variants: dict[str, dict] = {}
-    ipc = "device_ipc" in inspect.signature(Receiver).parameters
     with tempfile.TemporaryDirectory() as tmp:
         plan = _sync_plan(args, Path(tmp), args.mib)
-        todo = [(f"nixl {name}", {"UCX_TLS": tls} if tls else {}, "off" if ipc else None, tls or "default")
+        todo = [(f"nixl {name}", {"UCX_TLS": tls} if tls else {}, "off", tls or "default")
                 for name, tls in (UCX_VARIANTS if args.device == "cuda" else UCX_VARIANTS[:1])]
         if args.device == "cuda":
             todo.append(("runtime cuda_ipc", {}, "auto", "default"))
         for name, env, device_ipc, tls in todo:
-            if device_ipc == "auto" and not ipc:
-                variants[name] = skipped("this checkout's Receiver takes no device_ipc")
-                continue
             left = args.deadline_at - time.monotonic()
             if left < 8:
                 variants[name] = skipped("no time left in the part's deadline")
