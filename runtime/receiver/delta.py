@@ -18,11 +18,9 @@ from ..errors import PlanMismatchError, SyncError
 from ..plan.format import Plan
 from ..tables.quant import QuantTables
 from ..tables.receiver import ReadTables
-from ..transport.nixl_agent import NixlAgent
-from ..transport.reader import PeerReader
+from ..transport.reader import PeerReader, Transport
 from ..transport.peer import Peer
-from ..transport.peer_check import checked_word
-from ..transport.protocol import DeltaRecord
+from ..transport.protocol import DeltaRecord, TrainerInfo
 from ..transport.region_digests import byte_view
 
 INDEX_WORDS = 3  # as runtime/sender/delta.py writes it: version, base, page count, then each page blob's end
@@ -113,25 +111,21 @@ class ReceiverDelta:
     def staging_bytes(self) -> int:
         return sum(p.staging.numel() + p.index.numel() * 8 for p in self.trainers.values())
 
-    def start(self, agent: NixlAgent) -> None:
+    def start(self, agent: Transport) -> None:
         if self.path == "host":
             warm_up()
         self._index_local = {src: agent.prepare(None, np.array([[p.index.data_ptr(), p.index.numel() * 8]]))
                              for src, p in self.trainers.items()}
 
-    def release(self, agent: NixlAgent) -> None:
+    def release(self, agent: Transport) -> None:
         for prepared in self._index_local.values():
             agent.release_list(prepared)
 
-    def connect(self, rank: int, peer: Peer, info: dict) -> DeltaSource | None:
+    def connect(self, rank: int, peer: Peer, info: TrainerInfo) -> DeltaSource | None:
         """Trainer `rank`'s delta areas from its checked info; None when it keeps no deltas."""
-        if "delta" not in info:
+        if info.delta is None:
             return None
-        delta = info["delta"]
-        if not isinstance(delta, dict):
-            raise SyncError(f"trainer rank {rank}: its info's 'delta' is not an object")
-        index_addr, index_bytes = checked_word(rank, delta, "index", 2)
-        region, capacity = checked_word(rank, delta, "region", 2)
+        (index_addr, index_bytes), (region, capacity) = info.delta["index"], info.delta["region"]
         p = self.trainers[rank]
         if index_bytes != p.index.numel() * 8:
             raise PlanMismatchError(f"trainer rank {rank} indexes {index_bytes // 8 - INDEX_WORDS} delta pages, this rank "

@@ -23,11 +23,10 @@ from ..tables.ring import DEFAULT_RING_BYTES
 from ..transport import protocol
 from ..transport.lifecycle import AgentOwner
 from ..transport.local_peer import HOST_READ, NotLocal, open_local
-from ..transport.local_record import LocalRecord, parse_local
 from ..transport.nixl_agent import Backoff, NixlAgent
 from ..transport.peer import Connections, Peer, check_sequence
-from ..transport.peer_check import checked_regions, checked_word, region_fields
-from ..transport.reader import Routed
+from ..transport.peer_check import checked_regions, region_fields
+from ..transport.reader import Routed, Transport
 from ..transport.region_digests import byte_view, run_digests
 from ..transport.rendezvous import Rendezvous
 from .alternates import alternate_views
@@ -179,6 +178,7 @@ class Receiver(AgentOwner):
         if device_ipc not in DEVICE_IPC:
             raise WeightplanError(f"inference rank {rank}: device_ipc must be one of {', '.join(DEVICE_IPC)}, not {device_ipc!r}")
         self.device_ipc = device_ipc
+        self._ring_bytes = ring_bytes
         held = held_entries(plan, rank)
         if plan.staging:
             check_supported(plan)
@@ -233,7 +233,7 @@ class Receiver(AgentOwner):
         self._reading: dict[int, float] = {}  # trainer rank -> seconds its grouped READs were outstanding, this sync
         self._read_seconds = 0.0  # the grouped READs' phase of this sync, wall time
         self.incarnation = uuid.uuid4().hex
-        self.agent: NixlAgent | None = None  # created, with the destinations registered, by start()
+        self.agent: Transport | None = None  # created, with the destinations registered, by start()
         self.reader: Routed | None = None  # READs through the agent or a trainer's LocalReader, from start()
         self._registered: list[torch.Tensor] = []
         self._not_local: set[tuple[int, str]] = set()  # (trainer rank, why) already logged
@@ -446,26 +446,29 @@ class Receiver(AgentOwner):
     def _connect(self, rank: int, incarnation: str) -> _Trainer:
         """Prepare transfers to incarnation `incarnation` of trainer `rank`, once its info matches this rank's tables."""
         peer = Peer(self.agent, self.rendezvous, protocol.trainer(rank), incarnation)
-        info = peer.info
+        info = protocol.TrainerInfo.parse(peer.info, rank)
         regions = checked_regions(self.plan, self._qt, rank, info, incarnation)
-        packed_addr, packed_bytes = checked_word(rank, info, "packed", 2)
+        mismatch = info.options.mismatch(self._ring_bytes, self.verify)
+        if mismatch:
+            raise PlanMismatchError(f"trainer rank {rank}: {mismatch}")
+        packed_addr, packed_bytes = info.packed
         if packed_bytes != self._tables.packed_bytes[rank]:
             raise PlanMismatchError(f"trainer rank {rank} packs {packed_bytes} bytes of small runs, this rank expects "
                                     f"{self._tables.packed_bytes[rank]}: run the same weightplan version on both sides")
-        ring_addr, slot_bytes = checked_word(rank, info, "ring", 2)
+        ring_addr, slot_bytes = info.ring
         if slot_bytes != self._tables.slot_bytes[rank]:
             raise PlanMismatchError(f"trainer rank {rank} serves its small runs from a region of {slot_bytes} bytes, this "
                                     f"rank expects {self._tables.slot_bytes[rank]}: give its Sender and this Receiver the same ring_bytes")
         quant = self._quant_regions(rank, info)
-        local = parse_local(info.get("local"), f"trainer rank {rank}") if self.device_ipc == "auto" else None
-        peer.load()
+        local = info.local if self.device_ipc == "auto" else None
+        peer.load(info.memory)
         if local is not None:
-            peer.reader = self._open_local(rank, peer, local)
+            peer.reader = self._open_local(rank, peer, info)
         table = self._tables.descriptors[rank]
         bases = region_addresses(table.region, regions, {RemoteRegion.PACKED: packed_addr, **quant})
         # The info's areas these READs use, to name the one the trainer did not register if NIXL refuses them.
         areas = {RemoteRegion.PACKED: ("packed", (packed_addr, packed_bytes))} | {
-            region: (f"quant.{key}", tuple(info["quant"][key])) for region, key in
+            region: (f"quant.{key}", info.quant[key]) for region, key in
             ((RemoteRegion.STAGE_PACKED, "stage_packed"), (RemoteRegion.SCALES, "scales"), (RemoteRegion.FP8, "fp8")) if quant}
         fields = region_fields(info, table.region[table.region >= 0].tolist()) | dict(
             areas[region] for region in areas if (table.region == region).any())
@@ -475,7 +478,7 @@ class Receiver(AgentOwner):
         delta = self._delta.connect(rank, peer, info) if self._delta else None
         deltable = self._delta.trainers[rank].deltable if self._delta else np.zeros(len(table), dtype=bool)
         return _Trainer(
-            peer, peer.word(self._seq_local[rank], checked_word(rank, info, "seq")[0], 8, "seq"),
+            peer, peer.word(self._seq_local[rank], info.seq, 8, "seq"),
             peer.word(self._ring_local[rank], ring_addr, 16, "ring"),
             tuple({g: peer.reads(local[rank], remote, np.flatnonzero((table.group == g) & direct))
                    for g in np.unique(table.group[direct]).tolist()} for local in self._local),
@@ -488,11 +491,11 @@ class Receiver(AgentOwner):
             peer.reader.path_bytes(peer.memory, remote_rows[deltable]),
             HOST_READ if peer.reader is not self.agent else self.agent.path)  # deltas are of host tensors only
 
-    def _open_local(self, rank: int, peer: Peer, record: LocalRecord):
+    def _open_local(self, rank: int, peer: Peer, info: protocol.TrainerInfo):
         """A LocalReader of trainer `rank` when it runs on this host and opens here, else its NIXL agent (why: logged
         once per trainer rank and reason)."""
         try:
-            reader = open_local(record, peer.memory, peer.incarnation, self._registered, str(peer.endpoint))
+            reader = open_local(info.local, peer.memory, peer.incarnation, self._registered, str(peer.endpoint))
         except NotLocal as exc:
             if (rank, str(exc)) not in self._not_local:
                 self._not_local.add((rank, str(exc)))
@@ -500,7 +503,7 @@ class Receiver(AgentOwner):
             return self.agent
         # NIXL still carries the notifications: one READ over it wires its connection up now (a connection UCX makes
         # on a first notification needs this rank to progress its agent afterwards, which it would not do).
-        seq = peer.word(self._seq_local[rank], checked_word(rank, peer.info, "seq")[0], 8, "seq")
+        seq = peer.word(self._seq_local[rank], info.seq, 8, "seq")
         self.agent.read_now([(seq, f"trainer rank {rank}")], time.monotonic() + self.timeout, "connecting over NIXL")
         return reader
 
@@ -517,16 +520,16 @@ class Receiver(AgentOwner):
                     out[path] = out.get(path, 0) + n
         return {path: n for path, n in sorted(out.items()) if n}
 
-    def _quant_regions(self, rank: int, info: dict) -> dict[RemoteRegion, int]:
+    def _quant_regions(self, rank: int, info: protocol.TrainerInfo) -> dict[RemoteRegion, int]:
         """Addresses of trainer `rank`'s packed stage copies, scales and fp8 values, after checking their sizes."""
         if self._qt is None:
             return {}
         fp8, scales = self._qt.region_bytes(rank)
         expected = {"stage_packed": stage_packing(self.plan, self._qt, rank).nbytes, "scales": 4 * scales, "fp8": fp8}
-        quant = info.get("quant")
-        if not isinstance(quant, dict):
+        quant = info.quant
+        if quant is None:
             raise SyncError(f"trainer rank {rank}: its info has no fp8 regions ('quant'), which this plan needs")
-        regions = {k: checked_word(rank, quant, k, 2) for k in expected}
+        regions = {k: quant[k] for k in expected}
         if {k: size for k, (_, size) in regions.items()} != expected:
             raise PlanMismatchError(f"trainer rank {rank} exposes fp8 regions {quant}, this rank expects sizes {expected}: "
                                     "run the same weightplan version on both sides")

@@ -25,9 +25,9 @@ from ..errors import PlanMismatchError, SyncError
 from ..plan.format import Plan
 from ..tables.fanout import second_hops, served_entries, served_hops
 from ..transport import protocol
-from ..transport.nixl_agent import Backoff, NixlAgent
+from ..transport.nixl_agent import Backoff
+from ..transport.reader import Transport
 from ..transport.peer import Connections, Peer
-from ..transport.peer_check import checked_word
 from ..transport.protocol import Kind
 from ..transport.rendezvous import Rendezvous
 
@@ -59,7 +59,7 @@ class SecondHops:
         self._slot = {p: i for i, p in enumerate(self.inbound)}
         self._pullers: Connections[_Puller] = Connections(self._connect)
         self._local: dict[int, tuple] = {}
-        self.agent: NixlAgent | None = None
+        self.agent: Transport | None = None
         self.seconds = 0.0
         self._peers = {protocol.inference(k).agent(rendezvous.job): k for k in served_hops(plan, rank)}
         self._landed: int | None = None  # the version peers may still be reading from this rank
@@ -77,7 +77,7 @@ class SecondHops:
                 "entries": [[d, self._dst[d].data_ptr(), _nbytes(self._dst[d])] for d in self.served],
                 "memory": self.agent.memory.record()}
 
-    def start(self, agent: NixlAgent) -> None:
+    def start(self, agent: Transport) -> None:
         """Prepare the local side of every second hop (destination entries and a word slot per puller)."""
         self.agent = agent
         for puller, dests in self.inbound.items():
@@ -205,7 +205,7 @@ class SecondHops:
     def _connect(self, puller: int, incarnation: str) -> _Puller:
         """Prepare READs from incarnation `incarnation` of `puller`, once its info lists the entries the plan says it serves."""
         peer = Peer(self.agent, self.rendezvous, protocol.inference(puller), incarnation)
-        landed_at, size = checked_word(puller, peer.info, "landed", 2)
+        landed_at, size = protocol.words(f"inference rank {puller}", peer.info, "landed", 2)
         entries = peer.info.get("entries")
         if size != 16 or not isinstance(entries, list) or not all(
                 isinstance(e, list) and len(e) == 3 and all(type(x) is int and x >= 0 for x in e) for e in entries):

@@ -25,6 +25,7 @@ from ..transport.lifecycle import AgentOwner
 from ..transport.local_record import local_record
 from ..transport.nixl_agent import NixlAgent
 from ..transport.progress import check_mode as check_progress
+from ..transport.reader import Transport
 from ..transport.protocol import Kind, Message
 from ..transport.region_digests import byte_view, run_digests
 from ..transport.rendezvous import Rendezvous
@@ -106,6 +107,7 @@ class Sender(AgentOwner):
             check_supported(plan)
         plan = plan.pulling  # with fan-out, each replicated entry is read from this rank by one inference rank per node
         self.plan, self.rank, self.rendezvous, self.timeout, self.digests = plan, rank, rendezvous, timeout, digests
+        self._ring_bytes = ring_bytes
         tables = quant_tables(plan) if plan.staging else None
         self.regions = exposed_regions(plan, tables, rank)
         # Sources this rank quantizes from itself are read locally; they are exposed only if others read them.
@@ -163,7 +165,7 @@ class Sender(AgentOwner):
                                           *(self._quant.registered if self._quant else [])])
         self.readers = tuple(sorted(set(readers(plan, rank)) | set(quant_readers(plan, tables, rank) if tables else ())))
         self.incarnation = uuid.uuid4().hex
-        self.agent: NixlAgent | None = None  # created, with this rank's memory registered, by start()
+        self.agent: Transport | None = None  # created, with this rank's memory registered, by start()
         self._progress = progress
         self._live: set[int] = set()  # inference ranks whose acknowledgement release() waits for
         self._joined: dict[int, str] = {}
@@ -213,20 +215,17 @@ class Sender(AgentOwner):
         self._probe = torch.tensor(list(bytes.fromhex(self.incarnation)), dtype=torch.uint8)
         plan = self.plan
         rendezvous.put(me.metadata_key(self.incarnation), self.agent.metadata())
-        rendezvous.put(protocol.trainer_info_key(rank), {
-            "fingerprint": plan.fingerprint,
-            "incarnation": self.incarnation,
-            "agent": self.agent.name,
-            "seq": self._seq.data_ptr(),
-            "packed": [self._packed.data_ptr(), self.packing.nbytes],
-            "ring": [self._ring_word.data_ptr(), self._packed.numel()],
-            # address 0: a region served only through the packed region (never read in place)
-            "regions": [[r.source, r.chain, 0 if t is None else t.data_ptr(), r.nbytes] for r, t in zip(self.regions, self._exposed)],
-            **({"quant": self._quant.info()} if self._quant else {}),
-            "memory": self.agent.memory.record(),  # host or which GPU each registered area is on
-            **({"delta": self._delta.info()} if self._delta else {}),
-            "local": local_record(registered, self._probe).record(),  # what a reader on this host opens directly
-        })
+        rendezvous.put(protocol.trainer_info_key(rank), protocol.TrainerInfo(
+            fingerprint=plan.fingerprint, incarnation=self.incarnation, agent=self.agent.name, seq=self._seq.data_ptr(),
+            packed=(self._packed.data_ptr(), self.packing.nbytes), ring=(self._ring_word.data_ptr(), self._packed.numel()),
+            regions=tuple(protocol.ServedRegion(r.source, r.chain, 0 if t is None else t.data_ptr(), r.nbytes)
+                          for r, t in zip(self.regions, self._exposed)),
+            memory=self.agent.memory,  # host or which GPU each registered area is on
+            options=protocol.SharedOptions(self._ring_bytes, self.digests),
+            quant={k: tuple(v) for k, v in self._quant.info().items()} if self._quant else None,
+            delta={k: tuple(v) for k, v in self._delta.info().items()} if self._delta else None,
+            local=local_record(registered, self._probe),  # what a reader on this host opens directly
+        ).to_json())
         log.info("trainer rank %d serves %d regions (%d staged) to inference ranks %s",
                  rank, len(self.regions), sum(r.staged for r in self.regions), list(self.readers))
         return self

@@ -12,9 +12,9 @@ from ..plan.format import Plan
 from ..tables.quant import QuantTables, exposed_regions, region_index
 from ..tables.ranks import contiguous_starts
 from ..transport import protocol
-from ..transport.nixl_agent import NixlAgent
+from ..transport.reader import Transport
 from ..transport.peer import Connections, Peer, check_sequence
-from ..transport.peer_check import checked_regions, checked_word, region_fields
+from ..transport.peer_check import checked_regions, region_fields
 from ..transport.rendezvous import Rendezvous
 
 
@@ -56,7 +56,7 @@ class TrainerGather:
     def registered(self) -> list[torch.Tensor]:
         return [self.buffer, self._seq]
 
-    def fetch(self, agent: NixlAgent, rendezvous: Rendezvous, version: int, deadline: float) -> float:
+    def fetch(self, agent: Transport, rendezvous: Rendezvous, version: int, deadline: float) -> float:
         """READ this version's bytes from every peer, then announce `protocol.gathered_key`; returns the seconds spent."""
         began = time.perf_counter()
         rendezvous.wait([protocol.staged_key(p, version) for p in self.peers], deadline - time.monotonic(),
@@ -74,24 +74,25 @@ class TrainerGather:
         self.seconds = time.perf_counter() - began
         return self.seconds
 
-    def _connect(self, agent: NixlAgent, rendezvous: Rendezvous, rank: int, incarnation: str) -> _Source:
+    def _connect(self, agent: Transport, rendezvous: Rendezvous, rank: int, incarnation: str) -> _Source:
         """Prepare the READs from incarnation `incarnation` of peer `rank`, once its info matches the plan."""
         peer = Peer(agent, rendezvous, protocol.trainer(rank), incarnation)
-        bases = np.array(checked_regions(self.plan, self.tables, rank, peer.info, incarnation), dtype=np.int64)
+        info = protocol.TrainerInfo.parse(peer.info, rank)
+        bases = np.array(checked_regions(self.plan, self.tables, rank, info, incarnation), dtype=np.int64)
         mine = np.flatnonzero(self._copies.src_rank == rank)
         c = self._copies.take(mine)
         remote = bases[region_index(exposed_regions(self.plan, self.tables, rank), c)] + c.src_off * 2
         local = self.buffer.data_ptr() + self.offset[mine] * 2
         first, nbytes = contiguous_starts(c.length * 2, (remote, local))
         remote, local = remote[first], local[first]
-        peer.load()
+        peer.load(info.memory)
         local_list = peer.prepare(np.stack([local, nbytes], axis=1), local=True)
-        remote_list = peer.prepare(np.stack([remote, nbytes], axis=1), fields=region_fields(peer.info, region_index(exposed_regions(self.plan, self.tables, rank), c)[first].tolist()))
+        remote_list = peer.prepare(np.stack([remote, nbytes], axis=1), fields=region_fields(info, region_index(exposed_regions(self.plan, self.tables, rank), c)[first].tolist()))
         seq_local = peer.prepare(np.array([[self._seq.data_ptr() + 8 * rank, 8]]), local=True)
         return _Source(peer, peer.reads(local_list, remote_list, np.arange(len(nbytes))),
-                       peer.word(seq_local, checked_word(rank, peer.info, "seq")[0], 8, "seq"))
+                       peer.word(seq_local, info.seq, 8, "seq"))
 
-    def _check_sequence(self, agent: NixlAgent, version: int, deadline: float, when: str) -> None:
+    def _check_sequence(self, agent: Transport, version: int, deadline: float, when: str) -> None:
         check_sequence(agent, {p: source.seq_read for p, source in self._sources.by_rank.items()}, self._seq, version,
                        deadline, f"trainer rank {self.rank}: reading peer sequence words {when}",
                        lambda p, seq: f"trainer rank {self.rank} gathering {when}: trainer rank {p} no longer holds "

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from .nixl_agent import NixlAgent
+from .reader import Transport
 
 
 class AgentOwner:
     """A Sender or Receiver: its constructor only checks and allocates, `start()` creates and registers its
     NIXL agent, `close()` releases it (idempotent)."""
 
-    agent: NixlAgent | None = None
+    agent: Transport | None = None
 
     @property
     def running(self) -> bool:

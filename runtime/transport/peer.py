@@ -10,9 +10,8 @@ import torch
 
 from ..errors import SyncError
 from .memory import MemoryMap
-from .nixl_agent import NixlAgent
 from .protocol import Endpoint
-from .reader import PeerReader
+from .reader import PeerReader, Transport
 from .rendezvous import Rendezvous
 
 
@@ -21,7 +20,7 @@ class Peer:
     construction; `load()` loads its agent once the caller checked that info; every list and READ prepared
     through it is released, and its agent removed, by `drop()`."""
 
-    def __init__(self, agent: NixlAgent, rendezvous: Rendezvous, endpoint: Endpoint, incarnation: str):
+    def __init__(self, agent: Transport, rendezvous: Rendezvous, endpoint: Endpoint, incarnation: str):
         self.endpoint, self.incarnation = endpoint, incarnation
         self.name = endpoint.agent(rendezvous.job)
         self.info = rendezvous.get_json(endpoint.info_key(incarnation))
@@ -32,10 +31,10 @@ class Peer:
         self._lists: list = []  # (the reader that prepared it, the list)
         self.memory: MemoryMap | None = None  # where its registered memory lives (its info's 'memory'), set by load()
 
-    def load(self) -> None:
+    def load(self, memory: MemoryMap | None = None) -> None:
         """Load its agent metadata, refusing metadata that names any other agent, once its info says where its memory
-        lives (host or which GPU: the memory type of every descriptor on it)."""
-        self.memory = MemoryMap.from_record(self.info.get("memory"), str(self.endpoint))
+        lives (host or which GPU: the memory type of every descriptor on it; `memory`, parsed already, or its info's)."""
+        self.memory = memory if memory is not None else MemoryMap.from_record(self.info.get("memory"), str(self.endpoint))
         self._agent.add_peer(self._rendezvous.get_bytes(self.endpoint.metadata_key(self.incarnation)), self.name)
 
     def prepare(self, rows: np.ndarray, local: bool = False, fields: dict[str, tuple[int, int]] | None = None):

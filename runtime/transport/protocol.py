@@ -6,13 +6,11 @@ import enum
 import logging
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..errors import SyncError
-
-if TYPE_CHECKING:
-    from .nixl_agent import NixlAgent
-    from .rendezvous import Rendezvous
+from .local_record import LocalRecord, parse_local
+from .memory import MemoryMap
 
 log = logging.getLogger("weightplan.runtime")
 
@@ -90,6 +88,139 @@ def delta_key(rank: int, version: int) -> str:
     return f"trainer/{rank}/delta/{version}"
 
 
+Area = tuple[int, int]  # (address, bytes) of a registered area
+
+
+@dataclass(frozen=True)
+class ServedRegion:
+    """One region a trainer serves in place, as its info names it: the plan source and cast chain, address and bytes
+    (address 0: a region served only through the packed region, never read in place)."""
+
+    source: int
+    chain: int
+    address: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SharedOptions:
+    """The Sender options its Receivers depend on, published in its info and checked by each Receiver in one place
+    (`mismatch`): `ring_bytes` shapes the small-run region and the tables both sides derive from it; `digests`
+    is what a Receiver with verify=True checks against."""
+
+    ring_bytes: int
+    digests: bool
+
+    def to_json(self) -> dict:
+        return {"ring_bytes": self.ring_bytes, "digests": self.digests}
+
+    @staticmethod
+    def parse(value, who: str) -> "SharedOptions":
+        if not isinstance(value, dict) or set(value) != {"ring_bytes", "digests"}:
+            raise SyncError(f"{who}: its info's 'options' is not an object of ring_bytes, digests")
+        ring = value["ring_bytes"]
+        if not isinstance(ring, int) or isinstance(ring, bool) or not 0 < ring < 1 << 62:
+            raise SyncError(f"{who}: its info's 'options.ring_bytes' is {str(ring)[:40]}, not a positive byte count")
+        if not isinstance(value["digests"], bool):
+            raise SyncError(f"{who}: its info's 'options.digests' is {str(value['digests'])[:40]}, not a boolean")
+        return SharedOptions(ring, value["digests"])
+
+    def mismatch(self, ring_bytes: int, verify: bool) -> str | None:
+        """What a Receiver with these settings cannot work with, in one line naming the option and both values; None
+        when it can."""
+        if ring_bytes != self.ring_bytes:
+            return (f"ring_bytes is {self.ring_bytes} there and {ring_bytes} here: give its Sender and this Receiver the "
+                    "same ring_bytes")
+        if verify and not self.digests:
+            return "digests is False there and verify is True here: start the trainer with Sender(..., digests=True)"
+        return None
+
+
+@dataclass(frozen=True)
+class TrainerInfo:
+    """What a trainer rank publishes for readers (trainer_info_key), the one record readers parse: its plan and
+    incarnation, its agent, its sequence word, packed and ring regions, served regions, fp8 regions (`quant`: fp8,
+    scales, stage_packed), delta index and region (`delta`: index, region as [address, capacity]), where its memory
+    lives, and what a reader on the same host opens directly (`local`)."""
+
+    fingerprint: str
+    incarnation: str
+    agent: str
+    seq: int
+    packed: Area
+    ring: Area  # [address of the ring word, slot bytes]
+    regions: tuple[ServedRegion, ...]
+    memory: MemoryMap
+    options: SharedOptions
+    quant: dict[str, Area] | None = None
+    delta: dict[str, Area] | None = None
+    local: LocalRecord | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "fingerprint": self.fingerprint, "incarnation": self.incarnation, "agent": self.agent, "seq": self.seq,
+            "packed": list(self.packed), "ring": list(self.ring),
+            "regions": [[r.source, r.chain, r.address, r.nbytes] for r in self.regions],
+            "memory": self.memory.record(), "options": self.options.to_json(),
+            **({"quant": {k: list(v) for k, v in self.quant.items()}} if self.quant is not None else {}),
+            **({"delta": {k: list(v) for k, v in self.delta.items()}} if self.delta is not None else {}),
+            **({"local": self.local.record()} if self.local is not None else {}),
+        }
+
+    @staticmethod
+    def parse(value, rank: int) -> "TrainerInfo":
+        """The TrainerInfo a store value spells; SyncError naming trainer `rank` and the malformed field otherwise."""
+        who = f"trainer rank {rank}"
+        if not isinstance(value, dict):
+            raise SyncError(f"{who}: its info is not an object")
+        unknown = set(value) - _TRAINER_FIELDS
+        if unknown:
+            raise SyncError(f"{who}: its info has unknown field {sorted(unknown)[0][:40]!r}")
+        text = {}
+        for key, pattern in (("fingerprint", r"[0-9a-f]{64}"), ("incarnation", INCARNATION.pattern), ("agent", r"[\x21-\x7e]{1,256}")):
+            if not isinstance(value.get(key), str) or not re.fullmatch(pattern, value[key]):
+                raise SyncError(f"{who}: its info's {key!r} is {str(value.get(key))[:40]}, not a valid {key}")
+            text[key] = value[key]
+        regions = value.get("regions")
+        if not isinstance(regions, list) or len(regions) > MAX_REGIONS or not all(_words(r, 4) for r in regions):
+            raise SyncError(f"{who}: its info's 'regions' is not a list of [source, chain, address, bytes]")
+        return TrainerInfo(
+            **text, seq=words(who, value, "seq")[0], packed=tuple(words(who, value, "packed", 2)),
+            ring=tuple(words(who, value, "ring", 2)), regions=tuple(ServedRegion(*r) for r in regions),
+            memory=MemoryMap.from_record(value.get("memory"), who), options=SharedOptions.parse(value.get("options"), who),
+            quant=_areas(who, value, "quant", ("fp8", "scales", "stage_packed")),
+            delta=_areas(who, value, "delta", ("index", "region")), local=parse_local(value.get("local"), who))
+
+
+_TRAINER_FIELDS = {"fingerprint", "incarnation", "agent", "seq", "packed", "ring", "regions", "memory", "options", "quant",
+                   "delta", "local"}
+MAX_REGIONS = 1 << 24
+
+
+def words(who: str, record: dict, key: str, n: int = 1) -> list[int]:
+    """`record[key]` of `who`'s info: `n` unsigned 64-bit integers (an address, a size), or a SyncError naming them."""
+    value = record.get(key)
+    value = [value] if n == 1 and not isinstance(value, list) else value
+    if not _words(value, n):
+        raise SyncError(f"{who}: its info's {key!r} is {str(record.get(key))[:40]}, expected {n} unsigned integer(s)")
+    return value
+
+
+def _words(value, n: int) -> bool:
+    return (isinstance(value, list) and len(value) == n
+            and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 64 for v in value))
+
+
+def _areas(who: str, record: dict, key: str, names: tuple[str, ...]) -> dict[str, Area] | None:
+    """`record[key]`, an object of [address, bytes] areas named `names`, absent (None) or a SyncError naming it."""
+    value = record.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != set(names):
+        raise SyncError(f"{who}: its info's {key!r} is not an object of {', '.join(names)}")
+    return {name: tuple(words(who, value, name, 2)) for name in names}
+
+
 @dataclass(frozen=True)
 class DeltaRecord:
     """What trainer rank's delta of a version is computed from: `base` (the version it published before, None when it
@@ -130,7 +261,21 @@ def joined_record(incarnation: str, agent: str) -> dict:
     return {"incarnation": incarnation, "agent": agent}
 
 
-def joined_incarnation(rendezvous: Rendezvous, rank: int) -> str | None:
+class Store(Protocol):
+    """What reading a record needs of the rendezvous (transport/rendezvous.py's Rendezvous)."""
+
+    def exists(self, key: str) -> bool: ...
+
+    def get_json(self, key: str): ...
+
+
+class Notified(Protocol):
+    """What reading notifications needs of a process's transport (transport/reader.py's Transport)."""
+
+    def notifications(self) -> dict[str, list[str]]: ...
+
+
+def joined_incarnation(rendezvous: Store, rank: int) -> str | None:
     """The incarnation inference `rank` joined with, None if it has not joined; SyncError if the record is unreadable
     or holds no valid incarnation."""
     key = joined_key(rank)
@@ -199,7 +344,7 @@ def hop(version: int) -> str:
     return Message(Kind.HOP, version).text
 
 
-def received(agent: NixlAgent, senders: dict[str, int], kinds: frozenset[Kind], who: str):
+def received(agent: Notified, senders: dict[str, int], kinds: frozenset[Kind], who: str):
     """(rank, Message) for each new notification of one of `kinds` from an agent in `senders` ({agent name: rank});
     notifications from other agents, or of other kinds or malformed, are logged and dropped (peers are not trusted)."""
     for name, texts in agent.notifications().items():

@@ -8,7 +8,6 @@ import numpy as np
 
 from .local_peer import LocalPrepared, LocalRead
 from .memory import MemoryMap
-from .nixl_agent import NixlAgent
 
 
 @runtime_checkable
@@ -38,11 +37,41 @@ class PeerReader(Protocol):
     def path_bytes(self, memory: MemoryMap, rows: np.ndarray) -> dict[str, int]: ...
 
 
+@runtime_checkable
+class Transport(PeerReader, Protocol):
+    """A process's own transport: a PeerReader that also registers its memory, publishes metadata peers load, loads
+    theirs and carries notifications. NixlAgent is the one there is; a second (a fake in tests, another fabric) is one
+    new class with these members (tests/runtime/test_transport_interface.py holds NixlAgent to this declaration)."""
+
+    name: str
+    path: str  # its name in SyncReport.paths
+    memory: MemoryMap  # what it registered, by placement
+
+    def register(self, tensors: list) -> None: ...
+
+    def metadata(self) -> bytes: ...
+
+    def close(self) -> None: ...
+
+    def background(self, on: bool) -> None: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def add_peer(self, metadata: bytes, expected_name: str) -> None: ...
+
+    def remove_peer(self, name: str) -> None: ...
+
+    def notify(self, peer: str, message: str) -> None: ...
+
+    def notifications(self) -> dict[str, list[str]]: ...
+
+
 class Routed:
     """A PeerReader over READs of several readers: each list and READ goes to the reader that made it (a LocalReader's
     carry it), every other to the NIXL agent, which also prepares this process's own rows (peer None)."""
 
-    def __init__(self, agent: NixlAgent):
+    def __init__(self, agent: Transport):
         self.agent = agent
 
     def _of(self, made) -> PeerReader:

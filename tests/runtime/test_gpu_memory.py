@@ -27,21 +27,22 @@ def on_cuda(tensor: torch.Tensor, index: int) -> torch.Tensor:
 
 
 class FakeNixl:
-    """Records what NixlAgent asks of nixl_agent: registrations, prepared lists and transfers, with memory types."""
+    """Records what NixlAgent asks of nixl_agent: registrations, prepared lists and transfers, with memory types. Its
+    methods take nixl_agent's own parameters (tests/runtime/test_transport_interface.py checks them)."""
 
-    def __init__(self, name, config):
+    def __init__(self, agent_name, nixl_conf):
         self.registered, self.lists, self.reads, self.released = [], [], [], []
 
-    def register_memory(self, table, kind):
-        self.registered.append((kind, np.array(table).tolist()))
+    def register_memory(self, reg_list, mem_type):
+        self.registered.append((mem_type, np.array(reg_list).tolist()))
         return len(self.registered)
 
-    def prep_xfer_dlist(self, agent, table, kind):
-        self.lists.append((agent, kind, np.array(table).tolist()))
+    def prep_xfer_dlist(self, agent_name, xfer_list, mem_type):
+        self.lists.append((agent_name, mem_type, np.array(xfer_list).tolist()))
         return len(self.lists) - 1
 
-    def make_prepped_xfer(self, op, local, local_idx, remote, remote_idx, message):
-        self.reads.append((local, local_idx.tolist(), remote, remote_idx.tolist()))
+    def make_prepped_xfer(self, operation, local_xfer_side, local_indices, remote_xfer_side, remote_indices, notif_msg):
+        self.reads.append((local_xfer_side, local_indices.tolist(), remote_xfer_side, remote_indices.tolist()))
         return len(self.reads) - 1
 
     def transfer(self, handle):

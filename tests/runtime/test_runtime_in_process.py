@@ -116,6 +116,25 @@ def test_receiver_refuses_a_trainer_running_another_plan(rendezvous, bf16_plan, 
     assert receiver.version is None
 
 
+@pytest.mark.parametrize("sender_kwargs,receiver_kwargs,message", [
+    ({"ring_bytes": 1 << 20}, {"ring_bytes": 1 << 19}, "ring_bytes is 1048576 there and 524288 here"),
+    ({"digests": False}, {"verify": True}, "digests is False there and verify is True here"),
+])
+def test_options_both_sides_share_must_agree(rendezvous, bf16_plan, sender_kwargs, receiver_kwargs, message):
+    """What the trainer published of its options (protocol.SharedOptions) is checked once, at connect, in one line
+    naming the option and both values; nothing is read and the receiver holds no version."""
+    sender = Sender(bf16_plan, 0, shard(bf16_plan, full_weights(bf16_plan, 0, 1), 0), rendezvous=rendezvous, timeout=5,
+                    progress_thread=True, **sender_kwargs).start()
+    receiver = Receiver(bf16_plan, 0, plain_destination(bf16_plan, 0), rendezvous=rendezvous, timeout=5, derived="caller",
+                        **receiver_kwargs).start()
+    sender.publish(1)
+    with pytest.raises(PlanMismatchError, match=f"trainer rank 0: {message}") as caught:
+        receiver.sync(1)
+    assert "\n" not in str(caught.value) and receiver.version is None
+    receiver.close()
+    sender.close()
+
+
 def test_bad_inputs_are_refused_before_any_agent_or_registration(no_agents, rendezvous, bf16_plan):
     tensors = shard(bf16_plan, full_weights(bf16_plan, 0, 1), 0)
     destination = plain_destination(bf16_plan, 0)
