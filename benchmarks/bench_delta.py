@@ -6,7 +6,7 @@ Usage: python benchmarks/bench_delta.py [--layers N] [--steps N] [--lrs 1e-6,1e-
 Per case (an lr, a quantization): this process is the inference side; it starts `--trainers` (4) trainer processes
 (this file with `--role trainer`) that build transformers' DeepseekV3ForCausalLM for benchmarks/configs/
 bench-deepseek-v3 cut to `--layers` decoder layers (all 9: the 1.03 GB model), shard it with FSDP2 over gloo on a
-(dp_shard, ep) = (2, 2) mesh as examples/moe_trainer.py does, fp32 masters computing in bf16 (bf16 on the wire), and
+(dp_shard, ep) = (2, 2) mesh as testing/moe_trainer.py does, fp32 masters computing in bf16 (bf16 on the wire), and
 train the toy objective with AdamW at the case's lr. The plan is compiled for their live layout and two inference
 ranks holding every weight (`dp=2`): rank 0 takes deltas (`Receiver(delta=0.5)`, verify=True), rank 1 always takes
 full syncs; both are plain tensors in this process. Every trainer `LiveSender(delta=0.5, digests=True)`.
@@ -42,13 +42,12 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from examples import moe_trainer as mt  # noqa: E402
-from examples.rl_loop import wait_for_keys  # noqa: E402
+from weightplan.testing import moe_trainer as mt  # noqa: E402
+from weightplan.testing.moe_trainer import wait_for_keys  # noqa: E402
 from weightplan.runtime import LiveSender, Receiver, Rendezvous, load_plan, write_trainer_layout  # noqa: E402
 from weightplan.runtime.delta.encode import Encoding, changed, decode, encode, encoded_sizes  # noqa: E402
 from weightplan.runtime.transport import protocol  # noqa: E402

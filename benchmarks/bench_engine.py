@@ -4,7 +4,7 @@ Usage: python benchmarks/bench_engine.py [--updates N] [--smoke]   (make bench-e
 
 A DeepSeek-V3-shaped MLA model of about 1 GB in bf16 (benchmarks/configs/bench-deepseek-v3), bf16
 trainer tensors on 2 trainer processes (FSDP=2: this process is rank 0 and drives the engine,
-tests/support/vllm_trainer_worker.py is rank 1), one `vllm.LLM` CPU engine (tp=1) started with
+testing/engine_trainer.py is rank 1), one `vllm.LLM` CPU engine (tp=1) started with
 `load_format="dummy"`:
   (a)  our update (send_weights at trainer rank 0: publish, start/update/finish on the engine,
        release), split on the engine into transfer (the NIXL sync into staging) and
@@ -42,7 +42,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "benchmarks" / "configs" / "bench-deepseek-v3"
 SMOKE_CONFIG = ROOT / "tests" / "configs" / "engine-deepseek-v3"
-sys.path.insert(0, str(ROOT))
 os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with functions (benchmark only)
 
 
@@ -77,7 +76,7 @@ def wait_for(path: Path, text: str, proc: subprocess.Popen) -> None:
 def delta_pauses(llm, plan, plan_path: Path, tmp: Path, updates: int) -> dict:
     """(d): rejoin the engine in job bench-engine-delta with delta syncs on; version 1 full, then `updates` sparse
     steps (deltas) alternating with `updates` new weight sets (full), every update prefetched; the engine's pauses."""
-    from tests.support.vllm_engine_support import full_weights, local_shards, sparse_step
+    from weightplan.testing.engines import full_weights, local_shards, sparse_step
     from weightplan.runtime import Rendezvous
     from weightplan.vllm_backend.clients import LLMClient
     from weightplan.vllm_backend.trainer import ShardSource, WeightplanTrainerEngine, WeightplanTrainerInitInfo
@@ -90,8 +89,8 @@ def delta_pauses(llm, plan, plan_path: Path, tmp: Path, updates: int) -> dict:
     trainer = WeightplanTrainerEngine.trainer_init(info, client=LLMClient(llm), source=ShardSource(tensors))
     gate = Rendezvous.connect(job, info.address, timeout=300)
     log = tmp / "rank1-delta.out"
-    sets = [1] + [x for k in range(updates) for x in ("s", k + 2)]  # as tests/support/vllm_trainer_worker.py reads them
-    rank1 = subprocess.Popen([sys.executable, "-m", "tests.support.vllm_trainer_worker", "--plan", str(plan_path), "--rank", "1",
+    sets = [1] + [x for k in range(updates) for x in ("s", k + 2)]  # as testing/engine_trainer.py reads them
+    rank1 = subprocess.Popen([sys.executable, "-m", "weightplan.testing.engine_trainer", "--plan", str(plan_path), "--rank", "1",
                               "--address", info.address, "--job", job, "--timeout", "300", "--sets", ",".join(map(str, sets)),
                               "--delta", "0.5"], cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     wait_for(log, '"ready"', rank1)
@@ -141,7 +140,7 @@ def main() -> None:
         args.updates = 2 if args.smoke else 4
     if args.updates < 1:
         parser.error("--updates must be at least 1")
-    from tests.support.vllm_engine_support import full_weights, greedy, local_shards, make_llm, pin_no_amx, shutdown, write_checkpoint
+    from weightplan.testing.engines import full_weights, greedy, local_shards, make_llm, pin_no_amx, shutdown, write_checkpoint
     from weightplan.compiler.compile import CompileOptions, compile_plan
     from weightplan.runtime import Rendezvous, load_plan
     from weightplan.vllm_backend.clients import LLMClient
@@ -163,7 +162,7 @@ def main() -> None:
     gate = Rendezvous.connect("bench-engine", info.address, timeout=300)
     sets = ",".join(str(v) for v in range(1, args.updates + 1))
     out = open(tmp / "rank1.out", "w")
-    rank1 = subprocess.Popen([sys.executable, "-m", "tests.support.vllm_trainer_worker", "--plan", str(plan_path), "--rank", "1",
+    rank1 = subprocess.Popen([sys.executable, "-m", "weightplan.testing.engine_trainer", "--plan", str(plan_path), "--rank", "1",
                               "--address", info.address, "--job", "bench-engine", "--timeout", "300", "--sets", sets],
                              cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     wait_for(tmp / "rank1.out", '"ready"', rank1)

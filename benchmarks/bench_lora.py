@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 PROMPT = [5, 9, 17, 33]
@@ -114,7 +113,7 @@ def main() -> None:
     import torch
     from vllm.lora.request import LoRARequest
 
-    from tests.support.vllm_engine_support import local_shards, make_llm, pin_no_amx, shutdown
+    from weightplan.testing.engines import local_shards, make_llm, pin_no_amx, shutdown
     from weightplan.compiler.compile import CompileOptions, compile_plan
     from weightplan.compiler.verify_lora import spec_of, write_peft_dir
     from weightplan.runtime import load_plan

@@ -6,7 +6,7 @@ One run, one machine: this process is the inference side and starts `--trainers`
 processes (this file with `--role trainer`). The trainers build transformers'
 DeepseekV3ForCausalLM for benchmarks/configs/bench-deepseek-v3 (MLA, kv_lora 512; 1.03 GB of bf16
 weights, 2.06 GB of fp32 masters) and shard it with FSDP2 over gloo on CPU as
-examples/moe_trainer.py does (experts Shard(0) over ep on a (dp_shard, ep) = (2, 2) mesh), with fp32
+testing/moe_trainer.py does (experts Shard(0) over ep on a (dp_shard, ep) = (2, 2) mesh), with fp32
 masters and MixedPrecisionPolicy(param_dtype=bf16) by default (bf16 on the wire), plain SGD (no
 optimizer state, to fit this host's memory; the figures start after optimizer.step()). The
 inference side builds two vLLM models as vLLM's loader builds them (bf16, CPU): one a `Receiver`
@@ -53,13 +53,12 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
-from examples import moe_trainer as mt  # noqa: E402
-from examples.rl_loop import DTYPES, add_trainer_options, wait_for_keys  # noqa: E402
+from weightplan.testing import moe_trainer as mt  # noqa: E402
+from weightplan.testing.moe_trainer import DTYPES, add_trainer_options, wait_for_keys  # noqa: E402
 from runtime_bench_worker import _broadcast, _gloo  # noqa: E402  (standalone gloo groups on the job's store)
 from weightplan.runtime import LiveSender, Receiver, Rendezvous, load_plan, write_trainer_layout  # noqa: E402
 from weightplan.runtime.transport import protocol  # noqa: E402

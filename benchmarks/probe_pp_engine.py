@@ -17,14 +17,13 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pp", type=int, default=2)
     args = p.parse_args()
-    from tests.support.vllm_engine_support import greedy, make_llm, pin_no_amx, shutdown
+    from weightplan.testing.engines import greedy, make_llm, pin_no_amx, shutdown
 
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(args.pp)))
     pin_no_amx(Path(tempfile.mkdtemp(prefix="weightplan-pp-probe-")))

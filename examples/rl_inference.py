@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from examples import moe_trainer as mt
+from weightplan.testing import moe_trainer as mt
 from weightplan.runtime import Receiver
 
 KV_CACHE_BYTES = 64 << 20  # explicit: vLLM's CPU worker otherwise sizes it from host memory minus its RSS (docs/vllm.md)

@@ -8,7 +8,7 @@ This process is the inference side and hosts the rendezvous store; it starts `--
 trainer processes (this same file with `--role trainer`). Then:
 
 1. The trainers build transformers' DeepseekV3ForCausalLM (examples/configs/), shard it with
-   FSDP2 over gloo (examples/moe_trainer.py), and trainer 0 writes the live module's trainer
+   FSDP2 over gloo (testing/moe_trainer.py), and trainer 0 writes the live module's trainer
    layout (`write_trainer_layout`). Meanwhile the inference side starts (examples/rl_inference.py).
 2. The inference side compiles a plan for exactly that layout (`compile_plan`, trainer format
    `stacked`, the masters' dtype) and announces its path.
@@ -50,11 +50,11 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from examples import moe_trainer as mt  # noqa: E402
+from weightplan.testing import moe_trainer as mt  # noqa: E402
+from weightplan.testing.moe_trainer import DTYPES, add_trainer_options, check_alive, wait_for_keys  # noqa: E402
 from examples.rl_inference import EngineInference, ReceiverInference  # noqa: E402
 from weightplan.runtime import LiveSender, Rendezvous, load_plan, write_trainer_layout  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 INFERENCE = {"engine": (EngineInference, mt.ENGINE_CONFIG), "receiver": (ReceiverInference, mt.CONFIG)}
 
 
@@ -175,46 +175,20 @@ def run_inference(args) -> int:
 def _wait(rendezvous, key: str, procs, workdir: Path, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not rendezvous.exists(key):
-        _check_alive(procs, workdir)
+        check_alive(procs, workdir)
         if time.monotonic() > deadline:
             raise SystemExit(f"no {key} within {timeout} s; see {workdir}/trainer-*.log")
         time.sleep(0.05)
 
 
-def wait_for_keys(rendezvous, keys: list[str], what: str, procs, workdir: Path, timeout: float) -> None:
-    """Poll (every 2 ms) until the trainers put every key; fail early, with its log, if a trainer died."""
-    deadline = time.monotonic() + timeout
-    for key in keys:
-        while not rendezvous.exists(key):
-            if time.monotonic() > deadline:
-                raise SystemExit(f"no {what} within {timeout} s; see {workdir}/trainer-*.log")
-            _check_alive(procs, workdir)
-            time.sleep(0.002)
-
-
 def _wait_file(path: Path, procs, workdir: Path, timeout: float):
     deadline = time.monotonic() + timeout
     while not path.exists():
-        _check_alive(procs, workdir)
+        check_alive(procs, workdir)
         if time.monotonic() > deadline:
             raise SystemExit(f"no {path} within {timeout} s")
         time.sleep(0.05)
     return torch.load(path, weights_only=True)
-
-
-def _check_alive(procs, workdir: Path) -> None:
-    for rank, proc in enumerate(procs):
-        if proc.poll() not in (None, 0):
-            tail = "\n".join((workdir / f"trainer-{rank}.log").read_text().splitlines()[-25:])
-            raise SystemExit(f"trainer {rank} exited with {proc.returncode}:\n{tail}")
-
-
-def add_trainer_options(p: argparse.ArgumentParser) -> None:
-    """--trainers, --ep, --masters (shared with benchmarks/bench_trainer.py)."""
-    p.add_argument("--trainers", type=int, default=4, help="trainer processes (FSDP2 ranks)")
-    p.add_argument("--ep", type=int, default=2, help="expert-parallel degree: experts Shard(0) over a (dp_shard, ep) mesh")
-    p.add_argument("--masters", choices=DTYPES, default="fp32",
-                   help="fp32: fp32 masters, MixedPrecisionPolicy(param_dtype=bf16), bf16 on the wire; bf16: bf16 masters")
 
 
 def parse_args(argv=None):

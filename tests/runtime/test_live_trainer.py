@@ -85,7 +85,7 @@ def test_rl_loop_through_a_vllm_engine_generates_what_a_fresh_engine_on_the_chec
 
 def _fsdp_rank0(dtype=torch.float32, **kw):
     """Rank 0 of a fake 4-rank world: the tiny DeepSeek-V3 trainer under fully_shard (no collectives needed)."""
-    from examples import moe_trainer as mt
+    from weightplan.testing import moe_trainer as mt
 
     as_rank(0, 4)
     return mt.parallelize(mt.build_model(mt.CONFIG, dtype), **kw)

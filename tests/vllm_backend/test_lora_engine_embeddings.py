@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from tests.support.vllm_engine_support import CONFIGS, make_llm, pin_no_amx
+from weightplan.testing.engines import CONFIGS, make_llm, pin_no_amx
 from tests.support.lora_engine import greedy_with_lora, plan_into_slot, random_peft_dirs
 
 pytestmark = pytest.mark.skipif(os.environ.get("WEIGHTPLAN_SLOW_ENGINE") != "1",

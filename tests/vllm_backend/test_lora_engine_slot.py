@@ -12,7 +12,7 @@ import os
 import pytest
 
 from tests.support.lora_engine import greedy_with_lora, plan_into_slot, random_peft_dirs
-from tests.support.vllm_engine_support import CONFIGS, make_llm, pin_no_amx
+from weightplan.testing.engines import CONFIGS, make_llm, pin_no_amx
 
 pytestmark = pytest.mark.skipif(os.environ.get("WEIGHTPLAN_SLOW_ENGINE") != "1",
                                 reason="slow engine test: set WEIGHTPLAN_SLOW_ENGINE=1")

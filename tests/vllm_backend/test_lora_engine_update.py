@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from tests.support.vllm_engine_support import CONFIGS, local_shards, make_llm, pin_no_amx, shutdown
+from weightplan.testing.engines import CONFIGS, local_shards, make_llm, pin_no_amx, shutdown
 
 pytestmark = pytest.mark.skipif(os.environ.get("WEIGHTPLAN_SLOW_ENGINE") != "1",
                                 reason="slow engine test: set WEIGHTPLAN_SLOW_ENGINE=1")

@@ -3,9 +3,9 @@
 Per model (a tiny Qwen3-MoE and a tiny DeepSeek-V3-shaped MLA model), one engine with the
 `weightplan` backend starts with `load_format="dummy"` and gets every weight from the trainers:
 trainer rank 0 is this process (it drives the engine through `vllm.LLM`), trainer rank 1 is a
-separate process (tests/support/vllm_trainer_worker.py); the engine's worker is a third. After each
+separate process (testing/engine_trainer.py); the engine's worker is a third. After each
 update, greedy tokens and logprobs must equal those of a fresh engine loaded from an HF safetensors
-checkpoint of the same weights (tests/support/vllm_engine_support.py).
+checkpoint of the same weights (testing/engines.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.vllm_engine_support import (
+from weightplan.testing.engines import (
     CONFIGS, ROOT, full_weights, greedy, local_shards, make_llm, pin_no_amx, read_references, shutdown,
     start_references, write_checkpoint,
 )
@@ -51,7 +51,7 @@ class Case:
     version: int = 0
 
     def start_rank1(self, key: str, first_version: int = 1, hold: int = 0) -> None:
-        cmd = [sys.executable, "-m", "tests.support.vllm_trainer_worker", "--plan", str(self.plan_path), "--rank", "1",
+        cmd = [sys.executable, "-m", "weightplan.testing.engine_trainer", "--plan", str(self.plan_path), "--rank", "1",
                "--address", self.address, "--job", self.model, "--timeout", str(TIMEOUT),
                "--sets", ",".join(map(str, SETS)), "--first-version", str(first_version), "--hold-after-publish", str(hold)]
         self.procs[key] = subprocess.Popen(cmd, cwd=ROOT, stdout=open(self.tmp / f"{key}.out", "w"),
@@ -140,7 +140,7 @@ def test_three_updates_generate_what_fresh_checkpoint_engines_generate(case):
         assert case.event("rank1", "sent", version)["acked"] == [0]
         out = greedy(case.llm)
         if os.environ.get("WEIGHTPLAN_TEST_DIGESTS"):
-            from tests.support.vllm_engine_support import kernel_digests
+            from weightplan.testing.engines import kernel_digests
             ours, theirs = case.llm.collective_rpc(kernel_digests)[0], case.refs[f"digests-{SETS[version - 1]}"]
             print("DIFF", version, sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k)))
         assert out != previous, f"version {version}: the engine generates what it did before the update"

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from tests.support.vllm_engine_support import (
+from weightplan.testing.engines import (
     CONFIGS, AsyncEngine, async_greedy, first_reference, full_weights, local_shards, pin_no_amx, plan_and_first_reference,
 )
 

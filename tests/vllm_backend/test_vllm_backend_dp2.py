@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from tests.support.vllm_engine_support import (
+from weightplan.testing.engines import (
     CONFIGS, AsyncEngine, async_greedy, local_shards, pin_no_amx, plan_and_checkpoint,
 )
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tests.support.vllm_engine_support import (
+from weightplan.testing.engines import (
     CONFIGS, draft_kernel_digests, full_weights, greedy, kernel_digests, local_shards, make_llm, pin_no_amx, shutdown,
     write_checkpoint,
 )

@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from tests.support.vllm_engine_support import (
+from weightplan.testing.engines import (
     CONFIGS, KV_CACHE_BYTES, MAX_TOKENS, PROMPTS, ROOT, first_reference, full_weights, local_shards, pin_no_amx,
     plan_and_first_reference,
 )

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from tests.support.vllm_engine_support import (
+from weightplan.testing.engines import (
     CONFIGS, greedy, local_shards, make_llm, pin_no_amx, plan_and_checkpoint, shutdown,
 )
 

@@ -1,6 +1,6 @@
 """A trainer rank (>= 1) of the vLLM engine tests: a WeightplanTrainerEngine that sends a version when the test says so.
 
-Run as `python -m tests.support.vllm_trainer_worker --plan P --rank R --address A --job J --seed S`; waits for
+Run as `python -m weightplan.testing.engine_trainer --plan P --rank R --address A --job J --seed S`; waits for
 `test/go/<v>` in the store, sends version v (publish + release) with weight set `--sets`[v - 1] (`s`: a sparse step
 of the previous version's weights, `sparse_step(previous, v)`) and prints one JSON line per version.
 """
@@ -17,7 +17,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 from weightplan.runtime import Rendezvous, load_plan
 from weightplan.vllm_backend.trainer import ShardSource, WeightplanTrainerEngine, WeightplanTrainerInitInfo
 
-from .vllm_engine_support import full_weights, local_shards, sparse_step
+from weightplan.testing.engines import full_weights, local_shards, sparse_step
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]  # the repository: its tests/configs, and what engine workers import
 CONFIGS = ROOT / "tests" / "configs"
 PROMPTS = [[1, 2, 3, 4, 5], [17, 42, 99, 7], [250, 3, 3, 3, 3, 3, 8, 9]]
 MAX_TOKENS = 8
@@ -211,7 +211,7 @@ def start_references(checkpoints: dict[int, Path], out: Path, log: Path) -> subp
     """
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     args = [f"{k}={v}" for k, v in checkpoints.items()]
-    return subprocess.Popen([sys.executable, "-m", "tests.support.vllm_engine_support", str(out), *args], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "weightplan.testing.engines", str(out), *args], cwd=ROOT, env=env,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
@@ -251,7 +251,7 @@ def read_references(proc: subprocess.Popen, out: Path, log: Path, timeout: float
     return refs
 
 
-if __name__ == "__main__":  # python -m tests.support.vllm_engine_support OUT.json SET=CHECKPOINT ...
+if __name__ == "__main__":  # python -m weightplan.testing.engines OUT.json SET=CHECKPOINT ...
     results = {}
     for arg in sys.argv[2:]:
         key, _, path = arg.partition("=")

@@ -14,13 +14,16 @@ outputs (an "all-gather dispatcher"; gloo has no all-to-all worth using here).
 
 The toy objective (`toy_batch`, `loss_fn`): next-token cross entropy that teaches the model to
 continue every prompt with one fixed target phrase, so a few optimizer steps visibly change the
-greedy output. Used by examples/rl_loop.py and tests/runtime/test_live_trainer.py.
+greedy output. Used by examples/rl_loop.py, tests/runtime/test_live_trainer.py and the trainer benchmarks, with the
+helpers that start and watch its processes (`add_trainer_options`, `wait_for_keys`, `check_alive`).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import time
 import types
 from pathlib import Path
 
@@ -209,3 +212,32 @@ def init_trainer_group(rank: int, world: int, rendezvous) -> None:
 
 def dump_json(**fields) -> None:
     print(json.dumps(fields), flush=True)
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def add_trainer_options(p: argparse.ArgumentParser) -> None:
+    """--trainers, --ep, --masters (examples/rl_loop.py, benchmarks/bench_trainer.py)."""
+    p.add_argument("--trainers", type=int, default=4, help="trainer processes (FSDP2 ranks)")
+    p.add_argument("--ep", type=int, default=2, help="expert-parallel degree: experts Shard(0) over a (dp_shard, ep) mesh")
+    p.add_argument("--masters", choices=DTYPES, default="fp32",
+                   help="fp32: fp32 masters, MixedPrecisionPolicy(param_dtype=bf16), bf16 on the wire; bf16: bf16 masters")
+
+
+def wait_for_keys(rendezvous, keys: list[str], what: str, procs, workdir: Path, timeout: float) -> None:
+    """Poll (every 2 ms) until the trainers put every key; fail early, with its log, if a trainer died."""
+    deadline = time.monotonic() + timeout
+    for key in keys:
+        while not rendezvous.exists(key):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"no {what} within {timeout} s; see {workdir}/trainer-*.log")
+            check_alive(procs, workdir)
+            time.sleep(0.002)
+
+
+def check_alive(procs, workdir: Path) -> None:
+    for rank, proc in enumerate(procs):
+        if proc.poll() not in (None, 0):
+            tail = "\n".join((workdir / f"trainer-{rank}.log").read_text().splitlines()[-25:])
+            raise SystemExit(f"trainer {rank} exited with {proc.returncode}:\n{tail}")
