@@ -6,11 +6,8 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from weightplan.runtime.transport.nixl_agent import NixlAgent  # noqa: E402
+from weightplan.runtime.transport.nixl_agent import NixlAgent
 
 
 def idle_cpu(mode: str, seconds: float) -> float:
