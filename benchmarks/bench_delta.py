@@ -23,7 +23,7 @@ Version 1 (the initial weights) is a full sync for both. Then per step: one opti
   sender_extra_bytes the largest trainer's delta memory (previous pages, delta region, index: Sender.delta_extra_bytes)
   delta_took       how many of rank 0's syncs took the delta (a step whose delta exceeds the region is sent full)
 --encodings: bytes of each page encoding against density on random bf16 pages, and encode/decode throughput.
---smoke: examples/configs/tiny-deepseek-v3, 2 trainers, ep 1, 2 steps, lr 1e-5, both quantizations; it checks that
+--smoke: testing/configs/tiny-deepseek-v3, 2 trainers, ep 1, 2 steps, lr 1e-5, both quantizations; it checks that
 everything runs and the keys are there (tests/e2e/test_benchmark_smoke.py), not the figures. The last line is JSON.
 """
 

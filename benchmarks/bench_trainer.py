@@ -34,7 +34,7 @@ synced vLLM model's digests equal the baseline-loaded model's (`identical`).
 
 Figures are medians over the steps. staging_bytes: the largest trainer's `Sender.staging_bytes`
 (extra memory the publish writes into), against that trainer's own shards in bf16
-(`shard_bf16_bytes`) and as it holds them (`shard_bytes`, fp32 masters). --smoke: examples/configs/tiny-deepseek-v3,
+(`shard_bf16_bytes`) and as it holds them (`shard_bytes`, fp32 masters). --smoke: testing/configs/tiny-deepseek-v3,
 2 trainers, ep 1, one measured step; it checks that everything runs, not the figures (tests/e2e/test_benchmark_smoke.py).
 The last line is one JSON object.
 """

@@ -7,7 +7,7 @@
 This process is the inference side and hosts the rendezvous store; it starts `--trainers`
 trainer processes (this same file with `--role trainer`). Then:
 
-1. The trainers build transformers' DeepseekV3ForCausalLM (examples/configs/), shard it with
+1. The trainers build transformers' DeepseekV3ForCausalLM (testing/configs/), shard it with
    FSDP2 over gloo (testing/moe_trainer.py), and trainer 0 writes the live module's trainer
    layout (`write_trainer_layout`). Meanwhile the inference side starts (examples/rl_inference.py).
 2. The inference side compiles a plan for exactly that layout (`compile_plan`, trainer format
@@ -21,9 +21,9 @@ trainer processes (this same file with `--role trainer`). Then:
 
 `--inference engine` (default): a `vllm.LLM` CPU engine started with dummy weights and the
 weightplan weight-transfer backend; every version reaches it through vLLM's own weight-transfer
-API and the engine generates (config `examples/configs/demo-deepseek-v3`: MLA head dim 576, which
+API and the engine generates (config `testing/configs/demo-deepseek-v3`: MLA head dim 576, which
 vLLM's CPU MLA kernel needs). `--inference receiver`: a `Receiver` into a loader-built vLLM model,
-generation by transformers on the received bytes (config `examples/configs/tiny-deepseek-v3`).
+generation by transformers on the received bytes (config `testing/configs/tiny-deepseek-v3`).
 
 `--check`: trainer 0 also gathers the full state dict every step (`get_model_state_dict(...,
 full_state_dict=True)`), the trainers publish digests and the inference side checks every update's

@@ -40,6 +40,7 @@ def test_the_wheel_holds_every_module_and_no_test_or_benchmark(wheel):
     assert not [n for n in names if n.split("/")[0] in ("tests", "benchmarks", "examples")]
     assert "weightplan/compiler/configs/glm-5.2/config.json" in names
     assert "weightplan/compiler/simulate/clusters/dgx-h200-seed.json" in names
+    assert "weightplan/testing/configs/tiny-deepseek-v3/config.json" in names
 
 
 def test_every_module_imports_from_the_wheel_alone(wheel, tmp_path):
