@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -10,6 +11,8 @@ import torch
 from .format import BLOCK, FP8
 from .rounding import ScaleRounding, block_scale, canonical_nans_
 from .torch_quant import TorchTiles
+
+log = logging.getLogger("weightplan.runtime")
 
 
 def per_block_fp8(x: torch.Tensor, block: int = BLOCK, *, rounding: ScaleRounding) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,6 +121,7 @@ class BlockQuantizer:
         self.block, self.chunk_elements = block, chunk_elements
         self.use_kernel = use_kernel and block == BLOCK
         self._device_tiles: TorchTiles | None = None
+        self._triton_failed: str | None = None  # why the Triton kernel did not run here, once it failed
 
     def warm_up(self, device: torch.device = torch.device("cpu")) -> None:
         """Load the kernel of `device` now (numba's import and compiled-code cache take about a second in a fresh process,
@@ -163,13 +167,18 @@ class BlockQuantizer:
     def _triton_tiles(self, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, hf: int, wf: int) -> bool:
         """Whole tiles of CUDA tensors through the Triton kernel (runtime/fp8/triton_quant.py), one launch; False if the
         tensors are not on a GPU, or Triton is missing (then torch ops run there)."""
-        if x.device.type != "cuda" or x.dtype != torch.bfloat16 or x.stride(1) != 1 or values.stride(1) != 1:
+        if (x.device.type != "cuda" or x.dtype != torch.bfloat16 or x.stride(1) != 1 or values.stride(1) != 1
+                or self._triton_failed):
             return False
         try:
             from .triton_quant import quantize_tiles_triton
-        except ImportError:
+
+            quantize_tiles_triton(x, values, scales, hf, wf, self.rounding)
+        except Exception as exc:  # no Triton, or one that cannot compile the kernel here: torch ops give the same bytes
+            self._triton_failed = f"{type(exc).__name__}: {str(exc)[:200]}"
+            log.warning("fp8 quantizer: the Triton kernel is unavailable (%s); quantizing in torch ops on %s",
+                        self._triton_failed, x.device)
             return False
-        quantize_tiles_triton(x, values, scales, hf, wf, self.rounding)
         return True
 
     def _torch_tiles(self, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, hf: int, wf: int) -> None:

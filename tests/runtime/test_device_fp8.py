@@ -117,3 +117,29 @@ def test_a_ranks_fp8_work_stays_on_its_tensors_device(plan_cache):
             quant.quantize(group)
         sides |= {"receiver" if quant.quantizes else None}
     assert sides - {None} == {"sender", "gather", "receiver"}
+
+
+def test_a_triton_kernel_that_cannot_run_leaves_the_tiles_to_torch_ops(monkeypatch, caplog):
+    """On a GPU whole tiles go to the Triton kernel; where it cannot run (no Triton, a compile error) the quantizer
+    warns once, never tries it again, and leaves the tiles to torch ops (whose bytes the tests above prove equal).
+    Here a host tensor says it lives on cuda:0."""
+    from weightplan.runtime.fp8 import triton_quant
+
+    from .test_gpu_memory import on_cuda
+
+    calls = []
+
+    def broken(*args):
+        calls.append(args)
+        raise RuntimeError("PTX compile failed")
+
+    monkeypatch.setattr(triton_quant, "quantize_tiles_triton", broken)
+    x = on_cuda(_data((256, 384), 0.05, 4), 0)
+    values, scales = torch.empty(256, 384, dtype=torch.float8_e4m3fn), torch.empty(2, 3)
+    quantize = BlockQuantizer("cuda")
+    with caplog.at_level("WARNING", logger="weightplan.runtime"):
+        assert not quantize._triton_tiles(x, values, scales, 256, 384)
+        assert not quantize._triton_tiles(x, values, scales, 256, 384)
+    assert len(calls) == 1 and quantize._triton_failed == "RuntimeError: PTX compile failed"
+    assert sum("Triton kernel is unavailable" in r.message for r in caplog.records) == 1
+    assert not BlockQuantizer("cuda")._triton_tiles(_data((256, 384), 0.05, 4), values, scales, 256, 384)  # host: never
