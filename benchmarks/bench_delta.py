@@ -145,7 +145,7 @@ def run_case(args, config: Path, lr: float, quant: str) -> dict:
                    "delta_wire_ratio": delta.bytes / full.bytes, "delta_sync_s": delta.seconds - delta.verify_seconds,
                    "verify_s": delta.verify_seconds, "full_sync_s": full.seconds,
                    "encode_s": max(s["seconds"] for s in stats), "identical": same,
-                   "overflow": sum(s["overflow"] for s in stats)}
+                   "overflow": sum(s["overflow"] for s in stats), "why": delta.why}
             rows.append(row)
             print(json.dumps({"case": f"{quant}-{lr:g}", **{k: round(v, 5) if isinstance(v, float) else v
                                                             for k, v in row.items()}}), flush=True)
