@@ -1,7 +1,7 @@
-"""Package discovery: every package under compiler/, runtime/ and vllm_backend/ installs as weightplan.<its path>."""
+"""Package discovery: every package under compiler/, runtime/, vllm_backend/ and adapters/ installs as weightplan.<its path>."""
 
 from setuptools import find_packages, setup
 
-MAPPED = ("compiler", "runtime", "vllm_backend")  # top-level folders installed as weightplan.<folder> (pyproject's package-dir)
+MAPPED = ("compiler", "runtime", "vllm_backend", "adapters")  # top-level folders installed as weightplan.<folder> (pyproject's package-dir)
 
 setup(packages=["weightplan", *(f"weightplan.{name}" for name in find_packages(include=[f"{m}" for m in MAPPED] + [f"{m}.*" for m in MAPPED]))])

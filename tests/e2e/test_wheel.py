@@ -1,4 +1,4 @@
-"""The wheel a user installs: every module of compiler/, runtime/ and vllm_backend/ in it, no test or benchmark, and each imports from it alone."""
+"""The wheel a user installs: every module of compiler/, runtime/, vllm_backend/ and adapters/ in it, no test or benchmark, and each imports from it alone."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-MAPPED = ("compiler", "runtime", "vllm_backend")  # setup.py installs each as weightplan.<folder>
+MAPPED = ("compiler", "runtime", "vllm_backend", "adapters")  # setup.py installs each as weightplan.<folder>
 
 
 @pytest.fixture(scope="module")

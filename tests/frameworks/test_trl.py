@@ -1,0 +1,70 @@
+"""TRL's VLLMGeneration synced by weightplan: 4 FSDP2 (dp_shard=2, ep=2) trainer ranks, each with its colocated vLLM CPU engine.
+
+Three steps; after each, rank 0's engine holds (in the loader layout it rebuilt its kernels from) exactly what vLLM's
+own load_weights makes of the trainers' gathered state, digest by digest, and every rank's engine generates the tokens
+and logprobs a fresh engine loaded from that state's checkpoint generates.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+from tests.support.vllm_engine_support import ROOT, pin_no_amx, read_references, start_references
+
+WORLD, STEPS = 4, 3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_trainers(tmp, *extra: str, timeout: float = 600) -> list[str]:
+    """The 4 trainer ranks (tests/support/trl_worker.py) to completion; returns their stdout."""
+    from weightplan.runtime import Rendezvous
+
+    store = Rendezvous.connect("trl-trainers", "127.0.0.1:0", serve=True, timeout=60)
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.support.trl_worker", "--rank", str(r), "--world", str(WORLD),
+                               "--address", store.address, "--master-port", str(port), "--workdir", str(tmp), *extra],
+                              cwd=ROOT, stdout=open(tmp / f"rank{r}.out", "w"), stderr=open(tmp / f"rank{r}.err", "w"))
+             for r in range(WORLD)]
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+            assert not failed and time.monotonic() < deadline, \
+                (tmp / f"rank{(failed or [0])[0]}.err").read_text()[-4000:]
+            time.sleep(0.5)
+        assert all(p.returncode == 0 for p in procs), (tmp / "rank0.err").read_text()[-4000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [(tmp / f"rank{r}.out").read_text() for r in range(WORLD)]
+
+
+def test_trl_colocate_three_steps_equal_vllm_load_and_fresh_engines(tmp_path):
+    unpin = pin_no_amx(tmp_path)
+    try:
+        run_trainers(tmp_path, "--check", "--steps", str(STEPS))
+        refs = start_references({s: tmp_path / f"checkpoint-{s}" for s in range(1, STEPS + 1)}, tmp_path / "refs.json",
+                                tmp_path / "refs.log")
+        refs = read_references(refs, tmp_path / "refs.json", tmp_path / "refs.log")
+    finally:
+        unpin()
+    outputs = []
+    for step in range(1, STEPS + 1):
+        ours = [json.loads((tmp_path / f"step-{step}-rank-{r}.json").read_text()) for r in range(WORLD)]
+        assert ours[0]["digests"] > 0 and ours[0]["digests_differ"] == [], (step, ours[0]["digests_differ"][:5])
+        expected = refs[step]
+        for r, out in enumerate(ours):
+            assert out["greedy"] == [list(p) for p in expected], (step, r)
+        outputs.append(json.dumps(expected))
+    assert len(set(outputs)) == STEPS, "the three steps' weights must generate differently"
