@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import subprocess
+import sys
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -134,8 +137,11 @@ class WeightplanVLLMGeneration(VLLMGeneration):
         return engines
 
     def _compile_plan(self) -> str:
-        """Trainer rank 0: the live model's layout, compiled against this run's engine layout."""
-        from weightplan.compiler.compile import CompileOptions, compile_plan
+        """Trainer rank 0: the live model's layout, compiled against this run's engine layout by `compile-plan`.
+
+        In a child process: vLLM's model-parallel state, which the compiler sets up for one process, must not meet
+        this process's trainer group (or its colocated engine's).
+        """
         from weightplan.runtime import write_trainer_layout
 
         workdir = Path(self.weightplan.workdir or tempfile.mkdtemp(prefix="weightplan-trl-"))
@@ -144,11 +150,15 @@ class WeightplanVLLMGeneration(VLLMGeneration):
         dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}[next(self.model.parameters()).dtype]
         # Colocated replicas are independent engines, each reading the same plan in its own job.
         tp = self.tensor_parallel_size if self.mode == "colocate" else self.vllm_client.get_world_size()
-        inference = f"tp={tp}"
-        model = self.model.name_or_path
-        options = CompileOptions(model=str(model), trainer_format="stacked", trainer_dtype=dtype, trainer_layout=layout,
-                                 inference=inference, output=workdir / "trl.plan")
-        return str(compile_plan(options).path)
+        out = workdir / "trl.plan"
+        args = ["--model", str(self.model.name_or_path), "--trainer-format", "stacked", "--trainer-dtype", dtype,
+                "--trainer-layout", str(layout), "--inference", f"tp={tp}", "-o", str(out)]
+        code = "import sys; from weightplan.compiler.cli import compile_main; sys.exit(compile_main())"
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env)
+        if done.returncode != 0:
+            raise RuntimeError(f"compile-plan {' '.join(args)} failed: {done.stderr.strip().splitlines()[-1:]}")
+        return str(out)
 
     def close(self) -> None:
         for engine in self.trainer_engines or ():

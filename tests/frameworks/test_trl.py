@@ -8,20 +8,13 @@ and logprobs a fresh engine loaded from that state's checkpoint generates.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
 
-from tests.support.vllm_engine_support import ROOT, pin_no_amx, read_references, start_references
+from tests.support.vllm_engine_support import ROOT, free_port, pin_no_amx, read_references, start_references
 
 WORLD, STEPS = 4, 3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_trainers(tmp, *extra: str, timeout: float = 600) -> list[str]:

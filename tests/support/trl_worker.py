@@ -87,10 +87,11 @@ def main(argv=None) -> None:
 
         with _swapped(vllm_generation, "LLM", _llm_factory(vllm_generation.LLM, {**ENGINE, "weight_transfer_config": None})):
             generation = vllm_generation.VLLMGeneration(**kwargs)
+        generation._dist.fsdp_version = 2  # what accelerate's FSDP2 plugin makes TRL detect; the model is sharded here
     else:
         generation = WeightplanVLLMGeneration(**kwargs, weightplan=settings)
     print(json.dumps({"event": "ready", "rank": args.rank, "start_s": round(time.perf_counter() - began, 1)}), flush=True)
-    fresh = FreshLoad(mt.ENGINE_CONFIG) if args.check and args.rank == 0 else None
+    fresh = FreshLoad(mt.ENGINE_CONFIG) if args.check and args.rank == 0 and args.mode == "colocate" and not args.baseline else None
     for step in range(1, args.steps + 1):
         loss = mt.train_steps(model, optimizer, 1)
         checkpoint = args.workdir / f"checkpoint-{step}"
@@ -103,7 +104,7 @@ def main(argv=None) -> None:
         line = {"event": "step", "step": step, "rank": args.rank, "loss": loss, "update_s": round(seconds, 4)}
         if args.check and args.mode == "colocate":
             out = {"greedy": greedy(generation.llm)}
-            if fresh is not None:
+            if fresh is not None and not args.baseline:
                 expected = fresh.digests(torch.load(checkpoint / "full.pt", weights_only=True), load_plan(generation.plan_path))
                 actual = staged_digests(generation.llm)
                 out["digests"] = len(actual)
