@@ -114,6 +114,11 @@ class WeightplanVLLMGeneration(VLLMGeneration):
         from weightplan.vllm_backend.clients import LLMClient
         from weightplan.vllm_backend.trainer import ShardSource, WeightplanTrainerEngine, WeightplanTrainerInitInfo
 
+        from accelerate.utils import is_peft_model
+
+        if is_peft_model(self.model):
+            raise ValueError("weightplan's TRL adapter syncs full models; with a PEFT model compile a LoRA plan "
+                             "(compile-plan --lora, docs/lora.md) or sync with TRL's own path")
         s, rank = self.weightplan, self.accelerator.process_index
         if self.mode == "colocate":
             tp = self.tensor_parallel_size

@@ -8,39 +8,11 @@ and logprobs a fresh engine loaded from that state's checkpoint generates.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 
-from tests.support.vllm_engine_support import ROOT, free_port, pin_no_amx, read_references, start_references
+from tests.support.trl_worker import WORLD, run_trainers
+from tests.support.vllm_engine_support import pin_no_amx, read_references, start_references
 
-WORLD, STEPS = 4, 3
-
-
-def run_trainers(tmp, *extra: str, timeout: float = 600) -> list[str]:
-    """The 4 trainer ranks (tests/support/trl_worker.py) to completion; returns their stdout."""
-    from weightplan.runtime import Rendezvous
-
-    store = Rendezvous.connect("trl-trainers", "127.0.0.1:0", serve=True, timeout=60)
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.support.trl_worker", "--rank", str(r), "--world", str(WORLD),
-                               "--address", store.address, "--master-port", str(port), "--workdir", str(tmp), *extra],
-                              cwd=ROOT, stdout=open(tmp / f"rank{r}.out", "w"), stderr=open(tmp / f"rank{r}.err", "w"))
-             for r in range(WORLD)]
-    deadline = time.monotonic() + timeout
-    try:
-        while any(p.poll() is None for p in procs):
-            failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-            assert not failed and time.monotonic() < deadline, \
-                (tmp / f"rank{(failed or [0])[0]}.err").read_text()[-4000:]
-            time.sleep(0.5)
-        assert all(p.returncode == 0 for p in procs), (tmp / "rank0.err").read_text()[-4000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [(tmp / f"rank{r}.out").read_text() for r in range(WORLD)]
+STEPS = 3
 
 
 def test_trl_colocate_three_steps_equal_vllm_load_and_fresh_engines(tmp_path):

@@ -12,7 +12,7 @@ import os
 import pytest
 
 from examples import moe_trainer as mt
-from tests.frameworks.test_trl import run_trainers
+from tests.support.trl_worker import run_trainers
 from tests.support.vllm_engine_support import pin_no_amx, read_references, start_references, start_server
 from tests.vllm_backend.test_vllm_backend_serve import served_tokens
 
