@@ -32,7 +32,7 @@ SHIMMED = {
         "18f01b7a46c9544b23d74e822bafa4cb087426c6285d549ebe7c1f58aa088801",
 }
 
-_SWAP = threading.Lock()  # the module-global swaps below are process-wide
+_SWAP = threading.RLock()  # the module-global swaps below are process-wide, and nest (trainer, then engine)
 
 
 @dataclass
@@ -206,6 +206,8 @@ def _llm_factory(llm_cls, extra: dict[str, Any]):
 
 def _broadcast_json(obj: dict, device) -> dict:
     """Rank 0's JSON object on every rank (two broadcasts over the default group: length, then UTF-8 bytes)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
     data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8, device=device)
     size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     dist.broadcast(size, 0)
