@@ -40,8 +40,8 @@ class WeightplanSettings:
     """Where and how the trainers publish. Every field has a default; `plan=None` compiles one at the first sync.
 
     `plan`: a compiled plan for this trainer layout and engine layout; None: trainer rank 0 writes the live model's
-    layout and compiles (`stacked` names, the masters' dtype, inference `tp=T,dp=R` for R colocated engines or `tp=W`
-    for a server of W workers). `address`: the rendezvous store trainer rank 0 hosts (port 0: a free one).
+    layout and compiles (`stacked` names, the masters' dtype, inference `tp=T`: T = `vllm_tensor_parallel_size` for
+    colocated engines, each replica reading it in its own job, or the server's world size). `address`: the rendezvous store trainer rank 0 hosts (port 0: a free one).
     `workdir`: where the layout and compiled plan go (default a temporary directory). `llm_kwargs`: colocate mode's
     extra `vllm.LLM` arguments, over TRL's (e.g. `kv_cache_memory_bytes`, `load_format="dummy"`).
     """
@@ -59,8 +59,9 @@ class WeightplanSettings:
 class WeightplanVLLMGeneration(VLLMGeneration):
     """TRL's VLLMGeneration whose `sync_weights` publishes this rank's own shards through a weightplan plan.
 
-    Colocate mode: every trainer rank's in-process `vllm.LLM` starts with the `weightplan` weight-transfer backend
-    and each rank drives its own engine (`rank_offset` = its replica). Server mode: the server runs `vllm serve
+    Colocate mode: TRL's in-process `vllm.LLM` (one per `vllm_tensor_parallel_size` ranks) starts with the `weightplan`
+    weight-transfer backend; each replica reads the plan in its own job, from every trainer rank, and the ranks it
+    lives in drive it. Server mode: the server runs `vllm serve
     --weight-transfer-config '{"backend": "weightplan"}'` (dev mode routes), trainer rank 0 drives it over HTTP and
     TRL's NCCL communicator is never opened. No rank ever calls `full_tensor()`.
     """
@@ -109,12 +110,11 @@ class WeightplanVLLMGeneration(VLLMGeneration):
     def _start_trainer_engines(self) -> list:
         """This rank's trainer engines: one per engine replica (colocate mode: world / tp of them, each in its own
         job, driven by the rank it lives in; server mode: the server's, driven by rank 0). Rank 0 hosts the store."""
+        from accelerate.utils import is_peft_model
         from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
 
         from weightplan.vllm_backend.clients import LLMClient
         from weightplan.vllm_backend.trainer import ShardSource, WeightplanTrainerEngine, WeightplanTrainerInitInfo
-
-        from accelerate.utils import is_peft_model
 
         if is_peft_model(self.model):
             raise ValueError("weightplan's TRL adapter syncs full models; with a PEFT model compile a LoRA plan "
