@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: plan test check-plans test-engine-slow bench-compile bench-runtime bench-cluster bench-engine bench-lora bench-trainer bench-network soak bench-delta gpu-bundle gpu-check bench-smoke sweep demo clean-venv
+.PHONY: plan test check-plans test-engine-slow bench-compile bench-runtime bench-cluster bench-engine bench-lora bench-trainer bench-network soak bench-delta bench-frameworks gpu-bundle gpu-check bench-smoke sweep demo clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	# torchtitan (the tested --trainer-adapter) declares wandb, tensorboard, datasets, ... for its trainer;
 	# its model and state-dict adapter need only the pins in the test extra.
 	$(BIN)/pip install --quiet --no-deps "torchtitan==0.3.0"
+	# TRL 1.16.0 (weightplan.adapters.trl) comes with the test extra (pyproject's `frameworks`): it and what its GRPO and
+	# vLLM modules import resolve beside our pins; pip then warns that torchtitan declares datasets<4.8.
 	$(BIN)/python -c "import vllm, torch, nixl_cu12._api; print('installed vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(STAMP)
 
@@ -30,7 +32,7 @@ check-plans: $(STAMP)
 	WEIGHTPLAN_FULL_PLANS=1 $(BIN)/python -m pytest -q tests/e2e/test_glm_full.py
 
 test-engine-slow: $(STAMP)
-	WEIGHTPLAN_SLOW_ENGINE=1 $(BIN)/python -m pytest -q tests/vllm_backend/test_vllm_backend_serve.py tests/vllm_backend/test_vllm_backend_async.py tests/vllm_backend/test_vllm_backend_tp2.py tests/vllm_backend/test_vllm_backend_dp2.py tests/vllm_backend/test_vllm_backend_draft.py tests/vllm_backend/test_lora_engine_slot.py tests/vllm_backend/test_lora_engine_update.py tests/vllm_backend/test_lora_engine_embeddings.py
+	WEIGHTPLAN_SLOW_ENGINE=1 $(BIN)/python -m pytest -q tests/frameworks/test_trl_server.py tests/vllm_backend/test_vllm_backend_serve.py tests/vllm_backend/test_vllm_backend_async.py tests/vllm_backend/test_vllm_backend_tp2.py tests/vllm_backend/test_vllm_backend_dp2.py tests/vllm_backend/test_vllm_backend_draft.py tests/vllm_backend/test_lora_engine_slot.py tests/vllm_backend/test_lora_engine_update.py tests/vllm_backend/test_lora_engine_embeddings.py
 
 bench-compile: $(STAMP)
 	$(BIN)/python benchmarks/bench_compile.py
@@ -63,6 +65,10 @@ soak: $(STAMP)
 bench-delta: $(STAMP)
 	$(BIN)/python benchmarks/bench_delta.py --encodings
 	$(BIN)/python benchmarks/bench_delta.py $(BENCH_DELTA_ARGS)
+
+# RL frameworks' weight sync through weightplan.adapters against their own path (docs/frameworks.md).
+bench-frameworks: $(STAMP)
+	$(BIN)/python benchmarks/bench_frameworks.py
 
 # Every benchmark above and the sweep in its smallest configuration (--smoke): they run, their JSON lines have their keys.
 bench-smoke: $(STAMP)

@@ -9,7 +9,7 @@ trainer processes (this same file with `--role trainer`). Then:
 
 1. The trainers build transformers' DeepseekV3ForCausalLM (testing/configs/), shard it with
    FSDP2 over gloo (testing/moe_trainer.py), and trainer 0 writes the live module's trainer
-   layout (`write_trainer_layout`). Meanwhile the inference side starts (examples/rl_inference.py).
+   layout (`write_trainer_layout`). Meanwhile the inference side starts (testing/rl_inference.py).
 2. The inference side compiles a plan for exactly that layout (`compile_plan`, trainer format
    `stacked`, the masters' dtype) and announces its path.
 3. Every trainer serves its own shards with a `LiveSender`, which checks the plan against the live
@@ -45,14 +45,12 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
 from weightplan.testing import moe_trainer as mt  # noqa: E402
 from weightplan.testing.moe_trainer import DTYPES, add_trainer_options, check_alive, wait_for_keys  # noqa: E402
-from examples.rl_inference import EngineInference, ReceiverInference  # noqa: E402
+from weightplan.testing.rl_inference import EngineInference, ReceiverInference  # noqa: E402
 from weightplan.runtime import LiveSender, Rendezvous, load_plan, write_trainer_layout  # noqa: E402
 
 INFERENCE = {"engine": (EngineInference, mt.ENGINE_CONFIG), "receiver": (ReceiverInference, mt.CONFIG)}

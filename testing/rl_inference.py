@@ -221,22 +221,28 @@ class FreshLoad:
         self.vllm_config = make_vllm_config(config)  # a second model needs its own VllmConfig (layer names)
         self.reference = build_model(self.vllm_config, "cpu")
 
-    def compare(self, full: dict[str, torch.Tensor], inference: ReceiverInference, tokens, n: int) -> dict:
+    def digests(self, full: dict[str, torch.Tensor], plan) -> dict[str, str]:
+        """vLLM's own load_weights of the trainer's full state dict (inference rank 0): SHA-256 per vLLM parameter."""
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
         from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
 
         from weightplan.compiler.frontend.vllm_patches import parallel_rank
         from weightplan.compiler.verify_plan import plan_conversion
 
-        plan = inference.plan
         names = [e.name for e in plan.sources]
-        missing = sorted(set(names) - set(full))
         with torch.no_grad(), parallel_rank(self.vllm_config, 0, 0):
             self.reference.load_weights(plan_conversion(self.vllm_config, plan)((n_, full[n_]) for n_ in names if n_ in full))
             for module in self.reference.modules():
                 if is_deferred_attention_layer(module):
                     module.process_weights_after_loading(torch.bfloat16)
-        expected, actual = compute_tensor_digests(self.reference), compute_tensor_digests(inference.model)
+        return compute_tensor_digests(self.reference)
+
+    def compare(self, full: dict[str, torch.Tensor], inference: ReceiverInference, tokens, n: int) -> dict:
+        from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
+
+        plan = inference.plan
+        missing = sorted({e.name for e in plan.sources} - set(full))
+        expected, actual = self.digests(full, plan), compute_tensor_digests(inference.model)
         differ = sorted(k for k in expected if expected[k] != actual.get(k))
         fresh = hf_model(self.config)
         fresh.load_state_dict({k: v.to(torch.bfloat16) for k, v in full.items()})

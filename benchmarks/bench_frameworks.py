@@ -1,0 +1,76 @@
+"""Benchmark: an RL framework's weight sync through its weightplan adapter against the framework's own path.
+
+Usage: python benchmarks/bench_frameworks.py [--steps N] [--smoke]   (make bench-frameworks)
+
+TRL 1.16.0: 4 FSDP2 trainer processes (gloo, CPU) train the DeepSeek-V3-shaped testing/configs/demo-deepseek-v3 on a
+(dp_shard=2, ep=2) mesh (fp32 masters, bf16 compute), one optimizer step per step, and sync through TRL's
+`VLLMGeneration.sync_weights()` (testing/trl_worker.py):
+  update_s:   weightplan.adapters.trl in colocate mode: every rank's in-process vLLM CPU engine (weightplan backend)
+              takes the version from every trainer's own shards (one job per engine replica) and rebuilds its packed
+              layers; rank 0's sync_weights() seconds, median over the steps after the first (first_update_s: the
+              first, which compiles the plan and wires the NIXL agents);
+  baseline_s: TRL's own path as far as it runs on CPU: its `_iter_named_params` (every rank full_tensor()s every
+              parameter) into vLLM's load_weights of a loader-built model on every rank (a live CPU engine refuses
+              TRL's load_weights; testing/trl_worker.py `TRLGather` says why); same median;
+  identical:  every step, rank 0's engine holds exactly vLLM's own load of the trainers' gathered state (SHA-256 per
+              parameter) and all four engines generate the same greedy tokens.
+--smoke: 2 steps (the test suite runs it: tests/e2e/test_benchmark_smoke.py). The last line is one JSON object,
+{framework: {update_s, baseline_s, speedup, identical, ...}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+
+
+def _rank0_updates(stdout: str) -> list[float]:
+    return [e["update_s"] for e in map(json.loads, (line for line in stdout.splitlines() if line.startswith("{")))
+            if e.get("event") == "step"]
+
+
+def bench_trl(steps: int, workdir: Path) -> dict:
+    from weightplan.testing.trl_worker import WORLD, run_trainers
+    from weightplan.testing.engines import pin_no_amx
+
+    unpin = pin_no_amx(workdir)
+    try:
+        (workdir / "weightplan").mkdir()
+        ours = _rank0_updates(run_trainers(workdir / "weightplan", "--check", "--steps", str(steps))[0])
+        (workdir / "trl").mkdir()
+        theirs = _rank0_updates(run_trainers(workdir / "trl", "--baseline", "--steps", str(steps))[0])
+    finally:
+        unpin()
+    identical = True
+    for step in range(1, steps + 1):
+        outs = [json.loads((workdir / "weightplan" / f"step-{step}-rank-{r}.json").read_text()) for r in range(WORLD)]
+        identical &= outs[0]["digests"] > 0 and not outs[0]["digests_differ"]
+        identical &= all(o["greedy"] == outs[0]["greedy"] for o in outs)
+    update_s, baseline_s = statistics.median(ours[1:]), statistics.median(theirs[1:])
+    return {"update_s": round(update_s, 4), "baseline_s": round(baseline_s, 4), "speedup": round(baseline_s / update_s, 2),
+            "identical": bool(identical), "first_update_s": round(ours[0], 4), "first_baseline_s": round(theirs[0], 4),
+            "steps": steps, "trainers": WORLD, "engines": WORLD, "mode": "colocate", "trl": "1.16.0",
+            "baseline": "TRL _iter_named_params (full_tensor) + vLLM load_weights into a loader-built model"}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=6, help="training steps, each followed by a sync")
+    p.add_argument("--smoke", action="store_true", help="2 steps: it runs, not the figures")
+    args = p.parse_args(argv)
+    steps = 2 if args.smoke else args.steps
+    if steps < 2:
+        raise SystemExit("--steps must be at least 2 (the first sync is reported apart)")
+    with tempfile.TemporaryDirectory(prefix="bench-frameworks-") as tmp:
+        figures = {"trl": bench_trl(steps, Path(tmp))}
+    print(json.dumps(figures), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
