@@ -360,7 +360,8 @@ class Receiver(AgentOwner):
         """Receive `version` from every trainer rank this rank reads; raise SyncError (weights incomplete) on failure.
 
         `into` chooses the destination set written (0: the destination, k: alternate k); the other sets are not touched,
-        and a failed sync leaves only set `into` incomplete (`versions`)."""
+        and a failed sync leaves only set `into` incomplete (`versions`). Waiting for the trainers to publish `version`
+        and reading it have `timeout` each."""
         check_version(version)
         self._check_into(into)
         if not self.running:
@@ -390,6 +391,9 @@ class Receiver(AgentOwner):
         self.rendezvous.wait([protocol.version_key(r, version) for r in sources], deadline - time.monotonic(),
                              f"version {version} from trainer ranks {sources}")
         waited = time.monotonic()
+        # The reading gets its own timeout: the trainers may have waited out their release timeout for a reader cut
+        # off (once), and the readers still connected must not fail this version for it.
+        deadline = waited + self.timeout
         for r in sources:
             self._trainers.to(r, self.rendezvous.get_text(protocol.version_key(r, version), protocol.INCARNATION))
         connected = time.monotonic()

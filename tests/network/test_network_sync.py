@@ -4,6 +4,8 @@ every version's digests equal to vLLM's own load."""
 
 from __future__ import annotations
 
+import time
+
 from ..conftest import config_dir
 from ..support.runtime_harness import Job
 from ..support.emulated_cluster import EmulatedCluster
@@ -167,3 +169,68 @@ def test_a_lost_trainer_node_fails_readers_clean_and_replacement_trainers_resume
             e = job.event(f"inf{k}", "synced", 3, timeout=6 * LINK_TIMEOUT)
             assert e["reported"] == 3 and e["n_differ"] == 0, e
         job.assert_clean_exit("inf0", "inf1", "tr0", "tr1", "tr2b", "tr3b")
+
+
+CUT_TIMEOUT = 4.0  # every timeout of the long-cut test: sync, release and store (the store's own margin adds 2 s)
+
+
+def test_a_reader_cut_longer_than_every_timeout_syncs_again_by_itself_and_costs_the_other_one_timeout(plan_cache, tmp_path):
+    """Inference node i1 loses its link in the middle of version 3 and stays cut through versions 4 and 5 (longer than
+    every timeout involved: its sync and the store's fail, the trainers give up on it). Once its link is back, version
+    6 syncs on it with the host executor's bytes, no process restarted, and the trainers wait for it again at version
+    7. Reader 0, on i0, syncs every version; the versions around the cut cost it at most one release timeout more than
+    before the cut, once."""
+    path = plan_cache(*BF16[:3], "fsdp=2", "dp=2,ep")
+    versions = "1,2,3,4,5,6,7"
+    with EmulatedCluster({"s0": None, "t0": None, "i0": None, "i1": None}, tag="wpt-long") as cluster, \
+            Job(tmp_path, path, "net-long", cluster=cluster, store_node="s0") as job:
+        for r in range(2):
+            job.start(f"tr{r}", "trainer", r, "--versions", versions, "--gate", "--wait-joined",
+                      "--timeout", str(CUT_TIMEOUT), node="t0")
+        for k in range(2):
+            job.start(f"inf{k}", "inference", k, "--plain", "--gate", "--versions", versions, "--timeout", str(CUT_TIMEOUT),
+                      *(("--hold-at", "3") if k else ()), node=f"i{k}")
+        for version in (1, 2):
+            job.go(version)
+            for k in range(2):
+                e = job.event(f"inf{k}", "synced", version)
+                assert e["n_differ"] == 0, e
+        before = job.event("inf0", "synced", 2)["seconds"]
+        job.go(3)
+        job.event("inf1", "mid-sync", 3)
+        cluster.link_down("i1")
+        cut_at = time.monotonic()
+        job.resume(3)
+        around = []
+        for version in (3, 4, 5):
+            e = job.event("inf0", "synced", version, timeout=6 * CUT_TIMEOUT)
+            assert e["n_differ"] == 0, e
+            around.append(e["seconds"])
+            if version < 5:  # at once: what the trainers still wait for shows in reader 0's next sync
+                job.go(version + 1)
+            failed = job.event("inf1", ("synced", "failed"), version, timeout=6 * CUT_TIMEOUT)
+            assert failed["event"] == "failed" and failed["reported"] is None, failed
+            for r in range(2):
+                released = job.event(f"tr{r}", "released", version, timeout=6 * CUT_TIMEOUT)
+                # given up on once, at version 3; not waited for again while it is cut
+                assert released["timed_out"] == ([1] if version == 3 else []), released
+        cut = time.monotonic() - cut_at
+        assert cut > 3 * CUT_TIMEOUT, f"the cut lasted {cut:.1f} s, not longer than every timeout"
+        cluster.link_up("i1")
+        host, port = job.address.rsplit(":", 1)
+        cluster.wait_reachable("i1", host, int(port))
+        for version in (6, 7):
+            job.go(version)
+            for k in range(2):
+                e = job.event(f"inf{k}", "synced", version, timeout=6 * CUT_TIMEOUT)
+                assert e["reported"] == version and e["n_differ"] == 0, e  # the host executor's bytes
+                if k == 0:
+                    around.append(e["seconds"])
+            for r in range(2):
+                released = job.event(f"tr{r}", "released", version, timeout=6 * CUT_TIMEOUT)
+                # at 6 it acknowledges once more (maybe after the trainer stopped waiting); from 7 on it is waited for
+                assert 0 in released["acked"] and released["timed_out"] == [], released
+                assert version == 6 or released["acked"] == [0, 1], released
+        extra = sum(max(0.0, s - before) for s in around)
+        assert extra <= CUT_TIMEOUT + 2.0, (before, around)
+        job.assert_clean_exit("inf0", "inf1", "tr0", "tr1")
