@@ -97,23 +97,42 @@ def test_an_inference_node_cut_mid_sync_fails_clean_then_syncs_again_after_the_l
         job.assert_clean_exit(*(f"inf{k}" for k in range(4)), *(f"tr{r}" for r in range(4)))
 
 
-def test_the_store_node_unreachable_fails_every_process_clean_within_its_timeout(plan_cache, tmp_path):
-    """The store's node loses its link before version 2: every inference rank fails version 2 with a SyncError that
-    names the store and reports no version, and every trainer reports version 2 (failed, or released with no
-    reader acknowledging), each within a bounded multiple of its timeout: nothing hangs on the unreachable store."""
+STORE_CUT = 30.0  # seconds the store's node stays unreachable
+
+
+def test_the_store_node_unreachable_for_30_s_fails_every_process_clean_then_syncs_resume(plan_cache, tmp_path):
+    """The store's node loses its link before version 2 and stays cut for 30 s: every inference rank fails version 2
+    with a SyncError that names the store and reports no version, and every trainer reports version 2 (failed, or
+    released with no reader acknowledging), each within a bounded multiple of its timeout: nothing hangs on the
+    unreachable store. Once the store's link is back, version 3 syncs on every reader and every trainer's release sees
+    every reader acknowledge, no process restarted (each reconnects to the same store and finds it holds the job)."""
     path = plan_cache(*BF16[:4], "dp=2,ep")
     with EmulatedCluster({"s0": None, "t0": None, "i0": None}, tag="wpt-store") as cluster, \
             Job(tmp_path, path, "net-store", cluster=cluster, store_node="s0") as job:
-        start_gated(job, "1,2", lambda r: "t0", 2, lambda k: "i0")
+        start_gated(job, "1,2,3", lambda r: "t0", 2, lambda k: "i0")
         job.go(1)
         for k in range(2):
             assert job.event(f"inf{k}", "synced", 1)["n_differ"] == 0
         cluster.link_down("s0")
+        cut_at = time.monotonic()
         job.go(2)
         assert_failed_clean(job, 2, 2, "rendezvous", "store")
         for r in range(4):
             e = job.event(f"tr{r}", ("released", "failed"), 2, timeout=4 * LINK_TIMEOUT)
             assert e["event"] == "failed" or (e["acked"] == [] and e["failed"] + e["timed_out"]), e
+        time.sleep(max(0.0, STORE_CUT - (time.monotonic() - cut_at)))
+        cluster.link_up("s0")
+        host, port = job.address.rsplit(":", 1)
+        for node in ("t0", "i0"):
+            cluster.wait_reachable(node, host, int(port))
+        job.go(3)
+        for k in range(2):
+            e = job.event(f"inf{k}", "synced", 3, timeout=4 * LINK_TIMEOUT)
+            assert e["reported"] == 3 and e["n_differ"] == 0, e
+        for r in range(4):
+            e = job.event(f"tr{r}", "released", 3, timeout=4 * LINK_TIMEOUT)
+            assert e["acked"] == [0, 1] and e["timed_out"] == [], e
+        job.assert_clean_exit("inf0", "inf1", *(f"tr{r}" for r in range(4)))
 
 
 def test_a_slow_trainer_node_is_named_in_the_sync_report(plan_cache, tmp_path):
