@@ -138,9 +138,10 @@ class Rendezvous:
                 self.store = None  # that client is blocked mid-request; the next call connects a new one
             raise SyncError(f"{what}: the rendezvous store did not answer within {limit:.1f} s; is its host reachable?")
         ok, value = result[0]
-        if not ok and self._reconnect is not None and not retried and "Network" in type(value).__name__:
-            self.store = None  # its connection broke (the link was cut, the server restarted): once more, on a new one
-            return self._call(what, op, timeout, retried=True)
+        if not ok and self._reconnect is not None and "Network" in type(value).__name__:
+            self.store = None  # its connection broke (a link cut, the server gone or restarted): the next call reconnects
+            if not retried and _accepts(store.host, store.port):  # a server is there again: once more, on a new client
+                return self._call(what, op, timeout, retried=True)
         if not ok:
             raise value
         return value
@@ -347,6 +348,15 @@ class Rendezvous:
         if not isinstance(value, dict):
             raise SyncError(f"rendezvous key {key!r} holds {type(value).__name__}, expected an object")
         return value
+
+
+def _accepts(host: str, port: int) -> bool:
+    """Whether something accepts a connection at host:port within a second."""
+    try:
+        socket.create_connection((host, port), timeout=1.0).close()
+        return True
+    except OSError:
+        return False
 
 
 def _wait_reachable(host: str, port: int, timeout: float, address: str) -> None:
