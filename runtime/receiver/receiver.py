@@ -24,7 +24,7 @@ from ..transport import protocol
 from ..transport.lifecycle import AgentOwner
 from ..transport.local_peer import HOST_READ, NotLocal, open_local
 from ..transport.local_record import LocalRecord, parse_local
-from ..transport.nixl_agent import Backoff, NixlAgent
+from ..transport.nixl_agent import Backoff, NixlAgent, PeerLost
 from ..transport.peer import Connections, Peer, check_sequence
 from ..transport.peer_check import checked_regions, checked_word, region_fields
 from ..transport.reader import Routed
@@ -394,13 +394,20 @@ class Receiver(AgentOwner):
         # The reading gets its own timeout: the trainers may have waited out their release timeout for a reader cut
         # off (once), and the readers still connected must not fail this version for it.
         deadline = waited + self.timeout
-        for r in sources:
-            self._trainers.to(r, self.rendezvous.get_text(protocol.version_key(r, version), protocol.INCARNATION))
+        incarnations = {r: self.rendezvous.get_text(protocol.version_key(r, version), protocol.INCARNATION) for r in sources}
+        self._connect_all(version, incarnations)
         connected = time.monotonic()
-        for t in self._trainers.by_rank.values():
-            self.agent.notify(t.peer.name, protocol.begin(version))
         check, spent = self._verifier(version, deadline, into) if self.verify else (None, [0.0])
-        self._check_sequence(version, deadline, "before reading")
+        try:
+            self._check_sequence(version, deadline, "before reading")
+        except PeerLost as exc:
+            # NIXL found a connection broken while no sync ran (a link cut between syncs): connect again from the
+            # published metadata, once, rather than fail this version too.
+            log.info("inference rank %d: %s; connecting to trainer ranks %s again", self.rank, exc, sources)
+            self._trainers.drop_all()
+            self._connect_all(version, incarnations)
+            connected = time.monotonic()
+            self._check_sequence(version, deadline, "before reading")
         if self._quant and self._quant.begin():
             self.device_sync.wait("staging slots zeroed")  # before READs land in them
         took, delta_read, choices = self._delta_phase(version, previous, synced or {}, deadline)
@@ -446,6 +453,14 @@ class Receiver(AgentOwner):
             log.info("weightplan sync v%d inference rank %d: slowest trainer rank %d, its READs outstanding for %.0f%% "
                      "of the read phase", version, self.rank, slowest, 100 * report.slowest_share)
         return report
+
+    def _connect_all(self, version: int, incarnations: dict[int, str]) -> None:
+        """Connect to each trainer rank's incarnation (kept from an earlier sync when it is the same) and tell it this rank
+        starts reading `version`."""
+        for r, incarnation in incarnations.items():
+            self._trainers.to(r, incarnation)
+        for t in self._trainers.by_rank.values():
+            self.agent.notify(t.peer.name, protocol.begin(version))
 
     def _connect(self, rank: int, incarnation: str) -> _Trainer:
         """Prepare transfers to incarnation `incarnation` of trainer `rank`, once its info matches this rank's tables."""

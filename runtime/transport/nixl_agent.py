@@ -30,6 +30,11 @@ def _nixl():
     return nixl_agent, nixl_agent_config
 
 
+class PeerLost(SyncError):
+    """A READ failed at once: NIXL holds the connection to that peer broken (its process died, or a link cut broke it,
+    possibly while nothing was read). Connecting again from its published metadata may heal it."""
+
+
 class Backoff:
     """The pause between polls of something not ready yet: 10 us, doubling up to 1 ms."""
 
@@ -120,7 +125,9 @@ class NixlAgent:
         try:
             name = self._agent.add_remote_agent(metadata)
         except Exception as exc:
-            raise SyncError(f"cannot load agent metadata published for {expected_name!r}: {type(exc).__name__}") from None
+            # Seen when UCX cannot connect to it (Connection refused): that process exited, or its node is unreachable.
+            raise SyncError(f"cannot load agent metadata published for {expected_name!r}: {type(exc).__name__} (UCX "
+                            "cannot connect to it: has that process exited, or is its node unreachable?)") from None
         name = name.decode() if isinstance(name, bytes) else name
         if name != expected_name:
             self._agent.remove_remote_agent(name)
@@ -189,9 +196,9 @@ class NixlAgent:
             try:
                 state = self._agent.transfer(part)
             except Exception as exc:  # NIXL raises per-status exception types (e.g. nixlRemoteDisconnectError)
-                raise SyncError(f"posting a READ from {peer} failed: {type(exc).__name__} (did that process die?)") from None
+                raise PeerLost(f"posting a READ from {peer} failed: {type(exc).__name__} (did that process die?)") from None
             if state == "ERR":
-                raise SyncError(f"NIXL refused to post a READ from {peer} (did that process die?)")
+                raise PeerLost(f"NIXL refused to post a READ from {peer} (did that process die?)")
 
     def _state(self, handle: Read) -> str:
         """ERR if any part failed, DONE once every part is done, else PROC."""
@@ -213,9 +220,9 @@ class NixlAgent:
                 try:
                     state = self._state(handle)
                 except Exception as exc:  # as in post(): a status turned into an exception
-                    raise SyncError(f"{what}: a READ from {peer} failed: {type(exc).__name__} (did that process die?)") from None
+                    raise PeerLost(f"{what}: a READ from {peer} failed: {type(exc).__name__} (did that process die?)") from None
                 if state == "ERR":
-                    raise SyncError(f"{what}: a READ from {peer} failed (its process died or deregistered its memory)")
+                    raise PeerLost(f"{what}: a READ from {peer} failed (its process died or deregistered its memory)")
                 if state != "DONE":
                     still.append((handle, peer))
                 else:
