@@ -3,8 +3,10 @@
 Nodes (tests/support/emulated_cluster.py, UCX over TCP): the store on s0, trainer ranks 0 and 1 on t0 and t1,
 inference ranks 0 and 1 on i0 and i1, every link at --rate Mbit/s. The workers are tests/support/runtime_worker.py
 processes (a tiny Qwen3-MoE plan, fsdp=2 -> dp=2,ep; every reader compares its bytes with the host executor's), gated
-version by version. Before each sync a fault may be drawn (--fault-rate), then injected at a random delay after the
-sync starts (uniform over 0.8 x the median of the last completed syncs, so it lands while the sync runs):
+version by version, each trainer computing --compute s between publish and release (a training step, during which
+the runtime's background poll answers readers). Before each sync a fault may be drawn (--fault-rate), then injected at
+a random delay after the sync starts (uniform over 0.8 x the median of the last completed syncs, so it lands while the
+sync runs):
 
 - link flap: a node's link goes down for 0.5 s to twice the workers' timeout, then up (the soak waits until it
   carries traffic again);
@@ -96,7 +98,8 @@ class Soak:
         self.sync_seconds: list[float] = []  # the slowest reader's time of each completed sync
 
     def start(self, worker: Worker, versions: list[int]) -> None:
-        extra = ("--wait-joined",) if worker.role == "trainer" else ("--plain",)
+        extra = (("--wait-joined", "--busy-after-publish", str(self.args.compute)) if worker.role == "trainer"
+                 else ("--plain",))
         self.job.start(worker.key, worker.role, worker.rank, "--versions", ",".join(map(str, versions)), "--gate",
                        "--timeout", str(self.args.timeout), *extra, node=worker.node)
 
@@ -140,7 +143,8 @@ class Soak:
             time.sleep(delay)
             if kind in ("link_flap", "long_cut"):
                 # TCP rides out the short flaps; a long cut outlasts every timeout (sync, release, store)
-                low, high = (0.5, 2 * self.args.timeout) if kind == "link_flap" else (2 * self.args.timeout + 3, self.args.max_cut)
+                low, high = ((0.5, 2 * self.args.timeout) if kind == "link_flap"
+                             else (2 * self.args.timeout + 3, self.args.max_cut))
                 cut = self.rng.uniform(low, max(low, high))
                 self.cluster.link_down(worker.node)
                 time.sleep(cut)
@@ -225,6 +229,8 @@ def main(argv=None) -> None:
     parser.add_argument("--timeout", type=float, default=5.0, help="the workers' sync and release timeout, s")
     parser.add_argument("--max-seconds", type=float, default=1800.0, help="stop (and say so) past this wall time")
     parser.add_argument("--max-cut", type=float, default=60.0, help="the longest a long cut lasts, s")
+    parser.add_argument("--compute", type=float, default=0.5,
+                        help="each trainer's training step between publish and release, s (its agent polled meanwhile)")
     parser.add_argument("--smoke", action="store_true",
                         help="8 syncs: a link flap, a kill and restart, a slow link, a long cut of a reader's node and "
                              "of a trainer's (each just over twice the timeout)")
