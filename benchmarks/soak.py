@@ -3,11 +3,15 @@
 Nodes (tests/support/emulated_cluster.py, UCX over TCP): the store on s0, trainer ranks 0 and 1 on t0 and t1,
 inference ranks 0 and 1 on i0 and i1, every link at --rate Mbit/s. The workers are tests/support/runtime_worker.py
 processes (a tiny Qwen3-MoE plan, fsdp=2 -> dp=2,ep; every reader compares its bytes with the host executor's), gated
-version by version. Before each sync a fault may be drawn (--fault-rate), then injected at a random delay after the
-sync starts (uniform over 0.8 x the median of the last completed syncs, so it lands while the sync runs):
+version by version, each trainer computing --compute s between publish and release (a training step, during which
+the runtime's background poll answers readers). Before each sync a fault may be drawn (--fault-rate), then injected at
+a random delay after the sync starts (uniform over 0.8 x the median of the last completed syncs, so it lands while the
+sync runs):
 
 - link flap: a node's link goes down for 0.5 s to twice the workers' timeout, then up (the soak waits until it
   carries traffic again);
+- long cut: a trainer's or a reader's node (alternately) is partitioned for longer than every timeout, up to
+  --max-cut seconds (60), then its link comes back; the cut side must sync again by itself, no process restarted;
 - process kill and restart: a trainer or reader is SIGKILLed; a replacement process (new incarnation) joins after
   that sync and takes the following versions;
 - slow link: a node's link drops to a tenth of --rate for that sync.
@@ -16,7 +20,10 @@ A sync is `completed` when every reader synced it with the reference bytes, `fai
 it with a SyncError and reported no version, a `hang` when some process said nothing within the bound (4 x the
 workers' timeout + 10 s; the silent process is then replaced). `mixed` counts readers that reported a version whose
 bytes differ from the reference (must be 0), `recovered` the faults after which a later sync (before the next fault)
-completed. The soak stops early, saying so, past --max-seconds.
+completed. Per fault, `fault_log` says which node or process, how long a cut lasted, whether a later sync (before the
+next fault) completed (`recovered`) and after how many versions (`after_versions`: 1 is the next version); a process
+the soak had to replace for a cut (a hang) is in `restarted_for_cut` (must be 0). The soak stops early, saying so,
+past --max-seconds.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from tests.support.runtime_harness import Job  # noqa: E402
 
 MODEL = ROOT / "tests" / "configs" / "tiny-qwen3-moe"
 TRAINERS, READERS = 2, 2
-FAULTS = ("link_flap", "kill_restart", "slow_link")
+FAULTS = ("link_flap", "long_cut", "kill_restart", "slow_link")
 
 
 @dataclass
@@ -62,6 +69,9 @@ class Tally:
     recovered: int = 0
     faults: dict = field(default_factory=lambda: {kind: 0 for kind in FAULTS})
     outcomes: list = field(default_factory=list)
+    fault_log: list = field(default_factory=list)  # per fault: what, where, and whether and when a sync completed after it
+    longest_cut_s: float = 0.0
+    restarted_for_cut: int = 0  # processes replaced because they hung after a link cut
 
 
 def compile_tiny_plan(out: Path) -> Path:
@@ -84,10 +94,12 @@ class Soak:
                        [Worker("inference", k, f"i{k}", f"inf{k}") for k in range(READERS)]
         self.bound = 4 * args.timeout + 10
         self.fault_pending = False  # a fault happened and no sync has completed since
+        self.long_cuts = 0  # long cuts alternate between a trainer's node and a reader's
         self.sync_seconds: list[float] = []  # the slowest reader's time of each completed sync
 
     def start(self, worker: Worker, versions: list[int]) -> None:
-        extra = ("--wait-joined",) if worker.role == "trainer" else ("--plain",)
+        extra = (("--wait-joined", "--busy-after-publish", str(self.args.compute)) if worker.role == "trainer"
+                 else ("--plain",))
         self.job.start(worker.key, worker.role, worker.rank, "--versions", ",".join(map(str, versions)), "--gate",
                        "--timeout", str(self.args.timeout), *extra, node=worker.node)
 
@@ -105,13 +117,18 @@ class Soak:
     def draw_fault(self, version: int):
         if version <= 2 and not self.args.smoke:
             return None  # connect everyone first
-        if self.args.smoke:  # one fault of each kind, then clean syncs
-            kind = {2: "link_flap", 3: "kill_restart", 4: "slow_link"}.get(version)
+        if self.args.smoke:  # one fault of each kind (a long cut of each side), then clean syncs
+            kind = {2: "link_flap", 3: "kill_restart", 4: "slow_link", 5: "long_cut", 7: "long_cut"}.get(version)
         else:
             kind = self.rng.choice(FAULTS) if self.rng.random() < self.args.fault_rate else None
         if kind is None:
             return None
-        worker = self.rng.choice(self.workers)
+        if kind == "long_cut":
+            role = ("inference", "trainer")[self.long_cuts % 2]
+            self.long_cuts += 1
+            worker = self.rng.choice([w for w in self.workers if w.role == role])
+        else:
+            worker = self.rng.choice(self.workers)
         typical = sorted(self.sync_seconds[-10:])[len(self.sync_seconds[-10:]) // 2] if self.sync_seconds else 0.5
         return kind, worker, worker.key, self.rng.uniform(0.0, 0.8 * typical)  # while the sync runs
 
@@ -124,19 +141,29 @@ class Soak:
             self.tally.faults[kind] += 1
             self.fault_pending = True
             time.sleep(delay)
-            if kind == "link_flap":
+            if kind in ("link_flap", "long_cut"):
+                # TCP rides out the short flaps; a long cut outlasts every timeout (sync, release, store)
+                low, high = ((0.5, 2 * self.args.timeout) if kind == "link_flap"
+                             else (2 * self.args.timeout + 3, self.args.max_cut))
+                cut = self.rng.uniform(low, max(low, high))
                 self.cluster.link_down(worker.node)
-                time.sleep(self.rng.uniform(0.5, 2 * self.args.timeout))  # TCP rides out the short ones
+                time.sleep(cut)
                 self.cluster.link_up(worker.node)
+                self.tally.longest_cut_s = max(self.tally.longest_cut_s, round(cut, 1))
+                self.tally.fault_log.append({"version": version, "kind": kind, "node": worker.node, "cut_s": round(cut, 1),
+                                             "recovered": False, "after_versions": None})
             elif kind == "kill_restart":
                 self.job.kill(worker.key)
                 killed = worker
             else:
                 self.cluster.set_rate(worker.node, self.args.rate / 10)
+            if kind not in ("link_flap", "long_cut"):
+                self.tally.fault_log.append({"version": version, "kind": kind, "node": worker.node, "worker": worker.key,
+                                             "recovered": False, "after_versions": None})
         outcome = self.collect(version, killed)
         if fault is not None:
             kind, worker, _, _ = fault
-            if kind == "link_flap":
+            if kind in ("link_flap", "long_cut"):
                 host, port = self.job.address.rsplit(":", 1)
                 self.cluster.wait_reachable(worker.node, host, int(port), timeout=30)
             elif kind == "slow_link":
@@ -174,11 +201,16 @@ class Soak:
             if self.fault_pending:
                 t.recovered += 1
                 self.fault_pending = False
+                for fault in t.fault_log:
+                    if not fault["recovered"]:
+                        fault["recovered"], fault["after_versions"] = True, version - fault["version"]
         elif not mixed:
             t.failed_clean += 1
             kind = "failed_clean"
         else:
             kind = "mixed"
+        cut = next((f for f in t.fault_log if not f["recovered"] and f["kind"] in ("link_flap", "long_cut")), None)
+        t.restarted_for_cut += len(silent) if cut is not None else 0
         for worker in silent:
             print(f"soak: {worker.key} silent on version {version}: {self.job.stderr(worker.key)[-500:]}", file=sys.stderr)
             self.replace(worker, version)
@@ -196,10 +228,16 @@ def main(argv=None) -> None:
                         help="every link's rate, Mbit/s (10: a sync takes ~0.3 s, so faults land while it runs)")
     parser.add_argument("--timeout", type=float, default=5.0, help="the workers' sync and release timeout, s")
     parser.add_argument("--max-seconds", type=float, default=1800.0, help="stop (and say so) past this wall time")
-    parser.add_argument("--smoke", action="store_true", help="6 syncs: a link flap, a kill and restart, a slow link")
+    parser.add_argument("--max-cut", type=float, default=60.0, help="the longest a long cut lasts, s")
+    parser.add_argument("--compute", type=float, default=0.5,
+                        help="each trainer's training step between publish and release, s (its agent polled meanwhile)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="8 syncs: a link flap, a kill and restart, a slow link, a long cut of a reader's node and "
+                             "of a trainer's (each just over twice the timeout)")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.syncs, args.max_seconds = 6, min(args.max_seconds, 300.0)
+        args.syncs, args.max_seconds = 8, min(args.max_seconds, 300.0)
+        args.max_cut = min(args.max_cut, 2 * args.timeout + 3)
     if args.syncs < 1 or not 0 <= args.fault_rate <= 1 or args.rate <= 0 or args.timeout <= 0:
         raise SystemExit("soak: --syncs must be >= 1, --fault-rate in [0, 1], --rate and --timeout positive")
     began = time.monotonic()
@@ -227,7 +265,8 @@ def main(argv=None) -> None:
             raise SystemExit(f"soak: {exc}") from None
     t = soak.tally
     print(json.dumps({"syncs": t.syncs, "completed": t.completed, "failed_clean": t.failed_clean, "mixed": t.mixed,
-                      "hangs": t.hangs, "recovered": t.recovered, "faults": t.faults,
+                      "hangs": t.hangs, "recovered": t.recovered, "faults": t.faults, "longest_cut_s": t.longest_cut_s,
+                      "restarted_for_cut": t.restarted_for_cut, "fault_log": t.fault_log,
                       "seconds": round(time.monotonic() - began, 1), "seed": args.seed, "stopped": stopped}))
 
 

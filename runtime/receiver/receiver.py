@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 import uuid
@@ -23,7 +24,7 @@ from ..tables.ring import DEFAULT_RING_BYTES
 from ..transport import protocol
 from ..transport.lifecycle import AgentOwner
 from ..transport.local_peer import HOST_READ, NotLocal, open_local
-from ..transport.nixl_agent import Backoff, NixlAgent
+from ..transport.nixl_agent import Backoff, NixlAgent, PeerLost
 from ..transport.peer import Connections, Peer, check_sequence
 from ..transport.peer_check import checked_regions, region_fields
 from ..transport.reader import Routed, Transport
@@ -247,19 +248,10 @@ class Receiver(AgentOwner):
         """
         if self.agent is not None:
             raise WeightplanError(f"inference rank {self.rank}: this Receiver was started already")
-        self.agent = NixlAgent(protocol.inference(self.rank).agent(self.rendezvous.job), self._progress_thread)
         self._registered = ([t for views in self._dsts for t in views.values()] + [self._seq, self._ring_word]
                             + (self._quant.slots if self._quant else []) + self._hops.registered
                             + (self._delta.registered if self._delta else []))
-        self.agent.register(self._registered)
-        self.reader = Routed(self.agent)
-        self._hops.start(self.agent)
-        if self._delta:
-            self._delta.start(self.agent)
-        self._local = [{src: self.agent.prepare(None, np.stack([rows[src], t.nbytes], axis=1))
-                        for src, t in self._tables.descriptors.items()} for rows in self._local_rows]
-        self._seq_local = {src: self.agent.prepare(None, np.array([[self._seq.data_ptr() + 8 * src, 8]])) for src in self.reads}
-        self._ring_local = {src: self.agent.prepare(None, np.array([[self._ring_word[src].data_ptr(), 16]])) for src in self.reads}
+        self._new_agent()
         self.write_constants()  # with the destinations registered, before this rank says it joined
         me = protocol.inference(self.rank)
         if self._hops.served:  # peers of this node read entries from this rank (fan-out)
@@ -277,14 +269,46 @@ class Receiver(AgentOwner):
         """
         if not self.running:
             return
+        self._close_agent(time.monotonic() + self.timeout)  # peers of this node may still read its last version
+
+    def _new_agent(self) -> None:
+        """A new NIXL agent (a new UCX worker) with this rank's memory registered and its local descriptor lists."""
+        self.agent = NixlAgent(protocol.inference(self.rank).agent(self.rendezvous.job), self._progress_thread)
+        self.agent.register(self._registered)
+        self.reader = Routed(self.agent)
+        self._hops.start(self.agent)
+        if self._delta:
+            self._delta.start(self.agent)
+        self._local = [{src: self.agent.prepare(None, np.stack([rows[src], t.nbytes], axis=1))
+                        for src, t in self._tables.descriptors.items()} for rows in self._local_rows]
+        self._seq_local = {src: self.agent.prepare(None, np.array([[self._seq.data_ptr() + 8 * src, 8]])) for src in self.reads}
+        self._ring_local = {src: self.agent.prepare(None, np.array([[self._ring_word[src].data_ptr(), 16]])) for src in self.reads}
+
+    def _close_agent(self, deadline: float) -> None:
+        """Drop every peer, release the local lists and close the agent (its UCX worker and every connection it held)."""
         self._trainers.drop_all()
-        self._hops.close(time.monotonic() + self.timeout)  # peers of this node may still read its last version
+        self._hops.close(deadline)
         for prepared in [*(p for local in self._local for p in local.values()), *self._seq_local.values(),
                          *self._ring_local.values()]:
             self.agent.release_list(prepared)
         if self._delta:
             self._delta.release(self.agent)
         self.agent.close()
+        self._local, self._seq_local, self._ring_local = [], {}, {}
+
+    def _renew_agent(self) -> None:
+        """Before a sync, when a READ timed out or failed, or a trainer's agent could not be loaded: a new agent (a new UCX
+        worker) in place of the old one, closed with every connection it held. READs of a failed sync still queued on a
+        connection a link cut broke would otherwise be answered once the link returns and land in the destination
+        during or after a later sync (seen in the soak: one tensor of a completed version held bytes of an older READ);
+        and a worker made while its node's link was down never reaches another node ("Destination is unreachable").
+        A puller keeps its agent: its node's peers hold its published metadata."""
+        if self._hops.served or not self.agent.stuck:
+            return
+        log.info("inference rank %d: a new NIXL agent (the last one's connections may be broken)", self.rank)
+        self._close_agent(time.monotonic())
+        gc.collect()  # the old agent's handles hold its worker: destroy it (its sockets) now
+        self._new_agent()
 
     @property
     def version(self) -> int | None:
@@ -360,7 +384,8 @@ class Receiver(AgentOwner):
         """Receive `version` from every trainer rank this rank reads; raise SyncError (weights incomplete) on failure.
 
         `into` chooses the destination set written (0: the destination, k: alternate k); the other sets are not touched,
-        and a failed sync leaves only set `into` incomplete (`versions`)."""
+        and a failed sync leaves only set `into` incomplete (`versions`). Waiting for the trainers to publish `version`
+        and reading it have `timeout` each."""
         check_version(version)
         self._check_into(into)
         if not self.running:
@@ -378,6 +403,8 @@ class Receiver(AgentOwner):
             self._hops.failed(version)
             for t in self._trainers.by_rank.values():
                 self.agent.notify(t.peer.name, protocol.fail(version))
+            if self.agent.stuck:
+                self.agent.flush(0.1)  # the fail notifications go out to the trainers still reachable, before _renew_agent
             self._trainers.drop_all()
             self._hops.drop(version)
             raise type(exc)(f"inference rank {self.rank}: sync of version {version} failed; its weights are "
@@ -390,13 +417,31 @@ class Receiver(AgentOwner):
         self.rendezvous.wait([protocol.version_key(r, version) for r in sources], deadline - time.monotonic(),
                              f"version {version} from trainer ranks {sources}")
         waited = time.monotonic()
-        for r in sources:
-            self._trainers.to(r, self.rendezvous.get_text(protocol.version_key(r, version), protocol.INCARNATION))
+        # The reading gets its own timeout: the trainers may have waited out their release timeout for a reader cut
+        # off (once), and the readers still connected must not fail this version for it.
+        deadline = waited + self.timeout
+        incarnations = {r: self.rendezvous.get_text(protocol.version_key(r, version), protocol.INCARNATION) for r in sources}
+        self._renew_agent()  # here, once the store answered: a worker made while this node's link is down reaches nothing
+        try:
+            self._connect_all(version, incarnations)
+        except SyncError:
+            if not self.agent.stuck or self._hops.served:
+                raise
+            self._renew_agent()  # an agent that cannot reach a live trainer (made while the link was down): once more
+            self._connect_all(version, incarnations)
         connected = time.monotonic()
-        for t in self._trainers.by_rank.values():
-            self.agent.notify(t.peer.name, protocol.begin(version))
         check, spent = self._verifier(version, deadline, into) if self.verify else (None, [0.0])
-        self._check_sequence(version, deadline, "before reading")
+        try:
+            self._check_sequence(version, deadline, "before reading")
+        except PeerLost as exc:
+            # NIXL found a connection broken while no sync ran (a link cut between syncs): connect again from the
+            # published metadata, once, rather than fail this version too.
+            log.info("inference rank %d: %s; connecting to trainer ranks %s again", self.rank, exc, sources)
+            self._trainers.drop_all()
+            self._renew_agent()
+            self._connect_all(version, incarnations)
+            connected = time.monotonic()
+            self._check_sequence(version, deadline, "before reading")
         if self._quant and self._quant.begin():
             self.device_sync.wait("staging slots zeroed")  # before READs land in them
         took, delta_read, choices = self._delta_phase(version, previous, synced or {}, deadline)
@@ -442,6 +487,14 @@ class Receiver(AgentOwner):
             log.info("weightplan sync v%d inference rank %d: slowest trainer rank %d, its READs outstanding for %.0f%% "
                      "of the read phase", version, self.rank, slowest, 100 * report.slowest_share)
         return report
+
+    def _connect_all(self, version: int, incarnations: dict[int, str]) -> None:
+        """Connect to each trainer rank's incarnation (kept from an earlier sync when it is the same) and tell it this rank
+        starts reading `version`."""
+        for r, incarnation in incarnations.items():
+            self._trainers.to(r, incarnation)
+        for t in self._trainers.by_rank.values():
+            self.agent.notify(t.peer.name, protocol.begin(version))
 
     def _connect(self, rank: int, incarnation: str) -> _Trainer:
         """Prepare transfers to incarnation `incarnation` of trainer `rank`, once its info matches this rank's tables."""

@@ -301,7 +301,12 @@ class Sender(AgentOwner):
             self.rendezvous.put(protocol.digests_key(self.rank, version), found)
             self.digest_seconds = time.perf_counter() - began
         self._pending = version
-        self.rendezvous.put(protocol.version_key(self.rank, version), self.incarnation.encode())
+        try:
+            self.rendezvous.put(protocol.version_key(self.rank, version), self.incarnation.encode())
+        except SyncError:  # not announced (the store unreachable): retired at once, so the next publish waits for no one
+            self._pending = None
+            self._seq.fill_(2 * version + 1)
+            raise
         self.agent.background(True)  # readers READ while the trainer computes: someone must answer them (TCP)
 
     def _publish_delta(self, version: int) -> None:

@@ -30,6 +30,11 @@ def _nixl():
     return nixl_agent, nixl_agent_config
 
 
+class PeerLost(SyncError):
+    """A READ failed at once: NIXL holds the connection to that peer broken (its process died, or a link cut broke it,
+    possibly while nothing was read). Connecting again from its published metadata may heal it."""
+
+
 class Backoff:
     """The pause between polls of something not ready yet: 10 us, doubling up to 1 ms."""
 
@@ -76,6 +81,7 @@ class NixlAgent:
         self._poll: BackgroundPoll | None = None
         self._collected: list[dict] = []  # notifications the background poll received, not yet handed out
         self.memory = EMPTY  # what this agent registered, by placement (published as its info's 'memory')
+        self.stuck = False  # a READ timed out or failed: it may still be queued on a broken connection
 
     def register(self, tensors: list[torch.Tensor]) -> None:
         """Register tensors once, host (DRAM) and CUDA (VRAM, per device) alike: one NIXL registration per placement,
@@ -120,7 +126,10 @@ class NixlAgent:
         try:
             name = self._agent.add_remote_agent(metadata)
         except Exception as exc:
-            raise SyncError(f"cannot load agent metadata published for {expected_name!r}: {type(exc).__name__}") from None
+            self.stuck = True
+            # Seen when UCX cannot connect to it (Connection refused): that process exited, or its node is unreachable.
+            raise SyncError(f"cannot load agent metadata published for {expected_name!r}: {type(exc).__name__} (UCX "
+                            "cannot connect to it: has that process exited, or is its node unreachable?)") from None
         name = name.decode() if isinstance(name, bytes) else name
         if name != expected_name:
             self._agent.remove_remote_agent(name)
@@ -189,9 +198,11 @@ class NixlAgent:
             try:
                 state = self._agent.transfer(part)
             except Exception as exc:  # NIXL raises per-status exception types (e.g. nixlRemoteDisconnectError)
-                raise SyncError(f"posting a READ from {peer} failed: {type(exc).__name__} (did that process die?)") from None
+                self.stuck = True
+                raise PeerLost(f"posting a READ from {peer} failed: {type(exc).__name__} (did that process die?)") from None
             if state == "ERR":
-                raise SyncError(f"NIXL refused to post a READ from {peer} (did that process die?)")
+                self.stuck = True
+                raise PeerLost(f"NIXL refused to post a READ from {peer} (did that process die?)")
 
     def _state(self, handle: Read) -> str:
         """ERR if any part failed, DONE once every part is done, else PROC."""
@@ -213,9 +224,11 @@ class NixlAgent:
                 try:
                     state = self._state(handle)
                 except Exception as exc:  # as in post(): a status turned into an exception
-                    raise SyncError(f"{what}: a READ from {peer} failed: {type(exc).__name__} (did that process die?)") from None
+                    self.stuck = True
+                    raise PeerLost(f"{what}: a READ from {peer} failed: {type(exc).__name__} (did that process die?)") from None
                 if state == "ERR":
-                    raise SyncError(f"{what}: a READ from {peer} failed (its process died or deregistered its memory)")
+                    self.stuck = True
+                    raise PeerLost(f"{what}: a READ from {peer} failed (its process died or deregistered its memory)")
                 if state != "DONE":
                     still.append((handle, peer))
                 else:
@@ -223,6 +236,7 @@ class NixlAgent:
             pending = still
             if pending:
                 if time.monotonic() > deadline:
+                    self.stuck = True
                     peers = sorted({peer for _, peer in pending})
                     raise SyncError(f"{what}: timed out waiting for READs from {', '.join(peers)}")
                 backoff.sleep()
@@ -247,6 +261,13 @@ class NixlAgent:
             self._agent.send_notif(peer, message.encode())
         except Exception as exc:  # a dead peer cannot be told; callers treat notifications as best effort
             log.debug("notifying %s: %s", peer, exc)
+
+    def flush(self, seconds: float) -> None:
+        """Progress this agent for `seconds` (notifications just sent go out), keeping what it receives."""
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            self._collected.append(self._agent.get_new_notifs())
+            time.sleep(0.001)
 
     def notifications(self) -> dict[str, list[str]]:
         """New notifications by sender agent name."""

@@ -35,7 +35,10 @@ class Peer:
         """Load its agent metadata, refusing metadata that names any other agent, once its info says where its memory
         lives (host or which GPU: the memory type of every descriptor on it; `memory`, parsed already, or its info's)."""
         self.memory = memory if memory is not None else MemoryMap.from_record(self.info.get("memory"), str(self.endpoint))
-        self._agent.add_peer(self._rendezvous.get_bytes(self.endpoint.metadata_key(self.incarnation)), self.name)
+        try:
+            self._agent.add_peer(self._rendezvous.get_bytes(self.endpoint.metadata_key(self.incarnation)), self.name)
+        except SyncError as exc:
+            raise SyncError(f"{self.endpoint}: {exc}") from None
 
     def prepare(self, rows: np.ndarray, local: bool = False, fields: dict[str, tuple[int, int]] | None = None):
         """A descriptor list of (address, bytes) rows on this peer (or, `local`, on the reader), released with it.

@@ -252,6 +252,12 @@ def parse_delta_record(value: dict, rank: int, version: int) -> DeltaRecord:
     return DeltaRecord(base, nbytes, digest, None if density is None else float(density))
 
 
+def store_key() -> str:
+    """The store's identity (value: a random hex id) written by the process serving it: a client that reconnects and
+    finds another id (or none) knows the store was restarted and lost the job's records."""
+    return "store/id"
+
+
 def joined_key(rank: int) -> str:
     """Inference `rank` joined the job (value: `joined_record`); trainers and pullers wait for the ranks that joined."""
     return f"inference/{rank}/joined"

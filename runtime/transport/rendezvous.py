@@ -20,11 +20,12 @@ import socket
 import stat
 import threading
 import time
+import uuid
 from datetime import timedelta
 from pathlib import Path
 
 from ..errors import SyncError, WeightplanError
-from .protocol import PROTOCOL_VERSION
+from .protocol import PROTOCOL_VERSION, store_key
 
 log = logging.getLogger("weightplan.rendezvous")
 
@@ -38,6 +39,7 @@ _SIGNED, _PLAIN = f"wp{PROTOCOL_VERSION}s".encode(), f"wp{PROTOCOL_VERSION}p".en
 _MAC_BYTES = 32
 STORE_MARGIN = 2.0  # seconds a store call may take beyond its own timeout before the caller gives up on it
 SIGNED_JOB = "signed-job"  # a plain key a secured process sets, for the hint in Rendezvous.wait
+_STORE_ID = re.compile(r"[0-9a-f]{32}")
 
 
 def check_job(job: str) -> str:
@@ -101,21 +103,29 @@ class Rendezvous:
         self._secret = secret
         self._timeout = timeout
         self._reconnect = reconnect  # () -> a new client of the same store; None for the process serving it
+        self.store_id: str | None = None  # the store's identity (protocol.store_key) when this client connected
+        self._lost: str | None = None  # set once the store turned out restarted: every later call raises it
 
-    def _call(self, what: str, op, timeout: float | None = None):
+    def _call(self, what: str, op, timeout: float | None = None, retried: bool = False):
         """`op(store)` on the store, answered within `timeout` (default: the store's) plus a margin, else SyncError.
 
         TCPStore's client can block without bound once its server is unreachable (a `wait` that timed
         out waits, with no timeout, for the answer to its cancellation), so each call runs in a thread
-        this one stops waiting for. A client left blocked there is dropped: the next call connects a new
-        one, if the store is reachable again.
+        this one stops waiting for. A client left blocked there, or whose connection broke, is dropped: a
+        new one connects, if the store is reachable again, and first checks that it is the same store
+        (a restarted store lost every record of the job: one SyncError saying what to restart).
         """
-        if self.store is None:
+        if self._lost is not None:
+            raise SyncError(self._lost)
+        fresh = self.store is None
+        if fresh:
             self.store = self._new_client(what)
         store, result, done = self.store, [], threading.Event()
 
         def run() -> None:
             try:
+                if fresh:
+                    self._check_same_store(store)
                 result.append((True, op(store)))
             except BaseException as exc:  # handed to the caller below
                 result.append((False, exc))
@@ -128,9 +138,29 @@ class Rendezvous:
                 self.store = None  # that client is blocked mid-request; the next call connects a new one
             raise SyncError(f"{what}: the rendezvous store did not answer within {limit:.1f} s; is its host reachable?")
         ok, value = result[0]
+        if not ok and self._reconnect is not None and "Network" in type(value).__name__:
+            self.store = None  # its connection broke (a link cut, the server gone or restarted): the next call reconnects
+            if not retried and _accepts(store.host, store.port):  # a server is there again: once more, on a new client
+                return self._call(what, op, timeout, retried=True)
         if not ok:
             raise value
         return value
+
+    def _check_same_store(self, store) -> None:
+        """SyncError (kept for every later call) when a new client's store is not the one this process connected to."""
+        if self.store_id is None:
+            return
+        key = store_key()
+        found = store.get(self._key(key)) if store.check([self._key(key)]) else None
+        try:
+            same = found is not None and self._open(key, found) == self.store_id.encode()
+        except SyncError:
+            same = False
+        if not same:
+            host, port = store.host, store.port
+            self._lost = (f"the rendezvous store at {host}:{port} was restarted and lost the records of job {self.job!r} "
+                          "(trainer infos, agent metadata, joins): restart every trainer and inference process of the job")
+            raise SyncError(self._lost)
 
     def _new_client(self, what: str):
         try:
@@ -186,6 +216,11 @@ class Rendezvous:
             listener.detach()  # the store's event loop owns the descriptor now; a second close could hit a reused fd
         if key is not None:  # tells a process started without the secret why it finds nothing (`wait`)
             rendezvous._call("marking the job as signed", lambda client: client.set(rendezvous._plain(SIGNED_JOB), b"1"))
+        if serve:
+            rendezvous.store_id = uuid.uuid4().hex
+            rendezvous.put(store_key(), rendezvous.store_id.encode())
+        elif rendezvous.exists(store_key()):  # absent: a store served by something else, never checked
+            rendezvous.store_id = rendezvous.get_text(store_key(), _STORE_ID)
         return rendezvous
 
     @property
@@ -278,6 +313,10 @@ class Rendezvous:
             raise
         except Exception as exc:
             raise SyncError(f"rendezvous key {key!r}: cannot read it ({type(exc).__name__})") from None
+        return self._open(key, record)
+
+    def _open(self, key: str, record: bytes) -> bytes:
+        """The value of a stored `record` of `key` once it authenticates; SyncError naming the key otherwise."""
         tag = record[:4]
         if self._secret is None:
             if tag == _SIGNED:
@@ -309,6 +348,15 @@ class Rendezvous:
         if not isinstance(value, dict):
             raise SyncError(f"rendezvous key {key!r} holds {type(value).__name__}, expected an object")
         return value
+
+
+def _accepts(host: str, port: int) -> bool:
+    """Whether something accepts a connection at host:port within a second."""
+    try:
+        socket.create_connection((host, port), timeout=1.0).close()
+        return True
+    except OSError:
+        return False
 
 
 def _wait_reachable(host: str, port: int, timeout: float, address: str) -> None:

@@ -108,10 +108,13 @@ def test_bench_trainer_smoke():
 
 
 def test_soak_smoke():
-    """Six syncs over emulated nodes with one link flap, one kill and restart and one slow link (root and iproute2)."""
+    """Eight syncs over emulated nodes with one link flap, one kill and restart, one slow link and a long cut of a
+    reader's node and of a trainer's (root and iproute2)."""
     figures, _ = last_json("soak.py", "--smoke")
-    assert_keys(figures, {"syncs", "completed", "failed_clean", "mixed", "hangs", "recovered", "seconds", "faults"},
-                "soak.py")
+    assert_keys(figures, {"syncs", "completed", "failed_clean", "mixed", "hangs", "recovered", "seconds", "faults",
+                          "longest_cut_s", "restarted_for_cut", "fault_log"}, "soak.py")
+    for fault in figures["fault_log"]:
+        assert_keys(fault, {"version", "kind", "node", "recovered", "after_versions"}, "soak.py fault_log")
 
 
 def test_bench_network_smoke():

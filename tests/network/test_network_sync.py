@@ -4,6 +4,8 @@ every version's digests equal to vLLM's own load."""
 
 from __future__ import annotations
 
+import time
+
 from ..conftest import config_dir
 from ..support.runtime_harness import Job
 from ..support.emulated_cluster import EmulatedCluster
@@ -95,23 +97,42 @@ def test_an_inference_node_cut_mid_sync_fails_clean_then_syncs_again_after_the_l
         job.assert_clean_exit(*(f"inf{k}" for k in range(4)), *(f"tr{r}" for r in range(4)))
 
 
-def test_the_store_node_unreachable_fails_every_process_clean_within_its_timeout(plan_cache, tmp_path):
-    """The store's node loses its link before version 2: every inference rank fails version 2 with a SyncError that
-    names the store and reports no version, and every trainer reports version 2 (failed, or released with no
-    reader acknowledging), each within a bounded multiple of its timeout: nothing hangs on the unreachable store."""
+STORE_CUT = 30.0  # seconds the store's node stays unreachable
+
+
+def test_the_store_node_unreachable_for_30_s_fails_every_process_clean_then_syncs_resume(plan_cache, tmp_path):
+    """The store's node loses its link before version 2 and stays cut for 30 s: every inference rank fails version 2
+    with a SyncError that names the store and reports no version, and every trainer reports version 2 (failed, or
+    released with no reader acknowledging), each within a bounded multiple of its timeout: nothing hangs on the
+    unreachable store. Once the store's link is back, version 3 syncs on every reader and every trainer's release sees
+    every reader acknowledge, no process restarted (each reconnects to the same store and finds it holds the job)."""
     path = plan_cache(*BF16[:4], "dp=2,ep")
     with EmulatedCluster({"s0": None, "t0": None, "i0": None}, tag="wpt-store") as cluster, \
             Job(tmp_path, path, "net-store", cluster=cluster, store_node="s0") as job:
-        start_gated(job, "1,2", lambda r: "t0", 2, lambda k: "i0")
+        start_gated(job, "1,2,3", lambda r: "t0", 2, lambda k: "i0")
         job.go(1)
         for k in range(2):
             assert job.event(f"inf{k}", "synced", 1)["n_differ"] == 0
         cluster.link_down("s0")
+        cut_at = time.monotonic()
         job.go(2)
         assert_failed_clean(job, 2, 2, "rendezvous", "store")
         for r in range(4):
             e = job.event(f"tr{r}", ("released", "failed"), 2, timeout=4 * LINK_TIMEOUT)
             assert e["event"] == "failed" or (e["acked"] == [] and e["failed"] + e["timed_out"]), e
+        time.sleep(max(0.0, STORE_CUT - (time.monotonic() - cut_at)))
+        cluster.link_up("s0")
+        host, port = job.address.rsplit(":", 1)
+        for node in ("t0", "i0"):
+            cluster.wait_reachable(node, host, int(port))
+        job.go(3)
+        for k in range(2):
+            e = job.event(f"inf{k}", "synced", 3, timeout=4 * LINK_TIMEOUT)
+            assert e["reported"] == 3 and e["n_differ"] == 0, e
+        for r in range(4):
+            e = job.event(f"tr{r}", "released", 3, timeout=4 * LINK_TIMEOUT)
+            assert e["acked"] == [0, 1] and e["timed_out"] == [], e
+        job.assert_clean_exit("inf0", "inf1", *(f"tr{r}" for r in range(4)))
 
 
 def test_a_slow_trainer_node_is_named_in_the_sync_report(plan_cache, tmp_path):
@@ -167,3 +188,68 @@ def test_a_lost_trainer_node_fails_readers_clean_and_replacement_trainers_resume
             e = job.event(f"inf{k}", "synced", 3, timeout=6 * LINK_TIMEOUT)
             assert e["reported"] == 3 and e["n_differ"] == 0, e
         job.assert_clean_exit("inf0", "inf1", "tr0", "tr1", "tr2b", "tr3b")
+
+
+CUT_TIMEOUT = 4.0  # every timeout of the long-cut test: sync, release and store (the store's own margin adds 2 s)
+
+
+def test_a_reader_cut_longer_than_every_timeout_syncs_again_by_itself_and_costs_the_other_one_timeout(plan_cache, tmp_path):
+    """Inference node i1 loses its link in the middle of version 3 and stays cut through versions 4 and 5 (longer than
+    every timeout involved: its sync and the store's fail, the trainers give up on it). Once its link is back, version
+    6 syncs on it with the host executor's bytes, no process restarted, and the trainers wait for it again at version
+    7. Reader 0, on i0, syncs every version; the versions around the cut cost it at most one release timeout more than
+    before the cut, once."""
+    path = plan_cache(*BF16[:3], "fsdp=2", "dp=2,ep")
+    versions = "1,2,3,4,5,6,7"
+    with EmulatedCluster({"s0": None, "t0": None, "i0": None, "i1": None}, tag="wpt-long") as cluster, \
+            Job(tmp_path, path, "net-long", cluster=cluster, store_node="s0") as job:
+        for r in range(2):
+            job.start(f"tr{r}", "trainer", r, "--versions", versions, "--gate", "--wait-joined",
+                      "--timeout", str(CUT_TIMEOUT), node="t0")
+        for k in range(2):
+            job.start(f"inf{k}", "inference", k, "--plain", "--gate", "--versions", versions, "--timeout", str(CUT_TIMEOUT),
+                      *(("--hold-at", "3") if k else ()), node=f"i{k}")
+        for version in (1, 2):
+            job.go(version)
+            for k in range(2):
+                e = job.event(f"inf{k}", "synced", version)
+                assert e["n_differ"] == 0, e
+        before = job.event("inf0", "synced", 2)["seconds"]
+        job.go(3)
+        job.event("inf1", "mid-sync", 3)
+        cluster.link_down("i1")
+        cut_at = time.monotonic()
+        job.resume(3)
+        around = []
+        for version in (3, 4, 5):
+            e = job.event("inf0", "synced", version, timeout=6 * CUT_TIMEOUT)
+            assert e["n_differ"] == 0, e
+            around.append(e["seconds"])
+            if version < 5:  # at once: what the trainers still wait for shows in reader 0's next sync
+                job.go(version + 1)
+            failed = job.event("inf1", ("synced", "failed"), version, timeout=6 * CUT_TIMEOUT)
+            assert failed["event"] == "failed" and failed["reported"] is None, failed
+            for r in range(2):
+                released = job.event(f"tr{r}", "released", version, timeout=6 * CUT_TIMEOUT)
+                # given up on once, at version 3; not waited for again while it is cut
+                assert released["timed_out"] == ([1] if version == 3 else []), released
+        cut = time.monotonic() - cut_at
+        assert cut > 3 * CUT_TIMEOUT, f"the cut lasted {cut:.1f} s, not longer than every timeout"
+        cluster.link_up("i1")
+        host, port = job.address.rsplit(":", 1)
+        cluster.wait_reachable("i1", host, int(port))
+        for version in (6, 7):
+            job.go(version)
+            for k in range(2):
+                e = job.event(f"inf{k}", "synced", version, timeout=6 * CUT_TIMEOUT)
+                assert e["reported"] == version and e["n_differ"] == 0, e  # the host executor's bytes
+                if k == 0:
+                    around.append(e["seconds"])
+            for r in range(2):
+                released = job.event(f"tr{r}", "released", version, timeout=6 * CUT_TIMEOUT)
+                # at 6 it acknowledges once more (maybe after the trainer stopped waiting); from 7 on it is waited for
+                assert 0 in released["acked"] and released["timed_out"] == [], released
+                assert version == 6 or released["acked"] == [0, 1], released
+        extra = sum(max(0.0, s - before) for s in around)
+        assert extra <= CUT_TIMEOUT + 2.0, (before, around)
+        job.assert_clean_exit("inf0", "inf1", "tr0", "tr1")

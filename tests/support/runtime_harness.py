@@ -78,6 +78,10 @@ class Job:
     def start(self, key: str, role: str, rank: int, *args: str, node: str | None = None) -> None:
         """Start worker `key`; with a cluster, on `node` (gated by files in `self.gates`)."""
         gates = () if self.cluster is None else ("--gate-dir", str(self.gates))
+        if self.cluster is not None and role == "inference" and "--device-ipc" not in args:
+            # Emulated nodes share one kernel: a reader would open its trainers' memory directly (process_vm_readv) and
+            # no byte would cross the emulated links.
+            gates += ("--device-ipc", "off")
         self._spawn(key, [sys.executable, "-m", "tests.support.runtime_worker", role, "--plan", str(self.plan), "--rank", str(rank),
                           "--address", self.address, "--job", self.name, *gates, *args], node)
 

@@ -205,7 +205,7 @@ def run_inference(args, plan) -> None:
         param.data.fill_(float("nan") if param.dtype.is_floating_point else 0)
     rendezvous = Rendezvous.connect(args.job, args.address, timeout=args.timeout)
     receiver = Receiver(plan, args.rank, model, rendezvous=rendezvous, timeout=args.timeout, verify=args.verify,
-                        group_bytes=args.group_bytes, ring_bytes=args.ring_bytes).start()
+                        group_bytes=args.group_bytes, ring_bytes=args.ring_bytes, device_ipc=args.device_ipc).start()
     emit(event="joined", rank=args.rank)
     ref_config, reference = model_for_rank()
     conversion = plan_conversion(ref_config, plan)
@@ -273,8 +273,8 @@ def run_quantized_inference(args, plan) -> None:
     rendezvous = Rendezvous.connect(args.job, args.address, timeout=args.timeout)
     # fp8 MLA layers cannot be processed on CPU with the Triton stub: derived state is not recomputed here.
     receiver = Receiver(plan, args.rank, params, rendezvous=rendezvous, timeout=args.timeout, verify=args.verify,
-                        derived="caller",
-                        group_bytes=args.group_bytes, ring_bytes=args.ring_bytes).start()
+                        derived="caller", group_bytes=args.group_bytes, ring_bytes=args.ring_bytes,
+                        device_ipc=args.device_ipc).start()
     emit(event="joined", rank=args.rank)
     sync_versions(
         args, receiver,
