@@ -12,6 +12,8 @@ from weightplan.testing import moe_trainer as mt
 from weightplan.testing.trl_worker import ENGINE
 from weightplan.testing.engines import pin_no_amx
 
+from ..support.fake_world import run_in_fresh_process
+
 STEPS = 2
 
 
@@ -26,11 +28,21 @@ def word_tokenizer(vocab_size: int):
 
 
 def test_grpo_trainer_with_the_one_line_switch_syncs_every_step_through_weightplan(tmp_path):
+    """In a process of its own: TRL's colocate engine runs inside its trainer's process (vLLM's external launcher, which
+    also sets VLLM_ENABLE_V1_MULTIPROCESSING=0 for the rest of that process), and an in-process vLLM CPU worker refuses
+    to start beside the numba kernels other tests of this session loaded (vLLM's Triton dispatcher trips on llvmlite)."""
+    run_in_fresh_process(_grpo_run, str(tmp_path))
+
+
+def _grpo_run(tmp: str) -> None:
+    from pathlib import Path
+
     from datasets import Dataset
     from trl import GRPOConfig
 
     from weightplan.adapters.trl import WeightplanGRPOTrainer, WeightplanSettings, WeightplanVLLMGeneration
 
+    tmp_path = Path(tmp)
     unpin = pin_no_amx(tmp_path)
     model = mt.build_model(mt.ENGINE_CONFIG)
     model.name_or_path = str(mt.ENGINE_CONFIG)
