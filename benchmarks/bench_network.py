@@ -1,9 +1,9 @@
 """`make bench-network`: a plan synced over emulated nodes at three link rates against `simulate-plan`; last line JSON.
 
-Nodes (tests/support/emulated_cluster.py, UCX over TCP): the store on s0, trainer ranks 0 and 1 on t0 and t1,
+Nodes (testing/emulated_cluster.py, UCX over TCP): the store on s0, trainer ranks 0 and 1 on t0 and t1,
 inference ranks 0 and 1 on i0 and i1, each node's link rate-limited with tbf at the rate under test. The plan is a
 Qwen3-MoE config (tests/configs/tiny-qwen3-moe's architecture scaled up; fsdp=2 -> dp=2,ep, about 35 MB per
-reader). Workers are tests/support/runtime_worker.py processes; the trainers publish every version at once,
+reader). Workers are testing/runtime_worker.py processes; the trainers publish every version at once,
 the readers start each sync together when the benchmark opens its gate, after every trainer published it.
 
 measured_s: from the first reader's start to the last reader's end (median over --repeats syncs per rate; a first
@@ -29,10 +29,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from tests.support.emulated_cluster import EmulatedCluster, EmulatedClusterError  # noqa: E402
-from tests.support.runtime_harness import Job  # noqa: E402
+from weightplan.testing.emulated_cluster import EmulatedCluster, EmulatedClusterError
+from weightplan.testing.runtime_harness import Job
 
 BASE = ROOT / "tests" / "configs" / "tiny-qwen3-moe"
 SCALED = {"hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size": 256, "num_experts": 8,

@@ -1,7 +1,7 @@
 """`make soak`: K syncs over emulated nodes with faults injected at random points from a fixed seed; last line JSON.
 
-Nodes (tests/support/emulated_cluster.py, UCX over TCP): the store on s0, trainer ranks 0 and 1 on t0 and t1,
-inference ranks 0 and 1 on i0 and i1, every link at --rate Mbit/s. The workers are tests/support/runtime_worker.py
+Nodes (testing/emulated_cluster.py, UCX over TCP): the store on s0, trainer ranks 0 and 1 on t0 and t1,
+inference ranks 0 and 1 on i0 and i1, every link at --rate Mbit/s. The workers are testing/runtime_worker.py
 processes (a tiny Qwen3-MoE plan, fsdp=2 -> dp=2,ep; every reader compares its bytes with the host executor's), gated
 version by version, each trainer computing --compute s between publish and release (a training step, during which
 the runtime's background poll answers readers). Before each sync a fault may be drawn (--fault-rate), then injected at
@@ -38,10 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from tests.support.emulated_cluster import EmulatedCluster, EmulatedClusterError  # noqa: E402
-from tests.support.runtime_harness import Job  # noqa: E402
+from weightplan.testing.emulated_cluster import EmulatedCluster, EmulatedClusterError
+from weightplan.testing.runtime_harness import Job
 
 MODEL = ROOT / "tests" / "configs" / "tiny-qwen3-moe"
 TRAINERS, READERS = 2, 2

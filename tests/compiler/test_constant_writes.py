@@ -25,7 +25,7 @@ from weightplan.runtime.plan.format import decode_plan, encode_plan
 from weightplan.runtime.plan.schema import RUN_COLUMNS, ConstantRun
 
 from ..conftest import config_dir
-from ..support.runtime_harness import Job
+from weightplan.testing.runtime_harness import Job
 
 # (config, trainer format, trainer layout, inference layout); vocab 999 (untied), 1150 (tied, 6 heads: tp=3),
 # 50257 (MoE): none a multiple of 64, so every rank pads its shard

@@ -23,7 +23,7 @@ from weightplan.runtime.plan.schema import TensorEntry
 from weightplan.runtime.tables.fanout import second_hops, served_hops
 
 from ..conftest import config_dir, with_header_edit
-from ..support.runtime_harness import Job
+from weightplan.testing.runtime_harness import Job
 
 BF16 = ("tiny-qwen3-moe", "transformers", "bf16", "fsdp=2", "dp=4,ep,gpus-per-node=2")
 FP8 = ("fp8-deepseek-v3", "transformers", "bf16", "fsdp=2", "dp=4,ep,gpus-per-node=2", "fp8_per_block")

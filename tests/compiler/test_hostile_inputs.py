@@ -75,7 +75,7 @@ def llama_plan(plan_cache):
 def test_sender_and_receiver_refuse_ranks_that_are_not_plan_ranks(llama_plan, rendezvous, no_agents, rank):
     from weightplan.runtime import Receiver, Sender
 
-    from ..support.runtime_worker import full_weights, plain_destination, shard
+    from weightplan.testing.runtime_worker import full_weights, plain_destination, shard
 
     with pytest.raises(PlanMismatchError, match=f"trainer rank {rank!r} is not in the plan's 1 trainer ranks"):
         Sender(llama_plan, rank, shard(llama_plan, full_weights(llama_plan, 0, 1), 0), rendezvous=rendezvous)
@@ -86,7 +86,7 @@ def test_sender_and_receiver_refuse_ranks_that_are_not_plan_ranks(llama_plan, re
 def test_aliased_destinations_are_refused_before_registering(llama_plan, rendezvous, no_agents):
     from weightplan.runtime import Receiver
 
-    from ..support.runtime_worker import plain_destination
+    from weightplan.testing.runtime_worker import plain_destination
 
     destination = plain_destination(llama_plan, 0)
     first, second = "model.layers.0.self_attn.o_proj.weight", "model.layers.1.self_attn.o_proj.weight"
@@ -100,7 +100,7 @@ def test_aliased_destinations_are_refused_before_registering(llama_plan, rendezv
 def test_versions_are_checked_before_anything_moves(llama_plan, rendezvous, version):
     from weightplan.runtime import Receiver, Sender
 
-    from ..support.runtime_worker import full_weights, plain_destination, shard
+    from weightplan.testing.runtime_worker import full_weights, plain_destination, shard
 
     sender = Sender(llama_plan, 0, shard(llama_plan, full_weights(llama_plan, 0, 1), 0), rendezvous=rendezvous, timeout=2).start()
     receiver = Receiver(llama_plan, 0, plain_destination(llama_plan, 0), rendezvous=rendezvous, timeout=2, derived="caller").start()

@@ -85,7 +85,7 @@ def test_mamba_a_is_computed_by_the_sender_equal_to_vllm_load_weights(zoo_dir, t
     after the copy, via composed_weight_loader). The plan carries exp and neg in A's cast chain; the sender
     applies them while staging, so the wire carries A's final fp32 values: digests equal vLLM's load_weights,
     and a Sender/Receiver sync over NIXL lands what the host executor computes."""
-    from ..support.runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
+    from weightplan.testing.runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
 
     plan_path = _compile(zoo_dir[model_type], "hf", tmp_path / "p.plan")
     plan = load_plan(plan_path)
@@ -192,7 +192,7 @@ def test_a_model_with_unloaded_parameters_is_a_valid_destination(laguna_plan):
     from weightplan.compiler.frontend.vllm_model import build_model, make_vllm_config
     from weightplan.runtime import execute_local
 
-    from ..support.runtime_worker import full_weights, shard
+    from weightplan.testing.runtime_worker import full_weights, shard
 
     config_dir, plan_path = laguna_plan
     plan = load_plan(plan_path)
@@ -249,7 +249,7 @@ def test_persistent_buffers_vllm_loads_are_destinations(zoo_dir, tmp_path, model
     from weightplan.runtime import execute_local
     from weightplan.runtime.checks import named_tensors
 
-    from ..support.runtime_worker import byte_equal, full_weights, host_reference, shard
+    from weightplan.testing.runtime_worker import byte_equal, full_weights, host_reference, shard
 
     plan_path = _compile(zoo_dir[model_type], "hf", tmp_path / "p.plan")
     plan = load_plan(plan_path)

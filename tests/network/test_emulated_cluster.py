@@ -1,4 +1,4 @@
-"""The emulated-cluster harness (tests/support/emulated_cluster.py): nodes reach each other only over their links,
+"""The emulated-cluster harness (testing/emulated_cluster.py): nodes reach each other only over their links,
 at their rates, a cut link cuts, and nothing is left behind."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from ..support import emulated_cluster
-from ..support.emulated_cluster import EmulatedCluster, EmulatedClusterError
+from weightplan.testing import emulated_cluster
+from weightplan.testing.emulated_cluster import EmulatedCluster, EmulatedClusterError
 
 PORT = 29611
 SERVE = ("import socket, sys\n"

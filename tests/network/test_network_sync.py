@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 
 from ..conftest import config_dir
-from ..support.runtime_harness import Job
-from ..support.emulated_cluster import EmulatedCluster
+from weightplan.testing.runtime_harness import Job
+from weightplan.testing.emulated_cluster import EmulatedCluster
 
 BF16 = ("tiny-qwen3-moe", "transformers", "bf16", "fsdp=4", "dp=4,ep,gpus-per-node=2")
 FP8 = ("fp8-deepseek-v3", "transformers", "bf16", "fsdp=4", "dp=4,ep,gpus-per-node=2", "fp8_per_block")

@@ -3,8 +3,8 @@ still has its agent answer the receivers' READs, so their syncs do not wait for 
 
 from __future__ import annotations
 
-from ..support.emulated_cluster import EmulatedCluster
-from ..support.runtime_harness import Job
+from weightplan.testing.emulated_cluster import EmulatedCluster
+from weightplan.testing.runtime_harness import Job
 
 BUSY = 6.0  # seconds the trainer computes between publish and release
 

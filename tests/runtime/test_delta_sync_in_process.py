@@ -17,7 +17,7 @@ from weightplan.runtime.transport import protocol
 from weightplan.runtime.transport.region_digests import byte_view
 
 from ..support.fp8 import CASES
-from ..support.runtime_worker import byte_equal, full_weights, plain_destination, shard
+from weightplan.testing.runtime_worker import byte_equal, full_weights, plain_destination, shard
 
 # Syncs that are expected to succeed wait long: a loaded host (other jobs on 2 cores) must not fail them.
 TIMEOUT = 30

@@ -7,7 +7,7 @@ from __future__ import annotations
 from weightplan.runtime import load_plan
 from weightplan.runtime.tables.fanout import second_hops
 
-from ..support.runtime_harness import Job
+from weightplan.testing.runtime_harness import Job
 
 BF16_FANOUT = ("tiny-qwen3-moe", "transformers", "bf16", "fsdp=2", "dp=4,ep,gpus-per-node=2")
 

@@ -12,7 +12,7 @@ from weightplan.runtime.device import DeviceSync, cuda_devices
 from weightplan.runtime.transport import nixl_agent, protocol
 from weightplan.runtime.transport.memory import DRAM, HOST, VRAM, MemoryMap, Placement, Span, placement_of
 
-from ..support.runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
+from weightplan.testing.runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
 
 
 def on_cuda(tensor: torch.Tensor, index: int) -> torch.Tensor:

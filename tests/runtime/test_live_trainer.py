@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +17,8 @@ from weightplan.runtime import Rendezvous
 
 from ..conftest import config_dir
 from ..support.fake_world import as_rank, run_in_fresh_process
-from ..support.runtime_harness import ROOT
 
+ROOT = Path(__file__).resolve().parents[2]
 RL_LOOP = ROOT / "examples" / "rl_loop.py"
 
 

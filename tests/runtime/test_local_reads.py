@@ -21,8 +21,8 @@ from weightplan.runtime.transport.nixl_agent import NixlAgent
 from weightplan.runtime.transport.reader import PeerReader, Routed
 from weightplan.runtime.transport.vm_read import batches
 
-from ..support.runtime_harness import Job
-from ..support.runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
+from weightplan.testing.runtime_harness import Job
+from weightplan.testing.runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
 
 
 @pytest.fixture

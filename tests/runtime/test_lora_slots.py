@@ -15,7 +15,7 @@ from weightplan.runtime import PlanMismatchError, Receiver, Sender, load_plan
 from weightplan.runtime.lora_slots import slot_destination
 
 from ..conftest import config_dir
-from ..support.runtime_worker import byte_equal, full_weights, shard
+from weightplan.testing.runtime_worker import byte_equal, full_weights, shard
 
 MODEL = "engine-llama"
 

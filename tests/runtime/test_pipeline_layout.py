@@ -10,7 +10,7 @@ from weightplan.compiler.compile import CompileOptions, compile_plan
 from weightplan.runtime import load_plan, read_trainer_layout
 
 from ..conftest import config_dir
-from ..support.runtime_harness import Job
+from weightplan.testing.runtime_harness import Job
 
 VERSIONS = (1, 2)
 

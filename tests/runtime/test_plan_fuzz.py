@@ -321,7 +321,7 @@ def test_resigned_mutations_through_the_commands_are_one_error_line_or_a_report(
         from weightplan.runtime import execute_local, load_plan
         from weightplan.runtime.errors import WeightplanError
 
-        from ..support.runtime_worker import full_weights, plain_destination, shard
+        from weightplan.testing.runtime_worker import full_weights, plain_destination, shard
 
         plan = load_plan(path)
         # A mutated shape can make a valid plan of a model far larger than this test's memory (a source of 512 GB

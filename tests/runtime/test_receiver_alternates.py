@@ -12,7 +12,7 @@ import torch
 
 from weightplan.runtime import PlanMismatchError, Receiver, Sender, SyncError, WeightplanError, load_plan
 
-from ..support.runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
+from weightplan.testing.runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from weightplan.runtime.errors import WeightplanError
 from weightplan.runtime.transport import protocol
 from weightplan.runtime.transport.rendezvous import SECRET_ENV, SECRET_FILE_ENV, job_secret
 
-from ..support.runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
+from weightplan.testing.runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
 
 SECRET = "0123456789abcdef-test-secret"
 

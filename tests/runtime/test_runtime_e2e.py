@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ..conftest import config_dir
-from ..support.runtime_harness import Job
+from weightplan.testing.runtime_harness import Job
 
 VERSIONS = (1, 2, 3)
 

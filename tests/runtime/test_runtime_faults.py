@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ..support.runtime_harness import Job
+from weightplan.testing.runtime_harness import Job
 
 TIMEOUT = 8.0  # the configured sync / release timeout of every worker in this file
 SLACK = 6.0  # process scheduling on a loaded 2-core machine

@@ -8,7 +8,7 @@ from weightplan.runtime import load_plan
 from weightplan.runtime.plan.schema import GATHER, RECEIVER, SENDER
 
 from ..conftest import config_dir
-from ..support.runtime_harness import Job
+from weightplan.testing.runtime_harness import Job
 from ..support.fp8 import CASES
 
 VERSIONS = (1, 2)

@@ -15,7 +15,7 @@ from weightplan.runtime.plan.schema import GATHER, RECEIVER, SENDER
 from weightplan.runtime.transport import protocol
 
 
-from ..support.runtime_worker import byte_equal, full_weights, plain_destination, shard
+from weightplan.testing.runtime_worker import byte_equal, full_weights, plain_destination, shard
 from ..support.fp8 import CASES
 
 

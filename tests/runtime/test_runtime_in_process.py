@@ -11,7 +11,7 @@ import torch
 from weightplan.runtime import PlanMismatchError, Receiver, Rendezvous, Sender, SyncError, execute_local, load_plan
 from weightplan.runtime.transport import protocol
 
-from ..support.runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
+from weightplan.testing.runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
 
 
 @pytest.fixture

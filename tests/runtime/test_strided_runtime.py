@@ -25,8 +25,8 @@ from weightplan.runtime.tables.ranks import (Reads, RemoteRegion, packing, packi
 from weightplan.runtime.tables.ring import DEFAULT_RING_BYTES
 
 from ..conftest import config_dir
-from ..support.runtime_harness import Job
-from ..support.runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
+from weightplan.testing.runtime_harness import Job
+from weightplan.testing.runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
 
 PLANS = Path(__file__).resolve().parents[2] / "plans"
 _RUN = st.tuples(st.integers(0, 2), st.integers(1, 40), st.integers(1, 12), st.integers(0, 30), st.integers(0, 30),

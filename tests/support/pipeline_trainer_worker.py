@@ -27,7 +27,7 @@ import torch.distributed as dist
 from weightplan.runtime import LiveSender, PlanMismatchError, Rendezvous, load_plan, trainer_tensors, write_pipeline_layout
 from weightplan.runtime.transport import protocol
 from .pipeline_stage import stage_module
-from .runtime_worker import emit, full_weights, shard
+from weightplan.testing.runtime_worker import emit, full_weights, shard
 
 
 def build_stage(model_dir: str, rank: int, world: int, pp: int, layers: list[int]) -> torch.nn.Module:

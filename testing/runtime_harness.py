@@ -12,8 +12,6 @@ from pathlib import Path
 from weightplan.runtime import Rendezvous, load_plan
 from weightplan.runtime.tables.fanout import second_hops
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 NETWORK_STORE_PORT = 29400
 NETWORK_SECRET = "weightplan-emulated-cluster-test-secret"
@@ -25,16 +23,16 @@ _SERVE_STORE = ("import sys, time\n"
 
 
 class Job:
-    """One sync job: a store and the worker processes of `tests.support.runtime_worker`.
+    """One sync job: a store and the worker processes of `weightplan.testing.runtime_worker`.
 
     By default the store is on a free loopback port of the test process and the workers are its
-    children. With `cluster` (tests/support/emulated_cluster.py), the store runs in a process of
+    children. With `cluster` (testing/emulated_cluster.py), the store runs in a process of
     node `store_node` on that node's address, with a job secret, and each worker starts on the node
     `start` names: the test reaches neither, so it reads the workers' events and gates them with files.
     """
 
     def __init__(self, tmp_path: Path, plan: Path | str, name: str, *, cluster=None, store_node: str | None = None):
-        """`plan` and `name` may list several comma-separated cases (see tests/support/runtime_worker.py)."""
+        """`plan` and `name` may list several comma-separated cases (see testing/runtime_worker.py)."""
         self.tmp, self.plan, self.name, self.cluster = tmp_path, plan, name, cluster
         self.procs: dict[str, subprocess.Popen] = {}
         self.env = None
@@ -82,20 +80,21 @@ class Job:
             # Emulated nodes share one kernel: a reader would open its trainers' memory directly (process_vm_readv) and
             # no byte would cross the emulated links.
             gates += ("--device-ipc", "off")
-        self._spawn(key, [sys.executable, "-m", "tests.support.runtime_worker", role, "--plan", str(self.plan), "--rank", str(rank),
+        self._spawn(key, [sys.executable, "-m", "weightplan.testing.runtime_worker", role, "--plan", str(self.plan), "--rank", str(rank),
                           "--address", self.address, "--job", self.name, *gates, *args], node)
 
     def start_module(self, key: str, module: str, *args: str) -> None:
-        """Start worker `key` running `python -m module args` (another worker than runtime_worker), on this host."""
+        """Start worker `key` running `python -m module args` (another worker than runtime_worker), on this host, in the
+        current directory (so a module of the repository's tests resolves when pytest runs from the root)."""
         self._spawn(key, [sys.executable, "-m", module, *args], None)
 
     def _spawn(self, key: str, cmd: list[str], node: str | None) -> None:
         out = open(self.tmp / f"{key}.out", "w")
         err = open(self.tmp / f"{key}.err", "w")
         if self.cluster is None:
-            self.procs[key] = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err)
+            self.procs[key] = subprocess.Popen(cmd, stdout=out, stderr=err)
         else:
-            self.procs[key] = self.cluster.popen(node, cmd, cwd=ROOT, stdout=out, stderr=err, env=self.env)
+            self.procs[key] = self.cluster.popen(node, cmd, stdout=out, stderr=err, env=self.env)
 
     def go(self, version: int) -> None:
         self._open_gate("go", version)

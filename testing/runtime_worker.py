@@ -1,6 +1,6 @@
 """A trainer or inference process for the multi-process runtime tests (real NIXL/UCX on loopback).
 
-Run as `python -m tests.support.runtime_worker trainer|inference ...`; prints one JSON line per version.
+Run as `python -m weightplan.testing.runtime_worker trainer|inference ...`; prints one JSON line per version.
 Weights of version v are a deterministic function of (seed, v), so every process can rebuild the
 trainer's full tensors and vLLM's own load of them is the ground truth on the inference side (for
 fp8_per_block plans: load_weights + process_weights_after_loading, vLLM's online quantization).
