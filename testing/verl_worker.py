@@ -175,6 +175,8 @@ def actor_main(args) -> None:
         seconds = time.perf_counter() - began
         print(json.dumps({"event": "step", "step": step, "rank": args.rank, "loss": loss, "update_s": round(seconds, 4)}),
               flush=True)
+        if args.check and not args.baseline:  # the rollout's check runs outside the next step's timed sync
+            store.wait([f"checked/{step}"], 300, "the rollout's check")
         torch.distributed.barrier()
     if not args.baseline:
         engine.shutdown()
@@ -235,6 +237,7 @@ def rollout_main(args) -> None:
             out = {"greedy": greedy(llm), "digests": len(actual),
                    "digests_differ": sorted(k for k in actual if expected.get(k) != actual[k])}
             (args.workdir / f"step-{step}.json").write_text(json.dumps(out))
+            store.put(f"checked/{step}", {"ok": True})
         print(json.dumps(line), flush=True)
     print(json.dumps({"event": "done", "role": "rollout"}), flush=True)
 
