@@ -151,10 +151,13 @@ def actor_main(args) -> None:
     engine = CheckpointEngineRegistry.new(config.backend, is_master=args.rank == 0, bucket_size=1 << 20,
                                           **config.engine_kwargs.get(config.backend, {}))
     fresh = None
-    if args.baseline and args.rank == 0:
+    if args.baseline:  # vLLM's world group over the actors' group, as a colocated engine sets it up (TRLGather too)
+        from vllm.distributed import init_distributed_environment
+
         from weightplan.testing.rl_inference import FreshLoad
 
-        fresh = FreshLoad(mt.ENGINE_CONFIG)
+        init_distributed_environment(world_size=ACTORS, rank=args.rank, local_rank=args.rank, backend="gloo")
+        fresh = FreshLoad(mt.ENGINE_CONFIG) if args.rank == 0 else None
     backend_cls = None if args.baseline else CheckpointEngineManager(config, actor_wg=None, replicas=[]).backend_cls
     worker = SimpleNamespace(config=SimpleNamespace(rollout=SimpleNamespace(checkpoint_engine=config)),
                              actor=SimpleNamespace(engine=actor), checkpoint_engine=engine)
