@@ -17,6 +17,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps "torchtitan==0.3.0"
 	# TRL 1.16.0 (weightplan.adapters.trl) comes with the test extra (pyproject's `frameworks`): it and what its GRPO and
 	# vLLM modules import resolve beside our pins; pip then warns that torchtitan declares datasets<4.8.
+	# verl 0.9.1 (weightplan.adapters.verl) declares transformers<5.11 (we run 5.19 beside vLLM 0.32), ray[default]
+	# (a dashboard stack), wandb, tensorboard and torchdata; its checkpoint-engine and worker modules need only what
+	# pyproject's `frameworks` extra lists plus tensordict 0.10.0 (verl caps it <=0.10.0; its importlib_metadata is
+	# the standard library's on Python 3.11).
+	$(BIN)/pip install --quiet --no-deps "verl==0.9.1" "tensordict==0.10.0"
 	$(BIN)/python -c "import vllm, torch, nixl_cu12._api; print('installed vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(STAMP)
 

