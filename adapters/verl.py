@@ -20,6 +20,12 @@ from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegist
 TESTED_VERL = "0.9.1"
 BACKEND = "weightplan"
 PLAN_KEY = "verl/plan"  # the compiled plan's path, put by the master trainer in the rendezvous store
+# What actor_shards reads without running it: the generator this function returns is built over the actor's DTensor
+# state dict (tests/frameworks/test_verl_shim.py fails when a verl release changes the function).
+SHIMMED = {
+    "verl.workers.engine.fsdp.transformer_impl:FSDPEngine.get_per_tensor_param":
+        "30802c73cfcc5ba2d16c8e1936713bdb47cdc12d78abe0884d7e4f2ff293e8c3",
+}
 
 # A process that hosts its own vLLM engine (a CPU test, an in-process rollout) names it here, by replica index, as a
 # four-method VLLMWeightSyncClient (weightplan.vllm_backend.clients); otherwise the rollout leader drives verl's vLLM

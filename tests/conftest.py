@@ -99,3 +99,11 @@ def no_agents(monkeypatch):
 
     monkeypatch.setattr(sender_module, "NixlAgent", refuse)
     monkeypatch.setattr(receiver_module, "NixlAgent", refuse)
+
+
+@pytest.fixture(scope="session")
+def framework_runs(tmp_path_factory):
+    """`bench_frameworks.py --smoke` run once for the session and checked by several tests (tests/support/framework_runs.py)."""
+    from .support.framework_runs import run_frameworks
+
+    return run_frameworks(tmp_path_factory.mktemp("frameworks"))

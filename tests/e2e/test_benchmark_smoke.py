@@ -94,11 +94,21 @@ def test_bench_lora_smoke():
     assert figures["identical"] is True, figures
 
 
-def test_bench_frameworks_smoke():
-    figures, _ = last_json("bench_frameworks.py", "--smoke")
+def test_bench_frameworks_smoke(framework_runs):
+    """The session's one smoke run (tests/support/framework_runs.py; test_trl.py and test_verl.py check its steps)."""
+    figures = framework_runs.figures
     assert_keys(figures, {"trl", "verl"}, "bench_frameworks.py")
-    assert_keys(figures["trl"], {"update_s", "baseline_s", "speedup", "identical"}, "bench_frameworks.py")
-    assert figures["trl"]["identical"] is True, figures
+    for framework in ("trl", "verl"):
+        assert_keys(figures[framework], {"update_s", "baseline_s", "speedup", "identical"}, "bench_frameworks.py")
+        assert figures[framework]["identical"] is True, figures
+        assert figures[framework]["steps"] == 3 and figures[framework]["update_s"] > 0, figures
+
+
+def test_bench_frameworks_refuses_a_workdir_in_use(tmp_path):
+    (tmp_path / "kept").write_text("")
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_frameworks.py"), "--smoke", "--workdir", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [f"--workdir {tmp_path} is not empty"]
 
 
 def test_bench_trainer_smoke():

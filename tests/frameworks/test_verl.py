@@ -1,5 +1,6 @@
 """verl's checkpoint-engine sync through weightplan: 4 FSDP2 (dp_shard=2, ep=2) actor ranks and one vLLM CPU rollout.
 
+The run is bench_frameworks.py's smoke run (tests/support/framework_runs.py), shared with its smoke test.
 verl's own classes run the sync (testing/verl_worker.py says which and what stands in for what cannot run here): the
 engine is built from `backend: weightplan` + `custom_backend_module: weightplan.adapters.verl`, the actor steps through
 verl's `ActorRolloutRefWorker.update_weights` over verl's FSDP `get_per_tensor_param()`, the rollout through verl's
@@ -16,26 +17,17 @@ import pytest
 
 pytest.importorskip("verl")
 
-from weightplan.testing.engines import pin_no_amx, read_references, start_references  # noqa: E402
-from weightplan.testing.verl_worker import run_workers  # noqa: E402
-
-STEPS = 3
+from ..support.framework_runs import STEPS  # noqa: E402
 
 
-def test_verl_three_steps_equal_vllm_load_and_fresh_engine(tmp_path):
-    unpin = pin_no_amx(tmp_path)
-    try:
-        outs = run_workers(tmp_path, "--check", "--steps", str(STEPS))
-        refs = start_references({s: tmp_path / f"checkpoint-{s}" for s in range(1, STEPS + 1)}, tmp_path / "refs.json",
-                                tmp_path / "refs.log")
-        refs = read_references(refs, tmp_path / "refs.json", tmp_path / "refs.log")
-    finally:
-        unpin()
-    rollout = [json.loads(line) for line in outs[-1].splitlines() if line.startswith('{"event": "step"')]
+def test_verl_three_steps_equal_vllm_load_and_fresh_engine(framework_runs):
+    run, refs = framework_runs.runs["verl"], framework_runs.references["verl"]
+    rollout = [json.loads(line) for line in (run / "rollout0.out").read_text().splitlines()
+               if line.startswith('{"event": "step"')]
     assert [e["yielded"] for e in rollout] == [0] * STEPS  # nothing went through verl's full-tensor path
     outputs = []
     for step in range(1, STEPS + 1):
-        ours = json.loads((tmp_path / f"step-{step}.json").read_text())
+        ours = json.loads((run / f"step-{step}.json").read_text())
         assert ours["digests"] > 0 and ours["digests_differ"] == [], (step, ours["digests_differ"][:5])
         assert ours["greedy"] == [list(p) for p in refs[step]], step
         outputs.append(json.dumps(refs[step]))

@@ -1,0 +1,50 @@
+"""The verl code weightplan.adapters.verl reads behind (verl 0.9.1's FSDP2 full-tensor generator) is the code it was
+written against, by source hash."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+
+import pytest
+
+pytest.importorskip("verl")
+verl_adapter = pytest.importorskip("weightplan.adapters.verl")
+
+
+@pytest.mark.parametrize("target", sorted(verl_adapter.SHIMMED))
+def test_verl_function_read_behind_is_unchanged(target):
+    """A verl release that edits it fails here: re-read it against actor_shards, then update SHIMMED."""
+    module_name, _, qualname = target.partition(":")
+    obj = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    digest = hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()
+    assert digest == verl_adapter.SHIMMED[target], f"{target} changed in this verl; weightplan's verl engine was read " \
+                                                   f"against verl {verl_adapter.TESTED_VERL}"
+
+
+def test_the_shards_are_found_behind_an_unstarted_generator_of_full_tensors():
+    """actor_shards finds the DTensor state dict a verl-shaped generator iterates, and never starts the generator."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from ..support.fake_world import as_rank
+
+    as_rank(0, 2)
+    mesh = init_device_mesh("cpu", (2,))
+    params = {"w": distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]), "b": torch.zeros(2)}
+    started = []
+
+    def full_tensors():
+        started.append(True)
+        for name, param in params.items():
+            yield name, param.full_tensor() if isinstance(param, DTensor) else param
+
+    generator = (pair for pair in full_tensors())
+    assert verl_adapter.actor_shards(generator) is params
+    assert started == []
+    with pytest.raises(TypeError, match="cannot find them behind generator"):
+        verl_adapter.actor_shards(pair for pair in [("w", torch.ones(1))])
