@@ -22,7 +22,7 @@ from trl.trainer import grpo_trainer
 TESTED_TRL = "1.16.0"
 
 # The TRL code this module stands in for or swaps a name inside, by SHA-256 of its source text; a TRL release that
-# changes any of them fails tests/frameworks/test_trl_shim.py until the shim is re-read against it.
+# changes any of them fails tests/frameworks/test_shims.py until the shim is re-read against it.
 SHIMMED = {
     "trl.generation.vllm_generation:VLLMGeneration._init_vllm":
         "0e584002e0f6a9c006aaec0e91ecc996ae8c0d3b2ff8491fbf08b484a57d20ce",

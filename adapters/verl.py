@@ -21,7 +21,7 @@ TESTED_VERL = "0.9.1"
 BACKEND = "weightplan"
 PLAN_KEY = "verl/plan"  # the compiled plan's path, put by the master trainer in the rendezvous store
 # What actor_shards reads without running it: the generator this function returns is built over the actor's DTensor
-# state dict (tests/frameworks/test_verl_shim.py fails when a verl release changes the function).
+# state dict (tests/frameworks/test_shims.py fails when a verl release changes the function).
 SHIMMED = {
     "verl.workers.engine.fsdp.transformer_impl:FSDPEngine.get_per_tensor_param":
         "30802c73cfcc5ba2d16c8e1936713bdb47cdc12d78abe0884d7e4f2ff293e8c3",
