@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -66,7 +67,8 @@ class WeightplanSettings:
         return cls(**kwargs)
 
     @property
-    def tp(self) -> int:
+    def replica_ranks(self) -> int:
+        """Inference ranks (vLLM workers) per rollout replica: tp x dp of `inference`."""
         layout = dict(part.split("=", 1) for part in self.inference.split(",") if "=" in part)
         return int(layout.get("tp", 1)) * int(layout.get("dp", 1))
 
@@ -105,7 +107,7 @@ class WeightplanCheckpointEngine(CheckpointEngine):
     def prepare(self) -> dict[str, Any]:
         """Actor master: serve the rendezvous store (once) and return its address; rollout: its replica layout."""
         if self.role == "rollout":
-            return {"role": "rollout", "tp": self.settings.tp}
+            return {"role": "rollout", "replica_ranks": self.settings.replica_ranks}
         if self.is_master and self.store is None:
             from weightplan.runtime import Rendezvous
 
@@ -115,19 +117,20 @@ class WeightplanCheckpointEngine(CheckpointEngine):
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]):
-        """Every worker learns the store; rollout worker i belongs to replica i // tp and the first of each drives it."""
+        """Every worker learns the store; rollout worker i belongs to replica i // (its ranks per replica) and the first of each drives it."""
         address = next((m.get("address") for m in metadata[:actor_wg_world_size] if m.get("address")), None)
         if address is None:
             raise RuntimeError("no actor worker served the weightplan rendezvous store: the actor's checkpoint engine "
                                "was built without is_master=True on rank 0")
-        tp = max(int(m.get("tp", 1)) for m in metadata[actor_wg_world_size:]) if rollout_world_size else 1
-        if rollout_world_size % tp:
-            raise RuntimeError(f"{rollout_world_size} rollout workers are not whole replicas of tp={tp}")
-        replicas = rollout_world_size // tp
+        size = max(int(m.get("replica_ranks", 1)) for m in metadata[actor_wg_world_size:]) if rollout_world_size else 1
+        if rollout_world_size % size:
+            raise RuntimeError(f"{rollout_world_size} rollout workers are not whole replicas of {size} ranks each "
+                               "(engine_kwargs.weightplan.inference)")
+        replicas = rollout_world_size // size
         actor = {"address": [address] * actor_wg_world_size, "replicas": [replicas] * actor_wg_world_size}
         rollout = {"address": [address] * rollout_world_size, "replicas": [replicas] * rollout_world_size,
-                   "replica": [i // tp for i in range(rollout_world_size)],
-                   "drives": [i % tp == 0 for i in range(rollout_world_size)]}
+                   "replica": [i // size for i in range(rollout_world_size)],
+                   "drives": [i % size == 0 for i in range(rollout_world_size)]}
         return actor, rollout
 
     def init_process_group(self, **kwargs) -> None:
@@ -280,8 +283,6 @@ class RayServerClient:
 
 def _await_readers(engine, timeout: float) -> None:
     """Until every inference rank reading this trainer's plan joined its job (the rollout leader's first pull)."""
-    import time
-
     from weightplan.runtime.transport import protocol
 
     sender = engine.sender
