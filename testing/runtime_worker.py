@@ -132,7 +132,8 @@ def run_trainer(args, plan) -> None:
             emit(event="failed", rank=args.rank, version=version, error=str(exc), seconds=time.monotonic() - began)
             continue
         emit(event="released", rank=args.rank, version=version, acked=list(report.acked), failed=list(report.failed),
-             timed_out=list(report.timed_out), gatherers_timed_out=list(report.gatherers_timed_out), seconds=report.seconds,
+             timed_out=list(report.timed_out), gatherers_timed_out=list(report.gatherers_timed_out), returned=list(report.returned),
+             seconds=report.seconds,
              gather_seconds=sender.gather_seconds, quantize_seconds=sender.quantize_seconds,
              table_bytes=sender.stats.table_bytes, packed_bytes=sender.stats.packed_bytes, stored_runs=sender.stats.stored_runs)
     if args.linger:

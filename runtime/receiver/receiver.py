@@ -421,6 +421,8 @@ class Receiver(AgentOwner):
         # off (once), and the readers still connected must not fail this version for it.
         deadline = waited + self.timeout
         incarnations = {r: self.rendezvous.get_text(protocol.version_key(r, version), protocol.INCARNATION) for r in sources}
+        if self.agent.stuck and not self._hops.served:  # back after a failed sync: the trainers may have given up on us
+            self.rendezvous.put(protocol.returning_key(self.rank, version), self.incarnation.encode())
         self._renew_agent()  # here, once the store answered: a worker made while this node's link is down reaches nothing
         try:
             self._connect_all(version, incarnations)

@@ -23,6 +23,13 @@ from ..tables.ring import DEFAULT_RING_BYTES, ring_chunks
 from ..transport import protocol
 from ..transport.lifecycle import AgentOwner
 from ..transport.local_record import local_record
+
+# A reader given up on (its link was cut) that writes it is back for a version (protocol.returning_key) is waited for
+# while it renews its NIXL agent and connects: its begin re-admits it and the release waits for its ack as for any
+# reader. Without a begin within the grace the release goes on without it, so a reader that cannot connect costs the
+# others at most this, once per return. RETURN_POLL_S: how often a release looks for such records (store round trips).
+RETURN_GRACE_S = 3.0
+RETURN_POLL_S = 0.05
 from ..transport.nixl_agent import NixlAgent
 from ..transport.progress import check_mode as check_progress
 from ..transport.reader import Transport
@@ -49,6 +56,7 @@ class ReleaseReport:
     timed_out: tuple[int, ...]
     seconds: float
     gatherers_timed_out: tuple[int, ...] = ()  # peer trainer ranks that had not finished their gather-side READs
+    returned: tuple[int, ...] = ()  # inference ranks given up on earlier that said they read this version again
 
 
 @dataclass(frozen=True)
@@ -364,6 +372,8 @@ class Sender(AgentOwner):
         self._refresh_joined()
         done: dict[int, str] = {}
         gathering = set(self.gatherers)
+        returning: dict[int, float] = {}  # given-up ranks back for this version -> until when their begin is waited for
+        look = start
         while True:
             self._inbox += list(self._messages())
             for rank, m in self._inbox:
@@ -372,9 +382,15 @@ class Sender(AgentOwner):
             self._advance_ring(version, set(done))
             self._inbox = [(rank, m) for rank, m in self._inbox
                            if m.version > version or (m.version == version and m.kind is Kind.RING)]
+            now = time.monotonic()
+            if self._given_up and now >= look:
+                returning.update({rank: min(deadline, now + RETURN_GRACE_S) for rank in self._returning(version)
+                                  if rank not in returning})
+                look = now + RETURN_POLL_S
             waiting = self._live - set(done)
             gathering -= {g for g in gathering if self.rendezvous.exists(protocol.gathered_key(g, version))}
-            if (not waiting and not gathering) or time.monotonic() > deadline:
+            held = {rank for rank, until in returning.items() if rank in self._given_up and now < until}
+            if (not waiting and not gathering and not held) or now > deadline:
                 break
             time.sleep(0.001)
         self._seq.fill_(2 * version + 1)
@@ -387,7 +403,7 @@ class Sender(AgentOwner):
             self._given_up[rank] = self._joined.get(rank)
         report = ReleaseReport(version, tuple(sorted(k for k, s in done.items() if s is Kind.ACK)),
                                tuple(sorted(k for k, s in done.items() if s is Kind.FAIL)), tuple(sorted(waiting)),
-                               time.monotonic() - start, tuple(sorted(gathering)))
+                               time.monotonic() - start, tuple(sorted(gathering)), tuple(sorted(returning)))
         if report.timed_out:
             log.warning("trainer rank %d: version %d not acknowledged by inference ranks %s within the timeout",
                         self.rank, version, list(report.timed_out))
@@ -431,6 +447,18 @@ class Sender(AgentOwner):
                 self._joined[rank] = incarnation
                 if self._given_up.get(rank) != incarnation:
                     self._live.add(rank)
+
+    def _returning(self, version: int) -> list[int]:
+        """Given-up inference ranks whose incarnation wrote that it is back to read `version` (a bad record is ignored)."""
+        back = []
+        for rank, incarnation in self._given_up.items():
+            try:
+                key = protocol.returning_key(rank, version)
+                if self.rendezvous.exists(key) and self.rendezvous.get_text(key, protocol.INCARNATION) == incarnation:
+                    back.append(rank)
+            except SyncError as exc:
+                log.warning("trainer rank %d: ignoring inference rank %d's return: %s", self.rank, rank, exc)
+        return back
 
     def _messages(self):
         """Parsed notifications from inference ranks of this plan; anything else is dropped."""

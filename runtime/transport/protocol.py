@@ -263,6 +263,13 @@ def joined_key(rank: int) -> str:
     return f"inference/{rank}/joined"
 
 
+def returning_key(rank: int, version: int) -> str:
+    """Inference `rank`, after a failed sync (a cut link, a lost trainer), reaches the store again and is about to renew
+    its connections and read `version` (value: its incarnation): a trainer that gave up on it holds that version's
+    release open for it a while (runtime/sender/sender.py `RETURN_GRACE_S`), rather than move on while it reconnects."""
+    return f"inference/{rank}/returning/{version}"
+
+
 def joined_record(incarnation: str, agent: str) -> dict:
     return {"incarnation": incarnation, "agent": agent}
 

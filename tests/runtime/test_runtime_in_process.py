@@ -4,6 +4,8 @@ fp8 plans: tests/runtime/test_runtime_fp8_in_process.py."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -225,3 +227,54 @@ def test_start_and_close_own_the_side_effects(rendezvous, bf16_plan):
     sender.close(), receiver.close()  # idempotent
     with pytest.raises(WeightplanError, match="not after close"):
         sender.publish(2)
+
+
+def _given_up_after_version_1(plan, rendezvous):
+    """A pair whose trainer gave up on its reader at version 1 (the reader never read it), the reader's agent left as a
+    failed READ leaves it (`stuck`: the next sync renews it)."""
+    tensors, sender, destination, receiver = _pair(plan, rendezvous)
+    sender.publish(1)
+    assert sender.release(1, timeout=0.3).timed_out == (0,)
+    receiver.agent.stuck = True
+    return tensors, sender, destination, receiver
+
+
+def test_a_reader_given_up_on_that_comes_back_is_waited_for_while_it_reconnects(rendezvous, bf16_plan, monkeypatch):
+    """The reader writes that it is back (protocol.returning_key) once the store answers, then renews its agent and
+    connects, slowly (1 s here, as over a link just restored): the trainer's release holds the version open for it, and
+    the first sync after its return completes with the host executor's bytes."""
+    import threading
+
+    tensors, sender, destination, receiver = _given_up_after_version_1(bf16_plan, rendezvous)
+    renew = receiver._renew_agent
+    monkeypatch.setattr(receiver, "_renew_agent", lambda: (time.sleep(1.0), renew()))
+    for name, t in shard(bf16_plan, full_weights(bf16_plan, 0, 2), 0).items():
+        tensors[name].copy_(t)
+    sender.publish(2)
+    synced = {}
+    reading = threading.Thread(target=lambda: synced.update(report=receiver.sync(2)))
+    reading.start()
+    deadline = time.monotonic() + 10
+    while not rendezvous.exists(protocol.returning_key(0, 2)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    report = sender.release(2, timeout=10)
+    reading.join(30)
+    assert report.returned == (0,) and report.acked == (0,) and report.timed_out == (), report
+    assert synced["report"].version == 2
+    _assert_equal_to_host(bf16_plan, destination, 2)
+
+
+def test_a_return_without_a_begin_holds_a_release_for_the_grace_only_and_a_forged_one_not_at_all(rendezvous, bf16_plan,
+                                                                                               monkeypatch):
+    from weightplan.runtime.sender import sender as sender_module
+
+    monkeypatch.setattr(sender_module, "RETURN_GRACE_S", 0.5)
+    tensors, sender, destination, receiver = _given_up_after_version_1(bf16_plan, rendezvous)
+    rendezvous.put(protocol.returning_key(0, 2), receiver.incarnation.encode())  # back, and then never reads
+    sender.publish(2)
+    report = sender.release(2, timeout=10)
+    assert report.returned == (0,) and report.acked == () and 0.4 < report.seconds < 3, report
+    rendezvous.put(protocol.returning_key(0, 3), ("0" * 32).encode())  # another incarnation's record
+    sender.publish(3)
+    report = sender.release(3, timeout=10)
+    assert report.returned == () and report.seconds < 0.4, report
