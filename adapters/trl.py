@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import subprocess
-import sys
 import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from trl.generation import vllm_generation
 from trl.generation.vllm_generation import VLLMClient, VLLMGeneration
 from trl.trainer import grpo_trainer
+
+from .live_plan import broadcast_json, compile_live_plan
 
 TESTED_TRL = "1.16.0"
 
@@ -130,7 +126,7 @@ class WeightplanVLLMGeneration(VLLMGeneration):
         shared = {"plan": s.plan or self._compile_plan(), "address": s.address} if rank == 0 else {}
         for j, (job, client) in enumerate(replicas):
             if j == 0 and rank != 0:
-                shared = _broadcast_json({}, device)  # the plan, and the store rank 0 serves by now
+                shared = broadcast_json({}, device)  # the plan, and the store rank 0 serves by now
             self.plan_path = shared["plan"]
             info = WeightplanTrainerInitInfo(rank=rank, plan=self.plan_path, address=shared["address"], job=job,
                                              timeout=s.timeout, verify=s.verify, delta=s.delta,
@@ -138,32 +134,15 @@ class WeightplanVLLMGeneration(VLLMGeneration):
             engines.append(WeightplanTrainerEngine.trainer_init(info, client=client, source=ShardSource(self.model)))
             if j == 0 and rank == 0:
                 shared["address"] = info.address
-                _broadcast_json(shared, device)
+                broadcast_json(shared, device)
         return engines
 
     def _compile_plan(self) -> str:
-        """Trainer rank 0: the live model's layout, compiled against this run's engine layout by `compile-plan`.
-
-        In a child process: vLLM's model-parallel state, which the compiler sets up for one process, must not meet
-        this process's trainer group (or its colocated engine's).
-        """
-        from weightplan.runtime import write_trainer_layout
-
-        workdir = Path(self.weightplan.workdir or tempfile.mkdtemp(prefix="weightplan-trl-"))
-        workdir.mkdir(parents=True, exist_ok=True)
-        layout = write_trainer_layout(self.model, workdir / "trainer-layout.json")
-        dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}[next(self.model.parameters()).dtype]
+        """Trainer rank 0: the live model's layout, compiled against this run's engine layout (adapters/live_plan.py)."""
         # Colocated replicas are independent engines, each reading the same plan in its own job.
         tp = self.tensor_parallel_size if self.mode == "colocate" else self.vllm_client.get_world_size()
-        out = workdir / "trl.plan"
-        args = ["--model", str(self.model.name_or_path), "--trainer-format", "stacked", "--trainer-dtype", dtype,
-                "--trainer-layout", str(layout), "--inference", f"tp={tp}", "-o", str(out)]
-        code = "import sys; from weightplan.compiler.cli import compile_main; sys.exit(compile_main())"
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-        done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env)
-        if done.returncode != 0:
-            raise RuntimeError(f"compile-plan {' '.join(args)} failed: {done.stderr.strip().splitlines()[-1:]}")
-        return str(out)
+        workdir = Path(self.weightplan.workdir or tempfile.mkdtemp(prefix="weightplan-trl-"))
+        return compile_live_plan(self.model, str(self.model.name_or_path), f"tp={tp}", workdir, "trl.plan")
 
     def close(self) -> None:
         for engine in self.trainer_engines or ():
@@ -202,16 +181,3 @@ def _llm_factory(llm_cls, extra: dict[str, Any]):
         return llm_cls(*args, **{**kwargs, "weight_transfer_config": WeightTransferConfig(backend="weightplan"), **extra})
 
     return build
-
-
-def _broadcast_json(obj: dict, device) -> dict:
-    """Rank 0's JSON object on every rank (two broadcasts over the default group: length, then UTF-8 bytes)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8, device=device)
-    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    dist.broadcast(size, 0)
-    if dist.get_rank() != 0:
-        data = torch.empty(int(size), dtype=torch.uint8, device=device)
-    dist.broadcast(data, 0)
-    return json.loads(bytes(data.cpu().tolist()).decode())

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, fields
@@ -17,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
+
+from .live_plan import broadcast_json, compile_live_plan
 
 TESTED_VERL = "0.9.1"
 BACKEND = "weightplan"
@@ -182,7 +180,7 @@ class WeightplanCheckpointEngine(CheckpointEngine):
                                         ".plan, or leave it unset with `model` set to compile one at the first sync)")
             shared = {"plan": str(Path(plan).resolve())}
             self.store.put(PLAN_KEY, shared)
-        shared = _broadcast_json(shared)
+        shared = broadcast_json(shared, _group_device())
         self.plan_path = shared["plan"]
         engines = []
         for j in range(int(self.topology.get("replicas", 1))):
@@ -193,27 +191,13 @@ class WeightplanCheckpointEngine(CheckpointEngine):
         return engines
 
     def _compile_plan(self, shards) -> str:
-        """The master trainer: the actor's layout, compiled by `compile-plan` in a child process (vLLM's model-parallel
-        state, which the compiler sets up for one process, must not meet this trainer's process group)."""
-        from weightplan.runtime import write_trainer_layout
-
+        """The master trainer: the actor's layout, compiled against one rollout replica (adapters/live_plan.py)."""
         s = self.settings
         if not s.model:
             raise ValueError("weightplan's verl engine needs engine_kwargs.weightplan.model (the HF model directory, "
                              "e.g. ${actor_rollout_ref.model.path}) to compile a plan, or a compiled plan in .plan")
         workdir = Path(s.workdir or tempfile.mkdtemp(prefix="weightplan-verl-"))
-        workdir.mkdir(parents=True, exist_ok=True)
-        layout = write_trainer_layout(_named(shards), workdir / "trainer-layout.json")
-        dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}[next(t for _, t in _named(shards) if t.is_floating_point()).dtype]
-        out = workdir / "verl.plan"
-        args = ["--model", s.model, "--trainer-format", "stacked", "--trainer-dtype", dtype, "--trainer-layout",
-                str(layout), "--inference", s.inference, "-o", str(out)]
-        code = "import sys; from weightplan.compiler.cli import compile_main; sys.exit(compile_main())"
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-        done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env)
-        if done.returncode != 0:
-            raise RuntimeError(f"compile-plan {' '.join(args)} failed: {done.stderr.strip().splitlines()[-1:]}")
-        return str(out)
+        return compile_live_plan(_named(shards), s.model, s.inference, workdir, "verl.plan")
 
     # -- rollout side -------------------------------------------------------------------------------------------
     def _pull(self, version: int) -> None:
@@ -360,16 +344,6 @@ def _replica_job(job: str, replica: int) -> str:
     return f"{job}.replica{replica}"
 
 
-def _broadcast_json(obj: dict) -> dict:
-    """Rank 0's JSON object on every rank of the default group (length, then UTF-8 bytes)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    device = torch.device("cpu") if dist.get_backend() == "gloo" else torch.device(torch.accelerator.current_accelerator())
-    data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8, device=device)
-    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    dist.broadcast(size, 0)
-    if dist.get_rank() != 0:
-        data = torch.empty(int(size), dtype=torch.uint8, device=device)
-    dist.broadcast(data, 0)
-    return json.loads(bytes(data.cpu().tolist()).decode())
-
+def _group_device() -> torch.device:
+    """Where the default group's collectives run: the CPU for gloo (or no group), else the accelerator."""
+    return torch.device("cpu") if not dist.is_initialized() or dist.get_backend() == "gloo" else torch.device(torch.accelerator.current_accelerator())

@@ -45,51 +45,53 @@ def _rank0_updates(stdout: str) -> list[float]:
             if e.get("event") == "step"]
 
 
-def bench_trl(steps: int, workdir: Path) -> dict:
-    from weightplan.testing.trl_worker import WORLD, run_trainers
+def _both_paths(run, workdir: Path, baseline: str, steps: int) -> tuple[list[float], list[float]]:
+    """Rank 0's update seconds per step of the weightplan run (checked: each step's files) and of the framework's own
+    path (`baseline`), each run in its own folder of `workdir`, engines without AMX."""
     from weightplan.testing.engines import pin_no_amx
 
     unpin = pin_no_amx(workdir)
     try:
         (workdir / "weightplan").mkdir()
-        ours = _rank0_updates(run_trainers(workdir / "weightplan", "--check", "--steps", str(steps))[0])
-        (workdir / "trl").mkdir()
-        theirs = _rank0_updates(run_trainers(workdir / "trl", "--baseline", "--steps", str(steps))[0])
+        ours = _rank0_updates(run(workdir / "weightplan", "--check", "--steps", str(steps))[0])
+        (workdir / baseline).mkdir()
+        theirs = _rank0_updates(run(workdir / baseline, "--baseline", "--steps", str(steps))[0])
     finally:
         unpin()
+    return ours, theirs
+
+
+def _figures(ours: list[float], theirs: list[float], identical: bool, steps: int, **about) -> dict:
+    update_s, baseline_s = statistics.median(ours[1:]), statistics.median(theirs[1:])
+    return {"update_s": round(update_s, 4), "baseline_s": round(baseline_s, 4), "speedup": round(baseline_s / update_s, 2),
+            "identical": bool(identical), "first_update_s": round(ours[0], 4), "first_baseline_s": round(theirs[0], 4),
+            "steps": steps, **about}
+
+
+def bench_trl(steps: int, workdir: Path) -> dict:
+    from weightplan.testing.trl_worker import WORLD, run_trainers
+
+    ours, theirs = _both_paths(run_trainers, workdir, "trl", steps)
     identical = True
     for step in range(1, steps + 1):
         outs = [json.loads((workdir / "weightplan" / f"step-{step}-rank-{r}.json").read_text()) for r in range(WORLD)]
         identical &= outs[0]["digests"] > 0 and not outs[0]["digests_differ"]
         identical &= all(o["greedy"] == outs[0]["greedy"] for o in outs)
-    update_s, baseline_s = statistics.median(ours[1:]), statistics.median(theirs[1:])
-    return {"update_s": round(update_s, 4), "baseline_s": round(baseline_s, 4), "speedup": round(baseline_s / update_s, 2),
-            "identical": bool(identical), "first_update_s": round(ours[0], 4), "first_baseline_s": round(theirs[0], 4),
-            "steps": steps, "trainers": WORLD, "engines": WORLD, "mode": "colocate", "trl": "1.16.0",
-            "baseline": "TRL _iter_named_params (full_tensor) + vLLM load_weights into a loader-built model"}
+    return _figures(ours, theirs, identical, steps, trainers=WORLD, engines=WORLD, mode="colocate", trl="1.16.0",
+                    baseline="TRL _iter_named_params (full_tensor) + vLLM load_weights into a loader-built model")
 
 
 def bench_verl(steps: int, workdir: Path) -> dict:
-    from weightplan.testing.engines import pin_no_amx
     from weightplan.testing.verl_worker import ACTORS, run_workers
 
-    unpin = pin_no_amx(workdir)
-    try:
-        (workdir / "weightplan").mkdir()
-        ours = _rank0_updates(run_workers(workdir / "weightplan", "--check", "--steps", str(steps))[0])
-        (workdir / "naive").mkdir()
-        theirs = _rank0_updates(run_workers(workdir / "naive", "--baseline", "--steps", str(steps))[0])
-    finally:
-        unpin()
+    ours, theirs = _both_paths(run_workers, workdir, "naive", steps)
     identical = True
     for step in range(1, steps + 1):
         out = json.loads((workdir / "weightplan" / f"step-{step}.json").read_text())
         identical &= out["digests"] > 0 and not out["digests_differ"]
-    update_s, baseline_s = statistics.median(ours[1:]), statistics.median(theirs[1:])
-    return {"update_s": round(update_s, 4), "baseline_s": round(baseline_s, 4), "speedup": round(baseline_s / update_s, 2),
-            "identical": bool(identical), "first_update_s": round(ours[0], 4), "first_baseline_s": round(theirs[0], 4),
-            "steps": steps, "trainers": ACTORS, "engines": 1, "verl": "0.9.1",
-            "baseline": "verl naive engine: get_per_tensor_param (full_tensor) + vLLM load_weights into a loader-built model"}
+    return _figures(ours, theirs, identical, steps, trainers=ACTORS, engines=1, verl="0.9.1",
+                    baseline="verl naive engine: get_per_tensor_param (full_tensor) + vLLM load_weights into a "
+                             "loader-built model")
 
 
 def main(argv=None) -> int:
