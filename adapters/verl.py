@@ -146,6 +146,8 @@ class WeightplanCheckpointEngine(CheckpointEngine):
         first = self.trainer_engines is None
         if first:
             self.trainer_engines = self._start_trainer_engines(actor_shards(weights))
+        # One replica after another: sending to them at once from threads (one NIXL agent each) timed out at UCX
+        # wire-up (docs/frameworks.md, "Several replicas").
         for engine in self.trainer_engines:  # every rank walks the replicas in the same order
             if first:  # a release waits only for the readers joined when it starts: the rollout joins at its first pull
                 await asyncio.to_thread(_await_readers, engine, self.settings.timeout)

