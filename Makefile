@@ -37,7 +37,7 @@ check-plans: $(STAMP)
 	WEIGHTPLAN_FULL_PLANS=1 $(BIN)/python -m pytest -q tests/e2e/test_glm_full.py
 
 test-engine-slow: $(STAMP)
-	WEIGHTPLAN_SLOW_ENGINE=1 $(BIN)/python -m pytest -q tests/frameworks/test_trl_server.py tests/vllm_backend/test_vllm_backend_serve.py tests/vllm_backend/test_vllm_backend_async.py tests/vllm_backend/test_vllm_backend_tp2.py tests/vllm_backend/test_vllm_backend_dp2.py tests/vllm_backend/test_vllm_backend_draft.py tests/vllm_backend/test_lora_engine_slot.py tests/vllm_backend/test_lora_engine_update.py tests/vllm_backend/test_lora_engine_embeddings.py
+	WEIGHTPLAN_SLOW_ENGINE=1 $(BIN)/python -m pytest -q tests/frameworks/test_trl_server.py tests/frameworks/test_verl_tp2.py tests/vllm_backend/test_vllm_backend_serve.py tests/vllm_backend/test_vllm_backend_async.py tests/vllm_backend/test_vllm_backend_tp2.py tests/vllm_backend/test_vllm_backend_dp2.py tests/vllm_backend/test_vllm_backend_draft.py tests/vllm_backend/test_lora_engine_slot.py tests/vllm_backend/test_lora_engine_update.py tests/vllm_backend/test_lora_engine_embeddings.py
 
 bench-compile: $(STAMP)
 	$(BIN)/python benchmarks/bench_compile.py

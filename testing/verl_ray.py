@@ -1,6 +1,6 @@
 """A verl weight sync through weightplan driven by verl's own `CheckpointEngineManager` over Ray, on CPU.
 
-    python -m weightplan.testing.verl_ray --workdir DIR [--steps N] [--replicas R] [--check]
+    python -m weightplan.testing.verl_ray --workdir DIR [--steps N] [--replicas R] [--tp T] [--check]
     run_manager(workdir, *options)   # the driver above in its own process; its stdout
 
 What runs is verl's: a local Ray cluster; verl's `RayWorkerGroup`s (`RayResourcePool(use_gpu=False)`); 4 actor ranks
@@ -70,10 +70,11 @@ class CPUActorWorker(ActorRolloutRefWorker):
     """verl's actor worker around testing/moe_trainer.py's FSDP2 model; `update_weights` and `execute_checkpoint_engine`
     are ActorRolloutRefWorker's own."""
 
-    def __init__(self, workdir: str, check: bool) -> None:
+    def __init__(self, workdir: str, check: bool, inference: str) -> None:
         Worker.__init__(self)  # rank and world from RayWorkerGroup's env; the rest of verl's __init__ reads its hydra config
         self.workdir, self.check = Path(workdir), check
-        self.config = SimpleNamespace(rollout=SimpleNamespace(checkpoint_engine=checkpoint_config(self.workdir)))
+        self.config = SimpleNamespace(rollout=SimpleNamespace(
+            checkpoint_engine=checkpoint_config(self.workdir, inference=inference)))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -114,19 +115,25 @@ class CPUActorWorker(ActorRolloutRefWorker):
 
 
 class CPUvLLMServer:
-    """verl's vLLMHttpServer where it runs here: a vLLM CPU engine with the weightplan backend, by verl's method names."""
+    """verl's vLLMHttpServer where it runs here: a vLLM CPU engine with the weightplan backend, by verl's method names.
 
-    def __init__(self, check: bool) -> None:
+    `tp` > 1: the engine's workers are processes of vLLM's own (`mp` executor). With `checkpoint`, a reference engine
+    instead: vLLM's own load of that checkpoint, no weight-transfer backend."""
+
+    def __init__(self, check: bool, tp: int = 1, checkpoint: str | None = None) -> None:
         from weightplan.testing import moe_trainer as mt
         from weightplan.testing.engines import make_llm
         from weightplan.testing.rl_inference import FreshLoad
 
-        self.llm = make_llm(mt.ENGINE_CONFIG, dummy=True, backend=True, distributed_executor_backend="uni")
+        executor = "uni" if tp == 1 else "mp"
+        self.llm = make_llm(checkpoint or mt.ENGINE_CONFIG, dummy=checkpoint is None, backend=checkpoint is None,
+                            tensor_parallel_size=tp, distributed_executor_backend=executor)
         self.global_steps = None
         self.calls: dict[str, int] = {}
         self.yielded: list[int] = []
-        # vLLM's own load of each step's state (--check); reloading it needs AMX off, as pin_no_amx sets for engines
-        self.fresh = FreshLoad(mt.ENGINE_CONFIG) if check else None
+        # vLLM's own load of each step's state (--check, tp=1: the digests of inference rank 0's whole model); reloading
+        # it needs AMX off, as pin_no_amx sets for engines
+        self.fresh = FreshLoad(mt.ENGINE_CONFIG) if check and tp == 1 and checkpoint is None else None
 
     def _count(self, name: str) -> None:
         self.calls[name] = self.calls.get(name, 0) + 1
@@ -161,27 +168,47 @@ class CPUvLLMServer:
     def report(self) -> dict:
         return {"global_steps": self.global_steps, "calls": self.calls, "yielded": self.yielded}
 
+    def greedy(self) -> list:
+        from weightplan.testing.engines import greedy
+
+        return greedy(self.llm)
+
     def check(self, step: int, checkpoint: str, plan: str, out: str) -> None:
-        """The engine's greedy output and its staged digests next to vLLM's own load of the checkpoint's state."""
+        """The engine's greedy output and each worker's backend report; with tp=1 also its staged digests next to
+        vLLM's own load of the checkpoint's state."""
         import torch
 
         from weightplan.runtime import load_plan
-        from weightplan.testing.engines import greedy
         from weightplan.testing.trl_worker import staged_digests
 
-        expected = self.fresh.digests(torch.load(Path(checkpoint) / "full.pt", weights_only=True), load_plan(plan))
-        actual = staged_digests(self.llm)
-        Path(out).write_text(json.dumps({"greedy": greedy(self.llm), "digests": len(actual),
-                                         "digests_differ": sorted(k for k in actual if expected.get(k) != actual[k])}))
+        found = {"greedy": self.greedy(), "workers": self.llm.collective_rpc(_backend_info)}
+        if self.fresh is not None:
+            expected = self.fresh.digests(torch.load(Path(checkpoint) / "full.pt", weights_only=True), load_plan(plan))
+            actual = staged_digests(self.llm)
+            found.update(digests=len(actual), digests_differ=sorted(k for k in actual if expected.get(k) != actual[k]))
+        Path(out).write_text(json.dumps(found))
+
+    def shutdown(self) -> None:
+        from weightplan.testing.engines import shutdown
+
+        shutdown(self.llm)
+
+
+def _backend_info(worker) -> dict:
+    """A vLLM worker's weightplan backend report (collective_rpc with a function: VLLM_ALLOW_INSECURE_SERIALIZATION)."""
+    return worker.weight_transfer_engine.info()
 
 
 class ServerAdapterStandIn:
-    """verl's vLLM ServerAdapter.update_weights for replica `replica_rank` (see the module docstring)."""
-
-    is_leader_rank = True
+    """verl's vLLM ServerAdapter.update_weights for replica `replica_rank` (see the module docstring); as verl's, only
+    the replica's first rank (`RANK` 0 of its worker group) talks to the server."""
 
     def __init__(self, replica_rank: int) -> None:
         self.replica_rank = replica_rank
+
+    @property
+    def is_leader_rank(self) -> bool:
+        return int(os.environ.get("RANK", "0")) == 0
 
     async def update_weights(self, weights, global_steps=None, wire_format="named_tensors", **kwargs):
         import ray
@@ -191,6 +218,8 @@ class ServerAdapterStandIn:
         yielded = 0
         async for _ in ensure_async_iterator(weights):
             yielded += 1
+        if not self.is_leader_rank:
+            return
         server = ray.get_actor(server_name(self.replica_rank))
         await server.note_yielded.remote(yielded)
         await server.clear_kv_cache.remote()
@@ -222,6 +251,7 @@ def main(argv=None) -> None:
     p.add_argument("--workdir", type=Path, required=True)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--replicas", type=int, default=REPLICAS, help="rollout replicas, one vLLM CPU engine each")
+    p.add_argument("--tp", type=int, default=1, help="each replica's tensor_parallel_size (its checkpoint-engine workers)")
     p.add_argument("--check", action="store_true", help="checkpoints, greedy outputs and digests every step")
     args = p.parse_args(argv)
 
@@ -232,22 +262,27 @@ def main(argv=None) -> None:
     from verl.workers.config import RolloutConfig
 
 
-    env = {"VLLM_LOGGING_LEVEL": "ERROR", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "RAY_DEDUP_LOGS": "0"}
+    env = {"VLLM_LOGGING_LEVEL": "ERROR", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "RAY_DEDUP_LOGS": "0",
+           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # the check's collective_rpc with a function (tests only)
+    if args.tp > 1:  # vLLM's CPU workers bind one NUMA node each, and this host has one: bind by hand, as test_tp2 does
+        env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("WEIGHTPLAN_TP2_BIND", "0|1")
     ray.init(num_cpus=16, include_dashboard=False, object_store_memory=100 << 20, log_to_driver=False,
              runtime_env={"env_vars": env})
     try:
         began = time.perf_counter()
-        config = checkpoint_config(args.workdir)
-        servers = [ray.remote(CPUvLLMServer).options(name=server_name(r), num_cpus=1).remote(args.check)
+        inference = f"tp={args.tp}"
+        config = checkpoint_config(args.workdir, inference=inference)
+        servers = [ray.remote(CPUvLLMServer).options(name=server_name(r), num_cpus=1).remote(args.check, args.tp)
                    for r in range(args.replicas)]
         actor_wg = RayWorkerGroup(resource_pool=RayResourcePool([ACTORS], use_gpu=False, max_colocate_count=1),
                                   ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(CPUActorWorker),
-                                                                         workdir=str(args.workdir), check=args.check),
+                                                                         workdir=str(args.workdir), check=args.check,
+                                                                         inference=inference),
                                   device_name="cpu")
         rollout_config = RolloutConfig(name="vllm", checkpoint_engine=config)
         replicas = []
         for r, server in enumerate(servers):  # as vLLMReplica does: its own worker group per replica
-            group = RayWorkerGroup(resource_pool=RayResourcePool([1], use_gpu=False, max_colocate_count=1),
+            group = RayWorkerGroup(resource_pool=RayResourcePool([args.tp], use_gpu=False, max_colocate_count=1),
                                    ray_cls_with_init=RayClassWithInitArgs(cls=_worker_cls, rollout_config=rollout_config,
                                                                           model_config=None,
                                                                           server_adapter=ServerAdapterStandIn(r)),
@@ -272,8 +307,13 @@ def main(argv=None) -> None:
                                              str(args.workdir / f"step-{step}-replica-{r}.json"))
                          for r, server in enumerate(servers)])
         calls = [r["calls"] for r in ray.get([server.report.remote() for server in servers])]
-        print(json.dumps({"event": "done", "replicas": args.replicas, "calls": calls}), flush=True)
         actor_wg.shutdown()
+        if args.check and args.tp > 1:  # a fresh engine of the same tp on the last checkpoint (tp=1 reduces otherwise)
+            ray.get([server.shutdown.remote() for server in servers])
+            reference = ray.remote(CPUvLLMServer).options(num_cpus=1).remote(
+                False, args.tp, str(args.workdir / f"checkpoint-{args.steps}"))
+            (args.workdir / "reference.json").write_text(json.dumps({"greedy": ray.get(reference.greedy.remote())}))
+        print(json.dumps({"event": "done", "replicas": args.replicas, "tp": args.tp, "calls": calls}), flush=True)
     finally:
         ray.shutdown()
 

@@ -59,15 +59,15 @@ def run_workers(workdir: Path, *options: str, timeout: float = 600) -> list[str]
     return [(workdir / f"{n}.out").read_text() for n in names]
 
 
-def engine_kwargs(workdir: Path) -> dict:
-    return {"model": str(mt.ENGINE_CONFIG), "inference": "tp=1", "job": JOB, "workdir": str(workdir), "timeout": 120}
+def engine_kwargs(workdir: Path, inference: str = "tp=1") -> dict:
+    return {"model": str(mt.ENGINE_CONFIG), "inference": inference, "job": JOB, "workdir": str(workdir), "timeout": 120}
 
 
-def checkpoint_config(workdir: Path, backend: str = "weightplan"):
+def checkpoint_config(workdir: Path, backend: str = "weightplan", inference: str = "tp=1"):
     from verl.workers.config import CheckpointEngineConfig
 
     return CheckpointEngineConfig(backend=backend, custom_backend_module="weightplan.adapters.verl",
-                                  engine_kwargs={"weightplan": engine_kwargs(workdir)})
+                                  engine_kwargs={"weightplan": engine_kwargs(workdir, inference)})
 
 
 def verl_fsdp_engine(model):
