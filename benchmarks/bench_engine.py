@@ -45,10 +45,6 @@ SMOKE_CONFIG = ROOT / "tests" / "configs" / "engine-deepseek-v3"
 os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with functions (benchmark only)
 
 
-def engine_info(worker) -> dict:
-    return worker.weight_transfer_engine.info()
-
-
 def layerwise_reload(worker, path: str) -> float:
     """vLLM's layerwise reload fed from full in-memory tensors (read before the clock starts)."""
     from safetensors.torch import load_file
@@ -76,7 +72,7 @@ def wait_for(path: Path, text: str, proc: subprocess.Popen) -> None:
 def delta_pauses(llm, plan, plan_path: Path, tmp: Path, updates: int) -> dict:
     """(d): rejoin the engine in job bench-engine-delta with delta syncs on; version 1 full, then `updates` sparse
     steps (deltas) alternating with `updates` new weight sets (full), every update prefetched; the engine's pauses."""
-    from weightplan.testing.engines import full_weights, local_shards, sparse_step
+    from weightplan.testing.engines import backend_info, full_weights, local_shards, sparse_step
     from weightplan.runtime import Rendezvous
     from weightplan.vllm_backend.clients import LLMClient
     from weightplan.vllm_backend.trainer import ShardSource, WeightplanTrainerEngine, WeightplanTrainerInitInfo
@@ -106,7 +102,7 @@ def delta_pauses(llm, plan, plan_path: Path, tmp: Path, updates: int) -> dict:
         t = time.perf_counter()
         trainer.send_weights(version, prefetch=True)
         wall = time.perf_counter() - t
-        e = llm.collective_rpc(engine_info)[0]
+        e = llm.collective_rpc(backend_info)[0]
         rows.append(e)
         print(f"delta job v{version}: {wall:.3f} s, took {e['took']} ({e['bytes'] / 1e9:.4f} GB read), prefetched "
               f"{e['prefetched']}: transfer {e['transfer_s']:.3f} s in the background, pause {e['pause_s']:.3f} s "
@@ -140,7 +136,7 @@ def main() -> None:
         args.updates = 2 if args.smoke else 4
     if args.updates < 1:
         parser.error("--updates must be at least 1")
-    from weightplan.testing.engines import full_weights, greedy, local_shards, make_llm, pin_no_amx, shutdown, write_checkpoint
+    from weightplan.testing.engines import backend_info, full_weights, greedy, local_shards, make_llm, pin_no_amx, shutdown, write_checkpoint
     from weightplan.compiler.compile import CompileOptions, compile_plan
     from weightplan.runtime import Rendezvous, load_plan
     from weightplan.vllm_backend.clients import LLMClient
@@ -176,7 +172,7 @@ def main() -> None:
         gate.put(f"test/go/{version}", b"1")
         trainer.send_weights(version)
         wall = time.perf_counter() - t
-        e = llm.collective_rpc(engine_info)[0]
+        e = llm.collective_rpc(backend_info)[0]
         rows.append((wall, e["transfer_s"], e["post_process_s"], e["pause_s"]))
         print(f"update v{version}: {wall:.3f} s (engine: transfer {e['transfer_s']:.3f} s, post-process "
               f"{e['post_process_s']:.3f} s, {e['bytes'] / 1e9:.2f} GB, {e['descriptors']} descriptors, {e['mode']} mode)")

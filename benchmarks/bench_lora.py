@@ -53,10 +53,6 @@ def _adapter(plan, seed: int):
     return {s.name: torch.randn(s.shape, generator=g).to(getattr(torch, s.dtype)) for s in plan.sources}
 
 
-def _worker_info(worker) -> dict:
-    return worker.weight_transfer_engine.info()
-
-
 class _Timed:
     """Wraps an object's methods: each call's wall time is kept, by method name (the last call's)."""
 
@@ -113,7 +109,7 @@ def main() -> None:
     import torch
     from vllm.lora.request import LoRARequest
 
-    from weightplan.testing.engines import local_shards, make_llm, pin_no_amx, shutdown
+    from weightplan.testing.engines import backend_info, local_shards, make_llm, pin_no_amx, shutdown
     from weightplan.compiler.compile import CompileOptions, compile_plan
     from weightplan.compiler.verify_lora import spec_of, write_peft_dir
     from weightplan.runtime import load_plan
@@ -151,7 +147,7 @@ def main() -> None:
             trainer.send_weights(v)
             update_s = time.perf_counter() - began
             ours = _greedy(llm, LoRARequest(f"v{v}", v, str(unread)))
-            worker = llm.collective_rpc(_worker_info)[0]  # after a generate: the restore after vLLM's reset ran
+            worker = llm.collective_rpc(backend_info)[0]  # after a generate: the restore after vLLM's reset ran
             breakdown = _breakdown(update_s, {**rpcs.seconds, **publish.seconds}, trainer.last_release.seconds, worker, rpcs,
                                    publish.cpu_seconds["publish"])
             began = time.perf_counter()

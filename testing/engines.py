@@ -159,6 +159,11 @@ async def async_greedy(engine, data_parallel_rank: int | None = None) -> list[tu
     return result
 
 
+def backend_info(worker) -> dict:
+    """A vLLM worker's weightplan backend report (rank, mode, plan, last update): `llm.collective_rpc(backend_info)`."""
+    return worker.weight_transfer_engine.info()
+
+
 def kernel_digests(worker) -> dict[str, str]:
     """SHA-256 of every tensor the live model's modules hold (parameters, buffers and tensor attributes like W_UK_T)."""
     return model_digests(worker.model_runner.get_model())

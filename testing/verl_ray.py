@@ -5,10 +5,10 @@
 
 What runs is verl's: a local Ray cluster; verl's `RayWorkerGroup`s (`RayResourcePool(use_gpu=False)`); 4 actor ranks
 whose `update_weights` and `execute_checkpoint_engine` are `ActorRolloutRefWorker`'s, over verl's FSDP
-`get_per_tensor_param()`; rollout replicas (2 by default, one vLLM rank each) whose workers are verl's
-`CheckpointEngineWorker` (the manager's own `_worker_cls`); and `CheckpointEngineManager.update_weights`, which aborts the replicas, builds the process group
-(`prepare` on every worker, `build_topology`, `init_process_group`), runs both sides' `update_weights`, `finalize`s and
-resumes. Each replica's leader drives its vLLM server actor by Ray name (`vllm_server_<replica>_0`) with
+`get_per_tensor_param()`; rollout replicas (2 by default, `--tp` vLLM ranks each) whose workers are verl's
+`CheckpointEngineWorker` (the manager's own `_worker_cls`); and `CheckpointEngineManager.update_weights`, which aborts
+the replicas, builds the process group (`prepare` on every worker, `build_topology`, `init_process_group`), runs both
+sides' `update_weights`, `finalize`s and resumes. Each replica's leader drives its vLLM server actor by Ray name (`vllm_server_<replica>_0`) with
 `collective_rpc`, as it would drive verl's `vLLMHttpServer`; every actor publishes to each replica's job.
 
 Stand-ins, each for a part of verl that does not run on this host, each with the methods verl calls on it:
@@ -179,9 +179,11 @@ class CPUvLLMServer:
         import torch
 
         from weightplan.runtime import load_plan
+        from weightplan.testing.engines import backend_info
         from weightplan.testing.trl_worker import staged_digests
 
-        found = {"greedy": self.greedy(), "workers": self.llm.collective_rpc(_backend_info)}
+        # collective_rpc with a function: VLLM_ALLOW_INSECURE_SERIALIZATION, set for the cluster in main
+        found = {"greedy": self.greedy(), "workers": self.llm.collective_rpc(backend_info)}
         if self.fresh is not None:
             expected = self.fresh.digests(torch.load(Path(checkpoint) / "full.pt", weights_only=True), load_plan(plan))
             actual = staged_digests(self.llm)
@@ -192,11 +194,6 @@ class CPUvLLMServer:
         from weightplan.testing.engines import shutdown
 
         shutdown(self.llm)
-
-
-def _backend_info(worker) -> dict:
-    """A vLLM worker's weightplan backend report (collective_rpc with a function: VLLM_ALLOW_INSECURE_SERIALIZATION)."""
-    return worker.weight_transfer_engine.info()
 
 
 class ServerAdapterStandIn:
@@ -260,7 +257,6 @@ def main(argv=None) -> None:
     from verl.checkpoint_engine.base import _worker_cls
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from verl.workers.config import RolloutConfig
-
 
     env = {"VLLM_LOGGING_LEVEL": "ERROR", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "RAY_DEDUP_LOGS": "0",
            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # the check's collective_rpc with a function (tests only)

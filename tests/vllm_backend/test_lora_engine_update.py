@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from weightplan.testing.engines import CONFIGS, local_shards, make_llm, pin_no_amx, shutdown
+from weightplan.testing.engines import CONFIGS, backend_info, local_shards, make_llm, pin_no_amx, shutdown
 
 pytestmark = pytest.mark.skipif(os.environ.get("WEIGHTPLAN_SLOW_ENGINE") != "1",
                                 reason="slow engine test: set WEIGHTPLAN_SLOW_ENGINE=1")
@@ -34,10 +34,6 @@ def _greedy(llm, request) -> list[int]:
     out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=8, temperature=0.0),
                        lora_request=request, use_tqdm=False)
     return list(out[0].outputs[0].token_ids)
-
-
-def _worker_info(worker) -> dict:
-    return worker.weight_transfer_engine.info()
 
 
 def _slots(worker) -> list:
@@ -71,7 +67,7 @@ def test_lora_versions_alternate_slots_and_generate_like_fresh_peft_engines(tmp_
             for name, value in local_shards(plan, versions[v], 0).items():
                 tensors[name].copy_(value)
             trainer.send_weights(v)
-            reports[v] = llm.collective_rpc(_worker_info)[0]
+            reports[v] = llm.collective_rpc(backend_info)[0]
             layouts[v] = llm.collective_rpc(_slots)[0]
             got[v] = _greedy(llm, LoRARequest(f"v{v}", v, str(unread)))
             if v == 2:  # requests on version 1 are still served, from the other slot

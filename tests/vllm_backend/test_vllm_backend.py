@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from weightplan.testing.engines import (
-    CONFIGS, ROOT, full_weights, greedy, local_shards, make_llm, pin_no_amx, read_references, shutdown,
+    backend_info, CONFIGS, ROOT, full_weights, greedy, local_shards, make_llm, pin_no_amx, read_references, shutdown,
     start_references, write_checkpoint,
 )
 
@@ -82,11 +82,7 @@ class Case:
 
 
 def _engine_info(llm) -> dict:
-    return llm.collective_rpc(_worker_info)[0]
-
-
-def _worker_info(worker) -> dict:
-    return worker.weight_transfer_engine.info()
+    return llm.collective_rpc(backend_info)[0]
 
 
 @pytest.fixture(scope="module", params=MODELS)

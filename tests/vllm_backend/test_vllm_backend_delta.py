@@ -14,16 +14,12 @@ import os
 import pytest
 
 from weightplan.testing.engines import (
-    CONFIGS, greedy, local_shards, make_llm, pin_no_amx, plan_and_checkpoint, read_references, shutdown,
+    backend_info, CONFIGS, greedy, local_shards, make_llm, pin_no_amx, plan_and_checkpoint, read_references, shutdown,
     sparse_step, start_references, write_checkpoint,
 )
 
 MODEL = "engine-qwen3-moe"
 TIMEOUT = 60.0
-
-
-def _worker_info(worker) -> dict:
-    return worker.weight_transfer_engine.info()
 
 
 def test_delta_updates_prefetched_while_serving_equal_fresh_checkpoint_engines(tmp_path):
@@ -55,7 +51,7 @@ def test_delta_updates_prefetched_while_serving_equal_fresh_checkpoint_engines(t
             for name, value in local_shards(plan, versions[v], 0).items():
                 tensors[name].copy_(value)
             trainer.send_weights(v, prefetch=prefetch)
-            return llm.collective_rpc(_worker_info)[0]
+            return llm.collective_rpc(backend_info)[0]
 
         reports = {}
         for v, prefetch in ((1, True), (2, True), (3, False)):

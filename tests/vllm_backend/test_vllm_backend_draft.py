@@ -7,18 +7,14 @@ import os
 import pytest
 
 from weightplan.testing.engines import (
-    CONFIGS, draft_kernel_digests, full_weights, greedy, kernel_digests, local_shards, make_llm, pin_no_amx, shutdown,
-    write_checkpoint,
+    backend_info, CONFIGS, draft_kernel_digests, full_weights, greedy, kernel_digests, local_shards, make_llm, pin_no_amx,
+    shutdown, write_checkpoint,
 )
 
 pytestmark = pytest.mark.skipif(os.environ.get("WEIGHTPLAN_SLOW_ENGINE") != "1",
                                 reason="slow engine test: set WEIGHTPLAN_SLOW_ENGINE=1 (make test-engine-slow)")
 MODEL = "engine-deepseek-v3-mtp"
 MTP = {"method": "mtp", "num_speculative_tokens": 1}
-
-
-def _info(worker) -> dict:
-    return worker.weight_transfer_engine.info()
 
 
 def _digests(llm) -> dict:
@@ -67,7 +63,7 @@ def test_draft_weights_of_a_live_mtp_engine_follow_an_update(tmp_path):
                 for name, value in local_shards(p, full, 0).items():
                     mine[name].copy_(value)
             trainer.send_weights(version)
-            ours[version], outs[version], reports[version] = _digests(llm), greedy(llm), llm.collective_rpc(_info)[0]
+            ours[version], outs[version], reports[version] = _digests(llm), greedy(llm), llm.collective_rpc(backend_info)[0]
         trainer.shutdown()
         shutdown(llm)
         for version, report in reports.items():

@@ -14,16 +14,12 @@ import os
 import pytest
 
 from weightplan.testing.engines import (
-    CONFIGS, greedy, local_shards, make_llm, pin_no_amx, plan_and_checkpoint, shutdown,
+    backend_info, CONFIGS, greedy, local_shards, make_llm, pin_no_amx, plan_and_checkpoint, shutdown,
 )
 
 pytestmark = pytest.mark.skipif(os.environ.get("WEIGHTPLAN_SLOW_ENGINE") != "1",
                                 reason="slow engine test: set WEIGHTPLAN_SLOW_ENGINE=1 (make test-engine-slow)")
 MODEL = "engine-qwen3-moe"
-
-
-def _info(worker) -> dict:
-    return worker.weight_transfer_engine.info()
 
 
 def test_one_update_of_a_tp2_cpu_engine(tmp_path, monkeypatch):
@@ -45,7 +41,7 @@ def test_one_update_of_a_tp2_cpu_engine(tmp_path, monkeypatch):
                                                        source=ShardSource(local_shards(plan, full, 0)))
         trainer.send_weights()
         out = greedy(llm)
-        infos = llm.collective_rpc(_info)
+        infos = llm.collective_rpc(backend_info)
         trainer.shutdown()
         shutdown(llm)
         assert sorted(i["rank"] for i in infos) == [0, 1] and {i["mode"] for i in infos} == {"staged"}, infos
