@@ -231,6 +231,7 @@ class Receiver(AgentOwner):
         self.device_sync = DeviceSync.of([*(t for views in self._dsts for t in views.values()),
                                           *(self._quant.slots if self._quant else [])], current_stream)
         self._version: int | None = None
+        self._acked: int | None = None  # the last version this process acked to the trainers, kept across failed syncs
         self._reading: dict[int, float] = {}  # trainer rank -> seconds its grouped READs were outstanding, this sync
         self._read_seconds = 0.0  # the grouped READs' phase of this sync, wall time
         self.incarnation = uuid.uuid4().hex
@@ -421,7 +422,7 @@ class Receiver(AgentOwner):
         # off (once), and the readers still connected must not fail this version for it.
         deadline = waited + self.timeout
         incarnations = {r: self.rendezvous.get_text(protocol.version_key(r, version), protocol.INCARNATION) for r in sources}
-        if self.agent.stuck and not self._hops.served:  # back after a failed sync: the trainers may have given up on us
+        if self._may_be_given_up(version):
             self.rendezvous.put(protocol.returning_key(self.rank, version), self.incarnation.encode())
         self._renew_agent()  # here, once the store answered: a worker made while this node's link is down reaches nothing
         try:
@@ -455,6 +456,7 @@ class Receiver(AgentOwner):
         self._check_sequence(version, deadline, "after reading")
         for t in self._trainers.by_rank.values():
             self.agent.notify(t.peer.name, protocol.ack(version))
+        self._acked = version
         self._hops.landed(version)
         if self._hops.inbound:
             self._hops.receive(version, deadline)
@@ -590,6 +592,14 @@ class Receiver(AgentOwner):
                                     "run the same weightplan version on both sides")
         return {RemoteRegion.STAGE_PACKED: regions["stage_packed"][0], RemoteRegion.SCALES: regions["scales"][0],
                 RemoteRegion.FP8: regions["fp8"][0]}
+
+    def _may_be_given_up(self, version: int) -> bool:
+        """Whether the trainers may have stopped waiting for this rank before `version`: its last sync failed and its
+        agent is to be renewed, or it did not ack the version before (it failed or skipped it, as an engine busy
+        generating may). Such a rank says it is back (protocol.returning_key) before it connects, so that the trainers'
+        release holds `version` open for it while it does."""
+        stuck = self.agent.stuck and not self._hops.served  # a rank serving second hops keeps its agent (_renew_agent)
+        return stuck or (self._acked is not None and self._acked != version - 1)
 
     def _check_sequence(self, version: int, deadline: float, when: str) -> None:
         def unstable(rank: int, seq: int) -> str:

@@ -373,7 +373,7 @@ class Sender(AgentOwner):
         done: dict[int, str] = {}
         gathering = set(self.gatherers)
         returning: dict[int, float] = {}  # given-up ranks back for this version -> until when their begin is waited for
-        look = start
+        look, last_look = start, False
         while True:
             self._inbox += list(self._messages())
             for rank, m in self._inbox:
@@ -390,6 +390,9 @@ class Sender(AgentOwner):
             waiting = self._live - set(done)
             gathering -= {g for g in gathering if self.rendezvous.exists(protocol.gathered_key(g, version))}
             held = {rank for rank, until in returning.items() if rank in self._given_up and now < until}
+            if not waiting and not gathering and not held and self._given_up and not last_look and now <= deadline:
+                look, last_look = now, True  # a rank that said it is back since the last look is held for too
+                continue
             if (not waiting and not gathering and not held) or now > deadline:
                 break
             time.sleep(0.001)

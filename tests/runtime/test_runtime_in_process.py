@@ -239,29 +239,81 @@ def _given_up_after_version_1(plan, rendezvous):
     return tensors, sender, destination, receiver
 
 
+def _wait_for_key(rendezvous, key: str, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not rendezvous.exists(key):
+        assert time.monotonic() < deadline, f"{key} not written within {seconds} s"
+        time.sleep(0.01)
+
+
+def _return_and_sync(plan, rendezvous, tensors, sender, receiver, destination, version: int) -> None:
+    """The trainer publishes `version` to a reader it gave up on, which syncs it on a thread: once the reader wrote that
+    it is back, the trainer's release holds `version` open for it, and the sync completes with the host's bytes."""
+    import threading
+
+    for name, t in shard(plan, full_weights(plan, 0, version), 0).items():
+        tensors[name].copy_(t)
+    sender.publish(version)
+    synced = {}
+    reading = threading.Thread(target=lambda: synced.update(report=receiver.sync(version)))
+    reading.start()
+    _wait_for_key(rendezvous, protocol.returning_key(0, version))
+    report = sender.release(version, timeout=10)
+    reading.join(30)
+    assert report.returned == (0,) and report.acked == (0,) and report.timed_out == (), report
+    assert synced["report"].version == version
+    _assert_equal_to_host(plan, destination, version)
+
+
 def test_a_reader_given_up_on_that_comes_back_is_waited_for_while_it_reconnects(rendezvous, bf16_plan, monkeypatch):
     """The reader writes that it is back (protocol.returning_key) once the store answers, then renews its agent and
     connects, slowly (1 s here, as over a link just restored): the trainer's release holds the version open for it, and
     the first sync after its return completes with the host executor's bytes."""
-    import threading
-
     tensors, sender, destination, receiver = _given_up_after_version_1(bf16_plan, rendezvous)
     renew = receiver._renew_agent
     monkeypatch.setattr(receiver, "_renew_agent", lambda: (time.sleep(1.0), renew()))
-    for name, t in shard(bf16_plan, full_weights(bf16_plan, 0, 2), 0).items():
-        tensors[name].copy_(t)
+    _return_and_sync(bf16_plan, rendezvous, tensors, sender, receiver, destination, 2)
+
+
+def test_a_reader_that_skipped_a_version_says_it_is_back_and_is_waited_for(rendezvous, bf16_plan, monkeypatch):
+    """A reader that did not read version 2 (an engine busy generating) was given up on by the trainer; at version 3 it
+    writes that it is back before connecting, so the trainer's release holds version 3 open while it connects (slowly
+    here: 1 s) instead of retiring it under the reader's feet. Without that record the release returned at once and the
+    sync failed "the trainer is staging or retired it" (seen in CI, 2026-12-05)."""
+    tensors, sender, destination, receiver = _pair(bf16_plan, rendezvous)
+    sender.publish(1)
+    receiver.sync(1)
+    assert not rendezvous.exists(protocol.returning_key(0, 1))
     sender.publish(2)
-    synced = {}
-    reading = threading.Thread(target=lambda: synced.update(report=receiver.sync(2)))
-    reading.start()
-    deadline = time.monotonic() + 10
-    while not rendezvous.exists(protocol.returning_key(0, 2)) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert sender.release(2, timeout=0.3).timed_out == (0,)  # skipped: given up on
+    connect = receiver._connect_all
+    monkeypatch.setattr(receiver, "_connect_all", lambda *a: (time.sleep(1.0), connect(*a)))
+    _return_and_sync(bf16_plan, rendezvous, tensors, sender, receiver, destination, 3)
+    monkeypatch.setattr(receiver, "_connect_all", connect)
+    sender.publish(4)
+    assert receiver.sync(4).version == 4  # read in turn: no return to announce
+    assert not rendezvous.exists(protocol.returning_key(0, 4))
+
+
+def test_a_return_written_after_the_last_poll_is_seen_before_the_release_retires(rendezvous, bf16_plan, monkeypatch):
+    """A release that has nothing left to wait for looks for returns once more before it retires the version: a
+    reader that wrote that it is back just after the release's last poll is held for (here it never begins, so for the
+    grace)."""
+    from weightplan.runtime.sender import sender as sender_module
+
+    monkeypatch.setattr(sender_module, "RETURN_GRACE_S", 0.5)
+    tensors, sender, destination, receiver = _given_up_after_version_1(bf16_plan, rendezvous)
+    sender.publish(2)
+    looked = sender._returning
+
+    def returning_written_after_the_first_look(version):
+        back = looked(version)
+        rendezvous.put(protocol.returning_key(0, version), receiver.incarnation.encode())
+        return back
+
+    monkeypatch.setattr(sender, "_returning", returning_written_after_the_first_look)
     report = sender.release(2, timeout=10)
-    reading.join(30)
-    assert report.returned == (0,) and report.acked == (0,) and report.timed_out == (), report
-    assert synced["report"].version == 2
-    _assert_equal_to_host(bf16_plan, destination, 2)
+    assert report.returned == (0,) and report.acked == () and 0.4 < report.seconds < 3, report
 
 
 def test_a_return_without_a_begin_holds_a_release_for_the_grace_only_and_a_forged_one_not_at_all(rendezvous, bf16_plan,
