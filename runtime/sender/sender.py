@@ -379,17 +379,17 @@ class Sender(AgentOwner):
             for rank, m in self._inbox:
                 if m.version == version and m.kind in (Kind.ACK, Kind.FAIL):
                     done[rank] = m.kind
-            self._advance_ring(version, set(done))
-            self._inbox = [(rank, m) for rank, m in self._inbox
-                           if m.version > version or (m.version == version and m.kind is Kind.RING)]
             now = time.monotonic()
             if self._given_up and now >= look:
                 returning.update({rank: min(deadline, now + RETURN_GRACE_S) for rank in self._returning(version)
                                   if rank not in returning})
                 look = now + RETURN_POLL_S
+            held = {rank for rank, until in returning.items() if rank in self._given_up and now < until}
+            self._advance_ring(version, set(done), held)
+            self._inbox = [(rank, m) for rank, m in self._inbox
+                           if m.version > version or (m.version == version and m.kind is Kind.RING)]
             waiting = self._live - set(done)
             gathering -= {g for g in gathering if self.rendezvous.exists(protocol.gathered_key(g, version))}
-            held = {rank for rank, until in returning.items() if rank in self._given_up and now < until}
             if not waiting and not gathering and not held and self._given_up and not last_look and now <= deadline:
                 look, last_look = now, True  # a rank that said it is back since the last look is held for too
                 continue
@@ -415,12 +415,13 @@ class Sender(AgentOwner):
                         "fail that version", self.rank, list(report.gatherers_timed_out), version)
         return report
 
-    def _advance_ring(self, version: int, done: set[int]) -> None:
-        """Pack the next ring chunks whose predecessor every live reader that is not done acknowledged."""
+    def _advance_ring(self, version: int, done: set[int], held: set[int]) -> None:
+        """Pack the next ring chunks whose predecessor every live reader that is not done acknowledged; a returning
+        reader held for (`held`, not yet live) holds the ring where it is, so that it finds chunk 0 still there."""
         while self._pending == version and self._ring_next < len(self._packs):
             chunk = self._ring_next - 1
             acked = {rank for rank, m in self._inbox if m == Message(Kind.RING, version, chunk)}
-            if (self._chunk_readers[chunk] & self._live) - acked - done:
+            if (self._chunk_readers[chunk] & (self._live | held)) - acked - done:
                 return
             self._ring_word[1] = 2 * self._ring_next - 1
             with torch.no_grad():

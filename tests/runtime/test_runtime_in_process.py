@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from weightplan.runtime import PlanMismatchError, Receiver, Rendezvous, Sender, SyncError, execute_local, load_plan
+from weightplan.runtime.tables.ring import DEFAULT_RING_BYTES
 from weightplan.runtime.transport import protocol
 
 from weightplan.testing.runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
@@ -26,12 +27,14 @@ def fp32_plan(plan_cache):
     return load_plan(plan_cache("tiny-glm", "hf", "fp32", "fsdp=1", "tp=1"))
 
 
-def _pair(plan, rendezvous, version=1, **receiver_kwargs):
+def _pair(plan, rendezvous, version=1, ring_bytes=DEFAULT_RING_BYTES, **receiver_kwargs):
     tensors = shard(plan, full_weights(plan, 0, version), 0)
     # Both agents live in this process, so the target side needs NIXL's progress thread.
-    sender = Sender(plan, 0, tensors, rendezvous=rendezvous, timeout=5, digests=True, progress_thread=True).start()
+    sender = Sender(plan, 0, tensors, rendezvous=rendezvous, timeout=5, digests=True, progress_thread=True,
+                    ring_bytes=ring_bytes).start()
     destination = plain_destination(plan, 0)
-    receiver = Receiver(plan, 0, destination, rendezvous=rendezvous, timeout=5, derived="caller", **receiver_kwargs).start()
+    receiver = Receiver(plan, 0, destination, rendezvous=rendezvous, timeout=5, derived="caller", ring_bytes=ring_bytes,
+                        **receiver_kwargs).start()
     return tensors, sender, destination, receiver
 
 
@@ -246,22 +249,38 @@ def _wait_for_key(rendezvous, key: str, seconds: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def _synced_while_released(sender, receiver, version: int, before_release=lambda: None):
+    """`receiver` syncs `version` on a thread while the trainer releases it (a ring packs chunk c + 1 only inside
+    release); returns the sync's and the release's reports."""
+    import threading
+
+    synced = {}
+
+    def sync():
+        try:
+            synced["report"] = receiver.sync(version)
+        except SyncError as exc:
+            synced["error"] = exc
+
+    reading = threading.Thread(target=sync)
+    reading.start()
+    before_release()
+    released = sender.release(version, timeout=10)
+    reading.join(30)
+    assert "report" in synced, synced.get("error", f"the sync of version {version} did not end")
+    return synced["report"], released
+
+
 def _return_and_sync(plan, rendezvous, tensors, sender, receiver, destination, version: int) -> None:
     """The trainer publishes `version` to a reader it gave up on, which syncs it on a thread: once the reader wrote that
     it is back, the trainer's release holds `version` open for it, and the sync completes with the host's bytes."""
-    import threading
-
     for name, t in shard(plan, full_weights(plan, 0, version), 0).items():
         tensors[name].copy_(t)
     sender.publish(version)
-    synced = {}
-    reading = threading.Thread(target=lambda: synced.update(report=receiver.sync(version)))
-    reading.start()
-    _wait_for_key(rendezvous, protocol.returning_key(0, version))
-    report = sender.release(version, timeout=10)
-    reading.join(30)
+    synced, report = _synced_while_released(sender, receiver, version,
+                                            lambda: _wait_for_key(rendezvous, protocol.returning_key(0, version)))
     assert report.returned == (0,) and report.acked == (0,) and report.timed_out == (), report
-    assert synced["report"].version == version
+    assert synced.version == version
     _assert_equal_to_host(plan, destination, version)
 
 
@@ -275,14 +294,19 @@ def test_a_reader_given_up_on_that_comes_back_is_waited_for_while_it_reconnects(
     _return_and_sync(bf16_plan, rendezvous, tensors, sender, receiver, destination, 2)
 
 
-def test_a_reader_that_skipped_a_version_says_it_is_back_and_is_waited_for(rendezvous, bf16_plan, monkeypatch):
+@pytest.mark.parametrize("ring_bytes", [DEFAULT_RING_BYTES, 64 << 10])
+def test_a_reader_that_skipped_a_version_says_it_is_back_and_is_waited_for(rendezvous, bf16_plan, monkeypatch,
+                                                                             ring_bytes):
     """A reader that did not read version 2 (an engine busy generating) was given up on by the trainer; at version 3 it
     writes that it is back before connecting, so the trainer's release holds version 3 open while it connects (slowly
-    here: 1 s) instead of retiring it under the reader's feet. Without that record the release returned at once and the
-    sync failed "the trainer is staging or retired it" (seen in CI, 2026-12-05)."""
-    tensors, sender, destination, receiver = _pair(bf16_plan, rendezvous)
+    here: 1 s) instead of retiring it under the reader's feet, and with a ring keeps chunk 0 for it. Without that record
+    the release returned at once and the sync failed "the trainer is staging or retired it" (seen in CI, 2026-12-05);
+    without the ring held, "moved its ring past chunk 1"."""
+    tensors, sender, destination, receiver = _pair(bf16_plan, rendezvous, ring_bytes=ring_bytes)
+    if ring_bytes < DEFAULT_RING_BYTES:
+        assert sender.ring is not None and len(sender.ring) > 1
     sender.publish(1)
-    receiver.sync(1)
+    _synced_while_released(sender, receiver, 1)
     assert not rendezvous.exists(protocol.returning_key(0, 1))
     sender.publish(2)
     assert sender.release(2, timeout=0.3).timed_out == (0,)  # skipped: given up on
@@ -291,7 +315,8 @@ def test_a_reader_that_skipped_a_version_says_it_is_back_and_is_waited_for(rende
     _return_and_sync(bf16_plan, rendezvous, tensors, sender, receiver, destination, 3)
     monkeypatch.setattr(receiver, "_connect_all", connect)
     sender.publish(4)
-    assert receiver.sync(4).version == 4  # read in turn: no return to announce
+    synced, released = _synced_while_released(sender, receiver, 4)
+    assert synced.version == 4 and released.acked == (0,) and released.returned == ()  # read in turn: no return
     assert not rendezvous.exists(protocol.returning_key(0, 4))
 
 
