@@ -28,8 +28,9 @@ $(STAMP): pyproject.toml
 plan: $(STAMP)
 	$(BIN)/python -m weightplan.compiler.make_plans
 
+# --durations: the slowest tests, printed every run (the suite is kept under 30 minutes on a 2-core host)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # Every checked-in GLM-5.2 plan recompiled and compared byte for byte, and every full-size sampled verify
 # (make test runs the seed plans only: tests/e2e/test_glm_full.py).
