@@ -17,6 +17,7 @@ from weightplan.runtime.transport import protocol
 from weightplan.runtime.transport.region_digests import byte_view
 
 from ..support.fp8 import CASES
+from ..support.store import wait_for_key
 from weightplan.testing.runtime_worker import byte_equal, full_weights, plain_destination, shard
 
 # Syncs that are expected to succeed wait long: a loaded host (other jobs on 2 cores) must not fail them.
@@ -73,13 +74,18 @@ def tp2_plan(plan_cache):
     return lambda dtype: load_plan(plan_cache("tiny-glm", "hf", dtype, "fsdp=1", "tp=2"))
 
 
-def _sync(senders, receivers, version, release_timeout=5.0):
+def _sync(senders, receivers, version, release_timeout=5.0, returning=()):
     """Every receiver syncs `version` while every trainer releases it, each on its own thread (a ring packs chunk c + 1
-    only inside release, once the readers of chunk c acknowledged it)."""
+    only inside release, once the readers of chunk c acknowledged it). A receiver in `returning` (one the trainers gave
+    up on) starts first, and the trainers release once it wrote that it is back: a return announced only after the
+    other readers acked comes too late, and that order is the test's to fix, not the host's speed."""
     with ThreadPoolExecutor(len(senders) + len(receivers)) as pool:
+        synced = {r.rank: pool.submit(r.sync, version) for r in returning}
+        for r in returning:
+            wait_for_key(r.rendezvous, protocol.returning_key(r.rank, version))
         released = [pool.submit(s.release, version, release_timeout) for s in senders]
-        synced = [pool.submit(r.sync, version) for r in receivers]
-        reports = [f.result() for f in synced]
+        synced.update({r.rank: pool.submit(r.sync, version) for r in receivers if r.rank not in synced})
+        reports = [synced[r.rank].result() for r in receivers]
         [f.result() for f in released]
     return reports
 
@@ -103,7 +109,8 @@ def test_delta_and_full_syncs_in_one_job_with_a_receiver_that_misses_a_version(t
         stats = senders[0].delta_stats
         assert stats.base == version - 1 and 0.002 < stats.density < 0.03, stats
         syncing = [r0] if version == 2 else [r0, r1]  # inference rank 1 misses version 2
-        for report in _sync(senders, syncing, version, release_timeout=3.0 if version == 2 else 5.0):
+        for report in _sync(senders, syncing, version, release_timeout=3.0 if version == 2 else 5.0,
+                            returning=[r1] if version == 3 else ()):
             took[(report.rank, version)] = report.took
             assert report.verify_seconds is not None and report.version == version
             if report.took == "delta":

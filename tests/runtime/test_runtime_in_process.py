@@ -14,6 +14,7 @@ from weightplan.runtime import PlanMismatchError, Receiver, Rendezvous, Sender, 
 from weightplan.runtime.tables.ring import DEFAULT_RING_BYTES
 from weightplan.runtime.transport import protocol
 
+from ..support.store import wait_for_key
 from weightplan.testing.runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
 
 
@@ -242,13 +243,6 @@ def _given_up_after_version_1(plan, rendezvous):
     return tensors, sender, destination, receiver
 
 
-def _wait_for_key(rendezvous, key: str, seconds: float = 10.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not rendezvous.exists(key):
-        assert time.monotonic() < deadline, f"{key} not written within {seconds} s"
-        time.sleep(0.01)
-
-
 def _synced_while_released(sender, receiver, version: int, before_release=lambda: None):
     """`receiver` syncs `version` on a thread while the trainer releases it (a ring packs chunk c + 1 only inside
     release); returns the sync's and the release's reports."""
@@ -278,7 +272,7 @@ def _return_and_sync(plan, rendezvous, tensors, sender, receiver, destination, v
         tensors[name].copy_(t)
     sender.publish(version)
     synced, report = _synced_while_released(sender, receiver, version,
-                                            lambda: _wait_for_key(rendezvous, protocol.returning_key(0, version)))
+                                            lambda: wait_for_key(rendezvous, protocol.returning_key(0, version)))
     assert report.returned == (0,) and report.acked == (0,) and report.timed_out == (), report
     assert synced.version == version
     _assert_equal_to_host(plan, destination, version)
