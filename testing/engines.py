@@ -58,6 +58,13 @@ def write_checkpoint(config_dir: Path, full: dict[str, torch.Tensor], out: Path)
     return out
 
 
+def two_worker_cpu_bind() -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for an engine with two local CPU workers on a one-NUMA-node host: vLLM's automatic
+    binding wants a NUMA node per worker and refuses ("Not enough allowed NUMA nodes to bind threads of 2 local
+    CPUWorkers"), so one CPU each (`WEIGHTPLAN_TP2_BIND` overrides)."""
+    return os.environ.get("WEIGHTPLAN_TP2_BIND", "0|1")
+
+
 def pin_no_amx(tmp: Path):
     """AMX off in every engine process (vllm_backend/cpu_host.py), with the repository importable by the workers."""
     from weightplan.vllm_backend.cpu_host import pin_no_amx as pin

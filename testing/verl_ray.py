@@ -44,7 +44,7 @@ from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
-from weightplan.testing.engines import ROOT
+from weightplan.testing.engines import ROOT, two_worker_cpu_bind
 from weightplan.testing.verl_worker import ACTORS, checkpoint_config, verl_fsdp_engine
 
 REPLICAS = 2
@@ -260,8 +260,8 @@ def main(argv=None) -> None:
 
     env = {"VLLM_LOGGING_LEVEL": "ERROR", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "RAY_DEDUP_LOGS": "0",
            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # the check's collective_rpc with a function (tests only)
-    if args.tp > 1:  # vLLM's CPU workers bind one NUMA node each, and this host has one: bind by hand, as test_tp2 does
-        env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("WEIGHTPLAN_TP2_BIND", "0|1")
+    if args.tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = two_worker_cpu_bind()
     ray.init(num_cpus=16, include_dashboard=False, object_store_memory=100 << 20, log_to_driver=False,
              runtime_env={"env_vars": env})
     try:

@@ -17,7 +17,7 @@ from weightplan.runtime.transport import protocol
 from weightplan.runtime.transport.region_digests import byte_view
 
 from ..support.fp8 import CASES
-from ..support.store import wait_for_key
+from ..support.syncs import sync_while_released
 from weightplan.testing.runtime_worker import byte_equal, full_weights, plain_destination, shard
 
 # Syncs that are expected to succeed wait long: a loaded host (other jobs on 2 cores) must not fail them.
@@ -75,19 +75,8 @@ def tp2_plan(plan_cache):
 
 
 def _sync(senders, receivers, version, release_timeout=5.0, returning=()):
-    """Every receiver syncs `version` while every trainer releases it, each on its own thread (a ring packs chunk c + 1
-    only inside release, once the readers of chunk c acknowledged it). A receiver in `returning` (one the trainers gave
-    up on) starts first, and the trainers release once it wrote that it is back: a return announced only after the
-    other readers acked comes too late, and that order is the test's to fix, not the host's speed."""
-    with ThreadPoolExecutor(len(senders) + len(receivers)) as pool:
-        synced = {r.rank: pool.submit(r.sync, version) for r in returning}
-        for r in returning:
-            wait_for_key(r.rendezvous, protocol.returning_key(r.rank, version))
-        released = [pool.submit(s.release, version, release_timeout) for s in senders]
-        synced.update({r.rank: pool.submit(r.sync, version) for r in receivers if r.rank not in synced})
-        reports = [synced[r.rank].result() for r in receivers]
-        [f.result() for f in released]
-    return reports
+    """The receivers' reports of `version` synced while released (tests/support/syncs.py)."""
+    return sync_while_released(senders, receivers, version, release_timeout, returning)[0]
 
 
 @pytest.mark.parametrize("dtype,ring_bytes", [("bf16", 512 << 20), ("fp32", 512 << 20), ("bf16", 32 << 10)])

@@ -14,7 +14,7 @@ from weightplan.runtime import PlanMismatchError, Receiver, Rendezvous, Sender, 
 from weightplan.runtime.tables.ring import DEFAULT_RING_BYTES
 from weightplan.runtime.transport import protocol
 
-from ..support.store import wait_for_key
+from ..support.syncs import sync_while_released
 from weightplan.testing.runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
 
 
@@ -243,36 +243,13 @@ def _given_up_after_version_1(plan, rendezvous):
     return tensors, sender, destination, receiver
 
 
-def _synced_while_released(sender, receiver, version: int, before_release=lambda: None):
-    """`receiver` syncs `version` on a thread while the trainer releases it (a ring packs chunk c + 1 only inside
-    release); returns the sync's and the release's reports."""
-    import threading
-
-    synced = {}
-
-    def sync():
-        try:
-            synced["report"] = receiver.sync(version)
-        except SyncError as exc:
-            synced["error"] = exc
-
-    reading = threading.Thread(target=sync)
-    reading.start()
-    before_release()
-    released = sender.release(version, timeout=10)
-    reading.join(30)
-    assert "report" in synced, synced.get("error", f"the sync of version {version} did not end")
-    return synced["report"], released
-
-
-def _return_and_sync(plan, rendezvous, tensors, sender, receiver, destination, version: int) -> None:
+def _return_and_sync(plan, tensors, sender, receiver, destination, version: int) -> None:
     """The trainer publishes `version` to a reader it gave up on, which syncs it on a thread: once the reader wrote that
     it is back, the trainer's release holds `version` open for it, and the sync completes with the host's bytes."""
     for name, t in shard(plan, full_weights(plan, 0, version), 0).items():
         tensors[name].copy_(t)
     sender.publish(version)
-    synced, report = _synced_while_released(sender, receiver, version,
-                                            lambda: wait_for_key(rendezvous, protocol.returning_key(0, version)))
+    [synced], [report] = sync_while_released([sender], [receiver], version, release_timeout=10, returning=[receiver])
     assert report.returned == (0,) and report.acked == (0,) and report.timed_out == (), report
     assert synced.version == version
     _assert_equal_to_host(plan, destination, version)
@@ -285,7 +262,7 @@ def test_a_reader_given_up_on_that_comes_back_is_waited_for_while_it_reconnects(
     tensors, sender, destination, receiver = _given_up_after_version_1(bf16_plan, rendezvous)
     renew = receiver._renew_agent
     monkeypatch.setattr(receiver, "_renew_agent", lambda: (time.sleep(1.0), renew()))
-    _return_and_sync(bf16_plan, rendezvous, tensors, sender, receiver, destination, 2)
+    _return_and_sync(bf16_plan, tensors, sender, receiver, destination, 2)
 
 
 @pytest.mark.parametrize("ring_bytes", [DEFAULT_RING_BYTES, 64 << 10])
@@ -300,16 +277,16 @@ def test_a_reader_that_skipped_a_version_says_it_is_back_and_is_waited_for(rende
     if ring_bytes < DEFAULT_RING_BYTES:
         assert sender.ring is not None and len(sender.ring) > 1
     sender.publish(1)
-    _synced_while_released(sender, receiver, 1)
+    sync_while_released([sender], [receiver], 1, release_timeout=10)
     assert not rendezvous.exists(protocol.returning_key(0, 1))
     sender.publish(2)
     assert sender.release(2, timeout=0.3).timed_out == (0,)  # skipped: given up on
     connect = receiver._connect_all
     monkeypatch.setattr(receiver, "_connect_all", lambda *a: (time.sleep(1.0), connect(*a)))
-    _return_and_sync(bf16_plan, rendezvous, tensors, sender, receiver, destination, 3)
+    _return_and_sync(bf16_plan, tensors, sender, receiver, destination, 3)
     monkeypatch.setattr(receiver, "_connect_all", connect)
     sender.publish(4)
-    synced, released = _synced_while_released(sender, receiver, 4)
+    [synced], [released] = sync_while_released([sender], [receiver], 4, release_timeout=10)
     assert synced.version == 4 and released.acked == (0,) and released.returned == ()  # read in turn: no return
     assert not rendezvous.exists(protocol.returning_key(0, 4))
 

@@ -13,7 +13,7 @@ import os
 import pytest
 
 from weightplan.testing.engines import (
-    CONFIGS, AsyncEngine, async_greedy, local_shards, pin_no_amx, plan_and_checkpoint,
+    CONFIGS, AsyncEngine, async_greedy, local_shards, pin_no_amx, plan_and_checkpoint, two_worker_cpu_bind,
 )
 
 pytestmark = pytest.mark.skipif(os.environ.get("WEIGHTPLAN_SLOW_ENGINE") != "1",
@@ -35,8 +35,7 @@ def test_one_update_of_a_dp2_cpu_engine(tmp_path, monkeypatch, inference):
     from weightplan.vllm_backend.clients import AsyncLLMClient
     from weightplan.vllm_backend.trainer import ShardSource, WeightplanTrainerEngine, WeightplanTrainerInitInfo
 
-    # one CPU per local worker (automatic binding wants a NUMA node per worker; this host has one)
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("WEIGHTPLAN_TP2_BIND", "0|1"))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", two_worker_cpu_bind())
     unpin = pin_no_amx(tmp_path)
     try:
         plan_path, plan, full, checkpoint = plan_and_checkpoint(MODEL, tmp_path, inference)

@@ -14,7 +14,7 @@ import os
 import pytest
 
 from weightplan.testing.engines import (
-    backend_info, CONFIGS, greedy, local_shards, make_llm, pin_no_amx, plan_and_checkpoint, shutdown,
+    backend_info, CONFIGS, greedy, local_shards, make_llm, pin_no_amx, plan_and_checkpoint, shutdown, two_worker_cpu_bind,
 )
 
 pytestmark = pytest.mark.skipif(os.environ.get("WEIGHTPLAN_SLOW_ENGINE") != "1",
@@ -27,10 +27,7 @@ def test_one_update_of_a_tp2_cpu_engine(tmp_path, monkeypatch):
     from weightplan.vllm_backend.trainer import ShardSource, WeightplanTrainerEngine, WeightplanTrainerInitInfo
 
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function (tests only)
-    # vLLM's automatic OMP binding gives each local CPU worker its own NUMA node and refuses tp=2 on a one-node
-    # host ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers. Allowed NUMA nodes are [0].
-    # Please try to bind threads manually"): bind manually, one CPU per worker.
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("WEIGHTPLAN_TP2_BIND", "0|1"))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", two_worker_cpu_bind())
     unpin = pin_no_amx(tmp_path)
     try:
         plan_path, plan, full, checkpoint = plan_and_checkpoint(MODEL, tmp_path, "tp=2")
