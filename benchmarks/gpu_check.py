@@ -39,6 +39,7 @@ import importlib
 import importlib.util
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -480,7 +481,9 @@ def run_sync(args, plan: Path, tag: str, deadline: float, *, sender_device: str,
 
     job = f"gpucheck{os.getpid()}x{int(time.time() * 1000) % 10**9}"
     timeout = max(5.0, deadline - 5)  # the runtime's own timeouts end a stuck sync with its error before the kill
-    rendezvous = Rendezvous.connect(job, "127.0.0.1:0", serve=True, timeout=timeout)
+    secret = secrets.token_hex(32)  # a Receiver reads a trainer of its host directly only in a job with a secret
+    env = {**(env or {}), "WEIGHTPLAN_SECRET": secret}
+    rendezvous = Rendezvous.connect(job, "127.0.0.1:0", serve=True, timeout=timeout, secret=secret)
     common = [sys.executable, __file__, "--plan", str(plan), "--job", job, "--address", rendezvous.address,
               "--sender-device", sender_device, "--receiver-device", receiver_device, "--versions", str(versions),
               "--timeout", str(timeout), "--sleep-cycles", str(sleep)]

@@ -12,6 +12,10 @@ sync runs):
   carries traffic again);
 - long cut: a trainer's or a reader's node (alternately) is partitioned for longer than every timeout, up to
   --max-cut seconds (60), then its link comes back; the cut side must sync again by itself, no process restarted;
+- cut past publishing: a reader's node is partitioned right before a version and stays cut while the trainers
+  publish that version and PAST_PUBLISH - 1 more (the other reader syncs them), then while the trainers sit idle until
+  the cut has lasted its draw (the first such cut: --max-cut exactly); the cut reader must sync the next version
+  after its link is back;
 - process kill and restart: a trainer or reader is SIGKILLed; a replacement process (new incarnation) joins after
   that sync and takes the following versions;
 - slow link: a node's link drops to a tenth of --rate for that sync.
@@ -44,7 +48,8 @@ from weightplan.testing.runtime_harness import Job
 
 MODEL = ROOT / "tests" / "configs" / "tiny-qwen3-moe"
 TRAINERS, READERS = 2, 2
-FAULTS = ("link_flap", "long_cut", "kill_restart", "slow_link")
+FAULTS = ("link_flap", "long_cut", "cut_past_publish", "kill_restart", "slow_link")
+PAST_PUBLISH = 3  # versions the trainers publish while a reader's node is cut (fault cut_past_publish)
 
 
 @dataclass
@@ -94,6 +99,7 @@ class Soak:
         self.bound = 4 * args.timeout + 10
         self.fault_pending = False  # a fault happened and no sync has completed since
         self.long_cuts = 0  # long cuts alternate between a trainer's node and a reader's
+        self.past_publish_cuts = 0
         self.sync_seconds: list[float] = []  # the slowest reader's time of each completed sync
 
     def start(self, worker: Worker, versions: list[int]) -> None:
@@ -117,7 +123,8 @@ class Soak:
         if version <= 2 and not self.args.smoke:
             return None  # connect everyone first
         if self.args.smoke:  # one fault of each kind (a long cut of each side), then clean syncs
-            kind = {2: "link_flap", 3: "kill_restart", 4: "slow_link", 5: "long_cut", 7: "long_cut"}.get(version)
+            kind = {2: "link_flap", 3: "kill_restart", 4: "slow_link", 5: "long_cut", 7: "long_cut",
+                    9: "cut_past_publish"}.get(version)
         else:
             kind = self.rng.choice(FAULTS) if self.rng.random() < self.args.fault_rate else None
         if kind is None:
@@ -126,13 +133,20 @@ class Soak:
             role = ("inference", "trainer")[self.long_cuts % 2]
             self.long_cuts += 1
             worker = self.rng.choice([w for w in self.workers if w.role == role])
+        elif kind == "cut_past_publish":
+            if version + PAST_PUBLISH > self.versions[-1]:
+                return None  # too few versions left to publish past the cut and see the reader back
+            worker = self.rng.choice([w for w in self.workers if w.role == "inference"])
         else:
             worker = self.rng.choice(self.workers)
         typical = sorted(self.sync_seconds[-10:])[len(self.sync_seconds[-10:]) // 2] if self.sync_seconds else 0.5
         return kind, worker, worker.key, self.rng.uniform(0.0, 0.8 * typical)  # while the sync runs
 
-    def sync(self, version: int) -> None:
+    def sync(self, version: int) -> int:
+        """Drive `version` (and, for a cut past publishing, the versions published during the cut); returns how many."""
         fault = self.draw_fault(version)
+        if fault is not None and fault[0] == "cut_past_publish":
+            return self.cut_past_publish(version, fault[1])
         killed = None
         self.job.go(version)
         if fault is not None:
@@ -170,6 +184,33 @@ class Soak:
             elif kind == "kill_restart":
                 self.replace(worker, version)
         self.tally.outcomes.append({"version": version, "fault": fault and [fault[0], fault[2]], **outcome})
+        return 1
+
+    def cut_past_publish(self, version: int, worker: Worker) -> int:
+        """Cut `worker`'s node right before `version`; the trainers publish it and the next PAST_PUBLISH - 1 versions,
+        then idle until the cut is over; returns the versions driven (the cut reader must sync the one after)."""
+        t = self.tally
+        t.faults["cut_past_publish"] += 1
+        low = 2 * self.args.timeout + 3
+        cut = self.args.max_cut if self.past_publish_cuts == 0 else self.rng.uniform(low, max(low, self.args.max_cut))
+        self.past_publish_cuts += 1
+        self.fault_pending = True
+        self.cluster.link_down(worker.node)
+        cut_at = time.monotonic()
+        for v in range(version, version + PAST_PUBLISH):
+            self.job.go(v)
+            outcome = self.collect(v, None)
+            self.tally.outcomes.append({"version": v, "fault": ["cut_past_publish", worker.key] if v == version else None,
+                                        **outcome})
+        time.sleep(max(0.0, cut - (time.monotonic() - cut_at)))  # the trainers idle, alive, while the cut lasts
+        self.cluster.link_up(worker.node)
+        cut = time.monotonic() - cut_at
+        t.longest_cut_s = max(t.longest_cut_s, round(cut, 1))
+        t.fault_log.append({"version": version, "kind": "cut_past_publish", "node": worker.node, "cut_s": round(cut, 1),
+                            "published_during_cut": PAST_PUBLISH, "recovered": False, "after_versions": None})
+        host, port = self.job.address.rsplit(":", 1)
+        self.cluster.wait_reachable(worker.node, host, int(port), timeout=30)
+        return PAST_PUBLISH
 
     def collect(self, version: int, killed: Worker | None) -> dict:
         """Wait for every live worker's outcome of `version`; classify the sync."""
@@ -231,11 +272,11 @@ def main(argv=None) -> None:
     parser.add_argument("--compute", type=float, default=0.5,
                         help="each trainer's training step between publish and release, s (its agent polled meanwhile)")
     parser.add_argument("--smoke", action="store_true",
-                        help="8 syncs: a link flap, a kill and restart, a slow link, a long cut of a reader's node and "
-                             "of a trainer's (each just over twice the timeout)")
+                        help="12 syncs: a link flap, a kill and restart, a slow link, a long cut of a reader's node and "
+                             "of a trainer's, and a reader's cut past 3 publishes (each cut just over twice the timeout)")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.syncs, args.max_seconds = 8, min(args.max_seconds, 300.0)
+        args.syncs, args.max_seconds = 12, min(args.max_seconds, 400.0)
         args.max_cut = min(args.max_cut, 2 * args.timeout + 3)
     if args.syncs < 1 or not 0 <= args.fault_rate <= 1 or args.rate <= 0 or args.timeout <= 0:
         raise SystemExit("soak: --syncs must be >= 1, --fault-rate in [0, 1], --rate and --timeout positive")
@@ -254,12 +295,15 @@ def main(argv=None) -> None:
                     soak.start(worker, versions)
                 for worker in soak.workers:
                     job.event(worker.key, "ready" if worker.role == "trainer" else "joined", timeout=300)
-                for version in versions:
+                version = versions[0]
+                while version <= versions[-1]:
                     if time.monotonic() - began > args.max_seconds:
                         stopped = f"time bound {args.max_seconds:g} s reached after {version - 1} syncs"
                         break
-                    soak.sync(version)
-                    print(json.dumps(soak.tally.outcomes[-1]), file=sys.stderr, flush=True)
+                    driven = soak.sync(version)
+                    for outcome in soak.tally.outcomes[-driven:]:
+                        print(json.dumps(outcome), file=sys.stderr, flush=True)
+                    version += driven
         except EmulatedClusterError as exc:  # no root, no iproute2, a leftover namespace, a node that never came back
             raise SystemExit(f"soak: {exc}") from None
     t = soak.tally

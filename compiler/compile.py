@@ -21,7 +21,7 @@ from .frontend.rank_models import RankTracer
 from .frontend.trainer_adapter import check_adapter_spec, load_adapter
 from .frontend.trainer_formats import Conversion, TrainerFormat, load_trainer_model
 from .frontend.vllm_model import build_model, current_platform_name, draft_config, make_vllm_config
-from .frontend.vllm_patches import HOST_PROFILE, host_independent
+from .frontend.vllm_patches import HOST_PROFILE, host_independent, installed_vllm
 from .gc_pause import gc_paused
 from .layouts import (ExplicitTrainer, InferenceLayout, TrainerLayout, check_trainer_experts, check_trainer_stages, parse_inference,
                       parse_trainer)
@@ -154,6 +154,7 @@ def check_inputs(opts: CompileOptions) -> CompileSettings:
 
 def compile_plan(opts: CompileOptions, *, log=None) -> CompileResult:
     """Compile and write one plan; `log(msg)` receives progress lines."""
+    installed_vllm("compile-plan")
     settings = check_inputs(opts)
     trainer_model = None if settings.lora else trainer_tensors(settings.config_dir, settings.trainer_dtype, settings.trainer_adapter)
     with gc_paused(), host_independent():

@@ -23,7 +23,7 @@ from .cuda_arithmetic import CudaArithmetic
 from .frontend.trainer_formats import Conversion, TrainerFormat
 from .frontend.errors import ModelConfigError
 from .frontend.vllm_model import build_model, current_platform_name, make_vllm_config
-from .frontend.vllm_patches import HOST_PROFILE, host_independent, parallel_rank, triton_fp8_kernels
+from .frontend.vllm_patches import HOST_PROFILE, host_independent, installed_vllm, parallel_rank, triton_fp8_kernels
 from .models import config_hash, known_models, resolve_model
 from .quant_compile import quant_mode
 from .digests import compare_digests, poisoned
@@ -145,6 +145,7 @@ def verify_plan(
     `ranks` limits the check to those inference ranks (and the sample to the entries they hold).
     """
     log = log or (lambda msg: None)
+    installed_vllm("verify-plan")
     plan = load_plan(path)
     if model is None and plan.header.model not in known_models():
         raise ModelConfigError(

@@ -102,6 +102,10 @@ class Job:
     def resume(self, version: int) -> None:
         self._open_gate("resume", version)
 
+    def release(self, version: int) -> None:
+        """Let trainers started with --hold-last release `version`, their last."""
+        self._open_gate("release", version)
+
     def _open_gate(self, kind: str, version: int) -> None:
         """A store key the gated workers wait for; on an emulated cluster (whose store the test does not reach), a file."""
         if self.rendezvous is not None:

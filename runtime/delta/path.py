@@ -29,4 +29,10 @@ def delta_path(tensors, path: str, side: str) -> tuple[str, torch.device]:
         except ImportError:
             raise WeightplanError(f"{side}: delta syncs on {device} need triton (the device delta kernels); install it "
                                   "or keep the tensors on the host") from None
+    else:
+        try:
+            import numba  # noqa: F401
+        except ImportError:
+            raise WeightplanError(f"{side}: delta syncs on host tensors need numba (the host delta kernels): install "
+                                  "weightplan[host-kernels]") from None
     return chosen, device

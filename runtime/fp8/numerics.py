@@ -122,6 +122,7 @@ class BlockQuantizer:
         self.use_kernel = use_kernel and block == BLOCK
         self._device_tiles: TorchTiles | None = None
         self._triton_failed: str | None = None  # why the Triton kernel did not run here, once it failed
+        self._numba_missing = False  # numba (weightplan[host-kernels]) did not import: host tiles take torch ops
 
     def warm_up(self, device: torch.device = torch.device("cpu")) -> None:
         """Load the kernel of `device` now (numba's import and compiled-code cache take about a second in a fresh process,
@@ -152,9 +153,18 @@ class BlockQuantizer:
 
     def _kernel_tiles(self, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, hf: int, wf: int) -> bool:
         """Whole tiles x[:hf, :wf] through the numba kernel; False (nothing to keep) if it cannot take them."""
-        if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.stride(1) != 1 or values.stride(1) != 1:
+        if (x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.stride(1) != 1 or values.stride(1) != 1
+                or self._numba_missing):
             return False  # device tensors (a GPU trainer's) go through torch ops where they are
-        from .kernel import quantize_tiles  # numba compiles or loads its cache on first use
+        try:
+            from .kernel import quantize_tiles  # numba compiles or loads its cache on first use
+        except ImportError as exc:
+            if (exc.name or "").partition(".")[0] not in ("numba", "llvmlite"):
+                raise
+            self._numba_missing = True
+            log.warning("fp8 quantizer: numba is not installed (weightplan[host-kernels]); quantizing host tensors in "
+                        "torch ops, the same bytes, more slowly")
+            return False
 
         tile_scales = np.empty((hf // self.block, wf // self.block), dtype=np.float32)
         bits = _flat(x, hf, wf).view(torch.int16).numpy().view(np.uint16)

@@ -130,6 +130,8 @@ class ReceiverDelta:
         if index_bytes != p.index.numel() * 8:
             raise PlanMismatchError(f"trainer rank {rank} indexes {index_bytes // 8 - INDEX_WORDS} delta pages, this rank "
                                     f"expects {len(p.pages)}: give both sides the same plan and ring_bytes")
+        if capacity:  # its blobs are READ from lists prepared per sync: memory it did not register is refused now
+            peer.prepare(np.array([[region, capacity]]), fields={"delta.region": (region, capacity)})
         return DeltaSource(peer.word(self._index_local[rank], index_addr, index_bytes, "delta.index"), region, capacity)
 
     def fetch(self, agent: PeerReader, sources: dict[int, tuple[Peer, DeltaSource, DeltaRecord]], version: int,

@@ -23,8 +23,8 @@ from ..tables.receiver import read_groups, read_tables, runs_into
 from ..tables.ring import DEFAULT_RING_BYTES
 from ..transport import protocol
 from ..transport.lifecycle import AgentOwner
-from ..transport.local_peer import HOST_READ, NotLocal, open_local
-from ..transport.nixl_agent import Backoff, NixlAgent, PeerLost
+from ..transport.local_peer import HOST_READ, UNSIGNED, NotLocal, Registered, open_local
+from ..transport.nixl_agent import Backoff, NixlAgent, PeerLost, Unreachable
 from ..transport.peer import Connections, Peer, check_sequence
 from ..transport.peer_check import checked_regions, region_fields
 from ..transport.reader import Routed, Transport
@@ -39,6 +39,11 @@ from .second_hops import SecondHops
 
 log = logging.getLogger("weightplan.runtime")
 PROGRESS_EVERY = 5.0  # seconds between progress lines of a long sync
+# A trainer UCX could not connect to is tried again, after CONNECT_RETRY_S doubling up to 1 s, for at most
+# CONNECT_PATIENCE_S (within the sync's timeout): a refusal that clears heals within the sync, a trainer that is gone
+# costs the sync this much, not its whole timeout.
+CONNECT_RETRY_S = 0.05
+CONNECT_PATIENCE_S = 10.0
 DEVICE_IPC = ("auto", "off")  # read trainers on this host directly when they open ("auto"), or always over NIXL
 
 
@@ -160,7 +165,8 @@ class Receiver(AgentOwner):
     `versions` says which version each set holds. Alternates are refused with fp8 staging, fan-out, delta and
     derived='refresh', whose state belongs to one set.
 
-    A trainer on this host is read without NIXL unless `device_ipc="off"` (default "auto"): its host memory with
+    In a job with a secret, a trainer on this host is read without NIXL unless `device_ipc="off"` (default "auto"), only
+    within the memory it registered with NIXL and with its identity checked before every READ: its host memory with
     process_vm_readv, its GPU memory opened once over CUDA IPC and copied on this rank's current stream
     (runtime/transport/local_peer.py); notifications still go over NIXL. A trainer that cannot be opened so (another
     host, no permission, a handle refused) is read over NIXL, logged once. `SyncReport.paths` says which path moved
@@ -239,6 +245,7 @@ class Receiver(AgentOwner):
         self.reader: Routed | None = None  # READs through the agent or a trainer's LocalReader, from start()
         self._registered: list[torch.Tensor] = []
         self._not_local: set[tuple[int, str]] = set()  # (trainer rank, why) already logged
+        self._unreachable: set[str] = set()  # trainer incarnations already logged as unreachable
         self._progress_thread = progress_thread
 
     def start(self) -> "Receiver":
@@ -425,13 +432,7 @@ class Receiver(AgentOwner):
         if self._may_be_given_up(version):
             self.rendezvous.put(protocol.returning_key(self.rank, version), self.incarnation.encode())
         self._renew_agent()  # here, once the store answered: a worker made while this node's link is down reaches nothing
-        try:
-            self._connect_all(version, incarnations)
-        except SyncError:
-            if not self.agent.stuck or self._hops.served:
-                raise
-            self._renew_agent()  # an agent that cannot reach a live trainer (made while the link was down): once more
-            self._connect_all(version, incarnations)
+        self._connect_all(version, incarnations, deadline)
         connected = time.monotonic()
         check, spent = self._verifier(version, deadline, into) if self.verify else (None, [0.0])
         try:
@@ -442,7 +443,7 @@ class Receiver(AgentOwner):
             log.info("inference rank %d: %s; connecting to trainer ranks %s again", self.rank, exc, sources)
             self._trainers.drop_all()
             self._renew_agent()
-            self._connect_all(version, incarnations)
+            self._connect_all(version, incarnations, deadline)
             connected = time.monotonic()
             self._check_sequence(version, deadline, "before reading")
         if self._quant and self._quant.begin():
@@ -492,11 +493,36 @@ class Receiver(AgentOwner):
                      "of the read phase", version, self.rank, slowest, 100 * report.slowest_share)
         return report
 
-    def _connect_all(self, version: int, incarnations: dict[int, str]) -> None:
+    def _connect_all(self, version: int, incarnations: dict[int, str], deadline: float) -> None:
         """Connect to each trainer rank's incarnation (kept from an earlier sync when it is the same) and tell it this rank
-        starts reading `version`."""
-        for r, incarnation in incarnations.items():
-            self._trainers.to(r, incarnation)
+        starts reading `version`.
+
+        A trainer UCX cannot connect to is tried again, the first time with a new agent of this rank (a worker that
+        cannot reach a live trainer, e.g. one made while this node's link was down, is replaced), then with that one,
+        backing off up to 1 s, for CONNECT_PATIENCE_S or until `deadline`: the sync then fails naming that trainer,
+        logged once per trainer incarnation, and the next sync tries again. A rank serving second hops keeps its agent
+        (its node's peers hold its metadata): it tries once."""
+        pause = CONNECT_RETRY_S
+        deadline = min(deadline, time.monotonic() + CONNECT_PATIENCE_S)
+        renewed = False
+        while True:
+            try:
+                for r, incarnation in incarnations.items():
+                    self._trainers.to(r, incarnation)
+                break
+            except Unreachable as exc:
+                if self._hops.served or time.monotonic() + pause > deadline:
+                    raise
+                first = str(exc).split(":", 1)[0]  # "trainer rank r (incarnation ...)"
+                if first not in self._unreachable:
+                    self._unreachable.add(first)
+                    log.warning("inference rank %d: %s; trying again for up to %.0f s", self.rank, exc,
+                                CONNECT_PATIENCE_S)
+                time.sleep(pause)
+                pause = min(2 * pause, 1.0)
+                if not renewed:
+                    self._renew_agent()
+                    renewed = True
         for t in self._trainers.by_rank.values():
             self.agent.notify(t.peer.name, protocol.begin(version))
 
@@ -549,14 +575,20 @@ class Receiver(AgentOwner):
             HOST_READ if peer.reader is not self.agent else self.agent.path)  # deltas are of host tensors only
 
     def _open_local(self, rank: int, peer: Peer, info: protocol.TrainerInfo):
-        """A LocalReader of trainer `rank` when it runs on this host and opens here, else its NIXL agent (why: logged
-        once per trainer rank and reason)."""
+        """A LocalReader of trainer `rank` when the job has a secret (which authenticates the record saying what to read)
+        and the trainer runs on this host and opens here, else its NIXL agent (why: logged once per trainer rank and
+        reason, and once in all for a job without a secret)."""
         try:
-            reader = open_local(info.local, peer.memory, peer.incarnation, self._registered, str(peer.endpoint))
+            if not self.rendezvous.authenticated:
+                raise NotLocal(UNSIGNED)
+            reader = open_local(info.local, peer.memory, peer.incarnation, self._registered, str(peer.endpoint),
+                                Registered(self.agent, peer.name))
         except NotLocal as exc:
-            if (rank, str(exc)) not in self._not_local:
-                self._not_local.add((rank, str(exc)))
-                log.warning("inference rank %d reads trainer rank %d over NIXL, not directly: %s", self.rank, rank, exc)
+            seen = (None if str(exc) == UNSIGNED else rank, str(exc))
+            if seen not in self._not_local:
+                self._not_local.add(seen)
+                log.warning("inference rank %d reads %s over NIXL, not directly: %s", self.rank,
+                            "its trainers" if seen[0] is None else f"trainer rank {rank}", exc)
             return self.agent
         # NIXL still carries the notifications: one READ over it wires its connection up now (a connection UCX makes
         # on a first notification needs this rank to progress its agent afterwards, which it would not do).

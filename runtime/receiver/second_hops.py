@@ -25,6 +25,7 @@ from ..errors import PlanMismatchError, SyncError
 from ..plan.format import Plan
 from ..tables.fanout import second_hops, served_entries, served_hops
 from ..transport import protocol
+from ..transport.memory import check_area
 from ..transport.nixl_agent import Backoff
 from ..transport.reader import Transport
 from ..transport.peer import Connections, Peer
@@ -210,7 +211,8 @@ class SecondHops:
         if size != 16 or not isinstance(entries, list) or not all(
                 isinstance(e, list) and len(e) == 3 and all(type(x) is int and x >= 0 for x in e) for e in entries):
             raise SyncError(f"inference rank {puller}: its info does not describe a landed word and [entry, address, bytes] rows")
-        served = {d: (address, n) for d, address, n in entries}
+        check_area(landed_at, size, "landed", f"inference rank {puller}")
+        served = {d: check_area(address, n, f"entries[{d}]", f"inference rank {puller}") for d, address, n in entries}
         mine = self.inbound[puller]
         wrong = [d for d in mine if served.get(d, (0, -1))[1] != _nbytes(self._dst[d])]
         if wrong:

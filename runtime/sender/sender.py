@@ -214,13 +214,14 @@ class Sender(AgentOwner):
         rank, rendezvous = self.rank, self.rendezvous
         me = protocol.trainer(rank)
         self.agent = NixlAgent(me.agent(rendezvous.job), self._progress)
-        registered = ([t for t in self._exposed if t is not None] + [self._packed, self._seq, self._ring_word]
+        # Readers on this host check that this process holds its incarnation here before reading it directly, and
+        # read it only as registered memory (NIXL's record of what this process registered bounds what they read).
+        self._probe = torch.tensor(list(bytes.fromhex(self.incarnation)), dtype=torch.uint8)
+        registered = ([t for t in self._exposed if t is not None] + [self._packed, self._seq, self._ring_word, self._probe]
                       + (self._quant.registered if self._quant else [])
                       + (self._gather.registered if self._gather else [])
                       + (self._delta.registered if self._delta else []))
         self.agent.register(registered)
-        # Readers on this host check that this process holds its incarnation here before reading it directly.
-        self._probe = torch.tensor(list(bytes.fromhex(self.incarnation)), dtype=torch.uint8)
         plan = self.plan
         rendezvous.put(me.metadata_key(self.incarnation), self.agent.metadata())
         rendezvous.put(protocol.trainer_info_key(rank), protocol.TrainerInfo(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import time
 from dataclasses import dataclass
 
@@ -9,17 +10,51 @@ import numpy as np
 import torch
 
 from ..errors import SyncError, WeightplanError
-from .local_record import PROBE_BYTES, HostId, LocalRecord
-from .memory import VRAM, MemoryMap, group_rows
-from .nixl_agent import Backoff, Prepared
+from .local_record import PROBE_BYTES, CudaShare, HostId, LocalRecord
+from .memory import VRAM, MemoryMap, group_rows, holding
+from .nixl_agent import Backoff, NixlAgent, Prepared
 from .vm_read import Batches, VmReadError, batches, read, why
 
 HOST_READ, CUDA_READ = "process_vm_readv", "cuda_ipc"  # path names in SyncReport.paths
 BOUNCE_BYTES = 64 << 20  # host memory read on its way into a GPU, per step
+UNSIGNED = ("this job has no secret, so any local process could have written the trainers' records (same-node reads "
+            "need WEIGHTPLAN_SECRET_FILE or WEIGHTPLAN_SECRET)")
 
 
 class NotLocal(Exception):
     """Why a peer's memory cannot be read from this process directly: the caller reads it over NIXL instead."""
+
+
+@dataclass(frozen=True)
+class Registered:
+    """What bounds a LocalReader: the memory peer `peer` registered with NIXL, as `agent` (this process's NIXL agent)
+    loaded it from the peer's metadata, not as its info says: NIXL prepares descriptors on a peer only inside it."""
+
+    agent: NixlAgent
+    peer: str
+
+    def refuses(self, rows: np.ndarray, memory: MemoryMap) -> str | None:
+        """None when the peer registered every (address, bytes) row, else why NIXL refuses them."""
+        try:
+            self.agent.release_list(self.agent.prepare(self.peer, np.asarray(rows).reshape(-1, 2), memory))
+        except SyncError as exc:
+            return str(exc)
+        except Exception as exc:  # NIXL raises per-status types: nixlNotFoundError for memory the peer did not register
+            return f"{type(exc).__name__}: not memory it registered"
+        return None
+
+
+def _identity(record: LocalRecord, incarnation: bytes) -> str | None:
+    """None while process `record.pid` holds `incarnation` at its probe (so that pid still names the trainer), else
+    why not: a trainer that exited, or whose pid now names another process, fails this check."""
+    probe = np.zeros(PROBE_BYTES, dtype=np.uint8)
+    try:
+        read(record.pid, batches([probe.ctypes.data], [record.probe], [PROBE_BYTES]))
+    except VmReadError as exc:
+        return f"process_vm_readv of its process {record.pid}: {why(exc)}"
+    if probe.tobytes() != incarnation:
+        return f"process {record.pid} of this host does not hold its incarnation at its probe"
+    return None
 
 
 @dataclass(frozen=True)
@@ -48,11 +83,7 @@ class Storages:
 
     def locate(self, address: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
         """The storage holding each row whole, -1 where none does."""
-        address = np.asarray(address, dtype=np.uint64)
-        at = np.searchsorted(self.starts, address, side="right").astype(np.int64) - 1
-        ok = at >= 0
-        ok[ok] = address[ok] + np.asarray(nbytes, dtype=np.uint64)[ok] <= self.ends[at[ok]]
-        return np.where(ok, at, -1)
+        return holding(self.starts, self.ends, address, nbytes)
 
 
 @dataclass(frozen=True)
@@ -88,11 +119,15 @@ def _runs(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, same: np.ndarray
 class LocalReader:
     """Reads one peer process on this host (`record`, checked by `open_local`): the same calls as a NixlAgent's reads.
 
-    Host rows are copied by process_vm_readv when posted; CUDA rows are queued as device copies on the current stream
-    when posted and waited for (an event per READ) by `wait`, so a READ is complete when `wait` returns, as over NIXL."""
+    Rows are prepared only inside the memory the peer registered with NIXL (`registered`), and every READ is posted only
+    once the process still holds the peer's `incarnation` at its probe. Host rows are copied by process_vm_readv when
+    posted; CUDA rows are queued as device copies on the current stream when posted and waited for (an event per READ)
+    by `wait`, so a READ is complete when `wait` returns, as over NIXL."""
 
-    def __init__(self, record: LocalRecord, memory: MemoryMap, shared: Storages, local: Storages, name: str):
+    def __init__(self, record: LocalRecord, memory: MemoryMap, shared: Storages, local: Storages, name: str,
+                 registered: Registered, incarnation: bytes):
         self.record, self.memory, self.name = record, memory, name
+        self.registered, self.incarnation = registered, incarnation
         self._shared, self._local = shared, local
         self._events: dict[int, list] = {}
         self._bounce: torch.Tensor | None = None
@@ -111,12 +146,16 @@ class LocalReader:
         return {k: v for k, v in out.items() if v}
 
     def prepare(self, peer: str | None, rows: np.ndarray, memory: MemoryMap | None = None) -> LocalPrepared:
-        """Rows on the peer, each inside its published memory (SyncError naming the first that is not, as NIXL)."""
+        """Rows on the peer, each inside its published memory and inside what it registered with NIXL (SyncError
+        naming the first that is not, or NIXL's refusal): `peer` is always this reader's peer."""
         rows = np.asarray(rows, dtype=np.int64).reshape(-1, 2)
         try:
             groups = group_rows(self.memory, rows)
         except ValueError as exc:
             raise SyncError(f"{self.name}: a descriptor {exc} of that process (its info's 'memory')") from None
+        refused = self.registered.refuses(rows, self.memory) if len(rows) else None
+        if refused is not None:
+            raise SyncError(f"{self.name}: NIXL refuses descriptors this process would read directly ({refused})")
         device = np.array([p.kind == VRAM for p in groups.placements] + [False], dtype=bool)
         on_device = device[groups.group] if len(rows) else np.zeros(0, dtype=bool)
         storage = np.where(on_device, self._shared.locate(rows[:, 0], rows[:, 1]), -1)
@@ -168,6 +207,9 @@ class LocalReader:
         return tuple(out)
 
     def post(self, handle: LocalRead, peer: str) -> None:
+        lost = _identity(self.record, self.incarnation)
+        if lost is not None:
+            raise SyncError(f"{peer}: {lost}: that trainer exited, or its pid names another process now")
         try:
             if handle.host is not None:
                 read(self.record.pid, handle.host)
@@ -239,28 +281,60 @@ def _device_of(uuid: str) -> int:
     raise NotLocal(f"this process sees no GPU with uuid {uuid}")
 
 
+def _allocation(pointer: int, device: int) -> tuple[int, int] | None:
+    """(start, bytes) of the CUDA allocation that holds device address `pointer` in this process, as the driver maps it
+    (cuMemGetAddressRange); None when it cannot say."""
+    try:
+        get = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2
+    except (OSError, AttributeError):
+        return None
+    get.restype = ctypes.c_int
+    get.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+    start, size = ctypes.c_uint64(), ctypes.c_size_t()
+    with torch.cuda.device(device):
+        status = get(ctypes.byref(start), ctypes.byref(size), pointer)
+    return (start.value, size.value) if status == 0 else None
+
+
+def beyond_allocation(share: CudaShare, base: int, allocation: tuple[int, int] | None) -> str | None:
+    """Why the storage `share` names does not lie inside the allocation its handle opened at `base` (torch adds the
+    share's offset to `base` and trusts its size: a storage past the allocation faults the first copy), None if it does."""
+    if allocation is None:
+        return f"the driver cannot bound the allocation of its storage at {share.address:#x}"
+    start, size = allocation
+    if start != base or share.offset + share.nbytes > size:
+        return (f"its storage at {share.address:#x} ({share.nbytes} bytes at offset {share.offset}) does not lie in the "
+                f"allocation of {size} bytes its handle opened")
+    return None
+
+
 def open_local(record: LocalRecord, memory: MemoryMap, incarnation: str, registered: list[torch.Tensor],
-               name: str) -> LocalReader:
-    """A LocalReader of the peer `record` describes, once it is on this host, its process holds `incarnation` at its
-    probe (so the pid is that process, not another one in another pid namespace) and every GPU span of its `memory`
-    lies in a storage opened here; NotLocal(why) otherwise."""
+               name: str, bound: Registered) -> LocalReader:
+    """A LocalReader of the peer `record` describes, once it is on this host, its probe lies in memory it registered
+    with NIXL (`bound`) and its process holds `incarnation` there (so the pid is that process, not another one in
+    another pid namespace), and every GPU span of its `memory` lies in a storage opened here inside its allocation;
+    NotLocal(why) otherwise."""
     if record.host != HostId.here():
         raise NotLocal("it runs on another host")
-    probe = np.zeros(PROBE_BYTES, dtype=np.uint8)
-    try:
-        read(record.pid, batches([probe.ctypes.data], [record.probe], [PROBE_BYTES]))
-    except VmReadError as exc:
-        raise NotLocal(f"process_vm_readv of its process {record.pid}: {why(exc)}") from None
-    if probe.tobytes() != bytes.fromhex(incarnation):
-        raise NotLocal(f"process {record.pid} of this host does not hold its incarnation at its probe")
+    refused = bound.refuses(np.array([[record.probe, PROBE_BYTES]]), memory)
+    if refused is not None:
+        raise NotLocal(f"its probe at {record.probe:#x} is not memory it registered with NIXL ({refused})")
+    lost = _identity(record, bytes.fromhex(incarnation))
+    if lost is not None:
+        raise NotLocal(lost)
     opened = []
     for share in record.cuda:
+        device = _device_of(share.uuid)
         try:
-            storage = share.open(_device_of(share.uuid))
+            storage = share.open(device)
         except (RuntimeError, TypeError) as exc:
             raise NotLocal(f"CUDA IPC refused its storage at {share.address:#x}: {str(exc).splitlines()[0][:120]}") from None
         if storage.nbytes() != share.nbytes:
             raise NotLocal(f"its storage at {share.address:#x} opened with {storage.nbytes()} bytes, not {share.nbytes}")
+        base = storage.data_ptr() - share.offset  # where the handle's allocation opened here
+        outside = beyond_allocation(share, base, _allocation(base, device))
+        if outside is not None:
+            raise NotLocal(outside)
         opened.append((share.address, torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)))
     shared = Storages.of(opened)
     device = [s for s in memory.spans() if s.placement.kind == VRAM]
@@ -268,4 +342,4 @@ def open_local(record: LocalRecord, memory: MemoryMap, incarnation: str, registe
         inside = shared.locate(np.array([s.address for s in device]), np.array([s.nbytes for s in device]))
         if (inside < 0).any():
             raise NotLocal(f"its GPU memory at {device[int(np.flatnonzero(inside < 0)[0])].address:#x} has no CUDA IPC handle")
-    return LocalReader(record, memory, shared, Storages.local(registered), name)
+    return LocalReader(record, memory, shared, Storages.local(registered), name, bound, bytes.fromhex(incarnation))

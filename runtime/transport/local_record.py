@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SyncError
+from .memory import ADDRESS_LIMIT, check_area
 
 log = logging.getLogger("weightplan.runtime")
 
@@ -18,6 +19,9 @@ MAX_SHARES = 1 << 16  # CUDA storages a record may list: a rank registers a few 
 MAX_HANDLE_BYTES = 256  # a cudaIpcMemHandle is 64 bytes, torch's ref-counter handle a short shared-memory file name
 MAX_PID = 1 << 22  # Linux's pid_max limit
 PROBE_BYTES = 16  # the incarnation's 16 bytes, held at the probe address of the trainer's process
+# torch's CUDA IPC ref-counter files hold this many int64 counters (CUDA_IPC_REF_COUNTER_FILE_SIZE,
+# torch/csrc/CudaIPCTypes.h); a reader dropping an opened storage decrements counter `ref_offset` of file `ref_counter`.
+REF_COUNTERS = 10000
 _BOOT_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 _HOSTNAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
 _UUID = re.compile(r"[A-Za-z0-9-]{1,64}")
@@ -106,7 +110,7 @@ def local_record(tensors: list[torch.Tensor], probe: torch.Tensor) -> LocalRecor
     return LocalRecord(HostId.here(), os.getpid(), probe.data_ptr(), tuple(shares))
 
 
-def _int(value, field: str, who: str, upper: int = 1 << 64) -> int:
+def _int(value, field: str, who: str, upper: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < upper:
         raise SyncError(f"{who}: its info's '{field}' is {str(value)[:40]}, expected an integer in [0, {upper})")
     return value
@@ -134,19 +138,30 @@ _SHARE_FIELDS = ("address", "bytes", "uuid", "device", "handle", "offset", "ref_
                  "event_sync")
 
 
-def parse_share(value, field: str, who: str) -> CudaShare:
-    """A CudaShare from its record at `field` of `who`'s info; SyncError naming the field otherwise."""
+def _ref_counter(value, field: str, who: str, pid: int) -> bytes:
+    """A ref-counter file name as torch names those of process `pid` (at::NewProcessWideShmHandle:
+    /torch_<getpid()>_<a random 32-bit number>_<a counter>), so a dropped storage decrements no other file."""
+    name = _hex(value, field, who)
+    if not re.fullmatch(rb"/torch_%d_[0-9]{1,10}_[0-9]{1,20}" % pid, name):
+        raise SyncError(f"{who}: its info's '{field}' is {name[:40]!r}, not a ref-counter file torch names for process {pid}")
+    return name
+
+
+def parse_share(value, field: str, who: str, pid: int) -> CudaShare:
+    """A CudaShare of process `pid` from its record at `field` of `who`'s info, within torch's own bounds (a counter inside
+    one of that process's ref-counter files); SyncError naming the field otherwise."""
     if not isinstance(value, dict) or set(value) != set(_SHARE_FIELDS):
         raise SyncError(f"{who}: its info's '{field}' is not an object of {', '.join(_SHARE_FIELDS)}")
-    address = _int(value["address"], f"{field}.address", who)
-    nbytes = _int(value["bytes"], f"{field}.bytes", who, (1 << 64) - address)
+    address = _int(value["address"], f"{field}.address", who, ADDRESS_LIMIT)
+    nbytes = check_area(address, value["bytes"], f"{field}.bytes", who)[1]
     if not isinstance(value["event_sync"], bool):
         raise SyncError(f"{who}: its info's '{field}.event_sync' is not a boolean")
     return CudaShare(address, nbytes, _text(value["uuid"], _UUID, f"{field}.uuid", who),
                      _int(value["device"], f"{field}.device", who, 1 << 16), _hex(value["handle"], f"{field}.handle", who),
-                     _int(value["offset"], f"{field}.offset", who), _hex(value["ref_counter"], f"{field}.ref_counter", who),
-                     _int(value["ref_offset"], f"{field}.ref_offset", who), _hex(value["event"], f"{field}.event", who),
-                     value["event_sync"])
+                     _int(value["offset"], f"{field}.offset", who, ADDRESS_LIMIT - nbytes),
+                     _ref_counter(value["ref_counter"], f"{field}.ref_counter", who, pid),
+                     _int(value["ref_offset"], f"{field}.ref_offset", who, REF_COUNTERS),
+                     _hex(value["event"], f"{field}.event", who), value["event_sync"])
 
 
 def parse_local(value, who: str) -> LocalRecord | None:
@@ -164,7 +179,8 @@ def parse_local(value, who: str) -> LocalRecord | None:
     cuda = value["cuda"]
     if not isinstance(cuda, list) or len(cuda) > MAX_SHARES:
         raise SyncError(f"{who}: its info's 'local.cuda' is not a list of at most {MAX_SHARES} CUDA storages")
+    pid = _pid(value["pid"], who)
     return LocalRecord(HostId(_text(host["boot_id"], _BOOT_ID, "local.host.boot_id", who),
                               _text(host["hostname"], _HOSTNAME, "local.host.hostname", who)),
-                       _pid(value["pid"], who), _int(probe[0], "local.probe", who),
-                       tuple(parse_share(s, f"local.cuda[{i}]", who) for i, s in enumerate(cuda)))
+                       pid, check_area(probe[0], PROBE_BYTES, "local.probe", who)[0],
+                       tuple(parse_share(s, f"local.cuda[{i}]", who, pid) for i, s in enumerate(cuda)))

@@ -12,6 +12,29 @@ from ..errors import SyncError, WeightplanError
 DRAM, VRAM = "DRAM", "VRAM"
 MAX_DEVICE = 1 << 16  # a device id beyond this in a peer's record is malformed, not a GPU
 MAX_SPANS = 1 << 22  # a published memory record longer than this is refused (a plan has far fewer regions)
+# Every area a peer publishes ends below this: descriptor tables hold its addresses, and sums of them, as int64.
+ADDRESS_LIMIT = 1 << 63
+
+
+def check_area(address, nbytes, field: str, who: str) -> tuple[int, int]:
+    """(address, nbytes) of `who`'s info field `field`, once both are integers and the area ends below ADDRESS_LIMIT;
+    a SyncError naming `who` and the field otherwise (never an overflow or a wrapped address later)."""
+    integers = all(isinstance(v, int) and not isinstance(v, bool) for v in (address, nbytes))
+    if not integers or not (0 <= address and 0 <= nbytes and address + nbytes < ADDRESS_LIMIT):
+        area = f"[{address:#x}, +{nbytes})" if integers else f"[{str(address)[:24]}, +{str(nbytes)[:24]})"
+        raise SyncError(f"{who}: its info's {field!r} is {area[:80]}, not an area below 2**63")
+    return address, nbytes
+
+
+def holding(starts: np.ndarray, ends: np.ndarray, address, nbytes) -> np.ndarray:
+    """The index of the interval of sorted, disjoint [starts, ends) that holds each (address, nbytes) row whole, -1
+    where none does; compared without wrap-around, so a row whose end passes 2**64 is held by none."""
+    address, nbytes = np.asarray(address, dtype=np.uint64), np.asarray(nbytes, dtype=np.uint64)
+    at = np.searchsorted(starts, address, side="right").astype(np.int64) - 1
+    ok = at >= 0
+    end = ends[at[ok]]
+    ok[ok] = (address[ok] <= end) & (nbytes[ok] <= end - np.minimum(address[ok], end))
+    return np.where(ok, at, -1)
 
 
 @dataclass(frozen=True, order=True)
@@ -107,12 +130,11 @@ class MemoryMap:
         spans = []
         for row in value:
             if not (isinstance(row, list) and len(row) == 4 and row[2] in (DRAM, VRAM)
-                    and all(isinstance(v, int) and not isinstance(v, bool) for v in (row[0], row[1], row[3]))
-                    and 0 <= row[0] < 1 << 64 and 0 <= row[1] <= (1 << 64) - row[0] and 0 <= row[3] < MAX_DEVICE
+                    and isinstance(row[3], int) and not isinstance(row[3], bool) and 0 <= row[3] < MAX_DEVICE
                     and (row[2] == VRAM or row[3] == 0)):
                 raise SyncError(f"{who}: its info's 'memory' holds {str(row)[:60]}, expected [address, bytes, "
                                 "'DRAM' or 'VRAM', device]")
-            spans.append(Span(row[0], row[1], Placement(row[2], row[3])))
+            spans.append(Span(*check_area(row[0], row[1], "memory", who), Placement(row[2], row[3])))
         try:
             return cls.of(spans)
         except WeightplanError as exc:
@@ -121,12 +143,9 @@ class MemoryMap:
     def locate(self, rows: np.ndarray) -> np.ndarray:
         """The index into `placements` of each (address, bytes) row, -1 where no single span holds the whole row."""
         rows = np.asarray(rows, dtype=np.uint64).reshape(-1, 2)
-        at = np.searchsorted(self.starts, rows[:, 0], side="right").astype(np.int64) - 1
-        inside = at >= 0
-        ok = inside.copy()
-        ok[inside] = rows[inside, 0] + rows[inside, 1] <= self.ends[at[inside]]
+        at = holding(self.starts, self.ends, rows[:, 0], rows[:, 1])
         out = np.full(len(rows), -1, dtype=np.int64)
-        out[ok] = self.where[at[ok]]
+        out[at >= 0] = self.where[at[at >= 0]]
         return out
 
 

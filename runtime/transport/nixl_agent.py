@@ -20,19 +20,32 @@ DESCRIPTORS_PER_READ = 4096
 
 
 def _nixl():
-    # Imported lazily: the plan reader and the host executor work without NIXL installed. The CUDA 12 build is the
-    # one installed here; a CUDA 13 machine carries nixl-cu13, same API under its own module name.
-    try:
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
-    except ImportError:
-        from nixl_cu13._api import nixl_agent, nixl_agent_config
+    """NIXL's agent classes, from the build matching torch's CUDA major (nixl-cu12 or nixl-cu13, the same API; the
+    `nixl` package installs both), else whichever imports (a CPU torch: cu12 first). Imported lazily: the plan reader
+    and the host executor work without NIXL installed."""
+    import importlib
 
-    return nixl_agent, nixl_agent_config
+    major = (torch.version.cuda or "").split(".")[0]
+    order = dict.fromkeys([f"nixl_cu{major}" if major else "nixl_cu12", "nixl_cu12", "nixl_cu13"])
+    for i, name in enumerate(order):
+        try:
+            api = importlib.import_module(f"{name}._api")
+        except ImportError:
+            if i == len(order) - 1:
+                raise WeightplanError("NIXL is not installed: install weightplan with its dependencies (the `nixl` "
+                                      "package)") from None
+            continue
+        return api.nixl_agent, api.nixl_agent_config
 
 
 class PeerLost(SyncError):
     """A READ failed at once: NIXL holds the connection to that peer broken (its process died, or a link cut broke it,
     possibly while nothing was read). Connecting again from its published metadata may heal it."""
+
+
+class Unreachable(SyncError):
+    """A peer's agent metadata could not be loaded: UCX could not connect to it (its process exited, its node is
+    unreachable, or this agent's worker cannot reach it). A new agent may reach it where this one cannot."""
 
 
 class Backoff:
@@ -128,8 +141,8 @@ class NixlAgent:
         except Exception as exc:
             self.stuck = True
             # Seen when UCX cannot connect to it (Connection refused): that process exited, or its node is unreachable.
-            raise SyncError(f"cannot load agent metadata published for {expected_name!r}: {type(exc).__name__} (UCX "
-                            "cannot connect to it: has that process exited, or is its node unreachable?)") from None
+            raise Unreachable(f"cannot load agent metadata published for {expected_name!r}: {type(exc).__name__} (UCX "
+                              "cannot connect to it: has that process exited, or is its node unreachable?)") from None
         name = name.decode() if isinstance(name, bytes) else name
         if name != expected_name:
             self._agent.remove_remote_agent(name)

@@ -38,7 +38,7 @@ class Peer:
         try:
             self._agent.add_peer(self._rendezvous.get_bytes(self.endpoint.metadata_key(self.incarnation)), self.name)
         except SyncError as exc:
-            raise SyncError(f"{self.endpoint}: {exc}") from None
+            raise type(exc)(f"{self.endpoint} (incarnation {self.incarnation[:8]}): {exc}") from None
 
     def prepare(self, rows: np.ndarray, local: bool = False, fields: dict[str, tuple[int, int]] | None = None):
         """A descriptor list of (address, bytes) rows on this peer (or, `local`, on the reader), released with it.

@@ -10,7 +10,7 @@ from typing import Protocol
 
 from ..errors import SyncError
 from .local_record import LocalRecord, parse_local
-from .memory import MemoryMap
+from .memory import ADDRESS_LIMIT, MemoryMap, check_area
 
 log = logging.getLogger("weightplan.runtime")
 
@@ -184,9 +184,14 @@ class TrainerInfo:
         regions = value.get("regions")
         if not isinstance(regions, list) or len(regions) > MAX_REGIONS or not all(_words(r, 4) for r in regions):
             raise SyncError(f"{who}: its info's 'regions' is not a list of [source, chain, address, bytes]")
+        for i, r in enumerate(regions):
+            check_area(r[2], r[3], f"regions[{i}]", who)
+        (seq,), ring = words(who, value, "seq"), words(who, value, "ring", 2)
+        check_area(seq, 8, "seq", who)  # the sequence word
+        check_area(ring[0], 16, "ring", who)  # the ring word
         return TrainerInfo(
-            **text, seq=words(who, value, "seq")[0], packed=tuple(words(who, value, "packed", 2)),
-            ring=tuple(words(who, value, "ring", 2)), regions=tuple(ServedRegion(*r) for r in regions),
+            **text, seq=seq, packed=check_area(*words(who, value, "packed", 2), "packed", who), ring=tuple(ring),
+            regions=tuple(ServedRegion(*r) for r in regions),
             memory=MemoryMap.from_record(value.get("memory"), who), options=SharedOptions.parse(value.get("options"), who),
             quant=_areas(who, value, "quant", ("fp8", "scales", "stage_packed")),
             delta=_areas(who, value, "delta", ("index", "region")), local=parse_local(value.get("local"), who))
@@ -198,17 +203,17 @@ MAX_REGIONS = 1 << 24
 
 
 def words(who: str, record: dict, key: str, n: int = 1) -> list[int]:
-    """`record[key]` of `who`'s info: `n` unsigned 64-bit integers (an address, a size), or a SyncError naming them."""
+    """`record[key]` of `who`'s info: `n` integers in [0, 2**63) (an address, a size), or a SyncError naming them."""
     value = record.get(key)
     value = [value] if n == 1 and not isinstance(value, list) else value
     if not _words(value, n):
-        raise SyncError(f"{who}: its info's {key!r} is {str(record.get(key))[:40]}, expected {n} unsigned integer(s)")
+        raise SyncError(f"{who}: its info's {key!r} is {str(record.get(key))[:40]}, expected {n} integer(s) in [0, 2**63)")
     return value
 
 
 def _words(value, n: int) -> bool:
     return (isinstance(value, list) and len(value) == n
-            and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 64 for v in value))
+            and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < ADDRESS_LIMIT for v in value))
 
 
 def _areas(who: str, record: dict, key: str, names: tuple[str, ...]) -> dict[str, Area] | None:
@@ -218,7 +223,7 @@ def _areas(who: str, record: dict, key: str, names: tuple[str, ...]) -> dict[str
         return None
     if not isinstance(value, dict) or set(value) != set(names):
         raise SyncError(f"{who}: its info's {key!r} is not an object of {', '.join(names)}")
-    return {name: tuple(words(who, value, name, 2)) for name in names}
+    return {name: check_area(*words(who, value, name, 2), f"{key}.{name}", who) for name in names}
 
 
 @dataclass(frozen=True)

@@ -20,13 +20,41 @@ REPO = Path(__file__).resolve().parents[2]
 def test_every_patched_target_exists_in_the_installed_vllm(patch):
     import vllm
 
-    assert patch.why and patch.vllm_version == vllm_patches.VLLM_VERSION
+    assert patch.why
+    assert vllm_patches.installed_vllm() == vllm.__version__, "the installed vLLM is outside SUPPORTED_VLLM"
+    assert patch.applies_to(vllm.__version__), (f"{patch.name} declares vLLM {patch.vllm_versions}, not the installed "
+                                                f"{vllm.__version__} (inside SUPPORTED_VLLM {vllm_patches.SUPPORTED_VLLM})")
     for target in patch.targets + patch.reads:
         try:
             resolve(target)
         except (ImportError, AttributeError) as exc:
-            pytest.fail(f"{patch.name}: vLLM {vllm.__version__} has no {target} ({exc}); this patch was written "
-                        f"for vLLM {patch.vllm_version}: re-read vLLM and update compiler/frontend/vllm_patches.py")
+            pytest.fail(f"{patch.name}: vLLM {vllm.__version__} has no {target} ({exc}); this patch declares vLLM "
+                        f"{patch.vllm_versions}: re-read vLLM and update compiler/frontend/vllm_patches.py")
+
+
+def test_an_unsupported_vllm_is_refused_in_one_line_naming_the_supported_range(monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.26.0")
+    with pytest.raises(vllm_patches.UnsupportedVllm) as refused:
+        vllm_patches.installed_vllm("compile-plan")
+    assert str(refused.value) == ("compile-plan supports vLLM ==0.32.*; this is vLLM 0.26.0 (docs/install.md lists the "
+                                  "versions and what they were tested with)")
+    monkeypatch.setattr(vllm, "__version__", "0.32.1.dev7+g0123abc.cpu")  # a patch release or a nightly of 0.32
+    assert vllm_patches.installed_vllm() == "0.32.1.dev7+g0123abc.cpu"
+
+
+def test_a_patch_leaves_a_vllm_outside_its_versions_alone(monkeypatch):
+    import vllm
+
+    target = "vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm"
+    original = getattr(*resolve(target))
+    monkeypatch.setattr(vllm, "__version__", "0.31.0")
+    with vllm_patches.plain_cpu_gemm():
+        assert getattr(*resolve(target)) is original and vllm_patches.active_targets() == ()
+    monkeypatch.undo()
+    with vllm_patches.plain_cpu_gemm():
+        assert getattr(*resolve(target)) is not original
 
 
 def test_the_layer_registry_the_compiler_clears_exists():

@@ -1,5 +1,5 @@
 """The wheel a user installs: every module of compiler/, runtime/, vllm_backend/, adapters/ and testing/ in it, no test or
-benchmark, and each imports from it alone."""
+benchmark, and each imports from it alone (the `wheel` fixture: conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,19 +9,8 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 MAPPED = ("compiler", "runtime", "vllm_backend", "adapters", "testing")  # setup.py installs each as weightplan.<folder>
-
-
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet", "-w", str(out),
-                    str(ROOT)], check=True, capture_output=True, timeout=600)
-    (found,) = out.glob("weightplan-*.whl")
-    return found
 
 
 def _source_modules() -> set[str]:

@@ -77,3 +77,25 @@ def test_verl_resolves_the_backend_and_refuses_bad_input(tmp_path):
     with pytest.raises(RuntimeError, match="runs weight-transfer backend 'nccl'; start it with"):
         rollout._init_engine(server)
     actor.store = None
+
+
+@pytest.mark.parametrize("record", [{}, {"plan": 5}, {"plan": ""}, {"plan": ["a.plan"]}, {"plan": "a.plan", "more": 1}])
+def test_a_bad_plan_record_is_one_error_naming_the_key(record):
+    """The rollout reads the plan path the master trainer put under PLAN_KEY: anything else there is one SyncError naming
+    the key and what it holds (it was a KeyError, or a TypeError further on)."""
+    from types import SimpleNamespace
+
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+
+    from weightplan.adapters.verl import PLAN_KEY, WeightplanCheckpointEngine
+    from weightplan.runtime import SyncError
+
+    actor = CheckpointEngineRegistry.new("weightplan", bucket_size=1, is_master=True, timeout=5)
+    rollout = CheckpointEngineRegistry.new("weightplan", bucket_size=1, timeout=5)
+    kwargs = WeightplanCheckpointEngine.build_topology(1, 1, [actor.prepare(), rollout.prepare()])
+    rollout.init_process_group(**{k: v[0] for k, v in kwargs[1].items()})
+    actor.store.put(PLAN_KEY, record)
+    with pytest.raises(SyncError, match=f"rendezvous key '{PLAN_KEY}' holds .*, not {{'plan': <the compiled plan's path>}}") as err:
+        rollout._init_engine(SimpleNamespace())  # an engine whose backend cannot be read in-process
+    assert "\n" not in str(err.value) and not rollout.rollout_initialized
+    actor.store = None

@@ -275,3 +275,52 @@ def test_a_reader_cut_longer_than_every_timeout_syncs_again_by_itself_and_costs_
             extra = sum(max(0.0, s - before) for s in around)
             assert extra <= CUT_TIMEOUT + 2.0, (before, around)
             job.assert_clean_exit("inf0", "inf1", "tr0", "tr1")
+
+
+IDLE_TIMEOUT = 15.0  # the trainers' and reader A's timeout in the idle-trainers test
+IDLE_CUT = 25.0  # longer than UCX rides out over TCP
+IDLE_READER_TIMEOUT = 60.0  # reader B's: its version 2 outlasts the cut
+
+
+def test_a_reader_cut_until_the_trainers_went_idle_syncs_their_last_version_once_its_link_returns(plan_cache, tmp_path):
+    """Issue 47's case. Reader B (inference rank 1, node i1) loses its link right before version 2 and stays cut while
+    the trainers (both on t0, beside the store) publish versions 2-6 and reader A (i0) syncs each; then the trainers stay
+    alive and idle, serving version 6 unreleased. B fails version 2 once its link is back ("the trainer holds version
+    6"), and 3-5 at once; then it syncs version 6 from the idle trainers at its first try, with the host executor's
+    bytes, no process restarted; the trainers, released after that, saw both readers acknowledge version 6."""
+    path = plan_cache(*BF16[:3], "fsdp=2", "dp=2,ep")
+    versions = "1,2,3,4,5,6"
+    with EmulatedCluster({"t0": None, "i0": None, "i1": None}, tag="wpt-idle") as cluster, \
+            Job(tmp_path, path, "net-idle", cluster=cluster, store_node="t0") as job:
+        for r in range(2):
+            job.start(f"tr{r}", "trainer", r, "--versions", versions, "--gate", "--wait-joined", "--hold-last",
+                      "--timeout", str(IDLE_TIMEOUT), node="t0")
+        for k, timeout in enumerate((IDLE_TIMEOUT, IDLE_READER_TIMEOUT)):
+            job.start(f"inf{k}", "inference", k, "--plain", "--gate", "--versions", versions, "--timeout", str(timeout),
+                      node=f"i{k}")
+        job.go(1)
+        for k in range(2):
+            assert job.event(f"inf{k}", "synced", 1)["n_differ"] == 0
+        for r in range(2):
+            job.event(f"tr{r}", "released", 1)
+        cluster.link_down("i1")
+        cut_at = time.monotonic()
+        for version in range(2, 7):
+            job.go(version)
+            e = job.event("inf0", "synced", version, timeout=4 * IDLE_TIMEOUT)
+            assert e["n_differ"] == 0, e
+        for r in range(2):
+            job.event(f"tr{r}", "published", 6)
+        time.sleep(max(0.0, IDLE_CUT - (time.monotonic() - cut_at)))
+        cluster.link_up("i1")
+        with known_ucx_abort(job, 2):
+            for version in range(2, 6):
+                failed = job.event("inf1", ("synced", "failed"), version, timeout=2 * IDLE_READER_TIMEOUT)
+                assert failed["event"] == "failed" and failed["reported"] is None, failed
+            e = job.event("inf1", ("synced", "failed"), 6, timeout=2 * IDLE_READER_TIMEOUT)
+            assert e["event"] == "synced" and e["reported"] == 6 and e["n_differ"] == 0, e
+            job.release(6)
+            for r in range(2):
+                released = job.event(f"tr{r}", "released", 6, timeout=2 * IDLE_TIMEOUT)
+                assert released["acked"] == [0, 1], released
+            job.assert_clean_exit("inf0", "inf1", "tr0", "tr1")

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from weightplan.runtime import Receiver, Sender, SyncError, WeightplanError, load_plan
+from weightplan.runtime import Receiver, Rendezvous, Sender, SyncError, WeightplanError, load_plan
 from weightplan.runtime.transport import protocol
 from weightplan.runtime.transport.local_peer import LocalReader
 from weightplan.runtime.transport.local_record import CudaShare, HostId, LocalRecord, parse_local
@@ -23,6 +23,16 @@ from weightplan.runtime.transport.vm_read import batches
 
 from weightplan.testing.runtime_harness import Job
 from weightplan.testing.runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
+
+
+SECRET = "weightplan-local-reads-test-secret"  # a Receiver reads trainers of its host directly only in a job with one
+
+
+@pytest.fixture
+def rendezvous(request):
+    """A store on a free loopback port, namespaced by the test's name, in a job with a secret."""
+    return Rendezvous.connect(f"local-{request.node.name[:40].replace('[', '-').replace(']', '')}", "127.0.0.1:0",
+                              serve=True, secret=SECRET)
 
 
 @pytest.fixture
@@ -54,6 +64,19 @@ def _pair(plan, rendezvous, tamper=None, delta=0.0, **receiver_kwargs):
 def _equal_to_host(plan, destination) -> None:
     expected = host_reference(plan, full_weights(plan, 0, 1), 0)
     assert expected and all(byte_equal(t, destination[n]) for n, t in expected.items())
+
+
+def _read_over_nixl(plan, rendezvous, tamper, caplog) -> str:
+    """Sync version 1 with the trainer's info edited by `tamper`: every byte comes over NIXL, equal to the host
+    executor's; returns the one warning saying why."""
+    caplog.set_level(logging.WARNING, "weightplan.runtime")
+    with _pair(plan, rendezvous, tamper) as (_, destination, receiver):
+        report = receiver.sync(1)
+        assert report.paths == {"nixl": report.bytes}
+        _equal_to_host(plan, destination)
+    said = [r.getMessage() for r in caplog.records if "over NIXL, not directly" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0], said
+    return said[0]
 
 
 @pytest.mark.parametrize("device_ipc,path", [("auto", "process_vm_readv"), ("off", "nixl")])
@@ -94,13 +117,7 @@ def test_a_trainer_that_cannot_be_opened_is_read_over_nixl_with_the_same_bytes(b
             local["cuda"] = []
             info["memory"].append([1 << 40, 4096, "VRAM", 0])
 
-    caplog.set_level(logging.WARNING, "weightplan.runtime")
-    with _pair(bf16_plan, rendezvous, tamper) as (sender, destination, receiver):
-        report = receiver.sync(1)
-        assert report.paths == {"nixl": report.bytes}
-        _equal_to_host(bf16_plan, destination)
-        said = [r.getMessage() for r in caplog.records if "over NIXL, not directly" in r.getMessage()]
-        assert len(said) == 1 and "\n" not in said[0], said
+    _read_over_nixl(bf16_plan, rendezvous, tamper, caplog)
 
 
 BAD_RECORDS = {
@@ -134,7 +151,7 @@ def test_device_ipc_takes_auto_or_off_only(bf16_plan, no_agents):
 
 def _share(**changes) -> CudaShare:
     fields = dict(address=0x7F00_0000_0000, nbytes=2 << 20, uuid="GPU-58a2a6a8-1f0c-4c4e-9d0e-3c1f2a6b7e10", device=3,
-                  handle=bytes(range(64)), offset=4096, ref_counter=b"/torch_123_456_0", ref_offset=7,
+                  handle=bytes(range(64)), offset=4096, ref_counter=b"/torch_4242_3735928559_0", ref_offset=7,
                   event=bytes(range(64, 128)), event_sync=True)
     return CudaShare(**{**fields, **changes})
 
@@ -172,9 +189,12 @@ def test_both_readers_and_the_router_declare_the_seam():
         assert issubclass(reader, PeerReader), reader
 
 
-def test_syncs_between_processes_move_every_byte_directly_and_equal_nixl_and_the_host_executor(plan_cache, tmp_path):
-    """One trainer and one inference process, three cases one after the other: a bf16 plan read directly, the same
-    over NIXL (device_ipc="off"), an fp8 plan read directly; each checked against the host executor in the worker."""
+def test_syncs_between_processes_move_every_byte_directly_and_equal_nixl_and_the_host_executor(plan_cache, tmp_path,
+                                                                                              monkeypatch):
+    """One trainer and one inference process of a job with a secret, three cases one after the other: a bf16 plan read
+    directly, the same over NIXL (device_ipc="off"), an fp8 plan read directly; each checked against the host executor
+    in the worker."""
+    monkeypatch.setenv("WEIGHTPLAN_SECRET", SECRET)  # the store here and the workers (they inherit the environment)
     bf16 = plan_cache("tiny-glm", "hf", "bf16", "fsdp=1", "tp=1")
     fp8 = plan_cache("fp8-glm", "hf", "bf16", "fsdp=1", "tp=1", quant="fp8_per_block")
     plans, jobs = f"{bf16},{bf16},{fp8}", "local-bf16,nixl-bf16,local-fp8"

@@ -1,4 +1,5 @@
-"""Elasticity and faults with processes really started late or killed (SIGKILL), over NIXL/UCX on loopback."""
+"""Elasticity and faults with processes really started late or killed (SIGKILL), over NIXL/UCX on loopback (and a
+trainer killed mid-sync also read directly, in a job with a secret)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,12 @@ def test_late_inference_rank_joins_at_the_next_sync(plan, tmp_path):
         job.assert_clean_exit()
 
 
-def test_trainer_killed_mid_sync_fails_that_sync_then_a_restarted_trainer_restores_it(plan, tmp_path):
+@pytest.mark.parametrize("secret", [None, "weightplan-faults-test-secret"], ids=["nixl", "same-node"])
+def test_trainer_killed_mid_sync_fails_that_sync_then_a_restarted_trainer_restores_it(plan, tmp_path, monkeypatch, secret):
+    """Without a secret the trainers are read over NIXL; with one, directly (process_vm_readv), where the dead trainer's
+    identity check fails the READs posted after it died."""
+    if secret is not None:
+        monkeypatch.setenv("WEIGHTPLAN_SECRET", secret)  # the store here and the workers (they inherit the environment)
     with Job(tmp_path, plan, "trainer-dies") as job:
         for r in range(2):
             job.start(f"tr{r}", "trainer", r, "--versions", "1,2,3", "--gate", "--timeout", str(TIMEOUT))
@@ -53,7 +59,7 @@ def test_trainer_killed_mid_sync_fails_that_sync_then_a_restarted_trainer_restor
             job.event(f"inf{k}", "joined")
         job.go(1)
         for k in range(2):
-            _synced(job, f"inf{k}", 1)
+            assert list(_synced(job, f"inf{k}", 1)["paths"]) == ["nixl" if secret is None else "process_vm_readv"]
         job.go(2)
         for k in range(2):
             job.event(f"inf{k}", "mid-sync", 2)  # both are between their READs and the end of the sync
