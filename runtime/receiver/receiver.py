@@ -513,7 +513,7 @@ class Receiver(AgentOwner):
             except Unreachable as exc:
                 if self._hops.served or time.monotonic() + pause > deadline:
                     raise
-                first = str(exc).split(":", 1)[0]  # "trainer rank r (incarnation ...)"
+                first = str(exc).split(":", 1)[0]  # "trainer rank r at HOST (incarnation ...)"
                 if first not in self._unreachable:
                     self._unreachable.add(first)
                     log.warning("inference rank %d: %s; trying again for up to %.0f s", self.rank, exc,
@@ -544,7 +544,7 @@ class Receiver(AgentOwner):
                                     f"rank expects {self._tables.slot_bytes[rank]}: give its Sender and this Receiver the same ring_bytes")
         quant = self._quant_regions(rank, info)
         local = info.local if self.device_ipc == "auto" else None
-        peer.load(info.memory)
+        peer.load(info.memory, info.host)
         if local is not None:
             peer.reader = self._open_local(rank, peer, info)
         table = self._tables.descriptors[rank]

@@ -234,6 +234,7 @@ class Sender(AgentOwner):
             quant={k: tuple(v) for k, v in self._quant.info().items()} if self._quant else None,
             delta={k: tuple(v) for k, v in self._delta.info().items()} if self._delta else None,
             local=local_record(registered, self._probe),  # what a reader on this host opens directly
+            host=rendezvous.local_host(),
         ).to_json())
         log.info("trainer rank %d serves %d regions (%d staged) to inference ranks %s",
                  rank, len(self.regions), sum(r.staged for r in self.regions), list(self.readers))

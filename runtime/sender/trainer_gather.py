@@ -85,7 +85,7 @@ class TrainerGather:
         local = self.buffer.data_ptr() + self.offset[mine] * 2
         first, nbytes = contiguous_starts(c.length * 2, (remote, local))
         remote, local = remote[first], local[first]
-        peer.load(info.memory)
+        peer.load(info.memory, info.host)
         local_list = peer.prepare(np.stack([local, nbytes], axis=1), local=True)
         remote_list = peer.prepare(np.stack([remote, nbytes], axis=1), fields=region_fields(info, region_index(exposed_regions(self.plan, self.tables, rank), c)[first].tolist()))
         seq_local = peer.prepare(np.array([[self._seq.data_ptr() + 8 * rank, 8]]), local=True)

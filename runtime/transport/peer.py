@@ -31,14 +31,16 @@ class Peer:
         self._lists: list = []  # (the reader that prepared it, the list)
         self.memory: MemoryMap | None = None  # where its registered memory lives (its info's 'memory'), set by load()
 
-    def load(self, memory: MemoryMap | None = None) -> None:
+    def load(self, memory: MemoryMap | None = None, host: str | None = None) -> None:
         """Load its agent metadata, refusing metadata that names any other agent, once its info says where its memory
-        lives (host or which GPU: the memory type of every descriptor on it; `memory`, parsed already, or its info's)."""
+        lives (host or which GPU: the memory type of every descriptor on it; `memory`, parsed already, or its info's).
+        `host`, its checked address, is named if it cannot be reached."""
         self.memory = memory if memory is not None else MemoryMap.from_record(self.info.get("memory"), str(self.endpoint))
         try:
             self._agent.add_peer(self._rendezvous.get_bytes(self.endpoint.metadata_key(self.incarnation)), self.name)
         except SyncError as exc:
-            raise type(exc)(f"{self.endpoint} (incarnation {self.incarnation[:8]}): {exc}") from None
+            at = f" at {host}" if host else ""
+            raise type(exc)(f"{self.endpoint}{at} (incarnation {self.incarnation[:8]}): {exc}") from None
 
     def prepare(self, rows: np.ndarray, local: bool = False, fields: dict[str, tuple[int, int]] | None = None):
         """A descriptor list of (address, bytes) rows on this peer (or, `local`, on the reader), released with it.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import ipaddress
 import logging
 import re
 from dataclasses import dataclass
@@ -141,7 +142,8 @@ class TrainerInfo:
     """What a trainer rank publishes for readers (trainer_info_key), the one record readers parse: its plan and
     incarnation, its agent, its sequence word, packed and ring regions, served regions, fp8 regions (`quant`: fp8,
     scales, stage_packed), delta index and region (`delta`: index, region as [address, capacity]), where its memory
-    lives, and what a reader on the same host opens directly (`local`)."""
+    lives, what a reader on the same host opens directly (`local`), and the address it reaches the store from (`host`,
+    named in a reader's errors when the trainer cannot be reached)."""
 
     fingerprint: str
     incarnation: str
@@ -155,6 +157,7 @@ class TrainerInfo:
     quant: dict[str, Area] | None = None
     delta: dict[str, Area] | None = None
     local: LocalRecord | None = None
+    host: str | None = None
 
     def to_json(self) -> dict:
         return {
@@ -165,6 +168,7 @@ class TrainerInfo:
             **({"quant": {k: list(v) for k, v in self.quant.items()}} if self.quant is not None else {}),
             **({"delta": {k: list(v) for k, v in self.delta.items()}} if self.delta is not None else {}),
             **({"local": self.local.record()} if self.local is not None else {}),
+            **({"host": self.host} if self.host is not None else {}),
         }
 
     @staticmethod
@@ -194,11 +198,26 @@ class TrainerInfo:
             regions=tuple(ServedRegion(*r) for r in regions),
             memory=MemoryMap.from_record(value.get("memory"), who), options=SharedOptions.parse(value.get("options"), who),
             quant=_areas(who, value, "quant", ("fp8", "scales", "stage_packed")),
-            delta=_areas(who, value, "delta", ("index", "region")), local=parse_local(value.get("local"), who))
+            delta=_areas(who, value, "delta", ("index", "region")), local=parse_local(value.get("local"), who),
+            host=_host(who, value.get("host")))
 
 
 _TRAINER_FIELDS = {"fingerprint", "incarnation", "agent", "seq", "packed", "ring", "regions", "memory", "options", "quant",
-                   "delta", "local"}
+                   "delta", "local", "host"}
+
+
+def _host(who: str, value) -> str | None:
+    """A trainer info's 'host': absent (None) or an IP address, else a SyncError naming it."""
+    if value is None:
+        return None
+    try:
+        return str(ipaddress.ip_address(value)) if isinstance(value, str) else _bad_host(who, value)
+    except ValueError:
+        return _bad_host(who, value)
+
+
+def _bad_host(who: str, value):
+    raise SyncError(f"{who}: its info's 'host' is {str(value)[:40]!r}, not an IP address")
 MAX_REGIONS = 1 << 24
 
 

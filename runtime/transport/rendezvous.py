@@ -229,6 +229,18 @@ class Rendezvous:
         store = self.store or self._new_client("the store's address")
         return f"{store.host}:{store.port}"
 
+    def local_host(self) -> str | None:
+        """This process's address toward the store: the interface its traffic to the store leaves by (what a peer on
+        the store's network reaches it at); None where the route cannot be found. Sends nothing."""
+        host, port = parse_address(self.address)
+        try:
+            family, kind, _, _, target = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+            with socket.socket(family, kind) as probe:
+                probe.connect(target)  # a UDP connect only picks the route
+                return probe.getsockname()[0]
+        except OSError:
+            return None
+
     def _key(self, key: str) -> str:
         """The store key of protocol key `key`: with a job secret, a name derived from it.
 

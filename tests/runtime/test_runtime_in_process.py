@@ -14,8 +14,9 @@ from weightplan.runtime import PlanMismatchError, Receiver, Rendezvous, Sender, 
 from weightplan.runtime.tables.ring import DEFAULT_RING_BYTES
 from weightplan.runtime.transport import protocol
 
+from ..support.pairs import assert_equal_to_host, in_process_pair
 from ..support.syncs import sync_while_released
-from weightplan.testing.runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
+from weightplan.testing.runtime_worker import full_weights, plain_destination, shard
 
 
 @pytest.fixture
@@ -28,32 +29,16 @@ def fp32_plan(plan_cache):
     return load_plan(plan_cache("tiny-glm", "hf", "fp32", "fsdp=1", "tp=1"))
 
 
-def _pair(plan, rendezvous, version=1, ring_bytes=DEFAULT_RING_BYTES, **receiver_kwargs):
-    tensors = shard(plan, full_weights(plan, 0, version), 0)
-    # Both agents live in this process, so the target side needs NIXL's progress thread.
-    sender = Sender(plan, 0, tensors, rendezvous=rendezvous, timeout=5, digests=True, progress_thread=True,
-                    ring_bytes=ring_bytes).start()
-    destination = plain_destination(plan, 0)
-    receiver = Receiver(plan, 0, destination, rendezvous=rendezvous, timeout=5, derived="caller", ring_bytes=ring_bytes,
-                        **receiver_kwargs).start()
-    return tensors, sender, destination, receiver
-
-
-def _assert_equal_to_host(plan, destination, version):
-    expected = host_reference(plan, full_weights(plan, 0, version), 0)
-    assert expected and all(byte_equal(t, destination[n]) for n, t in expected.items())
-
-
 @pytest.mark.parametrize("plan_name", ["bf16_plan", "fp32_plan"])
 def test_sync_equals_the_host_executor(request, rendezvous, plan_name):
     plan = request.getfixturevalue(plan_name)
-    tensors, sender, destination, receiver = _pair(plan, rendezvous, verify=True)
+    tensors, sender, destination, receiver = in_process_pair(plan, rendezvous, verify=True)
     assert receiver.version is None
     sender.publish(1)
     report = receiver.sync(1)
     assert receiver.version == 1 and report.bytes == sum(e.nbytes for e in plan.dests)
     assert report.verify_seconds is not None
-    _assert_equal_to_host(plan, destination, 1)
+    assert_equal_to_host(plan, destination, 1)
     # bf16 masters are read in place (only the fp32 router bias is cast); fp32 masters are cast into staging
     # (all but that bias, which stays fp32).
     served = sum(r.nbytes for r in sender.regions)
@@ -71,18 +56,18 @@ def test_sync_equals_the_host_executor(request, rendezvous, plan_name):
 
 def test_groups_pipeline_post_ops_over_every_destination(rendezvous, fp32_plan):
     seen: list[list[str]] = []
-    tensors, sender, destination, receiver = _pair(fp32_plan, rendezvous, verify=True, group_bytes=16 << 10,
+    tensors, sender, destination, receiver = in_process_pair(fp32_plan, rendezvous, verify=True, group_bytes=16 << 10,
                                                    post_op=seen.append)
     assert receiver.n_groups > 4
     sender.publish(1)
     receiver.sync(1)
     names = [n for group in seen for n in group]
     assert sorted(names) == sorted(destination) and len(names) == len(set(names))
-    _assert_equal_to_host(fp32_plan, destination, 1)
+    assert_equal_to_host(fp32_plan, destination, 1)
 
 
 def test_changed_bytes_fail_verification_and_leave_no_version(rendezvous, bf16_plan):
-    tensors, sender, destination, receiver = _pair(bf16_plan, rendezvous, verify=True)
+    tensors, sender, destination, receiver = in_process_pair(bf16_plan, rendezvous, verify=True)
     sender.publish(1)
     sender._packed[0] ^= 0xFF  # bytes corrupted after publish: the packed staging no longer holds what was hashed
     with pytest.raises(SyncError, match="verification failed for 1 regions"):
@@ -91,7 +76,7 @@ def test_changed_bytes_fail_verification_and_leave_no_version(rendezvous, bf16_p
 
 
 def test_a_retired_version_is_refused_not_mixed(rendezvous, bf16_plan):
-    tensors, sender, destination, receiver = _pair(bf16_plan, rendezvous)
+    tensors, sender, destination, receiver = in_process_pair(bf16_plan, rendezvous)
     sender.publish(1)
     receiver.sync(1)
     sender.release(1, timeout=0.5)  # acked: the receiver sent ack:1
@@ -101,11 +86,11 @@ def test_a_retired_version_is_refused_not_mixed(rendezvous, bf16_plan):
     assert receiver.version is None
     receiver.sync(2)
     assert receiver.version == 2
-    _assert_equal_to_host(bf16_plan, destination, 1)  # publish(2) did not change the trainer's tensors
+    assert_equal_to_host(bf16_plan, destination, 1)  # publish(2) did not change the trainer's tensors
 
 
 def test_unpublished_version_times_out_with_a_clear_error(rendezvous, bf16_plan):
-    tensors, sender, destination, receiver = _pair(bf16_plan, rendezvous)
+    tensors, sender, destination, receiver = in_process_pair(bf16_plan, rendezvous)
     receiver.timeout = 0.5
     with pytest.raises(SyncError, match=r"version 7 from trainer ranks \[0\]: not published within"):
         receiver.sync(7)
@@ -186,7 +171,7 @@ def test_job_ids_and_addresses_are_checked():
 def test_metadata_of_an_agent_not_in_the_plan_is_rejected(rendezvous, bf16_plan):
     from weightplan.runtime.transport.nixl_agent import NixlAgent
 
-    tensors, sender, destination, receiver = _pair(bf16_plan, rendezvous)
+    tensors, sender, destination, receiver = in_process_pair(bf16_plan, rendezvous)
     intruder = NixlAgent(f"{rendezvous.job}.intruder")
     rendezvous.put(protocol.trainer(0).metadata_key(sender.incarnation), intruder.metadata())
     sender.publish(1)
@@ -198,7 +183,7 @@ def test_metadata_of_an_agent_not_in_the_plan_is_rejected(rendezvous, bf16_plan)
 def test_notifications_from_unknown_agents_are_ignored(rendezvous, bf16_plan):
     from weightplan.runtime.transport.nixl_agent import NixlAgent
 
-    tensors, sender, destination, receiver = _pair(bf16_plan, rendezvous)
+    tensors, sender, destination, receiver = in_process_pair(bf16_plan, rendezvous)
     stranger = NixlAgent(f"{rendezvous.job}.inference.9")
     stranger.add_peer(sender.agent.metadata(), sender.agent.name)
     stranger.notify(sender.agent.name, "ack:1")
@@ -226,7 +211,7 @@ def test_start_and_close_own_the_side_effects(rendezvous, bf16_plan):
         sender.publish(1)
         assert receiver.sync(1).version == 1
         sender.release(1)
-    _assert_equal_to_host(bf16_plan, destination, 1)
+    assert_equal_to_host(bf16_plan, destination, 1)
     assert not sender.running and not receiver.running
     sender.close(), receiver.close()  # idempotent
     with pytest.raises(WeightplanError, match="not after close"):
@@ -236,7 +221,7 @@ def test_start_and_close_own_the_side_effects(rendezvous, bf16_plan):
 def _given_up_after_version_1(plan, rendezvous):
     """A pair whose trainer gave up on its reader at version 1 (the reader never read it), the reader's agent left as a
     failed READ leaves it (`stuck`: the next sync renews it)."""
-    tensors, sender, destination, receiver = _pair(plan, rendezvous)
+    tensors, sender, destination, receiver = in_process_pair(plan, rendezvous)
     sender.publish(1)
     assert sender.release(1, timeout=0.3).timed_out == (0,)
     receiver.agent.stuck = True
@@ -252,7 +237,7 @@ def _return_and_sync(plan, tensors, sender, receiver, destination, version: int)
     [synced], [report] = sync_while_released([sender], [receiver], version, release_timeout=10, returning=[receiver])
     assert report.returned == (0,) and report.acked == (0,) and report.timed_out == (), report
     assert synced.version == version
-    _assert_equal_to_host(plan, destination, version)
+    assert_equal_to_host(plan, destination, version)
 
 
 def test_a_reader_given_up_on_that_comes_back_is_waited_for_while_it_reconnects(rendezvous, bf16_plan, monkeypatch):
@@ -273,7 +258,7 @@ def test_a_reader_that_skipped_a_version_says_it_is_back_and_is_waited_for(rende
     here: 1 s) instead of retiring it under the reader's feet, and with a ring keeps chunk 0 for it. Without that record
     the release returned at once and the sync failed "the trainer is staging or retired it" (seen in CI, 2026-12-05);
     without the ring held, "moved its ring past chunk 1"."""
-    tensors, sender, destination, receiver = _pair(bf16_plan, rendezvous, ring_bytes=ring_bytes)
+    tensors, sender, destination, receiver = in_process_pair(bf16_plan, rendezvous, ring_bytes=ring_bytes)
     if ring_bytes < DEFAULT_RING_BYTES:
         assert sender.ring is not None and len(sender.ring) > 1
     sender.publish(1)

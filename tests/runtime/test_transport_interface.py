@@ -73,7 +73,7 @@ def _info() -> protocol.TrainerInfo:
         fingerprint="ab" * 32, incarnation="c" * 32, agent="job.trainer.0", seq=t.data_ptr(), packed=(t.data_ptr(), 16),
         ring=(t.data_ptr() + 16, 8), regions=(protocol.ServedRegion(0, 0, t.data_ptr() + 32, 32),),
         memory=MemoryMap.of([Span(t.data_ptr(), 64, placement_of(t))]), options=protocol.SharedOptions(1 << 20, False),
-        quant=None, delta={"index": (1, 8), "region": (2, 64)})
+        quant=None, delta={"index": (1, 8), "region": (2, 64)}, host="198.18.0.2")
 
 
 def test_the_trainer_info_round_trips():
@@ -92,6 +92,8 @@ def test_the_trainer_info_round_trips():
     ("delta", {"index": [1, 2], "region": [True, 2]}, "'region' is \\[True, 2\\]"),
     ("local", {"pid": 1}, "'local' is not an object"),
     ("extra", 1, "unknown field 'extra'"),
+    ("host", "t0\nforged line", "'host' is 't0\\\\nforged line', not an IP address"),
+    ("host", 198, "'host' is '198', not an IP address"),
     ("options", {"ring_bytes": 0, "digests": False}, "'options.ring_bytes' is 0"),
     ("options", {"ring_bytes": 8}, "'options' is not an object of ring_bytes, digests"),
 ])

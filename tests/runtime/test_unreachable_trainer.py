@@ -14,7 +14,7 @@ from weightplan.runtime.transport import protocol
 from weightplan.runtime.transport.nixl_agent import NixlAgent
 from weightplan.testing.runtime_worker import full_weights, shard
 
-from .test_runtime_in_process import _assert_equal_to_host, _pair
+from ..support.pairs import assert_equal_to_host, in_process_pair
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ def test_a_trainer_refusing_connections_for_a_moment_is_read_within_the_same_syn
     """The trainer's published metadata first points at a worker that is gone (UCX: connection refused), then, 1.5 s
     into the sync, at the trainer's live agent again: the sync completes with the host executor's bytes, the refusal
     logged once, naming the trainer rank."""
-    tensors, sender, destination, receiver = _pair(bf16_plan, rendezvous)
+    tensors, sender, destination, receiver = in_process_pair(bf16_plan, rendezvous)
     key = protocol.trainer(0).metadata_key(sender.incarnation)
     live = sender.agent.metadata()
     rendezvous.put(key, _refusing_metadata(rendezvous))
@@ -49,21 +49,22 @@ def test_a_trainer_refusing_connections_for_a_moment_is_read_within_the_same_syn
     finally:
         restore.join()
     assert report.version == 1 and receiver.version == 1 and report.connect_seconds >= 1.0
-    _assert_equal_to_host(bf16_plan, destination, 1)
+    assert_equal_to_host(bf16_plan, destination, 1)
     refused = [r.getMessage() for r in caplog.records if "cannot load agent metadata" in r.getMessage()]
     assert len(refused) == 1 and "trainer rank 0" in refused[0], refused
 
 
 def test_a_trainer_never_reachable_fails_the_sync_naming_it_and_the_next_sync_tries_again(rendezvous, bf16_plan):
-    """Refused for the whole sync: it fails within its timeout naming the trainer rank and its agent, reports no
-    version; once the trainer's live metadata is back, the next sync reads it."""
-    tensors, sender, destination, receiver = _pair(bf16_plan, rendezvous)
+    """Refused for the whole sync: it fails naming the trainer rank, the address it reaches the store from, its
+    incarnation and its agent, and reports no version; once the trainer's live metadata is back, the next sync reads
+    it."""
+    tensors, sender, destination, receiver = in_process_pair(bf16_plan, rendezvous)
     key = protocol.trainer(0).metadata_key(sender.incarnation)
     live = sender.agent.metadata()
     rendezvous.put(key, _refusing_metadata(rendezvous))
     sender.publish(1)
-    with pytest.raises(SyncError, match=r"trainer rank 0 \(incarnation [0-9a-f]{8}\): cannot load agent metadata "
-                                        r"published for '.*trainer\.0'"):
+    with pytest.raises(SyncError, match=r"trainer rank 0 at 127\.0\.0\.1 \(incarnation [0-9a-f]{8}\): cannot load "
+                                        r"agent metadata published for '.*trainer\.0'"):
         receiver.sync(1)
     assert receiver.version is None
     rendezvous.put(key, live)
@@ -72,4 +73,4 @@ def test_a_trainer_never_reachable_fails_the_sync_naming_it_and_the_next_sync_tr
         tensors[name].copy_(value)
     sender.publish(2)
     assert receiver.sync(2).version == 2
-    _assert_equal_to_host(bf16_plan, destination, 2)
+    assert_equal_to_host(bf16_plan, destination, 2)
