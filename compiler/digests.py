@@ -24,7 +24,7 @@ def poisoned(entry) -> torch.Tensor:
 
 def tensor_digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """vLLM's own SHA-256 digest of each named tensor (compute_tensor_digests, which reads a model's parameters)."""
-    from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
+    from .frontend.vllm_compat import compute_tensor_digests
 
     return compute_tensor_digests(_Params(tensors))
 

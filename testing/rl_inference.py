@@ -223,9 +223,7 @@ class FreshLoad:
 
     def digests(self, full: dict[str, torch.Tensor], plan) -> dict[str, str]:
         """vLLM's own load_weights of the trainer's full state dict (inference rank 0): SHA-256 per vLLM parameter."""
-        from vllm.model_executor.layers.attention import is_deferred_attention_layer
-        from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
-
+        from weightplan.compiler.frontend.vllm_compat import compute_tensor_digests, is_deferred_attention_layer
         from weightplan.compiler.frontend.vllm_patches import parallel_rank
         from weightplan.compiler.verify_plan import plan_conversion
 
@@ -238,7 +236,7 @@ class FreshLoad:
         return compute_tensor_digests(self.reference)
 
     def compare(self, full: dict[str, torch.Tensor], inference: ReceiverInference, tokens, n: int) -> dict:
-        from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
+        from weightplan.compiler.frontend.vllm_compat import compute_tensor_digests
 
         plan = inference.plan
         missing = sorted({e.name for e in plan.sources} - set(full))

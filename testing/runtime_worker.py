@@ -187,10 +187,7 @@ def run_inference(args, plan) -> None:
         return run_plain_inference(args, plan)
     if plan.header.quant != "none":
         return run_quantized_inference(args, plan)
-    from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
-
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
-
+    from weightplan.compiler.frontend.vllm_compat import compute_tensor_digests, is_deferred_attention_layer
     from weightplan.compiler.frontend.vllm_model import build_model, make_vllm_config
     from weightplan.compiler.frontend.vllm_patches import parallel_rank
     from weightplan.compiler.verify_plan import plan_conversion

