@@ -129,7 +129,7 @@ $(COMPAT)/.installed: pyproject.toml requirements/vllm_cpu_deps.py
 # version check; skipped under other vLLMs), the patch inventories, and runtime tests that use no vLLM (not the NIXL
 # import and fake-NIXL tests: they expect a CPU torch, which picks nixl_cu12; this venv's CUDA torch picks nixl_cu13).
 # The project goes in editable, so the working tree is what runs (tests/ imports it like `make test`; venv-compat
-# installed it from the wheel). Not part of `make test` or CI.
+# installed it from the wheel). Not part of `make test`; .ci/run runs it after `make test`.
 COMPAT_TESTS := tests/compat tests/compiler/test_vllm_patches.py tests/vllm_backend/test_live_patches.py \
 	tests/runtime/test_protocol.py tests/runtime/test_cast_into.py tests/runtime/test_stage_merge.py \
 	tests/runtime/test_progress_modes.py tests/runtime/test_delta_encode.py
