@@ -102,6 +102,10 @@ class Job:
     def resume(self, version: int) -> None:
         self._open_gate("resume", version)
 
+    def start_readers(self) -> None:
+        """Let inference workers started with --start-gate start their Receiver."""
+        self._open_gate("start", 0)
+
     def release(self, version: int) -> None:
         """Let trainers started with --hold-last release `version`, their last."""
         self._open_gate("release", version)

@@ -155,6 +155,9 @@ def run_plain_inference(args, plan) -> None:
             emit(event="mid-sync", rank=args.rank, version=args.hold_at, names=len(names))
             wait_gate(args, rendezvous, "resume", args.hold_at)
 
+    if args.start_gate:
+        emit(event="ready", rank=args.rank)
+        wait_gate(args, rendezvous, "start", 0)
     receiver = Receiver(plan, args.rank, destination, rendezvous=rendezvous, timeout=args.timeout, verify=args.verify,
                         derived="caller",  # plain tensors: no modules whose derived state could go stale
                         group_bytes=args.group_bytes, post_op=hold, ring_bytes=args.ring_bytes, delta=args.delta,
@@ -304,6 +307,8 @@ def main(argv=None) -> None:
     parser.add_argument("--plain", action="store_true", help="inference rank holds plain tensors, not a vLLM model")
     parser.add_argument("--gate", action="store_true", help="publish (trainer) or sync (inference) version v once the key test/go/v exists")
     parser.add_argument("--gate-dir", help="with --gate/--hold-at: wait for files go-v/resume-v here, not store keys")
+    parser.add_argument("--start-gate", action="store_true",
+                        help="plain inference: connected to the store, wait for test/start/0 before starting its Receiver")
     parser.add_argument("--hold-at", type=int, default=-1, help="inference pauses mid-sync of this version until test/resume/v")
     parser.add_argument("--group-bytes", type=int, default=256 << 20)
     parser.add_argument("--ring-bytes", type=int, default=512 << 20, help="Sender/Receiver ring_bytes (bounded packed region)")

@@ -310,10 +310,17 @@ class Receiver(AgentOwner):
         connection a link cut broke would otherwise be answered once the link returns and land in the destination
         during or after a later sync (seen in the soak: one tensor of a completed version held bytes of an older READ);
         and a worker made while its node's link was down never reaches another node ("Destination is unreachable").
+        A new agent is also made when this host's network links changed since the last was made (UCX lists them once).
         A puller keeps its agent: its node's peers hold its published metadata."""
-        if self._hops.served or not self.agent.stuck:
+        if self._hops.served:
             return
-        log.info("inference rank %d: a new NIXL agent (the last one's connections may be broken)", self.rank)
+        if self.agent.links_changed:
+            log.info("inference rank %d: a new NIXL agent (this host's network links changed since the last one was "
+                     "made)", self.rank)
+        elif self.agent.stuck:
+            log.info("inference rank %d: a new NIXL agent (the last one's connections may be broken)", self.rank)
+        else:
+            return
         self._close_agent(time.monotonic())
         gc.collect()  # the old agent's handles hold its worker: destroy it (its sockets) now
         self._new_agent()
@@ -498,7 +505,8 @@ class Receiver(AgentOwner):
         starts reading `version`.
 
         A trainer UCX cannot connect to is tried again, the first time with a new agent of this rank (a worker that
-        cannot reach a live trainer, e.g. one made while this node's link was down, is replaced), then with that one,
+        cannot reach a live trainer, e.g. one made while this node's link was down, is replaced), then with that one
+        (with another whenever this host's links changed since it was made),
         backing off up to 1 s, for CONNECT_PATIENCE_S or until `deadline`: the sync then fails naming that trainer,
         logged once per trainer incarnation, and the next sync tries again. A rank serving second hops keeps its agent
         (its node's peers hold its metadata): it tries once."""
@@ -520,7 +528,7 @@ class Receiver(AgentOwner):
                                 CONNECT_PATIENCE_S)
                 time.sleep(pause)
                 pause = min(2 * pause, 1.0)
-                if not renewed:
+                if not renewed or self.agent.links_changed:  # a link that came back meanwhile: a worker that sees it
                     self._renew_agent()
                     renewed = True
         for t in self._trainers.by_rank.values():

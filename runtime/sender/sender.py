@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import time
 import uuid
@@ -214,6 +215,10 @@ class Sender(AgentOwner):
         rank, rendezvous = self.rank, self.rendezvous
         me = protocol.trainer(rank)
         self.agent = NixlAgent(me.agent(rendezvous.job), self._progress)
+        host = rendezvous.local_host()
+        if not self.agent.links and host is not None and not _loopback(host):
+            log.warning("trainer rank %d: no network link of this host was up when its NIXL agent was made (UCX lists "
+                        "links once): readers on other hosts cannot reach it until this process starts again", rank)
         # Readers on this host check that this process holds its incarnation here before reading it directly, and
         # read it only as registered memory (NIXL's record of what this process registered bounds what they read).
         self._probe = torch.tensor(list(bytes.fromhex(self.incarnation)), dtype=torch.uint8)
@@ -234,7 +239,7 @@ class Sender(AgentOwner):
             quant={k: tuple(v) for k, v in self._quant.info().items()} if self._quant else None,
             delta={k: tuple(v) for k, v in self._delta.info().items()} if self._delta else None,
             local=local_record(registered, self._probe),  # what a reader on this host opens directly
-            host=rendezvous.local_host(),
+            host=host,
         ).to_json())
         log.info("trainer rank %d serves %d regions (%d staged) to inference ranks %s",
                  rank, len(self.regions), sum(r.staged for r in self.regions), list(self.readers))
@@ -477,3 +482,10 @@ class Sender(AgentOwner):
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from ..errors import SyncError, WeightplanError
+from .links import links_up
 from .memory import HOST, EMPTY, MemoryMap, RowGroups, Span, group_rows, group_spans
 from .progress import BackgroundPoll, resolve
 
@@ -89,6 +90,7 @@ class NixlAgent:
         nixl_agent, nixl_agent_config = _nixl()
         self.name = name
         self.progress = resolve({True: "thread", False: "none"}.get(progress, progress))
+        self.links = links_up()  # what its UCX worker lists, once: before it is made, so a change after is never missed
         self._agent = nixl_agent(name, nixl_agent_config(backends=["UCX"], enable_prog_thread=self.progress == "thread"))
         self._registered = []
         self._poll: BackgroundPoll | None = None
@@ -107,6 +109,12 @@ class NixlAgent:
 
     def metadata(self) -> bytes:
         return self._agent.get_agent_metadata()
+
+    @property
+    def links_changed(self) -> bool:
+        """This host's usable network links differ from those its UCX worker listed when it was made (links.py): a
+        link that was down then (a node cut off) is one this agent can never use; only a new agent can."""
+        return links_up() != self.links
 
     def close(self) -> None:
         """Deregister every registered tensor and release the NIXL agent; idempotent (an engine shutdown calls it)."""

@@ -324,3 +324,34 @@ def test_a_reader_cut_until_the_trainers_went_idle_syncs_their_last_version_once
                 released = job.event(f"tr{r}", "released", 6, timeout=2 * IDLE_TIMEOUT)
                 assert released["acked"] == [0, 1], released
             job.assert_clean_exit("inf0", "inf1", "tr0", "tr1")
+
+
+def test_a_reader_whose_agent_was_made_while_its_link_was_down_syncs_at_its_first_try_once_the_link_returns(
+        plan_cache, tmp_path):
+    """Issue 47's mechanism. UCX lists a node's network links once, when a worker is made: reader B (i1) makes its NIXL
+    agent while its link is down, so that worker holds loopback only and could never reach the trainers, even after the
+    link returns. At its first sync B sees its host's links changed since and makes a new agent before connecting: it
+    syncs version 1 with the host executor's bytes at the first try, no trainer ever unreachable to it."""
+    path = plan_cache(*BF16[:3], "fsdp=2", "dp=2,ep")
+    with EmulatedCluster({"t0": None, "i0": None, "i1": None}, tag="wpt-made") as cluster, \
+            Job(tmp_path, path, "net-made", cluster=cluster, store_node="t0") as job:
+        for r in range(2):
+            job.start(f"tr{r}", "trainer", r, "--wait-joined", "--timeout", "60", node="t0")
+        job.start("inf0", "inference", 0, "--plain", "--timeout", "60", node="i0")
+        job.start("inf1", "inference", 1, "--plain", "--start-gate", "--timeout", "60", node="i1")
+        job.event("inf1", "ready")  # connected to the store
+        cluster.link_down("i1")
+        job.start_readers()
+        deadline = time.monotonic() + 60
+        while "Initialized NIXL agent" not in (tmp_path / "inf1.out").read_text():  # NIXL's line, once the agent is made
+            assert time.monotonic() < deadline and job.procs["inf1"].poll() is None, job.stderr("inf1")
+            time.sleep(0.1)
+        cluster.link_up("i1")
+        for k in range(2):
+            e = job.event(f"inf{k}", ("synced", "failed"), 1)
+            assert e["event"] == "synced" and e["reported"] == 1 and e["n_differ"] == 0, e
+        for r in range(2):
+            released = job.event(f"tr{r}", "released", 1)
+            assert released["acked"] == [0, 1] and released["failed"] == [], released
+        assert "cannot load agent metadata" not in (tmp_path / "inf1.err").read_text(), job.stderr("inf1")
+        job.assert_clean_exit("inf0", "inf1", "tr0", "tr1")
