@@ -110,7 +110,7 @@ class WeightplanVLLMGeneration(VLLMGeneration):
         from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
 
         from weightplan.vllm_backend.clients import LLMClient
-        from weightplan.vllm_backend.trainer import ShardSource, WeightplanTrainerEngine, WeightplanTrainerInitInfo
+        from weightplan.vllm_backend.trainer import ShardSource, WeightplanTrainerInitInfo, start_trainer_engine
 
         if is_peft_model(self.model):
             raise ValueError("weightplan's TRL adapter syncs full models; with a PEFT model compile a LoRA plan "
@@ -131,7 +131,7 @@ class WeightplanVLLMGeneration(VLLMGeneration):
             info = WeightplanTrainerInitInfo(rank=rank, plan=self.plan_path, address=shared["address"], job=job,
                                              timeout=s.timeout, verify=s.verify, delta=s.delta,
                                              serve_store=rank == 0 and j == 0, drives=client is not None)
-            engines.append(WeightplanTrainerEngine.trainer_init(info, client=client, source=ShardSource(self.model)))
+            engines.append(start_trainer_engine(info, client=client, source=ShardSource(self.model)))
             if j == 0 and rank == 0:
                 shared["address"] = info.address
                 broadcast_json(shared, device)

@@ -166,7 +166,7 @@ class WeightplanCheckpointEngine(CheckpointEngine):
 
     # -- actor side ---------------------------------------------------------------------------------------------
     def _start_trainer_engines(self, shards) -> list:
-        from weightplan.vllm_backend.trainer import ShardSource, WeightplanTrainerEngine, WeightplanTrainerInitInfo
+        from weightplan.vllm_backend.trainer import ShardSource, WeightplanTrainerInitInfo, start_trainer_engine
 
         s = self.settings
         address = self.topology.get("address")
@@ -189,7 +189,7 @@ class WeightplanCheckpointEngine(CheckpointEngine):
             info = WeightplanTrainerInitInfo(rank=rank, plan=self.plan_path, address=address, job=_replica_job(s.job, j),
                                              timeout=s.timeout, verify=s.verify, delta=s.delta, serve_store=False,
                                              drives=False)
-            engines.append(WeightplanTrainerEngine.trainer_init(info, client=None, source=ShardSource(shards)))
+            engines.append(start_trainer_engine(info, client=None, source=ShardSource(shards)))
         return engines
 
     def _compile_plan(self, shards) -> str:

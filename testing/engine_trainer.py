@@ -15,7 +15,7 @@ import time
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 from weightplan.runtime import Rendezvous, load_plan
-from weightplan.vllm_backend.trainer import ShardSource, WeightplanTrainerEngine, WeightplanTrainerInitInfo
+from weightplan.vllm_backend.trainer import ShardSource, WeightplanTrainerInitInfo, start_trainer_engine
 
 from weightplan.testing.engines import full_weights, local_shards, sparse_step
 
@@ -38,7 +38,7 @@ def main() -> None:
     tensors = local_shards(plan, full, args.rank)
     info = WeightplanTrainerInitInfo(rank=args.rank, plan=args.plan, address=args.address, job=args.job,
                                      timeout=args.timeout, delta=args.delta)
-    engine = WeightplanTrainerEngine.trainer_init(info, client=None, source=ShardSource(tensors))
+    engine = start_trainer_engine(info, client=None, source=ShardSource(tensors))
     gate = Rendezvous.connect(args.job, args.address, timeout=args.timeout)
     print(json.dumps({"event": "ready", "rank": args.rank}), flush=True)
     version = args.first_version - 1

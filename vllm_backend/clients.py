@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
@@ -27,7 +28,7 @@ class LLMClient:
         self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.finish_weight_update(weight_version)
+        self.llm.finish_weight_update(*_version_argument(self.llm.finish_weight_update, weight_version))
 
 
 class AsyncLLMClient:
@@ -80,6 +81,24 @@ class AsyncLLMClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.resumed_for_prefetch = False
         try:
-            self._run(self.engine.finish_weight_update(weight_version))
+            self._run(self.engine.finish_weight_update(*_version_argument(self.engine.finish_weight_update,
+                                                                          weight_version)))
         finally:
             self._run(self.engine.resume_generation())
+
+
+def takes_weight_version(finish) -> bool:
+    """Whether a `finish_weight_update` takes the version just applied (vLLM 0.32 on; 0.26-0.31 take nothing)."""
+    return "weight_version" in inspect.signature(finish).parameters
+
+
+def _version_argument(finish, weight_version: str | None) -> tuple:
+    return (weight_version,) if takes_weight_version(finish) else ()
+
+
+def finish_update(client, version: int) -> None:
+    """`client.finish_weight_update`, naming `version` where the client takes it (vLLM 0.26's own clients do not)."""
+    if takes_weight_version(client.finish_weight_update):
+        client.finish_weight_update(weight_version=str(version))
+    else:
+        client.finish_weight_update()

@@ -277,6 +277,14 @@ class WeightplanWeightTransferEngine(WeightTransferEngine[WeightplanInitInfo, We
                 side.close()
         self.draft_plans = []
 
+    @staticmethod
+    def trainer_send_weights(iterator, trainer_args) -> None:
+        """vLLM 0.26-0.31's static trainer-side send (abstract there, gone in 0.32): weightplan's trainers publish from
+        their own shards through the trainer engine instead, which a one-shot iterator of full tensors cannot feed."""
+        raise NotImplementedError("the weightplan backend sends from each trainer rank's shards: use "
+                                  "weightplan.vllm_backend.trainer.start_trainer_engine(...).send_weights(), not "
+                                  "trainer_send_weights (docs/backend.md)")
+
 
 def _settle(pending: BackgroundSync) -> None:
     """Let a prefetch that will not be applied end; its failure was already reported to the trainers."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -18,9 +19,13 @@ from weightplan.runtime import LiveSender, Rendezvous, Sender, load_plan
 from weightplan.runtime.transport import protocol
 
 from . import BACKEND
+from .clients import finish_update
 from .init_info import DRAFT_JOB_SUFFIX
 
 log = logging.getLogger("weightplan.vllm_backend")
+# vLLM 0.26-0.31: a trainer engine takes the backend's WeightTransferConfig first, in its constructor and trainer_init
+# (base class Generic[TConfig, TInitInfo]); 0.32 dropped it (Generic[TInitInfo]). weightplan reads nothing from it.
+TAKES_CONFIG = "config" in inspect.signature(TrainerWeightTransferEngine.trainer_init).parameters
 
 
 class ShardSource(WeightSource):
@@ -82,7 +87,11 @@ class WeightplanTrainerInitInfo(TrainerInitInfo):
                 "verify": self.verify, "fingerprint": fingerprint, **draft, **delta, **(self.engine or {})}
 
 
-class WeightplanTrainerEngine(TrainerWeightTransferEngine[WeightplanTrainerInitInfo]):
+_Base = (TrainerWeightTransferEngine[Any, WeightplanTrainerInitInfo] if TAKES_CONFIG
+         else TrainerWeightTransferEngine[WeightplanTrainerInitInfo])
+
+
+class WeightplanTrainerEngine(_Base):
     """Trainer rank `init_info.rank`'s Sender; rank 0 also drives the inference engine through `client`.
 
     `send_weights(version=None)` publishes the next version (or `version`) on this rank; rank 0
@@ -93,21 +102,41 @@ class WeightplanTrainerEngine(TrainerWeightTransferEngine[WeightplanTrainerInitI
     the background and the engine keeps generating), and the update that applies v only after
     its own release returned (every inference rank it serves has read v), so the engine's pause
     holds no transfer.
+
+    Under vLLM 0.26-0.31 (`TAKES_CONFIG`) `trainer_init` takes that version's arguments, `(config, init_info, ...)`,
+    as its `WeightTransferTrainerFactory.trainer_init` passes them; `start_trainer_engine` works under every version.
     """
 
     init_info_cls = WeightplanTrainerInitInfo
 
     def __init__(self, *, client, source, is_sender: bool, sender: Sender, rendezvous: Rendezvous,
-                 init_info: WeightplanTrainerInitInfo, draft_sender: Sender | None = None) -> None:
-        super().__init__(client=client, source=source, is_sender=is_sender)
+                 init_info: WeightplanTrainerInitInfo, draft_sender: Sender | None = None, config=None) -> None:
+        if TAKES_CONFIG:
+            super().__init__(config, client=client, source=source, is_sender=is_sender)
+        else:
+            super().__init__(client=client, source=source, is_sender=is_sender)
         self.sender, self.rendezvous, self.init_info = sender, rendezvous, init_info
         self.draft_sender = draft_sender
         self.version = 0
         self.last_release = None
 
+    if TAKES_CONFIG:
+        @classmethod
+        def trainer_init(cls, config, init_info: WeightplanTrainerInitInfo, *, client,
+                         source: WeightSource | None = None, draft_source: WeightSource | None = None):
+            return cls._trainer_init(init_info, client=client, source=source, draft_source=draft_source, config=config)
+    else:
+        @classmethod
+        def trainer_init(cls, init_info: WeightplanTrainerInitInfo, *, client, source: WeightSource | None = None,
+                         draft_source: WeightSource | None = None):
+            return cls._trainer_init(init_info, client=client, source=source, draft_source=draft_source)
+
     @classmethod
-    def trainer_init(cls, init_info: WeightplanTrainerInitInfo, *, client, source: WeightSource | None = None,
-                     draft_source: WeightSource | None = None):
+    def _trainer_init(cls, init_info: WeightplanTrainerInitInfo, *, client, source: WeightSource | None,
+                      draft_source: WeightSource | None, config=None):
+        if not isinstance(init_info, WeightplanTrainerInitInfo):
+            raise TypeError(f"the weightplan trainer engine needs a WeightplanTrainerInitInfo, got "
+                            f"{type(init_info).__name__}")
         tensors = _shards(source, "source")
         if (draft_source is None) != (init_info.draft_plan is None):
             raise TypeError("the weightplan trainer engine needs draft_source (this rank's MTP shards) exactly when "
@@ -126,7 +155,7 @@ class WeightplanTrainerEngine(TrainerWeightTransferEngine[WeightplanTrainerInitI
                                                                  timeout=init_info.timeout),
                                    timeout=init_info.timeout, digests=init_info.verify)
         engine = cls(client=client, source=source, is_sender=init_info.drives_engine, sender=sender,
-                     rendezvous=rendezvous, init_info=init_info, draft_sender=draft_sender)
+                     rendezvous=rendezvous, init_info=init_info, draft_sender=draft_sender, config=config)
         if init_info.drives_engine and client is not None:
             client.init_weight_transfer_engine(init_info.worker_init_info(plan.fingerprint))
         return engine
@@ -186,11 +215,11 @@ class WeightplanTrainerEngine(TrainerWeightTransferEngine[WeightplanTrainerInitI
                 self.client.update_weights({"version": version, "prefetch": True})
                 read.wait()
             self.client.update_weights({"version": version})  # a failure ends the update on the workers
-            self.client.finish_weight_update(weight_version=str(version))
+            finish_update(self.client, version)
             if self.draft_sender is not None:
                 self.client.start_draft_weight_update()
                 self.client.update_weights({"version": version})
-                self.client.finish_weight_update(weight_version=str(version))
+                finish_update(self.client, version)
         except BaseException as exc:  # re-raised by send_weights on the caller's thread
             failure.append(exc)
 
@@ -199,6 +228,18 @@ class WeightplanTrainerEngine(TrainerWeightTransferEngine[WeightplanTrainerInitI
         for sender in senders:
             if sender is not None:
                 sender.close()
+
+
+def start_trainer_engine(init_info: WeightplanTrainerInitInfo, *, client, source: WeightSource,
+                         draft_source: WeightSource | None = None) -> WeightplanTrainerEngine:
+    """This rank's trainer engine under any supported vLLM: `WeightplanTrainerEngine.trainer_init` with the arguments
+    this version's API takes (0.26-0.31: the backend's WeightTransferConfig first)."""
+    if TAKES_CONFIG:
+        from vllm.config.weight_transfer import WeightTransferConfig
+
+        return WeightplanTrainerEngine.trainer_init(WeightTransferConfig(backend=BACKEND), init_info, client=client,
+                                                    source=source, draft_source=draft_source)
+    return WeightplanTrainerEngine.trainer_init(init_info, client=client, source=source, draft_source=draft_source)
 
 
 def _sender(plan, rank: int, tensors, **kwargs) -> Sender | LiveSender:

@@ -212,3 +212,22 @@ def test_importing_the_backend_loads_no_numba():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_finish_update_names_the_version_only_to_a_client_that_takes_it():
+    """vLLM 0.26-0.31's clients (HTTP, Ray, LLM.finish_weight_update) take no weight version; 0.32's do."""
+    from weightplan.vllm_backend.clients import finish_update
+
+    calls = []
+
+    class Old:
+        def finish_weight_update(self) -> None:
+            calls.append(("old",))
+
+    class New:
+        def finish_weight_update(self, weight_version: str | None = None) -> None:
+            calls.append(("new", weight_version))
+
+    finish_update(Old(), 3)
+    finish_update(New(), 4)
+    assert calls == [("old",), ("new", "4")]
