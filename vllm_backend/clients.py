@@ -88,7 +88,7 @@ class AsyncLLMClient:
 
 
 def takes_weight_version(finish) -> bool:
-    """Whether a `finish_weight_update` takes the version just applied (vLLM 0.32 on; 0.26-0.31 take nothing)."""
+    """Whether a `finish_weight_update` takes the version just applied (vLLM 0.30 and 0.32 do; 0.26's take nothing)."""
     return "weight_version" in inspect.signature(finish).parameters
 
 

@@ -279,7 +279,7 @@ class WeightplanWeightTransferEngine(WeightTransferEngine[WeightplanInitInfo, We
 
     @staticmethod
     def trainer_send_weights(iterator, trainer_args) -> None:
-        """vLLM 0.26-0.31's static trainer-side send (abstract there, gone in 0.32): weightplan's trainers publish from
+        """vLLM 0.26's static trainer-side send (abstract there, gone by 0.30): weightplan's trainers publish from
         their own shards through the trainer engine instead, which a one-shot iterator of full tensors cannot feed."""
         raise NotImplementedError("the weightplan backend sends from each trainer rank's shards: use "
                                   "weightplan.vllm_backend.trainer.start_trainer_engine(...).send_weights(), not "

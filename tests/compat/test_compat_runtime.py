@@ -1,19 +1,19 @@
-"""Under vLLM 0.26: the runtime syncs plans traced by it, and the backend refuses a plan traced by another vLLM."""
+"""Under vLLM 0.26 and 0.30: the runtime syncs plans traced by it, and the backend refuses a plan traced by another vLLM."""
 
 from __future__ import annotations
 
 import pytest
 
-from . import ONLY_UNDER_0_26, VLLM
+from . import UNDER_A_COMPAT_VLLM, VLLM
 from ..conftest import config_dir, with_header_edit
 from ..support.pairs import assert_equal_to_host, in_process_pair
 
-pytestmark = ONLY_UNDER_0_26
+pytestmark = UNDER_A_COMPAT_VLLM
 
 
 @pytest.mark.parametrize("model,inference", [("tiny-qwen3-moe", "tp=1"), ("tiny-qwen3-moe", "dp=2,ep"),
                                              ("tiny-llama", "tp=2")])
-def test_an_in_process_sync_of_a_vllm_0_26_plan_writes_what_the_host_executor_writes(plan_cache, rendezvous, model,
+def test_an_in_process_sync_of_a_plan_traced_by_this_vllm_writes_what_the_host_executor_writes(plan_cache, rendezvous, model,
                                                                                     inference):
     from weightplan.runtime import load_plan
 

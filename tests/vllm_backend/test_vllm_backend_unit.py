@@ -215,7 +215,7 @@ def test_importing_the_backend_loads_no_numba():
 
 
 def test_finish_update_names_the_version_only_to_a_client_that_takes_it():
-    """vLLM 0.26-0.31's clients (HTTP, Ray, LLM.finish_weight_update) take no weight version; 0.32's do."""
+    """vLLM 0.26's clients (HTTP, Ray, LLM.finish_weight_update) take no weight version; 0.30's and 0.32's do."""
     from weightplan.vllm_backend.clients import finish_update
 
     calls = []
