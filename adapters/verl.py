@@ -41,7 +41,7 @@ class WeightplanSettings:
     (`model`: the HF config directory, e.g. `${actor_rollout_ref.model.path}`; `inference`: e.g.
     `tp=${actor_rollout_ref.rollout.tensor_model_parallel_size}`). The plan path must be readable by the rollout
     leaders (a shared `workdir` across nodes). `address`: the rendezvous store the master trainer serves (port 0: a free
-    one; off loopback it needs a job secret, docs/security.md). `job`, `timeout`, `verify`, `delta`: as the vLLM
+    one; off loopback it needs a job secret, docs/runtime.md, "Threat model"). `job`, `timeout`, `verify`, `delta`: as the vLLM
     backend's (docs/vllm.md).
     """
 

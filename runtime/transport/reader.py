@@ -68,6 +68,9 @@ class Transport(PeerReader, Protocol):
 
     def notifications(self) -> dict[str, list[str]]: ...
 
+    @property
+    def links_changed(self) -> bool: ...  # this host's network links differ from those it was made with (links.py)
+
 
 class Routed:
     """A PeerReader over READs of several readers: each list and READ goes to the reader that made it (a LocalReader's

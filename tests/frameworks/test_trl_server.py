@@ -14,7 +14,7 @@ import pytest
 from weightplan.testing import moe_trainer as mt
 from weightplan.testing.trl_worker import run_trainers
 from weightplan.testing.engines import pin_no_amx, read_references, start_references, start_server
-from tests.vllm_backend.test_vllm_backend_serve import served_tokens
+from ..support.serve_http import served_tokens
 
 pytestmark = pytest.mark.skipif(os.environ.get("WEIGHTPLAN_SLOW_ENGINE") != "1",
                                 reason="slow engine test: set WEIGHTPLAN_SLOW_ENGINE=1 (make test-engine-slow)")

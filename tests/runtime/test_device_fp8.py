@@ -125,7 +125,7 @@ def test_a_triton_kernel_that_cannot_run_leaves_the_tiles_to_torch_ops(monkeypat
     Here a host tensor says it lives on cuda:0."""
     from weightplan.runtime.fp8 import triton_quant
 
-    from .test_gpu_memory import on_cuda
+    from ..support.fake_nixl import on_cuda
 
     calls = []
 

@@ -4,93 +4,40 @@ to NIXL, the published record's checks, and the seam both readers implement."""
 from __future__ import annotations
 
 import json
-import logging
 import re
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from weightplan.runtime import Receiver, Rendezvous, Sender, SyncError, WeightplanError, load_plan
-from weightplan.runtime.transport import protocol
+from weightplan.runtime import Receiver, SyncError, WeightplanError
 from weightplan.runtime.transport.local_peer import LocalReader
-from weightplan.runtime.transport.local_record import CudaShare, HostId, LocalRecord, parse_local
+from weightplan.runtime.transport.local_record import HostId, LocalRecord, parse_local
 from weightplan.runtime.transport.nixl_agent import NixlAgent
 from weightplan.runtime.transport.reader import PeerReader, Routed
 from weightplan.runtime.transport.vm_read import batches
 
 from weightplan.testing.runtime_harness import Job
-from weightplan.testing.runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
+from weightplan.testing.runtime_worker import plain_destination
 
-
-SECRET = "weightplan-local-reads-test-secret"  # a Receiver reads trainers of its host directly only in a job with one
-
-
-@pytest.fixture
-def rendezvous(request):
-    """A store on a free loopback port, namespaced by the test's name, in a job with a secret."""
-    return Rendezvous.connect(f"local-{request.node.name[:40].replace('[', '-').replace(']', '')}", "127.0.0.1:0",
-                              serve=True, secret=SECRET)
-
-
-@pytest.fixture
-def bf16_plan(plan_cache):
-    return load_plan(plan_cache("tiny-glm", "hf", "bf16", "fsdp=1", "tp=1"))
-
-
-@contextmanager
-def _pair(plan, rendezvous, tamper=None, delta=0.0, **receiver_kwargs):
-    """A Sender and a Receiver in this process (process_vm_readv reads this very process), version 1 published; `tamper`
-    edits the trainer's published info before the receiver reads it. Both are closed on leaving."""
-    sender = Sender(plan, 0, shard(plan, full_weights(plan, 0, 1), 0), rendezvous=rendezvous, timeout=5,
-                    progress_thread=True, delta=delta).start()
-    destination = plain_destination(plan, 0)
-    receiver = Receiver(plan, 0, destination, rendezvous=rendezvous, timeout=2, derived="caller", delta=delta,
-                        **receiver_kwargs).start()
-    if tamper is not None:
-        info = rendezvous.get_json(protocol.trainer_info_key(0))
-        tamper(info)
-        rendezvous.put(protocol.trainer_info_key(0), info)
-    sender.publish(1)
-    try:
-        yield sender, destination, receiver
-    finally:
-        sender.close()
-        receiver.close()
-
-
-def _equal_to_host(plan, destination) -> None:
-    expected = host_reference(plan, full_weights(plan, 0, 1), 0)
-    assert expected and all(byte_equal(t, destination[n]) for n, t in expected.items())
-
-
-def _read_over_nixl(plan, rendezvous, tamper, caplog) -> str:
-    """Sync version 1 with the trainer's info edited by `tamper`: every byte comes over NIXL, equal to the host
-    executor's; returns the one warning saying why."""
-    caplog.set_level(logging.WARNING, "weightplan.runtime")
-    with _pair(plan, rendezvous, tamper) as (_, destination, receiver):
-        report = receiver.sync(1)
-        assert report.paths == {"nixl": report.bytes}
-        _equal_to_host(plan, destination)
-    said = [r.getMessage() for r in caplog.records if "over NIXL, not directly" in r.getMessage()]
-    assert len(said) == 1 and "\n" not in said[0], said
-    return said[0]
+from ..support.local_reads import (  # noqa: F401 (fixtures)
+    SECRET, bf16_plan, cuda_share, equal_to_host, pair, read_over_nixl, rendezvous,
+)
 
 
 @pytest.mark.parametrize("device_ipc,path", [("auto", "process_vm_readv"), ("off", "nixl")])
 def test_a_trainer_on_this_host_is_read_by_the_path_device_ipc_allows(bf16_plan, rendezvous, device_ipc, path):
-    with _pair(bf16_plan, rendezvous, device_ipc=device_ipc) as (sender, destination, receiver):
+    with pair(bf16_plan, rendezvous, device_ipc=device_ipc) as (sender, destination, receiver):
         report = receiver.sync(1)
         assert report.paths == {path: report.bytes} and report.bytes == sum(e.nbytes for e in bf16_plan.dests)
-        _equal_to_host(bf16_plan, destination)
+        equal_to_host(bf16_plan, destination)
         assert isinstance(receiver._trainers.by_rank[0].peer.reader, LocalReader if device_ipc == "auto" else NixlAgent)
         assert sender.release(1, timeout=5).acked == (0,)  # acks still go over NIXL
 
 
 def test_a_delta_sync_reads_its_delta_directly_too(bf16_plan, rendezvous):
-    with _pair(bf16_plan, rendezvous, delta=0.5) as (sender, destination, receiver):
+    with pair(bf16_plan, rendezvous, delta=0.5) as (sender, destination, receiver):
         full = receiver.sync(1)
         sender.release(1, timeout=5)
         for source in sender._sources:
@@ -117,7 +64,7 @@ def test_a_trainer_that_cannot_be_opened_is_read_over_nixl_with_the_same_bytes(b
             local["cuda"] = []
             info["memory"].append([1 << 40, 4096, "VRAM", 0])
 
-    _read_over_nixl(bf16_plan, rendezvous, tamper, caplog)
+    read_over_nixl(bf16_plan, rendezvous, tamper, caplog)
 
 
 BAD_RECORDS = {
@@ -127,9 +74,9 @@ BAD_RECORDS = {
     "local.host.boot_id": lambda local: dict(local, host=dict(local["host"], boot_id="../../etc/passwd")),
     "local.cuda": lambda local: dict(local, cuda=[{}] * (1 << 16 | 1)),
     "local.cuda[0]": lambda local: dict(local, cuda=[{"address": 1}]),
-    "local.cuda[0].handle": lambda local: dict(local, cuda=[dict(_share().record(), handle="ab" * 4096)]),
-    "local.cuda[0].bytes": lambda local: dict(local, cuda=[dict(_share().record(), bytes=1 << 64)]),
-    "local.cuda[0].event_sync": lambda local: dict(local, cuda=[dict(_share().record(), event_sync="yes")]),
+    "local.cuda[0].handle": lambda local: dict(local, cuda=[dict(cuda_share().record(), handle="ab" * 4096)]),
+    "local.cuda[0].bytes": lambda local: dict(local, cuda=[dict(cuda_share().record(), bytes=1 << 64)]),
+    "local.cuda[0].event_sync": lambda local: dict(local, cuda=[dict(cuda_share().record(), event_sync="yes")]),
 }
 
 
@@ -138,7 +85,7 @@ def test_a_malformed_or_oversized_local_record_fails_the_sync_naming_the_field(b
     def tamper(info):
         info["local"] = BAD_RECORDS[field](info["local"])
 
-    with _pair(bf16_plan, rendezvous, tamper) as (_, _, receiver), \
+    with pair(bf16_plan, rendezvous, tamper) as (_, _, receiver), \
             pytest.raises(SyncError, match=rf"trainer rank 0: its info's '{re.escape(field)}'") as err:
         receiver.sync(1)
     assert "\n" not in str(err.value) and receiver.version is None
@@ -149,14 +96,7 @@ def test_device_ipc_takes_auto_or_off_only(bf16_plan, no_agents):
         Receiver(bf16_plan, 0, plain_destination(bf16_plan, 0), rendezvous=None, derived="caller", device_ipc="on")
 
 
-def _share(**changes) -> CudaShare:
-    fields = dict(address=0x7F00_0000_0000, nbytes=2 << 20, uuid="GPU-58a2a6a8-1f0c-4c4e-9d0e-3c1f2a6b7e10", device=3,
-                  handle=bytes(range(64)), offset=4096, ref_counter=b"/torch_4242_3735928559_0", ref_offset=7,
-                  event=bytes(range(64, 128)), event_sync=True)
-    return CudaShare(**{**fields, **changes})
-
-
-@pytest.mark.parametrize("share", [_share(), _share(event=b"", event_sync=False, offset=0, device=0)])
+@pytest.mark.parametrize("share", [cuda_share(), cuda_share(event=b"", event_sync=False, offset=0, device=0)])
 def test_the_cuda_share_record_round_trips_through_json(share):
     record = LocalRecord(HostId("0c6d3ab4-3f6e-4b1a-9d55-0b9a1d7e4c21", "node-7.cluster"), 4242, 0x5555_0000, (share,))
     assert parse_local(json.loads(json.dumps(record.record())), "trainer rank 0") == record

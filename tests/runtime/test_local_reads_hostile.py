@@ -22,7 +22,7 @@ from weightplan.runtime.transport.memory import HOST, MemoryMap, Span
 from weightplan.runtime.transport.nixl_agent import NixlAgent
 
 from weightplan.testing.runtime_worker import full_weights, plain_destination, shard
-from .test_local_reads import _pair, _read_over_nixl, _share, bf16_plan, rendezvous  # noqa: F401 (fixtures)
+from ..support.local_reads import bf16_plan, cuda_share, pair, read_over_nixl, rendezvous  # noqa: F401 (fixtures)
 
 NOT_REGISTERED = b"NOT-REGISTERED-SECRET-0123456789"
 
@@ -72,7 +72,7 @@ def test_a_record_repointed_at_unregistered_memory_reads_nothing_of_it(bf16_plan
     areas point into it. NIXL's record of the trainer's registrations refuses it: one line, nothing read outside
     registered memory, the destination untouched."""
     secret = _secret_bytes(1 << 20)
-    with _pair(bf16_plan, rendezvous, _repoint(case, secret)) as (sender, destination, receiver):
+    with pair(bf16_plan, rendezvous, _repoint(case, secret)) as (sender, destination, receiver):
         before = {n: t.clone() for n, t in destination.items()}
         field = case.partition(", ")[0]
         with pytest.raises(SyncError, match=rf"trainer rank 0: its info's '{field}' .*name memory it did not register") as err:
@@ -96,7 +96,7 @@ def test_a_region_repointed_at_unregistered_memory_reads_nothing_of_it(plan_cach
         info["memory"].append([secret.data_ptr(), secret.numel(), "DRAM", 0])
         largest.append(i)
 
-    with _pair(plan, rendezvous, tamper) as (sender, destination, receiver):
+    with pair(plan, rendezvous, tamper) as (sender, destination, receiver):
         before = {n: t.clone() for n, t in destination.items()}
         with pytest.raises(SyncError, match=rf"trainer rank 0: its info's 'regions\[{largest[0]}\]' .*did not register"):
             receiver.sync(1)
@@ -127,7 +127,7 @@ def test_a_local_reader_refuses_rows_its_peer_did_not_register_with_nixl(reads):
         trainer.close()
 
 
-def test_a_probe_outside_registered_memory_is_read_over_nixl(bf16_plan, rendezvous, caplog):
+def test_a_probe_outside_registered_memory_isread_over_nixl(bf16_plan, rendezvous, caplog):
     """A record whose probe points at a copy of the incarnation the trainer did not register (anyone can copy it: it is
     in its version record) is not opened: the same bytes come over NIXL, with one warning saying why."""
     copy = []
@@ -137,14 +137,14 @@ def test_a_probe_outside_registered_memory_is_read_over_nixl(bf16_plan, rendezvo
         info["local"]["probe"][0] = copy[0].data_ptr()
         info["memory"].append([copy[0].data_ptr(), 16, "DRAM", 0])
 
-    said = _read_over_nixl(bf16_plan, rendezvous, tamper, caplog)
+    said = read_over_nixl(bf16_plan, rendezvous, tamper, caplog)
     assert "its probe at" in said and "is not memory it registered with NIXL" in said, said
 
 
 def test_a_trainer_whose_probe_changes_between_syncs_fails_the_next_sync_at_once(bf16_plan, rendezvous):
     """A recycled pid, simulated: after one sync the process at the trainer's pid no longer holds its incarnation at its
     probe. The next sync fails in one line naming the trainer before reading it, and the trainer is told (fail)."""
-    with _pair(bf16_plan, rendezvous) as (sender, destination, receiver):
+    with pair(bf16_plan, rendezvous) as (sender, destination, receiver):
         assert receiver.sync(1).paths == {"process_vm_readv": receiver.bytes}
         sender.release(1, timeout=5)
         sender._probe.fill_(0xAB)  # another process now at that pid, with other bytes there
@@ -156,13 +156,13 @@ def test_a_trainer_whose_probe_changes_between_syncs_fails_the_next_sync_at_once
         assert sender.release(2, timeout=5).failed == (0,)
 
 
-def test_a_record_naming_another_live_process_is_read_over_nixl(bf16_plan, rendezvous, caplog):
+def test_a_record_naming_another_live_process_isread_over_nixl(bf16_plan, rendezvous, caplog):
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         def tamper(info):
             info["local"]["pid"] = other.pid
 
-        assert f"process {other.pid}" in _read_over_nixl(bf16_plan, rendezvous, tamper, caplog)
+        assert f"process {other.pid}" in read_over_nixl(bf16_plan, rendezvous, tamper, caplog)
     finally:
         other.kill()
         other.wait()
@@ -173,7 +173,7 @@ def test_without_a_secret_same_node_reads_are_off_and_that_is_said_once(bf16_pla
     monkeypatch.delenv("WEIGHTPLAN_SECRET_FILE", raising=False)
     unsigned = Rendezvous.connect(f"unsigned-{request.node.name[:40]}", "127.0.0.1:0", serve=True)
     caplog.set_level(logging.WARNING, "weightplan.runtime")
-    with _pair(bf16_plan, unsigned) as (sender, destination, receiver):
+    with pair(bf16_plan, unsigned) as (sender, destination, receiver):
         for version in (1, 2):
             if version == 2:
                 sender.publish(2)
@@ -190,7 +190,7 @@ def test_without_a_secret_same_node_reads_are_off_and_that_is_said_once(bf16_pla
 # --- the CUDA IPC share: torch's own bounds, checked at parse (no GPU here) ---------------------------------------------
 
 def _local_record(**share_changes) -> dict:
-    share = dict(_share().record(), **share_changes)
+    share = dict(cuda_share().record(), **share_changes)
     return {"host": {"boot_id": "0c6d3ab4-3f6e-4b1a-9d55-0b9a1d7e4c21", "hostname": "node-7"}, "pid": 4242,
             "probe": [0x5555_0000, 16], "cuda": [share]}
 
@@ -221,7 +221,7 @@ def test_a_cuda_share_within_torchs_bounds_is_accepted():
 
 
 def test_a_storage_beyond_the_allocation_its_handle_opened_is_refused():
-    share = _share(offset=4096, nbytes=2 << 20)
+    share = cuda_share(offset=4096, nbytes=2 << 20)
     assert beyond_allocation(share, 0x7000_0000, (0x7000_0000, 4096 + (2 << 20))) is None
     for allocation in [(0x7000_0000, 4096 + (2 << 20) - 1), (0x6FFF_F000, 8 << 20), None]:
         why = beyond_allocation(share, 0x7000_0000, allocation)
@@ -237,10 +237,10 @@ def test_open_local_refuses_a_share_beyond_its_allocation_before_reading(bf16_pl
     monkeypatch.setattr(local_peer, "_allocation", lambda pointer, device: (pointer, 4096))  # offset 4096 + 4096 > 4096
 
     def tamper(info):
-        info["local"]["cuda"] = [dict(_share(nbytes=4096, offset=4096).record(),
+        info["local"]["cuda"] = [dict(cuda_share(nbytes=4096, offset=4096).record(),
                                       ref_counter=f"/torch_{info['local']['pid']}_1_0".encode().hex())]
 
-    assert "does not lie in the allocation of 4096 bytes" in _read_over_nixl(bf16_plan, rendezvous, tamper, caplog)
+    assert "does not lie in the allocation of 4096 bytes" in read_over_nixl(bf16_plan, rendezvous, tamper, caplog)
 
 
 # --- addresses and sizes: range-checked without wrap-around -------------------------------------------------------------
@@ -259,7 +259,7 @@ WILD = {  # field named in the error -> a change to trainer rank 1's info
     "regions[0]": lambda info: info["regions"][0].__setitem__(2, (1 << 63) - 8),
     "local.probe": lambda info: info["local"].__setitem__("probe", [(1 << 64) - 8, 16]),
     "local.cuda[0].bytes": lambda info: info["local"].__setitem__("cuda", [dict(
-        _share(address=(1 << 63) - 4096, nbytes=8192).record(), ref_counter=f"/torch_{os.getpid()}_1_0".encode().hex())]),
+        cuda_share(address=(1 << 63) - 4096, nbytes=8192).record(), ref_counter=f"/torch_{os.getpid()}_1_0".encode().hex())]),
 }
 
 
@@ -298,6 +298,6 @@ def test_an_unregistered_delta_region_fails_at_connect_naming_it(bf16_plan, rend
         info["delta"]["region"] = [secret.data_ptr(), secret.numel()]
         info["memory"].append([secret.data_ptr(), secret.numel(), "DRAM", 0])
 
-    with _pair(bf16_plan, rendezvous, tamper, delta=0.5, device_ipc=device_ipc) as (_, _, receiver), \
+    with pair(bf16_plan, rendezvous, tamper, delta=0.5, device_ipc=device_ipc) as (_, _, receiver), \
             pytest.raises(SyncError, match=r"trainer rank 0: its info's 'delta\.region' .*did not register"):
         receiver.sync(1)

@@ -17,7 +17,7 @@ from weightplan.runtime.transport.memory import MemoryMap, Span, placement_of
 from weightplan.runtime.transport.nixl_agent import NixlAgent
 from weightplan.runtime.transport.reader import PeerReader, Transport
 
-from .test_gpu_memory import FakeNixl
+from ..support.fake_nixl import FakeNixl
 
 RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
 
@@ -54,7 +54,7 @@ def test_the_local_reader_is_a_peer_reader():
 
 
 def test_the_fake_nixl_of_the_tests_has_nixls_signatures():
-    """tests/runtime/test_gpu_memory.py's FakeNixl stands in for nixl_agent: each method it fakes exists there with the
+    """tests/support/fake_nixl.py's FakeNixl stands in for nixl_agent: each method it fakes exists there with the
     same parameters, so a change of NIXL's API fails here before it fails on a GPU."""
     from nixl_cu12._api import nixl_agent
 

@@ -12,28 +12,13 @@ import urllib.request
 import pytest
 
 from weightplan.testing.engines import (
-    CONFIGS, MAX_TOKENS, PROMPTS, first_reference, full_weights, local_shards, pin_no_amx, plan_and_first_reference,
-    start_server,
+    CONFIGS, first_reference, full_weights, local_shards, pin_no_amx, plan_and_first_reference, start_server,
 )
+
+from ..support.serve_http import SERVED_MODEL as MODEL, served_tokens
 
 pytestmark = pytest.mark.skipif(os.environ.get("WEIGHTPLAN_SLOW_ENGINE") != "1",
                                 reason="slow engine test: set WEIGHTPLAN_SLOW_ENGINE=1 (make test-engine-slow)")
-MODEL = "engine-qwen3-moe"
-
-
-def post(url: str, body: dict) -> dict:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.loads(response.read())
-
-
-def served_tokens(base: str, model: str = str(CONFIGS / MODEL)) -> list[list[int]]:
-    out = []
-    for prompt in PROMPTS:
-        reply = post(f"{base}/v1/completions", {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS,
-                                                "temperature": 0.0, "return_token_ids": True})
-        out.append(list(reply["choices"][0]["token_ids"]))
-    return out
 
 
 def test_one_update_through_vllm_serve_http_routes(tmp_path):
