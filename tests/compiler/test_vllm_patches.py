@@ -32,6 +32,8 @@ def test_every_patched_target_exists_in_the_installed_vllm(patch):
 
     assert patch.why
     assert vllm_patches.installed_vllm() == vllm.__version__, "the installed vLLM is outside SUPPORTED_VLLM"
+    if not patch.applies_on(vllm_patches.trace_platform()):
+        pytest.skip(f"{patch.name} applies on {', '.join(patch.platforms)}; this traces on {vllm_patches.trace_platform()}")
     targets = patch.targets + patch.reads
     if not patch.applies_to(vllm.__version__):
         assert not all(map(exists, targets)), (f"{patch.name} declares vLLM {patch.vllm_versions}, but the installed "
@@ -48,13 +50,13 @@ def test_every_patched_target_exists_in_the_installed_vllm(patch):
 def test_an_unsupported_vllm_is_refused_in_one_line_naming_the_supported_range(monkeypatch):
     import vllm
 
-    for version in ("0.25.1", "0.30.0", "0.33.0"):  # below, between the tested releases, above
+    for version in ("0.25.1", "0.29.0", "0.33.0"):  # below, between the tested releases, above
         monkeypatch.setattr(vllm, "__version__", version)
         with pytest.raises(vllm_patches.UnsupportedVllm) as refused:
             vllm_patches.installed_vllm("compile-plan")
         assert str(refused.value) == (f"compile-plan supports vLLM {vllm_patches.SUPPORTED_VLLM}; this is vLLM {version} "
                                       "(docs/install.md lists the versions and what they were tested with)")
-    for version in ("0.26.0", "0.32.1.dev7+g0123abc.cpu"):  # the oldest; a patch release or a nightly of 0.32
+    for version in ("0.26.0", "0.30.0", "0.32.1.dev7+g0123abc.cpu"):  # the oldest; 0.30; a patch release or a nightly of 0.32
         monkeypatch.setattr(vllm, "__version__", version)
         assert vllm_patches.installed_vllm() == version
 
@@ -105,6 +107,8 @@ def test_each_patch_changes_its_targets_and_restores_them_even_on_error(name):
     patch = next(p for p in PATCHES if p.name == name)
     if not patch.applies_to(vllm.__version__):
         pytest.skip(f"{name} declares vLLM {patch.vllm_versions}, not the installed {vllm.__version__}")
+    if not patch.applies_on(vllm_patches.trace_platform()):
+        pytest.skip(f"{name} applies on {', '.join(patch.platforms)}, not {vllm_patches.trace_platform()}")
     replaced = patch.targets
     before = _snapshot(replaced)
     with pytest.raises(RuntimeError, match="inside"):
@@ -213,6 +217,13 @@ def _compile(tmp_path, name, **options):
 @pytest.mark.parametrize("plan", ["hf-bf16-fsdp1__tp1__none", "stacked-bf16-fsdp64-ep8__tp1-dp32-ep__none"])
 def test_glm_plans_compiled_on_an_amx_host_are_the_checked_in_plans(monkeypatch, tmp_path, plan):
     """The checked-in plans were compiled without AMX (and tests/e2e/test_glm_full.py recompiles them as the host is)."""
+    import vllm
+
+    from weightplan.runtime import load_plan
+
+    traced = load_plan(REPO / "plans" / "glm-5.2" / f"{plan}.plan").header.vllm_version
+    if vllm.__version__ != traced:
+        pytest.skip(f"the checked-in plans were traced by vLLM {traced}; this is {vllm.__version__}")
     fmt, _, rest = plan.partition("-bf16-")
     trainer, inference, _ = rest.split("__")
     layouts = {"fsdp1": "fsdp=1", "fsdp64-ep8": "fsdp=64,ep=8", "tp1": "tp=1", "tp1-dp32-ep": "dp=32,ep"}

@@ -16,7 +16,7 @@ from ..conftest import config_dir
 ROOT = Path(__file__).resolve().parents[2]
 PLAN = ROOT / "plans" / "glm-5.2" / "hf-bf16-fsdp1__tp1__none.plan"
 HIDDEN = "import sys; sys.modules['vllm'] = None"  # `import vllm` raises ImportError, as where none is installed
-OLD = "import vllm; vllm.__version__ = '0.30.0'"  # between the supported 0.26 and 0.32, never tested: refused
+OLD = "import vllm; vllm.__version__ = '0.29.0'"  # between the supported 0.26 and 0.30, never tested: refused
 
 
 def run(setup: str, command: str, *args) -> subprocess.CompletedProcess:
@@ -42,7 +42,7 @@ def test_commands_that_need_vllm_say_so_in_one_line_without_it(command, args):
 def test_an_unsupported_vllm_gets_one_line_naming_the_supported_range(command, args):
     proc = run(OLD, command, *args)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert proc.stderr == (f"error: {command} supports vLLM {SUPPORTED_VLLM}; this is vLLM 0.30.0 (docs/install.md lists the "
+    assert proc.stderr == (f"error: {command} supports vLLM {SUPPORTED_VLLM}; this is vLLM 0.29.0 (docs/install.md lists the "
                            "versions and what they were tested with)\n")
     assert not (ROOT / "unused.plan").exists()
 
