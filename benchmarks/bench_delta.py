@@ -34,7 +34,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,7 +46,6 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from weightplan.testing import moe_trainer as mt  # noqa: E402
-from weightplan.testing.moe_trainer import wait_for_keys  # noqa: E402
 from weightplan.runtime import LiveSender, Receiver, Rendezvous, load_plan, write_trainer_layout  # noqa: E402
 from weightplan.runtime.delta.encode import Encoding, changed, decode, encode, encoded_sizes  # noqa: E402
 from weightplan.runtime.transport import protocol  # noqa: E402
@@ -93,20 +91,12 @@ def run_case(args, config: Path, lr: float, quant: str) -> dict:
     began = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="weightplan-bench-delta-"))
     job = f"{args.job}-{quant}-{lr:g}".replace("+", "").replace(".", "_")
-    rendezvous = Rendezvous.connect(job, "127.0.0.1:0", serve=True, timeout=args.timeout)
-    procs = []
-
-    def wait(keys: list[str], what: str, timeout: float | None = None) -> None:
-        wait_for_keys(rendezvous, keys, what, procs, workdir, timeout or args.timeout)
-
+    trainers = mt.TrainerProcesses(job, workdir, args.timeout)
+    rendezvous, wait = trainers.rendezvous, trainers.wait
     try:
-        for rank in range(args.trainers):
-            log = open(workdir / f"trainer-{rank}.log", "w")
-            procs.append(subprocess.Popen(
-                [sys.executable, __file__, "--role", "trainer", "--rank", str(rank), "--address", rendezvous.address,
-                 "--job", job, "--workdir", str(workdir), "--trainers", str(args.trainers), "--ep", str(args.ep),
-                 "--steps", str(args.steps), "--config", str(config), "--lr", repr(lr), "--timeout", str(args.timeout)],
-                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}))
+        trainers.start(__file__, args.trainers, "--job", job, "--workdir", str(workdir), "--trainers", str(args.trainers),
+                       "--ep", str(args.ep), "--steps", str(args.steps), "--config", str(config), "--lr", repr(lr),
+                       "--timeout", str(args.timeout))
         wait(["bench/layout"], "trainer layout", args.timeout * 4)
         plan_path = workdir / "bench-delta.plan"
         compile_plan(CompileOptions(str(config), trainer_format="stacked", trainer_dtype="fp32", quant=quant,
@@ -149,9 +139,7 @@ def run_case(args, config: Path, lr: float, quant: str) -> dict:
             rows.append(row)
             print(json.dumps({"case": f"{quant}-{lr:g}", **{k: round(v, 5) if isinstance(v, float) else v
                                                             for k, v in row.items()}}), flush=True)
-        for rank, proc in enumerate(procs):
-            if proc.wait(args.timeout) != 0:
-                raise SystemExit(f"trainer {rank} exited with {proc.returncode}; see {workdir}/trainer-{rank}.log")
+        trainers.join()
         delta_rx.close()
         full_rx.close()
         med = {k: statistics.median(r[k] for r in rows) for k in ("density", "delta_wire_ratio", "delta_sync_s",
@@ -163,10 +151,7 @@ def run_case(args, config: Path, lr: float, quant: str) -> dict:
                 "compared_fraction": round(shared_fraction, 4),
                 "full_bytes": full.bytes, "seconds": round(time.perf_counter() - began, 1)}
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        trainers.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -45,7 +45,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -58,7 +57,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 
 from weightplan.testing import moe_trainer as mt  # noqa: E402
-from weightplan.testing.moe_trainer import DTYPES, add_trainer_options, wait_for_keys  # noqa: E402
+from weightplan.testing.moe_trainer import DTYPES, TrainerProcesses, add_trainer_options  # noqa: E402
 from runtime_bench_worker import _broadcast, _gloo  # noqa: E402  (standalone gloo groups on the job's store)
 from weightplan.runtime import LiveSender, Receiver, Rendezvous, load_plan, write_trainer_layout  # noqa: E402
 from weightplan.runtime.transport import protocol  # noqa: E402
@@ -150,23 +149,12 @@ def run_inference(args) -> int:
     began = time.perf_counter()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="weightplan-bench-trainer-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    rendezvous = Rendezvous.connect(args.job, "127.0.0.1:0", serve=True, timeout=args.timeout)
-    procs = []
-
-    def wait(keys: list[str], what: str, timeout: float | None = None) -> None:
-        """Poll (every 2 ms) until the trainers put every key; fail early if a trainer died."""
-        wait_for_keys(rendezvous, keys, what, procs, workdir, timeout or args.timeout)
-
+    trainers = TrainerProcesses(args.job, workdir, args.timeout)
+    rendezvous, wait = trainers.rendezvous, trainers.wait
     try:
-        for rank in range(args.trainers):
-            log = open(workdir / f"trainer-{rank}.log", "w")
-            procs.append(subprocess.Popen(
-                [sys.executable, __file__, "--role", "trainer", "--rank", str(rank), "--address", rendezvous.address,
-                 "--job", args.job, "--workdir", str(workdir), "--trainers", str(args.trainers), "--ep", str(args.ep),
-                 "--masters", args.masters, "--steps", str(args.steps), "--config", str(args.config),
-                 "--timeout", str(args.timeout)], stdout=log, stderr=subprocess.STDOUT,
-                # glibc's adaptive mmap threshold would keep freed full-model and gather buffers in the heap
-                env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}))
+        trainers.start(__file__, args.trainers, "--job", args.job, "--workdir", str(workdir), "--trainers",
+                       str(args.trainers), "--ep", str(args.ep), "--masters", args.masters, "--steps", str(args.steps),
+                       "--config", str(args.config), "--timeout", str(args.timeout))
         vllm_config = make_vllm_config(args.config)  # while the trainers start
         model = build_model(vllm_config, "cpu")
         reference = build_model(vllm_config, "cpu")
@@ -230,9 +218,7 @@ def run_inference(args) -> int:
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         sync(args.steps + 2)
         synced_digests, loaded_digests = compute_tensor_digests(model), compute_tensor_digests(reference)
-        for rank, proc in enumerate(procs):
-            if proc.wait(args.timeout) != 0:
-                raise SystemExit(f"trainer {rank} exited with {proc.returncode}; see {workdir}/trainer-{rank}.log")
+        trainers.join()
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "step"}
         worst = max(info, key=lambda i: i["staging_bytes"] / i["shard_bf16_bytes"])
         figures = {
@@ -254,10 +240,7 @@ def run_inference(args) -> int:
         print(json.dumps(figures), flush=True)
         return 0 if figures["identical"] else 1
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        trainers.close()
 
 
 def parse_args(argv=None):

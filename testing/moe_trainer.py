@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import time
 import types
 from pathlib import Path
@@ -223,6 +225,42 @@ def add_trainer_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, default=2, help="expert-parallel degree: experts Shard(0) over a (dp_shard, ep) mesh")
     p.add_argument("--masters", choices=DTYPES, default="fp32",
                    help="fp32: fp32 masters, MixedPrecisionPolicy(param_dtype=bf16), bf16 on the wire; bf16: bf16 masters")
+
+
+class TrainerProcesses:
+    """A benchmark's trainer processes: a store served here, rank r running `python script --role trainer --rank r
+    --address <store> ...` with its log in `workdir`, waited for through the store, and killed on `close`."""
+
+    def __init__(self, job: str, workdir: Path, timeout: float):
+        from weightplan.runtime import Rendezvous
+
+        self.rendezvous = Rendezvous.connect(job, "127.0.0.1:0", serve=True, timeout=timeout)
+        self.workdir, self.timeout, self.procs = workdir, timeout, []
+
+    def start(self, script: str, trainers: int, *argv: str) -> None:
+        for rank in range(trainers):
+            log = open(self.workdir / f"trainer-{rank}.log", "w")
+            self.procs.append(subprocess.Popen(
+                [sys.executable, script, "--role", "trainer", "--rank", str(rank), "--address", self.rendezvous.address,
+                 *argv], stdout=log, stderr=subprocess.STDOUT,
+                # glibc's adaptive mmap threshold would keep freed full-model and gather buffers in the heap
+                env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}))
+
+    def wait(self, keys: list[str], what: str, timeout: float | None = None) -> None:
+        """Until the trainers put every key (fails early, with its log, if a trainer died)."""
+        wait_for_keys(self.rendezvous, keys, what, self.procs, self.workdir, timeout or self.timeout)
+
+    def join(self) -> None:
+        """Every trainer exits with status 0 within the timeout, else SystemExit naming its log."""
+        for rank, proc in enumerate(self.procs):
+            if proc.wait(self.timeout) != 0:
+                raise SystemExit(f"trainer {rank} exited with {proc.returncode}; see {self.workdir}/trainer-{rank}.log")
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def wait_for_keys(rendezvous, keys: list[str], what: str, procs, workdir: Path, timeout: float) -> None:
