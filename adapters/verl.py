@@ -15,6 +15,8 @@ import torch.distributed as dist
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 from .live_plan import broadcast_json, compile_live_plan
+from .live_plan import group_device as _group_device
+from .settings import PublishSettings
 
 TESTED_VERL = "0.9.1"
 BACKEND = "weightplan"
@@ -33,7 +35,7 @@ ROLLOUT_CLIENTS: dict[int, Any] = {}
 
 
 @dataclass
-class WeightplanSettings:
+class WeightplanSettings(PublishSettings):
     """`rollout.checkpoint_engine.engine_kwargs.weightplan`; every field has a default but `model` (with `plan=None`).
 
     `plan`: a compiled plan (trainer layout against one rollout replica's layout); None: the master trainer writes the
@@ -45,15 +47,9 @@ class WeightplanSettings:
     backend's (docs/vllm.md).
     """
 
-    plan: str | None = None
+    job: str = "verl"
     model: str | None = None
     inference: str = "tp=1"
-    address: str = "127.0.0.1:0"
-    job: str = "verl"
-    timeout: float = 120.0
-    verify: bool = False
-    delta: float = 0.0
-    workdir: str | None = None
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> "WeightplanSettings":
@@ -355,8 +351,3 @@ def _named(shards):
 
 def _replica_job(job: str, replica: int) -> str:
     return f"{job}.replica{replica}"
-
-
-def _group_device() -> torch.device:
-    """Where the default group's collectives run: the CPU for gloo (or no group), else the accelerator."""
-    return torch.device("cpu") if not dist.is_initialized() or dist.get_backend() == "gloo" else torch.device(torch.accelerator.current_accelerator())

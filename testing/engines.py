@@ -171,6 +171,15 @@ def backend_info(worker) -> dict:
     return worker.weight_transfer_engine.info()
 
 
+def staged_digests(worker) -> dict[str, str]:
+    """SHA-256 (as vLLM's compute_tensor_digests) of the loader-layout tensors the weightplan backend staged and rebuilt
+    the worker's kernels from: `llm.collective_rpc(staged_digests)`."""
+    import hashlib
+
+    return {name: hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+            for name, t in worker.weight_transfer_engine.destination.tensors.items()}
+
+
 def kernel_digests(worker) -> dict[str, str]:
     """SHA-256 of every tensor the live model's modules hold (parameters, buffers and tensor attributes like W_UK_T)."""
     return model_digests(worker.model_runner.get_model())

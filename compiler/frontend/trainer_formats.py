@@ -184,8 +184,12 @@ def _expert_stacked(name: str, ep_plan: Mapping[str, str]) -> bool:
     try:  # transformers 5.25 (vLLM 0.26 and 0.30's): one registry of TP and EP styles, EP's registered on import
         from transformers.distributed import expert_parallel  # noqa: F401
         from transformers.distributed.parallel_utils import ParallelInterface, _get_parameter_plan
-    except ImportError:  # transformers 5.19 (vLLM 0.32's)
-        from transformers.distributed.tensor_parallel import ParallelInterface, _get_parameter_plan
+    except ImportError:
+        try:  # transformers 5.19 (vLLM 0.32's)
+            from transformers.distributed.tensor_parallel import ParallelInterface, _get_parameter_plan
+        except ImportError:  # transformers 5.16 (SkyRL 0.4.0's pin, in the vLLM 0.30 venv): the same lookup, TP-named
+            from transformers.distributed.tensor_parallel import ParallelInterface
+            from transformers.distributed.tensor_parallel import _get_parameter_tp_plan as _get_parameter_plan
 
     style = ParallelInterface._global_mapping.get(_get_parameter_plan(name, dict(ep_plan)) or "")
     return bool(getattr(style, "shards_expert_dim", False))
