@@ -20,9 +20,9 @@ from .frontend.lora_trace import LoraRankTracer, LoraSpec, check_lora
 from .frontend.rank_models import RankTracer
 from .frontend.trainer_adapter import check_adapter_spec, load_adapter
 from .frontend.trainer_formats import Conversion, TrainerFormat, load_trainer_model
-from .frontend.vllm_model import build_model, current_platform_name, draft_config, make_vllm_config
+from .frontend.vllm_model import build_model, draft_config, make_vllm_config
 from .frontend.cuda_platform import platform_record
-from .frontend.vllm_patches import host_independent, installed_vllm
+from .frontend.vllm_patches import host_independent, installed_vllm, trace_platform
 from .gc_pause import gc_paused
 from .layouts import (ExplicitTrainer, InferenceLayout, TrainerLayout, check_trainer_experts, check_trainer_stages, parse_inference,
                       parse_trainer)
@@ -210,7 +210,7 @@ def _compile(settings: CompileSettings, trainer_model, log) -> CompileResult:
     started = clock()
     trainer = TrainerHeader(fmt.value, settings.trainer_dtype, trainer_layout.token, trainer_layout.classes, settings.trainer_adapter or None,
                             pp=getattr(settings.trainer_layout, "pp", 1) if getattr(settings.trainer_layout, "pp", 1) > 1 else None)
-    inference_meta = InferenceHeader(inference.token, inference.tp, inference.dp, inference.ep, current_platform_name(),
+    inference_meta = InferenceHeader(inference.token, inference.tp, inference.dp, inference.ep, trace_platform(),
                                      platform_record(vllm_config), inference.gpus_per_node or None, draft, pp=inference.pp if inference.pp > 1 else None,
                                      lora=lora.spec.header(lora.targets) if lora is not None else None)
     origin = PlanOrigin(vllm_version=vllm.__version__, model=name, config_sha256=config_hash(config_dir),

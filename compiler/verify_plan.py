@@ -22,9 +22,10 @@ from weightplan.runtime.layout.shards import box_segments
 from .cuda_arithmetic import CudaArithmetic
 from .frontend.trainer_formats import Conversion, TrainerFormat
 from .frontend.errors import ModelConfigError
-from .frontend.vllm_model import build_model, current_platform_name, make_vllm_config
+from .frontend.vllm_model import build_model, make_vllm_config
 from .frontend.cuda_platform import device_record, pinned_profile
-from .frontend.vllm_patches import HOST_PROFILE, host_independent, installed_vllm, parallel_rank, triton_fp8_kernels
+from .frontend.vllm_patches import (HOST_PROFILE, host_independent, installed_vllm, parallel_rank, trace_platform,
+                                    triton_fp8_kernels)
 from .models import config_hash, known_models, resolve_model
 from .quant_compile import quant_mode
 from .digests import compare_digests, poisoned
@@ -47,7 +48,7 @@ def check_fingerprint(plan: Plan, config_dir: Path) -> None:
     problems = []
     if plan.header.vllm_version != vllm.__version__:
         problems.append(f"vLLM version: plan {plan.header.vllm_version}, installed {vllm.__version__}")
-    platform = current_platform_name()
+    platform = trace_platform()
     if plan.header.inference.platform != platform:
         problems.append(f"platform: plan traced on {plan.header.inference.platform}, this is {platform}")
     pinned = plan.header.inference.vllm_host

@@ -13,7 +13,6 @@ far as it runs on CPU (`TRLGather`), timed. JSON lines on stdout.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import subprocess
@@ -27,6 +26,7 @@ from weightplan.testing import moe_trainer as mt
 from weightplan.testing.rl_inference import FreshLoad, hf_model
 from weightplan.compiler.frontend.trainer_formats import load_trainer_model
 from weightplan.testing.engines import KV_CACHE_BYTES, ROOT, free_port, greedy
+from weightplan.testing.engines import staged_digests as engine_staged_digests
 
 WORLD = 4  # trainer ranks: a (dp_shard=2, ep=2) mesh
 
@@ -35,10 +35,8 @@ ENGINE = dict(load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
 
 
 def staged_digests(llm) -> dict[str, str]:
-    """SHA-256 (as vLLM's compute_tensor_digests) of the staged loader-layout tensors the engine rebuilt its kernels from."""
-    destination = llm.llm_engine.model_executor.driver_worker.worker.weight_transfer_engine.destination
-    return {name: hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
-            for name, t in destination.tensors.items()}
+    """engines.staged_digests of an in-process engine's worker."""
+    return engine_staged_digests(llm.llm_engine.model_executor.driver_worker.worker)
 
 
 def run_trainers(workdir: Path, *options: str, timeout: float = 600) -> list[str]:

@@ -28,7 +28,7 @@ class LLMClient:
         self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.finish_weight_update(*_version_argument(self.llm.finish_weight_update, weight_version))
+        self.llm.finish_weight_update(**_version_argument(self.llm.finish_weight_update, weight_version))
 
 
 class AsyncLLMClient:
@@ -81,24 +81,18 @@ class AsyncLLMClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.resumed_for_prefetch = False
         try:
-            self._run(self.engine.finish_weight_update(*_version_argument(self.engine.finish_weight_update,
-                                                                          weight_version)))
+            self._run(self.engine.finish_weight_update(**_version_argument(self.engine.finish_weight_update,
+                                                                           weight_version)))
         finally:
             self._run(self.engine.resume_generation())
 
 
-def takes_weight_version(finish) -> bool:
-    """Whether a `finish_weight_update` takes the version just applied (vLLM 0.30 and 0.32 do; 0.26's take nothing)."""
-    return "weight_version" in inspect.signature(finish).parameters
-
-
-def _version_argument(finish, weight_version: str | None) -> tuple:
-    return (weight_version,) if takes_weight_version(finish) else ()
+def _version_argument(finish, weight_version: str | None) -> dict[str, str | None]:
+    """`weight_version` for a `finish_weight_update` that takes the version just applied (vLLM 0.30 and 0.32 do; 0.26's
+    take nothing)."""
+    return {"weight_version": weight_version} if "weight_version" in inspect.signature(finish).parameters else {}
 
 
 def finish_update(client, version: int) -> None:
     """`client.finish_weight_update`, naming `version` where the client takes it (vLLM 0.26's own clients do not)."""
-    if takes_weight_version(client.finish_weight_update):
-        client.finish_weight_update(weight_version=str(version))
-    else:
-        client.finish_weight_update()
+    client.finish_weight_update(**_version_argument(client.finish_weight_update, str(version)))

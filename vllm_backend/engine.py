@@ -283,7 +283,7 @@ class WeightplanWeightTransferEngine(WeightTransferEngine[WeightplanInitInfo, We
         their own shards through the trainer engine instead, which a one-shot iterator of full tensors cannot feed."""
         raise NotImplementedError("the weightplan backend sends from each trainer rank's shards: use "
                                   "weightplan.vllm_backend.trainer.start_trainer_engine(...).send_weights(), not "
-                                  "trainer_send_weights (docs/backend.md)")
+                                  "trainer_send_weights (docs/vllm.md)")
 
 
 def _settle(pending: BackgroundSync) -> None:

@@ -114,13 +114,6 @@ def draft_config(vllm_config):
     return speculative.draft_model_config if speculative is not None else None
 
 
-def current_platform_name() -> str:
-    """The vLLM platform the trace runs on (model classes can differ per platform)."""
-    from vllm.platforms import current_platform
-
-    return str(current_platform.device_type or "cpu")
-
-
 def place_experts(model: torch.nn.Module, vllm_config, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0) -> int | None:
     """Re-point every MoE layer's expert placement to this rank of the layout, as vLLM's elastic EP does.
 

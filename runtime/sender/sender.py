@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import time
 import uuid
@@ -36,7 +35,7 @@ from ..transport.progress import check_mode as check_progress
 from ..transport.reader import Transport
 from ..transport.protocol import Kind, Message
 from ..transport.region_digests import byte_view, run_digests
-from ..transport.rendezvous import Rendezvous
+from ..transport.rendezvous import Rendezvous, is_loopback
 from ..delta.pages import Space
 from .delta import DeltaStats, SenderDelta
 from .pack import CastSource, PackRuns
@@ -216,7 +215,7 @@ class Sender(AgentOwner):
         me = protocol.trainer(rank)
         self.agent = NixlAgent(me.agent(rendezvous.job), self._progress)
         host = rendezvous.local_host()
-        if not self.agent.links and host is not None and not _loopback(host):
+        if not self.agent.links and host is not None and not is_loopback(host):
             log.warning("trainer rank %d: no network link of this host was up when its NIXL agent was made (UCX lists "
                         "links once): readers on other hosts cannot reach it until this process starts again", rank)
         # Readers on this host check that this process holds its incarnation here before reading it directly, and
@@ -483,9 +482,3 @@ class Sender(AgentOwner):
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().reshape(-1).view(torch.uint8)
 
-
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.split("%")[0]).is_loopback
-    except ValueError:
-        return False
