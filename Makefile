@@ -28,20 +28,33 @@ $(STAMP): pyproject.toml $(LOCK)
 	$(BIN)/python -c "import vllm, torch, nixl_cu12._api; print('installed vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(STAMP)
 
+# The cpu plans, then the plans for GPU engines (plans/glm-5.2/cuda-h200/) where the CUDA venv exists (make venv-cuda).
 plan: $(STAMP)
 	$(BIN)/python -m weightplan.compiler.make_plans
+	if [ -x $(CUDA_VENV)/bin/python ]; then $(CUDA_VENV)/bin/python -m weightplan.compiler.make_plans --platform cuda; \
+	else echo "no $(CUDA_VENV): the cuda plans were not recompiled (make venv-cuda)"; fi
 
 # --durations: the slowest tests, printed every run (the suite is kept under 30 minutes on a 2-core host)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15
 
 # Every checked-in GLM-5.2 plan recompiled and compared byte for byte, and every full-size sampled verify
-# (make test runs the seed plans only: tests/e2e/test_glm_full.py).
+# (make test runs the seed plans only: tests/e2e/test_glm_full.py); the cuda plans in the CUDA venv where it exists.
 check-plans: $(STAMP)
 	WEIGHTPLAN_FULL_PLANS=1 $(BIN)/python -m pytest -q tests/e2e/test_glm_full.py
+	if [ -x $(CUDA_VENV)/bin/python ]; then $(CUDA_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/cuda/test_glm_cuda_plans.py; \
+	else echo "no $(CUDA_VENV): the cuda plans were not checked (make venv-cuda; make test-cuda checks them too)"; fi
 
 test-engine-slow: $(STAMP)
 	WEIGHTPLAN_SLOW_ENGINE=1 $(BIN)/python -m pytest -q tests/frameworks/test_trl_server.py tests/frameworks/test_verl_tp2.py tests/vllm_backend/test_vllm_backend_serve.py tests/vllm_backend/test_vllm_backend_async.py tests/vllm_backend/test_vllm_backend_tp2.py tests/vllm_backend/test_vllm_backend_dp2.py tests/vllm_backend/test_vllm_backend_draft.py tests/vllm_backend/test_lora_engine_slot.py tests/vllm_backend/test_lora_engine_update.py tests/vllm_backend/test_lora_engine_embeddings.py
+
+# SkyRL's entry of bench-frameworks: SkyRL installs only in the vLLM 0.30 venv (docs/benchmarks.md). venv-compat installs
+# the project from a wheel; the editable install brings modules added since.
+.PHONY: bench-frameworks-skyrl
+bench-frameworks-skyrl:
+	$(MAKE) venv-compat VLLM=0.30.0
+	.venv-vllm-0.30.0/bin/pip install --quiet --no-deps -e .
+	.venv-vllm-0.30.0/bin/python benchmarks/bench_frameworks.py --only skyrl
 
 bench-compile: $(STAMP)
 	$(BIN)/python benchmarks/bench_compile.py
@@ -62,14 +75,15 @@ bench-lora: $(STAMP)
 bench-trainer: $(STAMP)
 	$(BIN)/python benchmarks/bench_trainer.py
 
-# Over emulated nodes (network namespaces, tbf, UCX over TCP; needs root and iproute2): docs/runtime.md, "Networks".
+# Over emulated nodes (network namespaces, tbf, UCX over TCP; needs root and iproute2): docs/operations.md, "Networks (emulated nodes)".
 bench-network: $(STAMP)
 	$(BIN)/python benchmarks/bench_network.py
 
 soak: $(STAMP)
 	$(BIN)/python benchmarks/soak.py
 
-# Delta syncs against full syncs of the same AdamW steps of live FSDP2 trainers (docs/benchmarks.md#delta-syncs).
+# Delta syncs against full syncs of the same AdamW steps of live FSDP2 trainers
+# (docs/benchmarks.md#delta-syncs-make-bench-delta-issue-29).
 # BENCH_DELTA_ARGS picks a smaller run (e.g. --layers 2) on a host the 1 GB model does not fit beside other jobs.
 bench-delta: $(STAMP)
 	$(BIN)/python benchmarks/bench_delta.py --encodings
@@ -86,7 +100,7 @@ bench-smoke: $(STAMP)
 sweep: $(STAMP)
 	$(BIN)/python benchmarks/sweep.py
 
-# The prepared GPU run (docs/runtime.md, "GPUs"): `make gpu-bundle` here writes .gpu/ (pruned nixl-cu13, vLLM's fp8
+# The prepared GPU run (docs/operations.md, "GPUs"): `make gpu-bundle` here writes .gpu/ (pruned nixl-cu13, vLLM's fp8
 # source; needs PyPI), carry .gpu to the GPU machine, run `make gpu-check` there from the repository root. gpu-check is
 # not tied to the venv's install step: a lent GPU machine has no .venv and no internet, so it runs .venv/bin/python
 # where there is one and python3 otherwise (GPU_PY=... picks another); parts it cannot prove print skipped.
@@ -152,9 +166,12 @@ lock-compat: venv-compat
 # and the SkyRL adapter's tests (SkyRL is in the 0.30 venv only; skipped elsewhere).
 # The project goes in editable, so the working tree is what runs (tests/ imports it like `make test`; venv-compat
 # installed it from the wheel). Not part of `make test`; .ci/run runs it after `make test`.
+# prime-rl's adapter under prime-rl's own vLLM pin (0.26.0)
+COMPAT_TESTS_0.26.0 := tests/frameworks/test_prime_rl.py
 COMPAT_TESTS := tests/compat tests/compiler/test_vllm_patches.py tests/vllm_backend/test_live_patches.py \
 	tests/runtime/test_protocol.py tests/runtime/test_cast_into.py tests/runtime/test_stage_merge.py \
-	tests/runtime/test_progress_modes.py tests/runtime/test_delta_encode.py tests/frameworks/test_skyrl.py
+	tests/runtime/test_progress_modes.py tests/runtime/test_delta_encode.py tests/frameworks/test_skyrl.py \
+	tests/frameworks/test_skyrl_bench.py $(COMPAT_TESTS_$(VLLM))
 .PHONY: test-compat
 test-compat: venv-compat
 	$(COMPAT)/bin/pip install --quiet --no-deps -e .

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -18,12 +19,14 @@ import torch.distributed as dist
 _LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def compile_live_plan(shards, model: str, inference: str, workdir: Path, name: str) -> str:
+def compile_live_plan(shards, model: str, inference: str, workdir: str | Path | None, name: str) -> str:
     """The plan of the live trainer `shards` (a module, or (name, tensor) pairs of DTensors) against `inference`,
     written to workdir/`name` by `compile-plan --trainer-format stacked` in a child process: vLLM's model-parallel
-    state, which the compiler sets up for one process, must not meet this process's trainer group."""
+    state, which the compiler sets up for one process, must not meet this process's trainer group. No `workdir` (the
+    settings' default): a new temporary directory, weightplan-<name's stem>-*."""
     from weightplan.runtime import write_trainer_layout
 
+    workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"weightplan-{Path(name).stem}-"))
     workdir.mkdir(parents=True, exist_ok=True)
     layout = write_trainer_layout(shards, workdir / "trainer-layout.json")
     tensors = shards.state_dict().values() if isinstance(shards, torch.nn.Module) else (t for _, t in shards)

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import hashlib
-import inspect
-import sys
-import tempfile
-import threading
 from dataclasses import dataclass
-from importlib import metadata, import_module
-from pathlib import Path
+from importlib import metadata
 from typing import Any, ClassVar
-
 
 from .live_plan import broadcast_json, compile_live_plan, group_device
 from .settings import PublishSettings
+from .shim import Shim
+from .startup import trainer_init_info
 
 TESTED_SKYRL = "0.4.0"
 BACKEND = "weightplan"  # SkyRL's `generator.inference_engine.weight_sync_backend`, and the vLLM receive backend
@@ -39,9 +34,15 @@ SHIMMED = {
 }
 _WRAPPED = (f"{_SYNC}:get_transfer_strategy", f"{_SYNC}:get_vllm_receive_backend", f"{_SENDERS}:_build_sender_init_info")
 
-_LOCK = threading.Lock()
-_ORIGINALS: dict[str, Any] = {}  # target -> SkyRL's own function, while installed
-_PATCHED: list[tuple[Any, str, Any]] = []  # (module, name, SkyRL's value) for every name install() rebound
+
+
+def _changed(target: str) -> RuntimeError:
+    return RuntimeError(f"weightplan's SkyRL adapter was read against skyrl {TESTED_SKYRL}'s {target}, which this "
+                        f"skyrl ({_skyrl_version()}) changed; re-read it against weightplan/adapters/skyrl.py")
+
+
+_SHIM = Shim("skyrl", SHIMMED, _changed)
+_ORIGINALS = _SHIM.originals  # target -> SkyRL's own function, while installed
 
 
 @dataclass
@@ -71,14 +72,12 @@ def install(settings: WeightplanSettings | None = None) -> None:
     Idempotent (a second call only replaces the settings).
     """
     global _settings
-    with _LOCK:
+    with _SHIM.lock:
         if settings is not None:
             _settings = settings
-        if _ORIGINALS:
+        if _SHIM.installed:
             return
-        originals = {target: _resolve(target) for target in SHIMMED}
-        for target, obj in originals.items():
-            check_unchanged(target, obj)
+        originals = _SHIM.checked(SHIMMED)
         from weightplan.vllm_backend.plugin import register
 
         register()  # the driver validates WeightTransferConfig.backend against vLLM's receive registry
@@ -88,28 +87,16 @@ def install(settings: WeightplanSettings | None = None) -> None:
                     f"{_SYNC}:get_vllm_receive_backend": get_vllm_receive_backend,
                     f"{_SENDERS}:_build_sender_init_info": _build_sender_init_info}
         for target, wrapper in wrappers.items():
-            _rebind(_ORIGINALS[target], wrapper)
+            _SHIM.rebind(_ORIGINALS[target], wrapper)
 
 
 def uninstall() -> None:
     """Put SkyRL's own functions back everywhere `install()` rebound them (the trainer engine stays registered)."""
-    with _LOCK:
-        while _PATCHED:
-            module, name, value = _PATCHED.pop()
-            setattr(module, name, value)
-        _ORIGINALS.clear()
+    _SHIM.uninstall()
 
 
 def installed() -> bool:
-    return bool(_ORIGINALS)
-
-
-def check_unchanged(target: str, obj: Any) -> None:
-    """One line naming `target` when its source is not the source this module was read against."""
-    digest = hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()
-    if digest != SHIMMED[target]:
-        raise RuntimeError(f"weightplan's SkyRL adapter was read against skyrl {TESTED_SKYRL}'s {target}, which this "
-                           f"skyrl ({_skyrl_version()}) changed; re-read it against weightplan/adapters/skyrl.py")
+    return _SHIM.installed
 
 
 # -- the wrappers: "weightplan" is ours, every other name goes to SkyRL's own function ---------------------------------
@@ -135,8 +122,6 @@ def _build_sender_init_info(*, backend: str, **kwargs):
 def sender_init_info(*, ie_cfg, rank: int, inference_world_size: int, dtype, server_urls: list,
                      data_parallel_size: int, base_model_path: str | None):
     """This trainer rank's `SkyrlWeightplanInitInfo`; a SkyRL setting the plan cannot serve is refused in one line."""
-    from weightplan.vllm_backend.trainer import WeightplanTrainerInitInfo
-
     if len(server_urls) != 1:
         raise ValueError(f"weightplan's SkyRL adapter syncs one inference server (one vLLM engine), this run has "
                          f"{len(server_urls)}: set generator.inference_engine.num_engines=1 and data_parallel_size=1")
@@ -151,10 +136,9 @@ def sender_init_info(*, ie_cfg, rank: int, inference_world_size: int, dtype, ser
     if s.plan is None and not base_model_path:
         raise ValueError("weightplan's SkyRL adapter compiles its plan from trainer.policy.model.path, which is unset "
                          "(or pass WeightplanSettings(plan=...) to install())")
-    cls = _trainer_classes()[0]
-    return cls(rank=rank, plan=s.plan or "", address=s.address, job=s.job, timeout=s.timeout, verify=s.verify,
-               delta=s.delta, serve_store=True, model=base_model_path or "", inference=inference,
-               workdir=s.workdir or "", inference_world_size=inference_world_size)
+    return trainer_init_info(s, rank=rank, plan=s.plan or "", address=s.address, info_cls=_trainer_classes()[0],
+                             serve_store=True, model=base_model_path or "", inference=inference,
+                             workdir=s.workdir or "", inference_world_size=inference_world_size)
 
 
 # -- the trainer engine SkyRL's WeightTransferTrainerFactory builds for "weightplan" -------------------------------
@@ -227,8 +211,7 @@ def fsdp_module(source):
 
 def _compile(module, init_info) -> str:
     """Trainer rank 0: the live module's layout, compiled against the server's layout (adapters/live_plan.py)."""
-    workdir = Path(init_info.workdir or tempfile.mkdtemp(prefix="weightplan-skyrl-"))
-    return compile_live_plan(module, init_info.model, init_info.inference, workdir, "skyrl.plan")
+    return compile_live_plan(module, init_info.model, init_info.inference, init_info.workdir, "skyrl.plan")
 
 
 def _check_world(plan_path: str, inference_world_size: int) -> None:
@@ -248,25 +231,6 @@ def _register_trainer_engine() -> None:
 
 
 # -- install()'s plumbing ------------------------------------------------------------------------------------------
-
-def _resolve(target: str):
-    module_name, _, qualname = target.partition(":")
-    obj = import_module(module_name)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _rebind(original, wrapper) -> None:
-    """`wrapper` under `original`'s name in its module and in every loaded SkyRL module that imported that name."""
-    for name, module in list(sys.modules.items()):
-        if module is None or not (name == "skyrl" or name.startswith("skyrl.")):
-            continue
-        for attr in ("get_transfer_strategy", "get_vllm_receive_backend", "_build_sender_init_info"):
-            if getattr(module, attr, None) is original:
-                _PATCHED.append((module, attr, original))
-                setattr(module, attr, wrapper)
-
 
 def _skyrl_version() -> str:
     try:

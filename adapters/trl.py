@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import tempfile
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from trl.generation import vllm_generation
@@ -15,6 +13,7 @@ from trl.trainer import grpo_trainer
 
 from .live_plan import broadcast_json, compile_live_plan
 from .settings import PublishSettings
+from .startup import replica_job, start_engine, trainer_init_info
 
 TESTED_TRL = "1.16.0"
 
@@ -105,7 +104,6 @@ class WeightplanVLLMGeneration(VLLMGeneration):
         from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
 
         from weightplan.vllm_backend.clients import LLMClient
-        from weightplan.vllm_backend.trainer import ShardSource, WeightplanTrainerInitInfo, start_trainer_engine
 
         if is_peft_model(self.model):
             raise ValueError("weightplan's TRL adapter syncs full models; with a PEFT model compile a LoRA plan "
@@ -113,7 +111,7 @@ class WeightplanVLLMGeneration(VLLMGeneration):
         s, rank = self.weightplan, self.accelerator.process_index
         if self.mode == "colocate":
             tp = self.tensor_parallel_size
-            replicas = [(f"{s.job}.replica{j}", LLMClient(self.llm) if rank // tp == j else None)
+            replicas = [(replica_job(s.job, j), LLMClient(self.llm) if rank // tp == j else None)
                         for j in range(self.accelerator.num_processes // tp)]
         else:
             replicas = [(s.job, HTTPVLLMWeightSyncClient(self.vllm_client.base_url) if rank == 0 else None)]
@@ -123,10 +121,9 @@ class WeightplanVLLMGeneration(VLLMGeneration):
             if j == 0 and rank != 0:
                 shared = broadcast_json({}, device)  # the plan, and the store rank 0 serves by now
             self.plan_path = shared["plan"]
-            info = WeightplanTrainerInitInfo(rank=rank, plan=self.plan_path, address=shared["address"], job=job,
-                                             timeout=s.timeout, verify=s.verify, delta=s.delta,
-                                             serve_store=rank == 0 and j == 0, drives=client is not None)
-            engines.append(start_trainer_engine(info, client=client, source=ShardSource(self.model)))
+            info = trainer_init_info(s, rank=rank, plan=self.plan_path, address=shared["address"], job=job,
+                                     serve_store=rank == 0 and j == 0, drives=client is not None)
+            engines.append(start_engine(info, self.model, client))
             if j == 0 and rank == 0:
                 shared["address"] = info.address
                 broadcast_json(shared, device)
@@ -136,8 +133,8 @@ class WeightplanVLLMGeneration(VLLMGeneration):
         """Trainer rank 0: the live model's layout, compiled against this run's engine layout (adapters/live_plan.py)."""
         # Colocated replicas are independent engines, each reading the same plan in its own job.
         tp = self.tensor_parallel_size if self.mode == "colocate" else self.vllm_client.get_world_size()
-        workdir = Path(self.weightplan.workdir or tempfile.mkdtemp(prefix="weightplan-trl-"))
-        return compile_live_plan(self.model, str(self.model.name_or_path), f"tp={tp}", workdir, "trl.plan")
+        return compile_live_plan(self.model, str(self.model.name_or_path), f"tp={tp}", self.weightplan.workdir,
+                                 "trl.plan")
 
     def close(self) -> None:
         for engine in self.trainer_engines or ():

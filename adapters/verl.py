@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import tempfile
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -17,6 +16,7 @@ from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegist
 from .live_plan import broadcast_json, compile_live_plan
 from .live_plan import group_device as _group_device
 from .settings import PublishSettings
+from .startup import replica_job, start_engine, trainer_init_info
 
 TESTED_VERL = "0.9.1"
 BACKEND = "weightplan"
@@ -162,8 +162,6 @@ class WeightplanCheckpointEngine(CheckpointEngine):
 
     # -- actor side ---------------------------------------------------------------------------------------------
     def _start_trainer_engines(self, shards) -> list:
-        from weightplan.vllm_backend.trainer import ShardSource, WeightplanTrainerInitInfo, start_trainer_engine
-
         s = self.settings
         address = self.topology.get("address")
         if address is None:
@@ -182,10 +180,9 @@ class WeightplanCheckpointEngine(CheckpointEngine):
         self.plan_path = shared["plan"]
         engines = []
         for j in range(int(self.topology.get("replicas", 1))):
-            info = WeightplanTrainerInitInfo(rank=rank, plan=self.plan_path, address=address, job=_replica_job(s.job, j),
-                                             timeout=s.timeout, verify=s.verify, delta=s.delta, serve_store=False,
-                                             drives=False)
-            engines.append(start_trainer_engine(info, client=None, source=ShardSource(shards)))
+            info = trainer_init_info(s, rank=rank, plan=self.plan_path, address=address, job=replica_job(s.job, j),
+                                     serve_store=False, drives=False)
+            engines.append(start_engine(info, shards))
         return engines
 
     def _compile_plan(self, shards) -> str:
@@ -194,8 +191,7 @@ class WeightplanCheckpointEngine(CheckpointEngine):
         if not s.model:
             raise ValueError("weightplan's verl engine needs engine_kwargs.weightplan.model (the HF model directory, "
                              "e.g. ${actor_rollout_ref.model.path}) to compile a plan, or a compiled plan in .plan")
-        workdir = Path(s.workdir or tempfile.mkdtemp(prefix="weightplan-verl-"))
-        return compile_live_plan(_named(shards), s.model, s.inference, workdir, "verl.plan")
+        return compile_live_plan(_named(shards), s.model, s.inference, s.workdir, "verl.plan")
 
     # -- rollout side -------------------------------------------------------------------------------------------
     def _pull(self, version: int) -> None:
@@ -214,7 +210,6 @@ class WeightplanCheckpointEngine(CheckpointEngine):
 
     def _init_engine(self, client) -> None:
         from weightplan.runtime import Rendezvous, load_plan
-        from weightplan.vllm_backend.trainer import WeightplanTrainerInitInfo
 
         s = self.settings
         backend = engine_backend(client)
@@ -225,9 +220,8 @@ class WeightplanCheckpointEngine(CheckpointEngine):
         rendezvous = Rendezvous.connect(s.job, self.topology["address"], timeout=s.timeout)
         rendezvous.wait([PLAN_KEY], s.timeout, "the master trainer's plan")
         plan_path = plan_of(rendezvous.get_json(PLAN_KEY))
-        job = _replica_job(s.job, int(self.topology.get("replica", 0)))
-        info = WeightplanTrainerInitInfo(rank=0, plan=plan_path, address=self.topology["address"], job=job,
-                                         timeout=s.timeout, verify=s.verify, delta=s.delta)
+        job = replica_job(s.job, int(self.topology.get("replica", 0)))
+        info = trainer_init_info(s, rank=0, plan=plan_path, address=self.topology["address"], job=job)
         client.init_weight_transfer_engine(info.worker_init_info(load_plan(plan_path).fingerprint))
         self.plan_path, self.rollout_initialized = plan_path, True
 
@@ -347,7 +341,3 @@ def _state_dict_behind(obj, depth: int = 4):
 
 def _named(shards):
     return shards.state_dict().items() if isinstance(shards, torch.nn.Module) else shards.items()
-
-
-def _replica_job(job: str, replica: int) -> str:
-    return f"{job}.replica{replica}"

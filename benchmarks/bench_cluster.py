@@ -44,7 +44,7 @@ TP8_PP2 = ROOT / "plans" / "glm-5.2" / "stacked-bf16-fsdp64-ep8__tp8-pp2__none.p
 FANOUT_OPTIONS = {"model": "glm-5.2", "trainer_format": "stacked", "trainer_dtype": "bf16", "quant": "fp8_per_block",
                   "trainer": "fsdp=64,ep=8", "inference": "dp=32,ep,gpus-per-node=8"}
 FANOUT_TOKEN = "tp1-dp32-ep-node8"
-# bench-delta's median density of the fp8 case at lr 1e-6 (docs/benchmarks.md, run of 2026-12-03 10:00-10:43 UTC)
+# bench-delta's median density of the fp8 case at lr 1e-6 (docs/benchmark-results.md, run of 2026-12-03 10:00-10:43 UTC)
 MEASURED_FP8_DENSITY = 0.01149
 SMOKE_FANOUT = {"model": str(ROOT / "tests" / "configs" / "fp8-glm"), "trainer_format": "hf", "trainer_dtype": "bf16",
                 "quant": "fp8_per_block", "trainer": "fsdp=2", "inference": "dp=4,ep,gpus-per-node=2"}

@@ -9,7 +9,7 @@ bench-deepseek-v3 cut to `--layers` decoder layers (all 9: the 1.03 GB model), s
 (dp_shard, ep) = (2, 2) mesh as testing/moe_trainer.py does, fp32 masters computing in bf16 (bf16 on the wire), and
 train the toy objective with AdamW at the case's lr. The plan is compiled for their live layout and two inference
 ranks holding every weight (`dp=2`): rank 0 takes deltas (`Receiver(delta=0.5)`, verify=True), rank 1 always takes
-full syncs; both are plain tensors in this process. Every trainer `LiveSender(delta=0.5, digests=True)`.
+full syncs; both are plain tensors in this process. Every trainer `LiveSender(delta=0.5, verify=True)`.
 
 Version 1 (the initial weights) is a full sync for both. Then per step: one optimizer step on every trainer,
 `publish(v)`; rank 1 syncs v (full), then rank 0 (delta). Figures per case (medians over the steps):
@@ -66,7 +66,7 @@ def run_trainer(args) -> None:
         rendezvous.put("bench/layout", b"1")
     rendezvous.wait(["bench/plan"], args.timeout * 4, "the plan from the inference side")
     plan = load_plan(rendezvous.get_bytes("bench/plan").decode())
-    sender = LiveSender(plan, args.rank, model, rendezvous=rendezvous, timeout=args.timeout, digests=True, delta=DELTA).start()
+    sender = LiveSender(plan, args.rank, model, rendezvous=rendezvous, timeout=args.timeout, verify=True, delta=DELTA).start()
     for version in range(1, args.steps + 2):
         if version > 1:
             mt.train_steps(model, optimizer, 1)

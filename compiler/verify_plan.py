@@ -24,7 +24,7 @@ from .frontend.trainer_formats import Conversion, TrainerFormat
 from .frontend.errors import ModelConfigError
 from .frontend.vllm_model import build_model, make_vllm_config
 from .frontend.cuda_platform import device_record, pinned_profile
-from .frontend.vllm_patches import (HOST_PROFILE, host_independent, installed_vllm, parallel_rank, trace_platform,
+from .frontend.vllm_patches import (HOST_PROFILE, fp8_post_load, host_independent, installed_vllm, parallel_rank, trace_platform,
                                     triton_fp8_kernels)
 from .models import config_hash, known_models, resolve_model
 from .quant_compile import quant_mode
@@ -196,9 +196,10 @@ def verify_plan(
                                                             ranks, make_vllm_config, log)
         return VerifyResult(tensors, nbytes, tuple(mismatches), tuple(compared))
     draft = info.draft is not None  # a draft plan (compile-plan --draft): vLLM's MTP draft model is the reference
-    base = make_vllm_config(config_dir, quantization=quant.vllm_quantization, draft=draft)
-    vllm_config = (make_vllm_config(config_dir, tp=info.tp, dp=info.dp, ep=info.ep, pp=info.pp or 1, quantization=quant.vllm_quantization,
-                                    draft=draft)
+    moe_backend = (info.vllm_host or {}).get("moe_backend_setting") if info.platform == "cuda" else None
+    engine = {"quantization": quant.vllm_quantization, "draft": draft, "moe_backend": moe_backend}
+    base = make_vllm_config(config_dir, **engine)
+    vllm_config = (make_vllm_config(config_dir, tp=info.tp, dp=info.dp, ep=info.ep, pp=info.pp or 1, **engine)
                    if plan.header.dst_ranks > 1 else base)
 
     tensors, nbytes, mismatches, compared, unloaded = 0, 0, [], [], 0
@@ -298,7 +299,7 @@ def vllm_load_quantized(vllm_config, base, plan: Plan, full: dict[str, torch.Ten
                                 pp_rank)
 
 
-@host_independent()
+@fp8_post_load()
 def _vllm_load_quantized(vllm_config, base, plan: Plan, conversion: Conversion, full: dict[str, torch.Tensor],
                          chosen: set[str] | None, tp_rank: int, dp_rank: int, pp_rank: int) -> dict[str, torch.Tensor]:
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase

@@ -74,7 +74,7 @@ def run_trainer(args) -> None:
         rendezvous.put("demo/layout", b"1")
     rendezvous.wait(["demo/plan"], args.timeout * 4, "the plan from the inference side")
     plan = load_plan(rendezvous.get_bytes("demo/plan").decode())
-    sender = LiveSender(plan, args.rank, model, rendezvous=rendezvous, timeout=args.timeout, digests=args.check).start()
+    sender = LiveSender(plan, args.rank, model, rendezvous=rendezvous, timeout=args.timeout, verify=args.check).start()
     loss = None
     for version in range(1, args.steps + 2):  # version 1: the initial weights
         if version > 1:

@@ -98,4 +98,4 @@ def check_host_only(tensors, options: Mapping[str, bool], side: str) -> None:
     device = next((t.device for t in tensors if t.device.type != "cpu"), None)
     if on and device is not None:
         raise PlanMismatchError(f"{side}: {', '.join(on)} need host tensors (numpy hashes and encodes them), but its "
-                                f"tensors are on {device}; run without {' and '.join(on)} (docs/runtime.md, GPUs)")
+                                f"tensors are on {device}; run without {' and '.join(on)} (docs/operations.md, 'GPUs')")

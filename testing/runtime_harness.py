@@ -31,13 +31,15 @@ class Job:
     `start` names: the test reaches neither, so it reads the workers' events and gates them with files.
     """
 
-    def __init__(self, tmp_path: Path, plan: Path | str, name: str, *, cluster=None, store_node: str | None = None):
-        """`plan` and `name` may list several comma-separated cases (see testing/runtime_worker.py)."""
+    def __init__(self, tmp_path: Path, plan: Path | str, name: str, *, cluster=None, store_node: str | None = None,
+                 address: str | None = None):
+        """`plan` and `name` may list several comma-separated cases (see testing/runtime_worker.py). `address`: a store
+        the test runs elsewhere (an etcd:// cluster) instead of one it serves."""
         self.tmp, self.plan, self.name, self.cluster = tmp_path, plan, name, cluster
         self.procs: dict[str, subprocess.Popen] = {}
         self.env = None
         if cluster is None:
-            self.rendezvous = Rendezvous.connect(name.split(",")[0], "127.0.0.1:0", serve=True)
+            self.rendezvous = Rendezvous.connect(name.split(",")[0], address or "127.0.0.1:0", serve=address is None)
             self.address = self.rendezvous.address
             return
         self.rendezvous = None

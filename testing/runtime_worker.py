@@ -105,7 +105,7 @@ def byte_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 def run_trainer(args, plan) -> None:
     tensors = shard(plan, version_weights(plan, args, args.versions[0]), args.rank)
     rendezvous = Rendezvous.connect(args.job, args.address, timeout=args.timeout)
-    sender = Sender(plan, args.rank, tensors, rendezvous=rendezvous, timeout=args.timeout, digests=args.digests,
+    sender = Sender(plan, args.rank, tensors, rendezvous=rendezvous, timeout=args.timeout, verify=args.digests,
                     ring_bytes=args.ring_bytes, progress=args.progress, delta=args.delta).start()
     emit(event="ready", rank=args.rank)
     deadline = time.monotonic() + args.join_timeout
@@ -283,7 +283,7 @@ def run_quantized_inference(args, plan) -> None:
         args, receiver,
         lambda version: (tensor_digests(vllm_quantized(full_weights(plan, args.seed, version))),
                          tensor_digests(params)),
-        lambda report: dict(quantize_seconds=report.quantize_seconds, staging_bytes=receiver.staging_bytes,
+        lambda report: dict(quantize_seconds=report.quantize_seconds, staging_bytes=receiver.stats.staging_bytes,
                             fp8=sum(t.dtype == torch.float8_e4m3fn for t in params.values())),
     )
     receiver.close()

@@ -68,16 +68,26 @@ def plan_cache(tmp_path_factory):
     cache: dict[tuple, Path] = {}
 
     def compile(model: str, fmt: str = "hf", dtype: str = "bf16", trainer: str = "fsdp=1", inference: str = "tp=1",
-                quant: str = "none", scale_rounding: str | None = None) -> Path:
-        key = (model, fmt, dtype, trainer, inference, quant, scale_rounding)
+                quant: str = "none", scale_rounding: str | None = None, moe_backend: str | None = None) -> Path:
+        key = (model, fmt, dtype, trainer, inference, quant, scale_rounding, moe_backend)
         if key not in cache:
-            out = root / f"{model}-{fmt}-{dtype}-{trainer}-{inference}-{quant}-{scale_rounding}.plan".replace(",", "_").replace("=", "")
+            out = root / (f"{model}-{fmt}-{dtype}-{trainer}-{inference}-{quant}-{scale_rounding}-{moe_backend}.plan"
+                          .replace(",", "_").replace("=", ""))
             compile_plan(CompileOptions(str(config_dir(model)), fmt, dtype, quant, out, trainer=trainer, inference=inference,
-                                        scale_rounding=scale_rounding))
+                                        scale_rounding=scale_rounding, moe_backend=moe_backend))
             cache[key] = out
         return cache[key]
 
     return compile
+
+
+@pytest.fixture
+def no_job_secret_in_the_environment(monkeypatch):
+    """Neither job-secret variable set: a test's job has a secret only where the test gives it one."""
+    from weightplan.runtime.transport.rendezvous import SECRET_ENV, SECRET_FILE_ENV
+
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
 
 
 @pytest.fixture
@@ -91,7 +101,7 @@ def rendezvous(request):
 @pytest.fixture
 def no_agents(monkeypatch):
     """Fail the test if a NIXL agent (and so any registration) is created."""
-    from weightplan.runtime.receiver import receiver as receiver_module
+    from weightplan.runtime.receiver import connections as receiver_module
     from weightplan.runtime.sender import sender as sender_module
 
     def refuse(*args, **kwargs):

@@ -56,6 +56,7 @@ def check_engine(plan: Plan, rank: int, model: torch.nn.Module, vllm_config, pla
     header = plan.header
     model_config = model_config or vllm_config.model_config
     problems = _layout_problems(plan, rank, vllm_config, platform, model_config)
+    problems += _kernel_problems(plan, model, platform)
     problems += _draft_problems(header.inference.draft, model, target)
     held = [e for e in plan.dests if rank in e.ranks]
     missing, wrong = [], []
@@ -107,6 +108,11 @@ def _layout_problems(plan: Plan, rank: int, vllm_config, platform: str, model_co
     if (inference.pp or 1) != par.pipeline_parallel_size:
         problems.append(f"pipeline parallel size: plan pp={inference.pp or 1}, engine pipeline_parallel_size="
                         f"{par.pipeline_parallel_size}; compile the plan with --inference ...,pp={par.pipeline_parallel_size}")
+    if getattr(par, "enable_eplb", False):  # vLLM's CUDA, ROCm and XPU platforms run it; the CPU platform refuses it
+        redundant = getattr(getattr(par, "eplb_config", None), "num_redundant_experts", 0)
+        problems.append(f"enable_eplb ({redundant} redundant experts): vLLM's expert load balancer moves experts between "
+                        "physical slots while serving, and plans write each expert into the slot the plan assumed; start "
+                        "the engine without --enable-eplb (docs/vllm.md#not-done)")
     if getattr(par, "prefill_context_parallel_size", 1) > 1:
         problems.append(f"prefill context parallel size {par.prefill_context_parallel_size}: plans describe tp, pp and dp "
                         "only")
@@ -124,6 +130,25 @@ def _layout_problems(plan: Plan, rank: int, vllm_config, platform: str, model_co
     if header.vllm_version != vllm.__version__:
         problems.append(f"vLLM version: plan compiled with {header.vllm_version}, engine runs {vllm.__version__}")
     return problems
+
+
+def _kernel_problems(plan: Plan, model: torch.nn.Module, platform: str) -> list[str]:
+    """A cuda plan writes the layout of the MoE backend and fp8 kernels it was traced with: another choice by this
+    engine (its --moe-backend, VLLM_USE_DEEP_GEMM, its GPU) keeps the parameters in another layout."""
+    if platform != "cuda" or plan.header.inference.platform != "cuda":
+        return []
+    from weightplan.compiler.frontend.cuda_platform import kernel_choices
+
+    engine = kernel_choices(model)
+    planned = {"moe_backend": (plan.header.inference.vllm_host or {}).get("moe_backend", "")}
+    if plan.header.quant_layout is not None:
+        planned["fp8_linear_kernel"] = plan.header.quant_layout.linear if plan.header.quant_layout.linear != "none" else ""
+    hints = {"moe_backend": "start the engine with --moe-backend {setting}",
+             "fp8_linear_kernel": "start the engine with VLLM_USE_DEEP_GEMM=0"}
+    setting = (plan.header.inference.vllm_host or {}).get("moe_backend_setting", "auto")
+    return [f"{key}: plan {planned[key] or 'none'}, engine {engine.get(key, 'none')} ({hints[key].format(setting=setting)}, "
+            "as the plan was traced; docs/cuda.md)"
+            for key in planned if planned[key] != engine.get(key, "")]
 
 
 def check_lora_engine(plan: Plan, rank: int, vllm_config, platform: str, manager) -> None:

@@ -10,7 +10,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, Weight
 from weightplan.runtime.checks import MAX_VERSION
 from weightplan.runtime.errors import WeightplanError, one_line
 from weightplan.runtime.layout.shards import MAX_RANKS
-from weightplan.runtime.transport.rendezvous import check_job, parse_address
+from weightplan.runtime.transport.rendezvous import check_address, check_job
 
 MODES = ("auto", "staged", "direct")
 DRAFT_JOB_SUFFIX = ".draft"  # the draft plan's job id is the target's job id plus this
@@ -115,7 +115,7 @@ class WeightplanInitInfo(WeightTransferInitInfo):
             raise InitInfoError(f"weightplan init_info field 'draft_plan' syncs in job {job + DRAFT_JOB_SUFFIX!r}, longer than "
                                 f"{MAX_JOB} characters: shorten field 'job'")
         address = _str("address", info["address"])
-        _runtime_checked("address", parse_address, address)
+        _runtime_checked("address", check_address, address)
         mode = _str("mode", info.get("mode", "auto"))
         if mode not in MODES:
             raise InitInfoError(f"weightplan init_info field 'mode' must be one of {', '.join(MODES)}, got {mode!r}")

@@ -147,13 +147,13 @@ class WeightplanTrainerEngine(_Base):
         if serve:
             init_info.address = rendezvous.address  # port 0 picks a free one
         sender = _sender(plan, init_info.rank, tensors, rendezvous=rendezvous, timeout=init_info.timeout,
-                         digests=init_info.verify, delta=init_info.delta)
+                         verify=init_info.verify, delta=init_info.delta)
         draft_sender = None
         if init_info.draft_plan is not None:
             draft_sender = _sender(load_plan(init_info.draft_plan), init_info.rank, _shards(draft_source, "draft_source"),
                                    rendezvous=Rendezvous.connect(init_info.job + DRAFT_JOB_SUFFIX, init_info.address,
                                                                  timeout=init_info.timeout),
-                                   timeout=init_info.timeout, digests=init_info.verify)
+                                   timeout=init_info.timeout, verify=init_info.verify)
         engine = cls(client=client, source=source, is_sender=init_info.drives_engine, sender=sender,
                      rendezvous=rendezvous, init_info=init_info, draft_sender=draft_sender, config=config)
         if init_info.drives_engine and client is not None:

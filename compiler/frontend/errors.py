@@ -2,6 +2,8 @@
 
 from weightplan.runtime.errors import WeightplanError
 
+from ..errors import ModelConfigError  # re-exported: the frontend modules import it from here
+
 
 class TraceError(WeightplanError):
     """The loader did something the tracer cannot represent as a transfer plan."""
@@ -38,10 +40,6 @@ class ConstantWriteError(TraceError):
 
 class DestinationError(TraceError):
     """A copy_ wrote somewhere that is not a planned destination parameter."""
-
-
-class ModelConfigError(WeightplanError):
-    """The model name or config cannot be resolved or built by vLLM."""
 
 
 class UnloadedParameterError(TraceError):

@@ -10,7 +10,7 @@ import torch
 from weightplan.runtime.fp8.numerics import BLOCK, block_grid
 from weightplan.runtime.plan.schema import DerivedItem, dtype_name
 from .errors import ModelConfigError
-from .vllm_patches import host_independent
+from .vllm_patches import fp8_post_load
 
 QUANT_METHODS = ("Fp8PerBlockOnlineLinearMethod", "Fp8PerBlockOnlineMoEMethod")
 # bf16 parameter vLLM's loaders write -> (fp8 weight, float32 block scale) after process_weights_after_loading
@@ -50,14 +50,14 @@ def unwrap_online_loaders(model: torch.nn.Module) -> None:
                 param.weight_loader = _get_original_loader(param)
 
 
-@host_independent()
+@fp8_post_load()
 def trace_post_load(model: torch.nn.Module, wanted: Callable[[str], bool] | None = None) -> list[QuantTensor]:
     """Run each quantized layer's process_weights_after_loading on meta (those whose name `wanted` accepts, if given);
     return the quantized tensors, in model order.
 
-    The final parameters (names, shapes, dtypes) are read back from vLLM, and each must be the
-    plain 128x128 block layout (fp8 weight shaped like the bf16 tensor, float32 scale per block);
-    anything else is refused, naming the layer.
+    The final parameters (names, shapes, dtypes, strides) are read back from vLLM, and each must be the
+    plain 128x128 block layout (fp8 weight shaped like the bf16 tensor, float32 scale per block, both
+    contiguous); anything else (a kernel's shuffle, swizzled or transposed scales) is refused, naming the layer.
     """
     found: list[QuantTensor] = []
     loaded = {name: (tuple(p.shape), p.dtype) for name, p in model.named_parameters()}
@@ -77,8 +77,10 @@ def trace_post_load(model: torch.nn.Module, wanted: Callable[[str], bool] | None
                 weight, scale = final.get(wname), final.get(sname)
                 expected_scale = _scale_shape(shape)
                 if (weight is None or scale is None or tuple(weight.shape) != shape or weight.dtype != torch.float8_e4m3fn
-                        or tuple(scale.shape) != expected_scale or scale.dtype != torch.float32):
-                    got = {n: (tuple(p.shape), dtype_name(p.dtype)) for n, p in final.items()}
+                        or tuple(scale.shape) != expected_scale or scale.dtype != torch.float32
+                        or not weight.is_contiguous() or not scale.is_contiguous()):
+                    got = {n: (tuple(p.shape), dtype_name(p.dtype), "contiguous" if p.is_contiguous() else
+                               f"strides {tuple(p.stride())}") for n, p in final.items()}
                     raise ModelConfigError(
                         f"fp8_per_block: {prefix} ({type(module.quant_method).__name__}) did not produce the plain block "
                         f"layout for {local} {list(shape)} {dtype_name(dtype)}: got {got}; this compiler supports only "

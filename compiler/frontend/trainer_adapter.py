@@ -62,7 +62,7 @@ class AdapterTrainer:
 def check_adapter_spec(spec: str) -> None:
     if not isinstance(spec, str) or not _SPEC.match(spec):
         raise ModelConfigError(f"--trainer-adapter {spec!r}: give module:callable, e.g. "
-                               "weightplan.compiler.adapters.torchtitan:TorchtitanDeepSeekV3")
+                               "weightplan.compiler.trainer_adapters.torchtitan:TorchtitanDeepSeekV3")
 
 
 def load_adapter(spec: str, config_dir: Path, dtype: torch.dtype) -> AdapterTrainer:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from weightplan.runtime.errors import one_line
-from .cuda_platform import note_attention_backends
+from .cuda_platform import note_kernel_choices
 from .errors import ModelConfigError
 from .vllm_patches import (clear_layer_registry, forget_pp_missing_layers, host_independent, model_build, parallel_rank,
                            refuse_mla_without_backend, share_with_target)
@@ -20,7 +20,7 @@ MTP_SPECULATIVE_CONFIG = {"method": "mtp", "num_speculative_tokens": 1}
 
 
 def make_vllm_config(config_dir: Path, *, tp: int = 1, dp: int = 1, ep: bool = False, quantization: str | None = None,
-                     draft: bool = False, pp: int = 1):
+                     draft: bool = False, pp: int = 1, moe_backend: str | None = None):
     """A VllmConfig exactly as `vllm serve` would derive it from this config (no tokenizer, no weights).
 
     With `draft`, MTP speculative decoding is on: `speculative_config.draft_model_config` is the
@@ -41,6 +41,7 @@ def make_vllm_config(config_dir: Path, *, tp: int = 1, dp: int = 1, ep: bool = F
         data_parallel_size=dp,
         enable_expert_parallel=ep,
         speculative_config=dict(MTP_SPECULATIVE_CONFIG) if draft else None,
+        **({"moe_backend": moe_backend} if moe_backend is not None else {}),  # a cuda plan's --moe-backend
     )
     try:
         with host_independent():  # the CPU platform adjusts the config from CPU features
@@ -97,7 +98,7 @@ def build_model(vllm_config, device: str = "meta", *, tp_rank: int = 0, dp_rank:
             torch.device(device),
         ):
             model = initialize_model(vllm_config=vllm_config, model_config=model_config)
-            note_attention_backends(vllm_config)
+            note_kernel_choices(vllm_config, model)
             if model_config is not vllm_config.model_config:
                 model.shared_with_target = share_with_target(model)
             return model

@@ -425,6 +425,19 @@ def triton_fp8_kernels(*originals):
     return init_linear, select_moe, lambda **kwargs: None
 
 
+@replaces("vllm.model_executor.layers.fused_moe.oracle.fp8:make_fp8_moe_kernel", vllm_versions=VLLM_CUDA,
+          platforms=("cuda",))
+def fp8_moe_kernel_unbuilt(original):
+    """Leave an fp8 MoE layer's compute kernel unbuilt when its post-load step runs outside an engine (CUDA trace).
+
+    The online fp8 MoE method's post-load step first puts weights and scales in its backend's layout, which is
+    what the plan writes, then builds the kernel that computes with them; with expert parallelism that asks for
+    the engine's all-to-all communicator (`get_ep_all2all_manager`), which a trace has not. The kernel holds no
+    parameter (triton_fp8_kernels does the same on the CPU platform).
+    """
+    return (lambda **kwargs: None,)
+
+
 @replaces("vllm.model_executor.models.transformers.base:Base._decorate_cls_for_torch_compile")
 def transformers_classes_untouched(original):
     """Keep vLLM's Transformers modeling backend from decorating transformers' own model classes while building.
@@ -505,6 +518,13 @@ def host_independent() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def fp8_post_load() -> Iterator[None]:
+    """What running vLLM's online fp8 post-load step outside an engine needs: host independence, no MoE kernel."""
+    with host_independent(), fp8_moe_kernel_unbuilt():
+        yield
+
+
+@contextlib.contextmanager
 def model_build() -> Iterator[None]:
     """What building a model on meta for the trace needs: host independence, expert maps and constants with values,
     traceable loaders, transformers' classes left as they are."""
@@ -519,7 +539,13 @@ def model_build() -> Iterator[None]:
 CUDA_DEVICE_METHODS = ("get_device_capability", "get_device_name", "get_device_total_memory", "is_fully_connected",
                        "num_compute_units", "is_integrated_gpu", "is_arch_support_pdl", "device_count")
 # Environment switches the pin sets, each because vLLM's CUDA build cannot build a model on meta without it.
-CUDA_TRACE_ENV = {"VLLM_DISABLE_SHARED_EXPERTS_STREAM": "1"}  # MoE layers open a CUDA stream at build otherwise
+CUDA_TRACE_ENV = {
+    "VLLM_DISABLE_SHARED_EXPERTS_STREAM": "1",  # MoE layers open a CUDA stream at build otherwise
+    # DeepGEMM, vLLM's fp8 block GEMM on sm90 where installed, moves the block scales into its own TMA-aligned layout
+    # after quantizing, through an op with no meta kernel; without it vLLM picks CUTLASS, which keeps the plain layout.
+    # Unquantized plans are unaffected. Engines are checked by the kernels they chose (engine_check._kernel_problems).
+    "VLLM_USE_DEEP_GEMM": "0",
+}
 
 
 class _PlaceholderTritonConfig:

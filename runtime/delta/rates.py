@@ -59,7 +59,7 @@ class DeltaRates:
 
 SOURCES = {
     "host_encode_gbytes_per_s": "measured: runtime/delta/kernels.py on one core of this project's CPU host "
-                                "(benchmarks/measure_delta_codec.py, docs/benchmarks.md#the-delta-codecs-rates)",
+                                "(benchmarks/measure_delta_codec.py, docs/benchmark-results.md#the-delta-codecs-rates)",
     "host_apply_gbytes_per_s": "measured: the same benchmark, decode + scatter of delta bytes on one core",
     "device_encode_gbytes_per_s": "assumption awaiting the H200 measurement (runtime/delta/measure_device.py): "
                                   "memory-bound diff-and-encode at half of 4.8 TB/s, 3 bytes moved per page byte",

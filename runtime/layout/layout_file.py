@@ -20,7 +20,7 @@ import torch
 from ..errors import LayoutError
 from ..files import read_json_file
 from ..files import write_atomically
-from ..plan.schema import DTYPE_SIZES
+from ..dtypes import DTYPE_SIZES
 from .module_tensors import trainer_tensors
 from .placements import Mesh, Placement, Sharding, mesh_boxes
 from .shards import MAX_RANKS

@@ -6,9 +6,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-# Bytes per element of every dtype a plan may name.
-DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int8": 1,
-               "uint8": 1, "float8_e4m3fn": 1, "bool": 1}
+from ..dtypes import DTYPE_SIZES  # part of the schema; defined below it so that runtime/layout imports it downward
 
 CONSTANT_COLUMNS = ("dest", "dst_off", "length", "value")  # a header "constants" row
 ROW_COLUMNS = ("src_rank", "src", "src_off", "dest", "dst_off", "length", "wire")  # one contiguous row of a run

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,9 +21,11 @@ from ..tables.quant import QuantTables
 from ..tables.receiver import ReadTables
 from ..transport.reader import PeerReader, Transport
 from ..transport.peer import Peer
+from ..transport import protocol
 from ..transport.protocol import DeltaRecord, TrainerInfo
 from ..transport.region_digests import byte_view
 
+log = logging.getLogger("weightplan.runtime")
 INDEX_WORDS = 3  # as runtime/sender/delta.py writes it: version, base, page count, then each page blob's end
 
 
@@ -183,6 +186,37 @@ class ReceiverDelta:
         writes = {rank: self._decoded(rank, rows, lengths, local, version)
                   for rank, (_, rows, _, lengths, local, _, _) in reads.items()}
         return Fetched(writes, tuple(too_large), sum(by_rank.values()), by_rank, tuple(choices))
+
+    def take(self, reader: PeerReader, rendezvous, trainers: dict, version: int, previous: int | None,
+             synced: dict[int, str], deadline: float) -> tuple[set[int], dict[int, int], tuple[DeltaChoice, ...]]:
+        """Take `version` as a delta from every trainer rank whose delta applies to what this rank holds: its record names
+        `previous` as base and this rank's current version came from that same trainer incarnation (`synced`; `trainers`
+        are the connections, runtime/receiver/connections.py). Every delta is read and decoded before any is applied (a
+        bad one fails the sync with nothing written). Returns the trainer ranks whose delta was applied, the bytes READ
+        for each (indexes included) and the choices made; the others are read full, among them those whose delta was
+        predicted slower than reading full (runtime/delta/rates.py)."""
+        if previous is None:
+            return set(), {}, ()
+        sources = {}
+        for rank, t in trainers.items():
+            key = protocol.delta_key(rank, version)
+            if t.delta is None or synced.get(rank) != t.peer.incarnation or not rendezvous.exists(key):
+                continue
+            record = protocol.parse_delta_record(rendezvous.get_json(key), rank, version)
+            if record.base == previous:
+                sources[rank] = (t.peer, t.delta, record)
+        if not sources:
+            return set(), {}, ()
+        fetched = self.fetch(reader, sources, version, deadline, {r: trainers[r].deltable_bytes for r in sources})
+        if fetched.too_large:
+            log.info("inference rank %d: the deltas of version %d from trainer ranks %s exceed this rank's delta staging; "
+                     "reading them full", self.rank, version, list(fetched.too_large))
+        declined = [c.why for c in fetched.choices if not c.taken]
+        if declined:
+            log.info("inference rank %d: version %d read full where a delta is predicted slower: %s", self.rank, version,
+                     "; ".join(declined))
+        self.apply(fetched.writes)
+        return set(fetched.writes), fetched.by_rank, fetched.choices
 
     def apply(self, writes: dict[int, Writes]) -> int:
         if self.path == "device":

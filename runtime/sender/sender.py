@@ -15,6 +15,7 @@ from ..checks import check_host_only, check_tensors, check_version, flat_view, n
 from ..device import DeviceSync
 from ..errors import SyncError, WeightplanError
 from ..fp8.placement import fp8_placement
+from ..options import SyncOptions
 from ..plan.format import Plan
 from ..plan.schema import RECEIVER
 from ..tables.quant import check_supported, exposed_regions, quant_readers, quant_tables
@@ -23,15 +24,7 @@ from ..tables.ring import DEFAULT_RING_BYTES, ring_chunks
 from ..transport import protocol
 from ..transport.lifecycle import AgentOwner
 from ..transport.local_record import local_record
-
-# A reader given up on (its link was cut) that writes it is back for a version (protocol.returning_key) is waited for
-# while it renews its NIXL agent and connects: its begin re-admits it and the release waits for its ack as for any
-# reader. Without a begin within the grace the release goes on without it, so a reader that cannot connect costs the
-# others at most this, once per return. RETURN_POLL_S: how often a release looks for such records (store round trips).
-RETURN_GRACE_S = 3.0
-RETURN_POLL_S = 0.05
 from ..transport.nixl_agent import NixlAgent
-from ..transport.progress import check_mode as check_progress
 from ..transport.reader import Transport
 from ..transport.protocol import Kind, Message
 from ..transport.region_digests import byte_view, run_digests
@@ -40,23 +33,11 @@ from ..delta.pages import Space
 from .delta import DeltaStats, SenderDelta
 from .pack import CastSource, PackRuns
 from .quant import SenderQuant
+from .release import ReleaseReport, ReleaseWait
 from .trainer_gather import TrainerGather
 
 log = logging.getLogger("weightplan.runtime")
 _READER_MESSAGES = frozenset({Kind.BEGIN, Kind.ACK, Kind.FAIL, Kind.RING})
-
-
-@dataclass(frozen=True)
-class ReleaseReport:
-    """How version `version` ended on this trainer rank: who acknowledged it and who was given up on."""
-
-    version: int
-    acked: tuple[int, ...]
-    failed: tuple[int, ...]
-    timed_out: tuple[int, ...]
-    seconds: float
-    gatherers_timed_out: tuple[int, ...] = ()  # peer trainer ranks that had not finished their gather-side READs
-    returned: tuple[int, ...] = ()  # inference ranks given up on earlier that said they read this version again
 
 
 @dataclass(frozen=True)
@@ -101,21 +82,26 @@ class Sender(AgentOwner):
     leaves it. Host tensors quantize in the numba kernel; `fp8_path="device"` makes them take the GPU's torch-op
     path instead (how the tests prove that path here; runtime/fp8/placement.py).
 
+    `timeout`, `verify` (publish each version's digests for Receivers with verify=True), `progress`, `ring_bytes`,
+    `delta`, `fp8_path` and `delta_path` are the options both ends share, one record (`options`: runtime/options.py).
+    `release` waits through a ReleaseWait (runtime/sender/release.py).
+
     The constructor only checks the tensors against the plan and allocates staging; `start()` registers
     the memory with NIXL and publishes this rank's info, `close()` deregisters it and releases the
     agent. `with Sender(...) as sender:` does both.
     """
 
     def __init__(self, plan: Plan, rank: int, tensors, *, rendezvous: Rendezvous, timeout: float = 60.0,
-                 digests: bool = False, progress_thread: bool = False, ring_bytes: int = DEFAULT_RING_BYTES,
-                 progress: str = "auto", delta: float = 0.0, fp8_path: str = "auto", delta_path: str = "auto"):
+                 verify: bool = False, progress: str = "auto", ring_bytes: int = DEFAULT_RING_BYTES, delta: float = 0.0,
+                 fp8_path: str = "auto", delta_path: str = "auto"):
         check_src_rank(plan, rank)
-        progress = "thread" if progress_thread else check_progress(progress)  # see runtime/transport/progress.py
+        # The options both ends share, one name per idea (runtime/options.py); progress: runtime/transport/progress.py.
+        self.options = SyncOptions(timeout=timeout, verify=verify, progress=progress, ring_bytes=ring_bytes, delta=delta,
+                                   fp8_path=fp8_path, delta_path=delta_path)
         if plan.staging:
             check_supported(plan)
         plan = plan.pulling  # with fan-out, each replicated entry is read from this rank by one inference rank per node
-        self.plan, self.rank, self.rendezvous, self.timeout, self.digests = plan, rank, rendezvous, timeout, digests
-        self._ring_bytes = ring_bytes
+        self.plan, self.rank, self.rendezvous = plan, rank, rendezvous
         tables = quant_tables(plan) if plan.staging else None
         self.regions = exposed_regions(plan, tables, rank)
         # Sources this rank quantizes from itself are read locally; they are exposed only if others read them.
@@ -129,7 +115,7 @@ class Sender(AgentOwner):
         flat = {s: flat_view(plan.sources[s].name, given[plan.sources[s].name], *expected[plan.sources[s].name],
                              f"trainer rank {rank}") for s in [r.source for r in self.regions] + local}
         self._sources = [flat[r.source] for r in self.regions]
-        check_host_only(flat.values(), {"digests=True": digests}, f"trainer rank {rank}")
+        check_host_only(flat.values(), {"verify=True": verify}, f"trainer rank {rank}")
         self._served_runs = served_runs(plan, rank)
         self.packing = packing_of(self._served_runs)
         # Cast regions no receiver reads in place are cast straight into the packed region: no staging copy.
@@ -140,7 +126,7 @@ class Sender(AgentOwner):
         fp8 = fp8_placement(flat.values() if tables is not None else (), fp8_path, f"trainer rank {rank}")
         # Memory is allocated and registered only after every check passed. Staging lives with its source and the
         # packed region with the sources when they share one device (host memory otherwise): the cast and packing
-        # kernels write them where they run (docs/runtime.md, GPUs).
+        # kernels write them where they run (docs/operations.md, "GPUs").
         self._exposed = [
             None if i in casts else torch.empty(r.numel, dtype=getattr(torch, r.wire_dtype), device=src.device) if r.staged else src
             for i, (r, src) in enumerate(zip(self.regions, self._sources))
@@ -174,7 +160,6 @@ class Sender(AgentOwner):
         self.readers = tuple(sorted(set(readers(plan, rank)) | set(quant_readers(plan, tables, rank) if tables else ())))
         self.incarnation = uuid.uuid4().hex
         self.agent: Transport | None = None  # created, with this rank's memory registered, by start()
-        self._progress = progress
         self._live: set[int] = set()  # inference ranks whose acknowledgement release() waits for
         self._joined: dict[int, str] = {}
         self._given_up: dict[int, str | None] = {}
@@ -213,7 +198,7 @@ class Sender(AgentOwner):
             raise WeightplanError(f"trainer rank {self.rank}: this Sender was started already")
         rank, rendezvous = self.rank, self.rendezvous
         me = protocol.trainer(rank)
-        self.agent = NixlAgent(me.agent(rendezvous.job), self._progress)
+        self.agent = NixlAgent(me.agent(rendezvous.job), self.options.progress)
         host = rendezvous.local_host()
         if not self.agent.links and host is not None and not is_loopback(host):
             log.warning("trainer rank %d: no network link of this host was up when its NIXL agent was made (UCX lists "
@@ -234,7 +219,7 @@ class Sender(AgentOwner):
             regions=tuple(protocol.ServedRegion(r.source, r.chain, 0 if t is None else t.data_ptr(), r.nbytes)
                           for r, t in zip(self.regions, self._exposed)),
             memory=self.agent.memory,  # host or which GPU each registered area is on
-            options=protocol.SharedOptions(self._ring_bytes, self.digests),
+            options=protocol.SharedOptions(self.options.ring_bytes, self.options.verify),
             quant={k: tuple(v) for k, v in self._quant.info().items()} if self._quant else None,
             delta={k: tuple(v) for k, v in self._delta.info().items()} if self._delta else None,
             local=local_record(registered, self._probe),  # what a reader on this host opens directly
@@ -276,6 +261,7 @@ class Sender(AgentOwner):
         """
         check_version(version)
         self._started()
+        protocol.check_resumed(self.rendezvous, self.rank, version, self.incarnation, self.rendezvous.job)
         if self._pending is not None:
             self.release(self._pending)
         self._seq.fill_(2 * version + 1)
@@ -296,7 +282,7 @@ class Sender(AgentOwner):
         if self._gather is not None:
             try:
                 self.gather_seconds = self._gather.fetch(self.agent, self.rendezvous, version,
-                                                         time.monotonic() + self.timeout)
+                                                         time.monotonic() + self.options.timeout)
             except SyncError:
                 self._seq.fill_(2 * version + 1)
                 raise
@@ -305,7 +291,7 @@ class Sender(AgentOwner):
             self.device_sync.wait("publish: quantization")
         if self._delta is not None:
             self._publish_delta(version)
-        if self.digests:
+        if self.options.verify:
             began = time.perf_counter()
             served = self._served_runs
             found = run_digests(self._exposed_bytes(), served.region, served.src_byte, served.src_stride, served)
@@ -316,6 +302,7 @@ class Sender(AgentOwner):
             self.digest_seconds = time.perf_counter() - began
         self._pending = version
         try:
+            self.rendezvous.put(protocol.published_key(self.rank), protocol.published_record(version, self.incarnation))
             self.rendezvous.put(protocol.version_key(self.rank, version), self.incarnation.encode())
         except SyncError:  # not announced (the store unreachable): retired at once, so the next publish waits for no one
             self._pending = None
@@ -372,47 +359,18 @@ class Sender(AgentOwner):
         """
         check_version(version)
         self._started()
-        self.agent.background(False)  # this loop polls the agent itself
+        self.agent.background(False)  # the wait polls the agent itself
         start = time.monotonic()
-        deadline = start + (self.timeout if timeout is None else timeout)
+        deadline = start + (self.options.timeout if timeout is None else timeout)
         self._refresh_joined()
-        done: dict[int, str] = {}
-        gathering = set(self.gatherers)
-        returning: dict[int, float] = {}  # given-up ranks back for this version -> until when their begin is waited for
-        look, last_look = start, False
-        while True:
-            self._inbox += list(self._messages())
-            for rank, m in self._inbox:
-                if m.version == version and m.kind in (Kind.ACK, Kind.FAIL):
-                    done[rank] = m.kind
-            now = time.monotonic()
-            if self._given_up and now >= look:
-                returning.update({rank: min(deadline, now + RETURN_GRACE_S) for rank in self._returning(version)
-                                  if rank not in returning})
-                look = now + RETURN_POLL_S
-            held = {rank for rank, until in returning.items() if rank in self._given_up and now < until}
-            self._advance_ring(version, set(done), held)
-            self._inbox = [(rank, m) for rank, m in self._inbox
-                           if m.version > version or (m.version == version and m.kind is Kind.RING)]
-            waiting = self._live - set(done)
-            gathering -= {g for g in gathering if self.rendezvous.exists(protocol.gathered_key(g, version))}
-            if not waiting and not gathering and not held and self._given_up and not last_look and now <= deadline:
-                look, last_look = now, True  # a rank that said it is back since the last look is held for too
-                continue
-            if (not waiting and not gathering and not held) or now > deadline:
-                break
-            time.sleep(0.001)
-        self._seq.fill_(2 * version + 1)
-        if self._pending == version:
-            self._pending = None
-        elif self._pending is not None:
-            self.agent.background(True)
-        for rank in waiting:
+        wait = ReleaseWait(self, version, start, deadline)
+        wait.run()
+        given_up = wait.waiting  # empty unless it timed out
+        self._retire(version)
+        for rank in given_up:
             self._live.discard(rank)
             self._given_up[rank] = self._joined.get(rank)
-        report = ReleaseReport(version, tuple(sorted(k for k, s in done.items() if s is Kind.ACK)),
-                               tuple(sorted(k for k, s in done.items() if s is Kind.FAIL)), tuple(sorted(waiting)),
-                               time.monotonic() - start, tuple(sorted(gathering)), tuple(sorted(returning)))
+        report = wait.report(given_up)
         if report.timed_out:
             log.warning("trainer rank %d: version %d not acknowledged by inference ranks %s within the timeout",
                         self.rank, version, list(report.timed_out))
@@ -420,6 +378,15 @@ class Sender(AgentOwner):
             log.warning("trainer rank %d: trainer ranks %s had not gathered version %d within the timeout; they will "
                         "fail that version", self.rank, list(report.gatherers_timed_out), version)
         return report
+
+    def _retire(self, version: int) -> None:
+        """Retire `version` (a reader still reading sees the sequence word move); a later version pending gets its
+        background poll back."""
+        self._seq.fill_(2 * version + 1)
+        if self._pending == version:
+            self._pending = None
+        elif self._pending is not None:
+            self.agent.background(True)
 
     def _advance_ring(self, version: int, done: set[int], held: set[int]) -> None:
         """Pack the next ring chunks whose predecessor every live reader that is not done acknowledged; a returning
@@ -443,7 +410,17 @@ class Sender(AgentOwner):
 
     def _poll(self) -> None:
         """Progress this agent (peers' READs need it without a progress thread), keeping the notifications for release()."""
+        self._collect_messages()
+
+    def _collect_messages(self) -> list[tuple[int, Message]]:
+        """Every notification kept so far, the new ones included."""
         self._inbox += list(self._messages())
+        return self._inbox
+
+    def _forget_messages(self, version: int) -> None:
+        """Keep only what concerns later versions, and `version`'s ring acks (the ring still advances on them)."""
+        self._inbox = [(rank, m) for rank, m in self._inbox
+                       if m.version > version or (m.version == version and m.kind is Kind.RING)]
 
     def _refresh_joined(self) -> None:
         """Wait for inference ranks that joined since the last check (each process has its own incarnation)."""

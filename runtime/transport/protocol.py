@@ -70,7 +70,7 @@ def version_key(rank: int, version: int) -> str:
 
 
 def digests_key(rank: int, version: int) -> str:
-    """Trainer `rank`'s SHA-256 per destination entry of `version` (a Sender with digests=True; read with verify=True)."""
+    """Trainer `rank`'s SHA-256 per destination entry of `version` (a Sender with verify=True; read with verify=True)."""
     return f"trainer/{rank}/digests/{version}"
 
 
@@ -106,25 +106,25 @@ class ServedRegion:
 @dataclass(frozen=True)
 class SharedOptions:
     """The Sender options its Receivers depend on, published in its info and checked by each Receiver in one place
-    (`mismatch`): `ring_bytes` shapes the small-run region and the tables both sides derive from it; `digests`
-    is what a Receiver with verify=True checks against."""
+    (`mismatch`): `ring_bytes` shapes the small-run region and the tables both sides derive from it; `verify`
+    says the Sender publishes the digests a Receiver with verify=True checks against (runtime/options.py)."""
 
     ring_bytes: int
-    digests: bool
+    verify: bool
 
     def to_json(self) -> dict:
-        return {"ring_bytes": self.ring_bytes, "digests": self.digests}
+        return {"ring_bytes": self.ring_bytes, "verify": self.verify}
 
     @staticmethod
     def parse(value, who: str) -> "SharedOptions":
-        if not isinstance(value, dict) or set(value) != {"ring_bytes", "digests"}:
-            raise SyncError(f"{who}: its info's 'options' is not an object of ring_bytes, digests")
+        if not isinstance(value, dict) or set(value) != {"ring_bytes", "verify"}:
+            raise SyncError(f"{who}: its info's 'options' is not an object of ring_bytes, verify")
         ring = value["ring_bytes"]
         if not isinstance(ring, int) or isinstance(ring, bool) or not 0 < ring < 1 << 62:
             raise SyncError(f"{who}: its info's 'options.ring_bytes' is {str(ring)[:40]}, not a positive byte count")
-        if not isinstance(value["digests"], bool):
-            raise SyncError(f"{who}: its info's 'options.digests' is {str(value['digests'])[:40]}, not a boolean")
-        return SharedOptions(ring, value["digests"])
+        if not isinstance(value["verify"], bool):
+            raise SyncError(f"{who}: its info's 'options.verify' is {str(value['verify'])[:40]}, not a boolean")
+        return SharedOptions(ring, value["verify"])
 
     def mismatch(self, ring_bytes: int, verify: bool) -> str | None:
         """What a Receiver with these settings cannot work with, in one line naming the option and both values; None
@@ -132,8 +132,8 @@ class SharedOptions:
         if ring_bytes != self.ring_bytes:
             return (f"ring_bytes is {self.ring_bytes} there and {ring_bytes} here: give its Sender and this Receiver the "
                     "same ring_bytes")
-        if verify and not self.digests:
-            return "digests is False there and verify is True here: start the trainer with Sender(..., digests=True)"
+        if verify and not self.verify:
+            return "verify is False there and True here: start the trainer with Sender(..., verify=True)"
         return None
 
 
@@ -274,6 +274,33 @@ def parse_delta_record(value: dict, rank: int, version: int) -> DeltaRecord:
     if not (density is None or (isinstance(density, (int, float)) and not isinstance(density, bool) and 0 <= density <= 1)):
         raise SyncError(f"trainer rank {rank}: its delta record of version {version} has density {str(density)[:24]}")
     return DeltaRecord(base, nbytes, digest, None if density is None else float(density))
+
+
+def published_key(rank: int) -> str:
+    """The last version trainer rank `rank` published (value: `published_record`), rewritten at every publish: a
+    restarted trainer (a new incarnation) must publish a later one (`check_resumed`)."""
+    return f"trainer/{rank}/published"
+
+
+def published_record(version: int, incarnation: str) -> dict:
+    return {"version": version, "incarnation": incarnation}
+
+
+def check_resumed(rendezvous: Store, rank: int, version: int, incarnation: str, job: str) -> None:
+    """SyncError when an earlier incarnation of trainer `rank` published `version` or a later one: a trainer resumed
+    from a checkpoint with its version counter behind what readers may hold (nothing is published)."""
+    key = published_key(rank)
+    if not rendezvous.exists(key):
+        return
+    record = rendezvous.get_json(key)
+    last, by = record.get("version"), record.get("incarnation")
+    if not (isinstance(last, int) and not isinstance(last, bool) and last > 0 and isinstance(by, str)
+            and INCARNATION.fullmatch(by)):
+        raise SyncError(f"trainer rank {rank}: its published record holds no valid version and incarnation")
+    if by != incarnation and version <= last:
+        raise SyncError(f"trainer rank {rank}: version {version} is not after version {last}, which an earlier process "
+                        f"of this rank published in job {job!r}: a restarted trainer resumes its version counter from "
+                        f"its checkpoint and publishes a later version (a new run takes a new job id); nothing published")
 
 
 def store_key() -> str:

@@ -1,4 +1,4 @@
-"""Metadata exchange between senders and receivers through a torch.distributed TCPStore, namespaced by job id.
+"""Metadata exchange between senders and receivers through a torch.distributed TCPStore or an etcd cluster, namespaced by job id.
 
 Values are JSON or raw NIXL agent metadata; nothing read from the store is unpickled or evaluated.
 With a job secret every record is authenticated (HMAC-SHA256 over the record's key and value), so
@@ -25,6 +25,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from ..errors import SyncError, WeightplanError
+from .etcd_store import EtcdStore, is_etcd, parse_endpoints
 from .protocol import PROTOCOL_VERSION, store_key
 
 log = logging.getLogger("weightplan.rendezvous")
@@ -55,6 +56,15 @@ def parse_address(address: str) -> tuple[str, int]:
     if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 <= int(port) < 65536:
         raise WeightplanError(f"rendezvous address {address!r} must be HOST:PORT, e.g. {DEFAULT_ADDRESS} (port 0: any free port, when serving)")
     return host.strip("[]"), int(port)
+
+
+def check_address(address: str) -> str:
+    """A rendezvous address, HOST:PORT of a TCPStore or `etcd://h1:2379,h2:2379`; WeightplanError naming what is wrong."""
+    if is_etcd(address):
+        parse_endpoints(address)
+    else:
+        parse_address(address)
+    return address
 
 
 def job_secret(secret: bytes | str | None = None) -> bytes | None:
@@ -175,26 +185,31 @@ class Rendezvous:
     @classmethod
     def connect(cls, job: str, address: str = DEFAULT_ADDRESS, *, serve: bool = False, timeout: float = 60.0,
                 secret: bytes | str | None = None, insecure: bool = False) -> "Rendezvous":
-        """Connect to (or with `serve`, host) the TCPStore at `address`.
+        """Connect to (or with `serve`, host) the TCPStore at `address`, or to the etcd cluster of an
+        `etcd://h1:2379,h2:2379` address (run by the user: `serve` is ignored, with a log line).
 
         A served store listens only on `address`'s host (loopback by default). A store off
         loopback needs a job secret (`secret`, WEIGHTPLAN_SECRET_FILE or WEIGHTPLAN_SECRET),
         unless `insecure=True`, which is logged.
         """
-        from torch.distributed import TCPStore
-
         check_job(job)
-        host, port = parse_address(address)
+        etcd = is_etcd(address)
+        endpoints = parse_endpoints(address) if etcd else (parse_address(address),)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
             raise WeightplanError(f"rendezvous timeout must be a number of seconds in (0, 86400], got {timeout!r}")
         key = job_secret(secret)
-        if key is None and not is_loopback(host):
+        if key is None and not all(is_loopback(host) for host, _ in endpoints):
             if not insecure:
                 raise WeightplanError(f"rendezvous store {address} is not on loopback and this job has no secret: set "
                                       f"{SECRET_FILE_ENV} (a 0600 file) or {SECRET_ENV} on every process of the job, or "
                                       "pass insecure=True if every host that can reach it is trusted")
             log.warning("weightplan job %s: rendezvous store %s off loopback without a job secret (insecure=True): any "
                         "process that reaches it can publish as a trainer", job, address)
+        if etcd:
+            return cls._connect_etcd(job, address, serve, timeout, key)
+        from torch.distributed import TCPStore
+
+        host, port = endpoints[0]
         listener = _listen(host, port) if serve else None
         if not serve:
             _wait_reachable(host, port, timeout, address)
@@ -223,16 +238,35 @@ class Rendezvous:
             rendezvous.store_id = rendezvous.get_text(store_key(), _STORE_ID)
         return rendezvous
 
+    @classmethod
+    def _connect_etcd(cls, job: str, address: str, serve: bool, timeout: float, key: bytes | None) -> "Rendezvous":
+        """A client of the etcd cluster at `address`, once a member answered within `timeout` (WeightplanError naming
+        every member tried otherwise). Its identity is etcd's cluster id, checked on every answer (etcd_store.py)."""
+        if serve:
+            log.info("weightplan job %s: the rendezvous is the etcd cluster %s, which its users run: nothing to serve",
+                     job, address)
+        store = EtcdStore(address, timeout)
+        rendezvous = cls(store, job, key, timeout)
+        try:
+            store.check([rendezvous._plain(SIGNED_JOB)])
+        except SyncError as exc:
+            raise WeightplanError(f"cannot reach the rendezvous store {address} within {timeout:g} s: "
+                                  f"{str(exc).split(' within the timeout ', 1)[-1]}") from None
+        if key is not None:
+            rendezvous._call("marking the job as signed", lambda client: client.set(rendezvous._plain(SIGNED_JOB), b"1"))
+        return rendezvous
+
     @property
     def address(self) -> str:
-        """HOST:PORT of the store, with the port it actually listens on."""
+        """The store's address: HOST:PORT, with the port it actually listens on, or an etcd:// address."""
         store = self.store or self._new_client("the store's address")
-        return f"{store.host}:{store.port}"
+        return store.address if isinstance(store, EtcdStore) else f"{store.host}:{store.port}"
 
     def local_host(self) -> str | None:
         """This process's address toward the store: the interface its traffic to the store leaves by (what a peer on
         the store's network reaches it at); None where the route cannot be found. Sends nothing."""
-        host, port = parse_address(self.address)
+        store = self.store or self._new_client("the store's address")
+        host, port = store.host, store.port  # with etcd, the member this process talks to now
         try:
             family, kind, _, _, target = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
             with socket.socket(family, kind) as probe:

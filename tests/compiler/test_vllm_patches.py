@@ -12,6 +12,7 @@ from weightplan.compiler.frontend import vllm_patches
 from weightplan.compiler.frontend.vllm_patches import CPU_FEATURES, OTHER_CPU_PROBES, PATCHES, exists, resolve
 
 from ..conftest import config_dir
+from ..support.vllm_inventory import holds_on_installed_vllm
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,17 +35,7 @@ def test_every_patched_target_exists_in_the_installed_vllm(patch):
     assert vllm_patches.installed_vllm() == vllm.__version__, "the installed vLLM is outside SUPPORTED_VLLM"
     if not patch.applies_on(vllm_patches.trace_platform()):
         pytest.skip(f"{patch.name} applies on {', '.join(patch.platforms)}; this traces on {vllm_patches.trace_platform()}")
-    targets = patch.targets + patch.reads
-    if not patch.applies_to(vllm.__version__):
-        assert not all(map(exists, targets)), (f"{patch.name} declares vLLM {patch.vllm_versions}, but the installed "
-                                             f"{vllm.__version__} has all its targets: widen its vllm_versions")
-        return
-    for target in targets:
-        try:
-            resolve(target)
-        except (ImportError, AttributeError) as exc:
-            pytest.fail(f"{patch.name}: vLLM {vllm.__version__} has no {target} ({exc}); this patch declares vLLM "
-                        f"{patch.vllm_versions}: re-read vLLM and update compiler/frontend/vllm_patches.py")
+    holds_on_installed_vllm(patch, patch.targets + patch.reads, "compiler/frontend/vllm_patches.py")
 
 
 def test_an_unsupported_vllm_is_refused_in_one_line_naming_the_supported_range(monkeypatch):

@@ -96,7 +96,7 @@ def test_mamba_a_is_computed_by_the_sender_equal_to_vllm_load_weights(zoo_dir, t
     assert result.mismatches == () and result.tensors == len(plan.dests)
 
     tensors = shard(plan, full_weights(plan, 0, 1), 0)
-    sender = Sender(plan, 0, tensors, rendezvous=rendezvous, timeout=10, progress_thread=True).start()
+    sender = Sender(plan, 0, tensors, rendezvous=rendezvous, timeout=10, progress="thread").start()
     destination = plain_destination(plan, 0)
     receiver = Receiver(plan, 0, destination, rendezvous=rendezvous, timeout=10, derived="caller").start()
     try:

@@ -1,5 +1,5 @@
-"""The engine check on a CUDA engine (faked: vLLM's CUDA platform pinned, no GPU): same platform and capability accepted,
-a cpu plan or another capability's refused in one line naming the difference."""
+"""The engine check on a CUDA engine (faked: vLLM's CUDA platform pinned, no GPU): same platform, capability and kernels
+accepted, a cpu plan, another capability's or another MoE backend's refused in one line naming the difference."""
 
 from __future__ import annotations
 
@@ -81,4 +81,46 @@ def test_inspect_plan_shows_the_platform_and_the_device_profile(cuda_plan, capsy
     lines = capsys.readouterr().out.splitlines()
     assert lines[2] == "  vllm           0.33.0 on cuda"
     assert lines[3] == ("  profile        attention_backend FLASH_ATTN; capability 9.0; device h200; device_name NVIDIA H200; "
-                        "env VLLM_DISABLE_SHARED_EXPERTS_STREAM=1")
+                        "env VLLM_DISABLE_SHARED_EXPERTS_STREAM=1 VLLM_USE_DEEP_GEMM=0")
+
+
+def test_an_engine_whose_moe_backend_differs_from_the_plans_is_refused_naming_the_setting(plan_cache, monkeypatch):
+    """The plan was traced with --moe-backend triton; an engine that left it to vLLM (FlashInfer CUTLASS on sm90 under
+    expert parallelism, its w13 in [w3, w1] order) holds the experts in another layout."""
+    from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
+
+    from weightplan.compiler.frontend.fp8_trace import trace_post_load
+    from weightplan.compiler.frontend.vllm_model import build_model, make_vllm_config
+    from weightplan.vllm_backend import engine_check
+
+    path = plan_cache("cuda-deepseek-v3", inference="dp=2,ep", quant="fp8_per_block", moe_backend="triton")
+    plan = load_plan(path)
+    engine = {"quantization": "fp8_per_block", "moe_backend": "triton"}
+    vllm_config = make_vllm_config(config_dir("cuda-deepseek-v3"), dp=2, ep=True, **engine)
+    model = build_model(vllm_config, dp_rank=1, base_config=make_vllm_config(config_dir("cuda-deepseek-v3"), **engine))
+    trace_post_load(model)  # what the engine holds after loading: fp8 weights and block scales (on meta here)
+    assert engine_check.check_engine(plan, 1, model, vllm_config, "cuda")
+    for module in model.modules():
+        if getattr(getattr(module, "quant_method", None), "fp8_backend", None) is not None:
+            monkeypatch.setattr(module.quant_method, "fp8_backend", Fp8MoeBackend.FLASHINFER_CUTLASS)
+    with pytest.raises(PlanMismatchError) as refused:
+        engine_check.check_engine(plan, 1, model, vllm_config, "cuda")
+    message = str(refused.value)
+    assert "\n" not in message and message.endswith(
+        ": moe_backend: plan TRITON, engine FLASHINFER_CUTLASS (start the engine with --moe-backend triton, as the plan "
+        "was traced; docs/cuda.md)")
+
+
+def test_an_engine_with_expert_load_balancing_is_refused_naming_it(cuda_plan):
+    """vLLM's own ParallelConfig with enable_eplb (the CUDA platform accepts it; the CPU platform refuses it)."""
+    from vllm.config import ParallelConfig
+
+    from weightplan.vllm_backend.engine_check import _layout_problems
+
+    engine = _engine()
+    engine.parallel_config = ParallelConfig(tensor_parallel_size=2, data_parallel_size=1, enable_expert_parallel=True,
+                                            enable_eplb=True, eplb_config={"num_redundant_experts": 2})
+    problems = _layout_problems(load_plan(cuda_plan), 0, engine, "cuda", engine.model_config, capability="9.0")
+    assert problems == ["enable_eplb (2 redundant experts): vLLM's expert load balancer moves experts between physical "
+                        "slots while serving, and plans write each expert into the slot the plan assumed; start the "
+                        "engine without --enable-eplb (docs/vllm.md#not-done)"]

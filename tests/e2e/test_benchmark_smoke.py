@@ -202,3 +202,14 @@ def test_bench_delta_smoke():
         assert_keys(figures[case], {"density", "delta_wire_ratio", "delta_sync_s", "full_sync_s", "identical",
                                     "sender_extra_bytes", "delta_took", "compared_fraction"}, "bench_delta.py")
         assert figures[case]["identical"] is True, figures[case]  # a delta chain that is not bit-exact is a failure
+
+
+def test_compare_platform_plans_smoke():
+    """Reads the checked-in plan files only; the figures are docs/cuda.md's (its own test: tests/cuda/test_glm_cuda_plans.py)."""
+    summary, stdout = last_json("compare_platform_plans.py")
+    assert_keys(summary, {"pairs", "same_parameters_and_runs"}, "compare_platform_plans.py")
+    pairs = [json.loads(line) for line in stdout.strip().splitlines()[:-1]]
+    assert len(pairs) == summary["pairs"] >= 2
+    for pair in pairs:
+        assert_keys(pair, {"parameters_shared", "runs_identical_by_name", "descriptors", "wire_bytes", "plan_file_bytes"},
+                    "compare_platform_plans.py")

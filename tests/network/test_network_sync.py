@@ -34,7 +34,7 @@ def test_two_trainer_nodes_sync_two_inference_nodes_over_tcp_with_fanout(plan_ca
 
 
 LINK_TIMEOUT = 10.0  # the workers' sync and release timeout in the fault tests
-# A known defect, not yet understood (docs/runtime.md, "Known: a trainer aborted inside UCX"): once in a full suite run
+# A known defect, not yet understood (docs/operations.md, "Known: a trainer aborted inside UCX"): once in a full suite run
 # under load (2026-12-05), a trainer process aborted in UCX after a reader's node had been cut for longer than the
 # timeout. Only that abort, named by its message in a trainer's stderr, turns the test's failure into an xfail.
 UCX_ABORT = "Fatal: unexpected error: Endpoint timeout"

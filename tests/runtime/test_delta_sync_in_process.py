@@ -34,7 +34,7 @@ def _world(plan, rendezvous, receivers=None, ring_bytes=512 << 20, delta=0.5, se
     tensors = {r: shard(plan, full, r) for r in range(plan.header.src_ranks)}
     # one store client per trainer: a client blocked in wait() serves no other thread (gathering fp8 trainers)
     senders = [Sender(plan, r, tensors[r], rendezvous=Rendezvous.connect(rendezvous.job, rendezvous.address, secret=secret), timeout=TIMEOUT,
-                      digests=True, progress_thread=True, ring_bytes=ring_bytes, delta=delta).start()
+                      verify=True, progress="thread", ring_bytes=ring_bytes, delta=delta).start()
                for r in range(plan.header.src_ranks)]
     ranks = range(plan.header.dst_ranks) if receivers is None else receivers
     destinations = {k: plain_destination(plan, k) for k in ranks}
@@ -223,7 +223,7 @@ def test_sides_without_deltas_or_room_for_them_sync_full(tp2_plan, rendezvous):
     for s in senders:
         s.release(2, timeout=1.0)
         s.close()
-    no_delta = [Sender(plan, 0, tensors[0], rendezvous=rendezvous, timeout=TIMEOUT, digests=True, progress_thread=True).start()]
+    no_delta = [Sender(plan, 0, tensors[0], rendezvous=rendezvous, timeout=TIMEOUT, verify=True, progress="thread").start()]
     small.close()
     keeps = Receiver(plan, 0, destinations[0], rendezvous=rendezvous, timeout=TIMEOUT, derived="caller", verify=True,
                      delta=0.5).start()

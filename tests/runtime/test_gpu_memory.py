@@ -113,7 +113,7 @@ def test_a_sender_exposes_a_version_only_after_waiting_for_its_device_and_a_rece
         bf16_plan, rendezvous):
     plan = bf16_plan
     sender = Sender(plan, 0, shard(plan, full_weights(plan, 0, 1), 0), rendezvous=rendezvous, timeout=5,
-                    progress_thread=True).start()
+                    progress="thread").start()
     destination = plain_destination(plan, 0)
     receiver = Receiver(plan, 0, destination, rendezvous=rendezvous, timeout=5, derived="caller").start()
     assert sender.device_sync.devices == () and receiver.device_sync.devices == ()  # host tensors: nothing to wait for
@@ -143,7 +143,7 @@ def test_a_receiver_waits_for_each_quantized_group_before_its_staging_slot_is_re
     model, fmt, trainer, inference = CASES["unaligned"]  # blocks straddle trainer ranks: the receiver quantizes them
     plan = load_plan(plan_cache(model, fmt, "bf16", trainer, inference, quant="fp8_per_block"))
     weights = full_weights(plan, 0, 1)
-    senders = [Sender(plan, r, shard(plan, weights, r), rendezvous=rendezvous, timeout=10, progress_thread=True).start()
+    senders = [Sender(plan, r, shard(plan, weights, r), rendezvous=rendezvous, timeout=10, progress="thread").start()
                for r in range(plan.header.src_ranks)]
     receiver = Receiver(plan, 0, plain_destination(plan, 0), rendezvous=rendezvous, timeout=10, derived="caller",
                         group_bytes=1 << 16).start()
@@ -190,7 +190,7 @@ def test_fp8_plans_with_one_rank_on_several_devices_or_an_unknown_fp8_path_are_r
 def test_a_trainer_info_whose_memory_record_is_wrong_fails_the_sync_in_one_line(bf16_plan, rendezvous, memory):
     plan = bf16_plan
     sender = Sender(plan, 0, shard(plan, full_weights(plan, 0, 1), 0), rendezvous=rendezvous, timeout=5,
-                    progress_thread=True).start()
+                    progress="thread").start()
     receiver = Receiver(plan, 0, plain_destination(plan, 0), rendezvous=rendezvous, timeout=2, derived="caller").start()
     try:
         sender.publish(1)
@@ -216,7 +216,7 @@ def test_digests_and_verify_with_tensors_on_a_gpu_are_refused_in_one_line(bf16_p
     tensors = {name: on_cuda(t, 0) for name, t in shard(plan, full_weights(plan, 0, 1), 0).items()}
     destination = {name: on_cuda(t, 0) for name, t in plain_destination(plan, 0).items()}
     for make, message in [
-        (lambda: Sender(plan, 0, tensors, rendezvous=None, digests=True), r"trainer rank 0: digests=True need host tensors"),
+        (lambda: Sender(plan, 0, tensors, rendezvous=None, verify=True), r"trainer rank 0: verify=True need host tensors"),
         (lambda: Receiver(plan, 0, destination, rendezvous=None, derived="caller", verify=True),
          r"inference rank 0: verify=True need host tensors .* on cuda:0"),
         (lambda: Receiver(plan, 0, destination, rendezvous=None, derived="caller", verify=True, delta=0.5),

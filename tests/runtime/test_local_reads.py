@@ -32,7 +32,7 @@ def test_a_trainer_on_this_host_is_read_by_the_path_device_ipc_allows(bf16_plan,
         report = receiver.sync(1)
         assert report.paths == {path: report.bytes} and report.bytes == sum(e.nbytes for e in bf16_plan.dests)
         equal_to_host(bf16_plan, destination)
-        assert isinstance(receiver._trainers.by_rank[0].peer.reader, LocalReader if device_ipc == "auto" else NixlAgent)
+        assert isinstance(receiver.connections.trainers.by_rank[0].peer.reader, LocalReader if device_ipc == "auto" else NixlAgent)
         assert sender.release(1, timeout=5).acked == (0,)  # acks still go over NIXL
 
 

@@ -145,7 +145,7 @@ def test_a_trainer_whose_probe_changes_between_syncs_fails_the_next_sync_at_once
     """A recycled pid, simulated: after one sync the process at the trainer's pid no longer holds its incarnation at its
     probe. The next sync fails in one line naming the trainer before reading it, and the trainer is told (fail)."""
     with pair(bf16_plan, rendezvous) as (sender, destination, receiver):
-        assert receiver.sync(1).paths == {"process_vm_readv": receiver.bytes}
+        assert receiver.sync(1).paths == {"process_vm_readv": receiver.stats.bytes}
         sender.release(1, timeout=5)
         sender._probe.fill_(0xAB)  # another process now at that pid, with other bytes there
         sender.publish(2)
@@ -180,7 +180,7 @@ def test_without_a_secret_same_node_reads_are_off_and_that_is_said_once(bf16_pla
             report = receiver.sync(version)
             assert report.paths == {"nixl": report.bytes}
             sender.release(version, timeout=5)
-            receiver._trainers.drop_all()  # a new connection to it: the reason is not logged again
+            receiver.connections.trainers.drop_all()  # a new connection to it: the reason is not logged again
     said = [r.getMessage() for r in caplog.records if "over NIXL, not directly" in r.getMessage()]
     assert said == ["inference rank 0 reads its trainers over NIXL, not directly: this job has no secret, so any local "
                     "process could have written the trainers' records (same-node reads need WEIGHTPLAN_SECRET_FILE or "
@@ -269,7 +269,7 @@ def test_an_address_past_2_63_fails_the_sync_naming_it_and_the_other_trainers_ar
     OverflowError, so trainer rank 0 (connected first) gets `fail` at once instead of waiting out its timeout."""
     plan = load_plan(plan_cache("tiny-glm", "hf", "bf16", "fsdp=2", "tp=1"))
     full = full_weights(plan, 0, 1)
-    senders = [Sender(plan, r, shard(plan, full, r), rendezvous=rendezvous, timeout=5, progress_thread=True).start()
+    senders = [Sender(plan, r, shard(plan, full, r), rendezvous=rendezvous, timeout=5, progress="thread").start()
                for r in range(2)]
     receiver = Receiver(plan, 0, plain_destination(plan, 0), rendezvous=rendezvous, timeout=2, derived="caller").start()
     try:

@@ -49,7 +49,7 @@ def test_receiver_fills_chosen_slots_alternately(lora_plan, rendezvous, tmp_path
     modules = _engine_layers(lora_plan, slots=2)
     versions = {v: full_weights(lora_plan, 0, v) for v in (1, 2)}
     tensors = {name: t.clone() for name, t in shard(lora_plan, versions[1], 0).items()}
-    sender = Sender(lora_plan, 0, tensors, rendezvous=rendezvous, timeout=10, progress_thread=True).start()
+    sender = Sender(lora_plan, 0, tensors, rendezvous=rendezvous, timeout=10, progress="thread").start()
     # One Receiver over both slots (the backend's): slot 0's views its destination, slot 1's its alternate, adjacent
     # views of the same buffers.
     receiver = Receiver(lora_plan, 0, slot_destination(lora_plan, modules, 0),

@@ -46,7 +46,7 @@ def test_syncs_alternate_between_destination_sets(rendezvous, bf16_plan, ring_by
     plan = bf16_plan
     versions = {v: full_weights(plan, 0, v) for v in (1, 2, 3)}
     tensors = {name: t.clone() for name, t in shard(plan, versions[1], 0).items()}
-    sender = Sender(plan, 0, tensors, rendezvous=rendezvous, timeout=10, digests=True, progress_thread=True,
+    sender = Sender(plan, 0, tensors, rendezvous=rendezvous, timeout=10, verify=True, progress="thread",
                     ring_bytes=ring_bytes).start()
     sets = [plain_destination(plan, 0), plain_destination(plan, 0)]
     receiver = Receiver(plan, 0, sets[0], alternates=[sets[1]], rendezvous=rendezvous, timeout=10, derived="caller",
@@ -81,8 +81,8 @@ def test_syncs_alternate_between_destination_sets(rendezvous, bf16_plan, ring_by
 
 def test_a_failed_sync_leaves_only_its_set_incomplete(rendezvous, bf16_plan):
     plan = bf16_plan
-    sender = Sender(plan, 0, shard(plan, full_weights(plan, 0, 1), 0), rendezvous=rendezvous, timeout=10, digests=True,
-                    progress_thread=True).start()
+    sender = Sender(plan, 0, shard(plan, full_weights(plan, 0, 1), 0), rendezvous=rendezvous, timeout=10, verify=True,
+                    progress="thread").start()
     sets = [plain_destination(plan, 0), plain_destination(plan, 0)]
     receiver = Receiver(plan, 0, sets[0], alternates=[sets[1]], rendezvous=rendezvous, timeout=10, derived="caller",
                         verify=True).start()

@@ -18,10 +18,7 @@ from weightplan.testing.runtime_worker import byte_equal, full_weights, host_ref
 SECRET = "0123456789abcdef-test-secret"
 
 
-@pytest.fixture(autouse=True)
-def no_secret_from_the_environment(monkeypatch):
-    monkeypatch.delenv(SECRET_ENV, raising=False)
-    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
+pytestmark = pytest.mark.usefixtures("no_job_secret_in_the_environment")
 
 
 @pytest.fixture
@@ -74,7 +71,7 @@ def test_secrets_come_from_a_private_file_or_the_environment(tmp_path, monkeypat
 def _signed_pair(request, plan):
     """A store served with the job secret, a trainer on it, and a reader with its own signed connection."""
     served = Rendezvous.connect(_job(request), "127.0.0.1:0", serve=True, secret=SECRET)
-    sender = Sender(plan, 0, shard(plan, full_weights(plan, 0, 1), 0), rendezvous=served, timeout=5, progress_thread=True).start()
+    sender = Sender(plan, 0, shard(plan, full_weights(plan, 0, 1), 0), rendezvous=served, timeout=5, progress="thread").start()
     destination = plain_destination(plan, 0)
     receiver = Receiver(plan, 0, destination, rendezvous=Rendezvous.connect(served.job, served.address, secret=SECRET),
                         timeout=5, derived="caller").start()
@@ -171,7 +168,7 @@ def _moved_largest_region(info, move) -> list:
 def test_poisoned_trainer_records_fail_the_sync_cleanly_and_the_trainer_reports(request, plan, case):
     served = Rendezvous.connect(_job(request), "127.0.0.1:0", serve=True)
     tensors = shard(plan, full_weights(plan, 0, 1), 0)
-    sender = Sender(plan, 0, tensors, rendezvous=served, timeout=5, progress_thread=True).start()
+    sender = Sender(plan, 0, tensors, rendezvous=served, timeout=5, progress="thread").start()
     receiver = Receiver(plan, 0, plain_destination(plan, 0), rendezvous=served, timeout=2, derived="caller").start()
     sender.publish(1)
     key, value = POISON[case]
@@ -195,7 +192,7 @@ def test_trainer_info_with_unregistered_addresses_fails_the_sync_naming_the_fiel
     if case.startswith("region"):  # tiny-glm's regions are all packed; vocab-llama's embedding is read directly
         plan = load_plan(plan_cache("vocab-llama", "hf", "bf16", "fsdp=1", "tp=1"))
     served = Rendezvous.connect(_job(request), "127.0.0.1:0", serve=True)
-    sender = Sender(plan, 0, shard(plan, full_weights(plan, 0, 1), 0), rendezvous=served, timeout=5, progress_thread=True).start()
+    sender = Sender(plan, 0, shard(plan, full_weights(plan, 0, 1), 0), rendezvous=served, timeout=5, progress="thread").start()
     receiver = Receiver(plan, 0, plain_destination(plan, 0), rendezvous=served, timeout=2, derived="caller").start()
     sender.publish(1)
     field, change = BAD_ADDRESSES[case]
@@ -210,7 +207,7 @@ def test_trainer_info_with_unregistered_addresses_fails_the_sync_naming_the_fiel
 
 def test_a_garbage_join_record_does_not_make_the_trainer_fail(request, plan, caplog):
     served = Rendezvous.connect(_job(request), "127.0.0.1:0", serve=True)
-    sender = Sender(plan, 0, shard(plan, full_weights(plan, 0, 1), 0), rendezvous=served, timeout=5, progress_thread=True).start()
+    sender = Sender(plan, 0, shard(plan, full_weights(plan, 0, 1), 0), rendezvous=served, timeout=5, progress="thread").start()
     served.put("inference/0/joined", b"\xff not json")
     sender.publish(1)
     with caplog.at_level(logging.WARNING):
@@ -252,8 +249,8 @@ def test_connect_arguments_are_checked(job, address, timeout, message):
 @pytest.mark.parametrize("key,value", [("metadata", b"\x00garbage"), ("digests", b"[1, 2]"), ("digests", b"{\"x\": ")])
 def test_poisoned_metadata_and_digests_fail_the_sync_cleanly(request, plan, key, value):
     served = Rendezvous.connect(_job(request), "127.0.0.1:0", serve=True)
-    sender = Sender(plan, 0, shard(plan, full_weights(plan, 0, 1), 0), rendezvous=served, timeout=5, digests=True,
-                    progress_thread=True).start()
+    sender = Sender(plan, 0, shard(plan, full_weights(plan, 0, 1), 0), rendezvous=served, timeout=5, verify=True,
+                    progress="thread").start()
     receiver = Receiver(plan, 0, plain_destination(plan, 0), rendezvous=served, timeout=2, derived="caller", verify=True).start()
     sender.publish(1)
     served.put(protocol.trainer(0).metadata_key(sender.incarnation) if key == "metadata" else protocol.digests_key(0, 1), value)

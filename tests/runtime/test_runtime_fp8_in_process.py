@@ -36,7 +36,7 @@ def _world(plan, rendezvous, fp8_path="auto", sender_fp8_path=None, **receiver_k
     # Both ends in one process: the targets need NIXL's progress thread.
     # One store client per trainer, as in separate processes: a client blocked in wait() serves no other thread.
     senders = [Sender(plan, r, tensors[r], rendezvous=Rendezvous.connect(rendezvous.job, rendezvous.address), timeout=10,
-                      digests=True, progress_thread=True, fp8_path=sender_fp8_path or fp8_path).start()
+                      verify=True, progress="thread", fp8_path=sender_fp8_path or fp8_path).start()
                for r in range(plan.header.src_ranks)]
     destinations = {k: plain_destination(plan, k) for k in range(plan.header.dst_ranks)}
     receivers = [Receiver(plan, k, destinations[k], rendezvous=rendezvous, timeout=10, derived="caller", fp8_path=fp8_path,
@@ -88,9 +88,9 @@ def test_fp8_syncs_equal_the_host_executor(fp8_plan, rendezvous, case, group_byt
     for receiver in receivers:
         held = [e for e in plan.staging if receiver.rank in e.ranks]
         # Staging holds only blocks the receiver quantizes, at most two pipeline groups of them.
-        assert receiver.staging_bytes <= 2 * sum(e.numel for e in held)
+        assert receiver.stats.staging_bytes <= 2 * sum(e.numel for e in held)
         if group_bytes < (1 << 20) and receiver.n_groups > 2:
-            assert receiver.staging_bytes < 2 * sum(e.numel for e in held)
+            assert receiver.stats.staging_bytes < 2 * sum(e.numel for e in held)
     sender_spans = plan.spans["side"] != RECEIVER  # sender and gather sides: quantized and served by a trainer
     for sender in senders:
         mine = sender_spans & (plan.spans["src_rank"] == sender.rank)

@@ -4,6 +4,7 @@ fp8 plans: tests/runtime/test_runtime_fp8_in_process.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -51,7 +52,7 @@ def test_sync_equals_the_host_executor(request, rendezvous, plan_name):
     assert sender.packing.nbytes == served
     # No run is read in place, so cast regions are cast straight into the packed region: staged once.
     assert sender.staging_bytes == sender.packing.nbytes
-    assert receiver.descriptors == len(destination) < len(receiver.reads[0])
+    assert receiver.stats.descriptors == len(destination) < len(receiver.reads[0])
 
 
 def test_groups_pipeline_post_ops_over_every_destination(rendezvous, fp32_plan):
@@ -91,7 +92,7 @@ def test_a_retired_version_is_refused_not_mixed(rendezvous, bf16_plan):
 
 def test_unpublished_version_times_out_with_a_clear_error(rendezvous, bf16_plan):
     tensors, sender, destination, receiver = in_process_pair(bf16_plan, rendezvous)
-    receiver.timeout = 0.5
+    receiver.options = dataclasses.replace(receiver.options, timeout=0.5)
     with pytest.raises(SyncError, match=r"version 7 from trainer ranks \[0\]: not published within"):
         receiver.sync(7)
     assert receiver.version is None
@@ -99,7 +100,7 @@ def test_unpublished_version_times_out_with_a_clear_error(rendezvous, bf16_plan)
 
 def test_receiver_refuses_a_trainer_running_another_plan(rendezvous, bf16_plan, fp32_plan):
     sender = Sender(fp32_plan, 0, shard(fp32_plan, full_weights(fp32_plan, 0, 1), 0), rendezvous=rendezvous, timeout=5,
-                    progress_thread=True).start()
+                    progress="thread").start()
     receiver = Receiver(bf16_plan, 0, plain_destination(bf16_plan, 0), rendezvous=rendezvous, timeout=5, derived="caller").start()
     sender.publish(1)
     with pytest.raises(PlanMismatchError, match="both sides must load the same plan file"):
@@ -109,13 +110,13 @@ def test_receiver_refuses_a_trainer_running_another_plan(rendezvous, bf16_plan, 
 
 @pytest.mark.parametrize("sender_kwargs,receiver_kwargs,message", [
     ({"ring_bytes": 1 << 20}, {"ring_bytes": 1 << 19}, "ring_bytes is 1048576 there and 524288 here"),
-    ({"digests": False}, {"verify": True}, "digests is False there and verify is True here"),
+    ({"verify": False}, {"verify": True}, "verify is False there and True here"),
 ])
 def test_options_both_sides_share_must_agree(rendezvous, bf16_plan, sender_kwargs, receiver_kwargs, message):
     """What the trainer published of its options (protocol.SharedOptions) is checked once, at connect, in one line
     naming the option and both values; nothing is read and the receiver holds no version."""
     sender = Sender(bf16_plan, 0, shard(bf16_plan, full_weights(bf16_plan, 0, 1), 0), rendezvous=rendezvous, timeout=5,
-                    progress_thread=True, **sender_kwargs).start()
+                    progress="thread", **sender_kwargs).start()
     receiver = Receiver(bf16_plan, 0, plain_destination(bf16_plan, 0), rendezvous=rendezvous, timeout=5, derived="caller",
                         **receiver_kwargs).start()
     sender.publish(1)
@@ -198,7 +199,7 @@ def test_start_and_close_own_the_side_effects(rendezvous, bf16_plan):
     from weightplan.runtime.errors import WeightplanError
 
     tensors = shard(bf16_plan, full_weights(bf16_plan, 0, 1), 0)
-    sender = Sender(bf16_plan, 0, tensors, rendezvous=rendezvous, timeout=5, progress_thread=True)
+    sender = Sender(bf16_plan, 0, tensors, rendezvous=rendezvous, timeout=5, progress="thread")
     destination = plain_destination(bf16_plan, 0)
     receiver = Receiver(bf16_plan, 0, destination, rendezvous=rendezvous, timeout=5, derived="caller")
     assert sender.agent is None and receiver.agent is None and not rendezvous.exists("trainer/0/info")
@@ -245,8 +246,8 @@ def test_a_reader_given_up_on_that_comes_back_is_waited_for_while_it_reconnects(
     connects, slowly (1 s here, as over a link just restored): the trainer's release holds the version open for it, and
     the first sync after its return completes with the host executor's bytes."""
     tensors, sender, destination, receiver = _given_up_after_version_1(bf16_plan, rendezvous)
-    renew = receiver._renew_agent
-    monkeypatch.setattr(receiver, "_renew_agent", lambda: (time.sleep(1.0), renew()))
+    renew = receiver.connections.renew
+    monkeypatch.setattr(receiver.connections, "renew", lambda: (time.sleep(1.0), renew()))
     _return_and_sync(bf16_plan, tensors, sender, receiver, destination, 2)
 
 
@@ -266,10 +267,10 @@ def test_a_reader_that_skipped_a_version_says_it_is_back_and_is_waited_for(rende
     assert not rendezvous.exists(protocol.returning_key(0, 1))
     sender.publish(2)
     assert sender.release(2, timeout=0.3).timed_out == (0,)  # skipped: given up on
-    connect = receiver._connect_all
-    monkeypatch.setattr(receiver, "_connect_all", lambda *a: (time.sleep(1.0), connect(*a)))
+    connect = receiver.connections.connect_all
+    monkeypatch.setattr(receiver.connections, "connect_all", lambda *a: (time.sleep(1.0), connect(*a)))
     _return_and_sync(bf16_plan, tensors, sender, receiver, destination, 3)
-    monkeypatch.setattr(receiver, "_connect_all", connect)
+    monkeypatch.setattr(receiver.connections, "connect_all", connect)
     sender.publish(4)
     [synced], [released] = sync_while_released([sender], [receiver], 4, release_timeout=10)
     assert synced.version == 4 and released.acked == (0,) and released.returned == ()  # read in turn: no return
@@ -280,9 +281,9 @@ def test_a_return_written_after_the_last_poll_is_seen_before_the_release_retires
     """A release that has nothing left to wait for looks for returns once more before it retires the version: a
     reader that wrote that it is back just after the release's last poll is held for (here it never begins, so for the
     grace)."""
-    from weightplan.runtime.sender import sender as sender_module
+    from weightplan.runtime.sender import release
 
-    monkeypatch.setattr(sender_module, "RETURN_GRACE_S", 0.5)
+    monkeypatch.setattr(release, "RETURN_GRACE_S", 0.5)
     tensors, sender, destination, receiver = _given_up_after_version_1(bf16_plan, rendezvous)
     sender.publish(2)
     looked = sender._returning
@@ -299,9 +300,9 @@ def test_a_return_written_after_the_last_poll_is_seen_before_the_release_retires
 
 def test_a_return_without_a_begin_holds_a_release_for_the_grace_only_and_a_forged_one_not_at_all(rendezvous, bf16_plan,
                                                                                                monkeypatch):
-    from weightplan.runtime.sender import sender as sender_module
+    from weightplan.runtime.sender import release
 
-    monkeypatch.setattr(sender_module, "RETURN_GRACE_S", 0.5)
+    monkeypatch.setattr(release, "RETURN_GRACE_S", 0.5)
     tensors, sender, destination, receiver = _given_up_after_version_1(bf16_plan, rendezvous)
     rendezvous.put(protocol.returning_key(0, 2), receiver.incarnation.encode())  # back, and then never reads
     sender.publish(2)

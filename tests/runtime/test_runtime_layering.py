@@ -20,7 +20,7 @@ def test_every_runtime_module_imports_without_the_compiler():
 
 
 # runtime/'s parts, lowest first: a module may import its own part, a lower layer, or the top-level modules
-# (errors, casts, checks, constant_writes); parts of one layer import each other only in the lowest one.
+# (errors, dtypes, casts, checks, constant_writes); parts of one layer import each other only in the lowest one.
 _LAYERS = [("plan", "layout", "fp8"), ("tables",), ("delta",), ("host", "transport"), ("sender", "receiver")]
 _RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
 

@@ -93,8 +93,8 @@ def test_a_sync_of_1000_rows_per_stored_run_builds_no_table_with_a_row_dimension
     plan = load_plan(tp_plan(tmp_path / "tp.plan", matrices=4, rows=1000, width=8, row_width=64))
     assert plan.n_runs > 600 * plan.n_stored_runs
     full = full_weights(plan, 0, 1)
-    senders = [Sender(plan, r, shard(plan, full, r), rendezvous=rendezvous, timeout=10, digests=True,
-                      progress_thread=True).start() for r in range(2)]
+    senders = [Sender(plan, r, shard(plan, full, r), rendezvous=rendezvous, timeout=10, verify=True,
+                      progress="thread").start() for r in range(2)]
     destinations = [plain_destination(plan, k) for k in range(2)]
     receivers = [Receiver(plan, k, destinations[k], rendezvous=rendezvous, timeout=10, derived="caller", verify=True,
                           group_bytes=64 << 10).start() for k in range(2)]
@@ -180,7 +180,7 @@ def _sync_pair_of_pairs(plan, full, ring_bytes: int, version: int = 1):
     """Both trainer ranks and both tp ranks of a tp_plan in this process, each on its own thread (a ring needs
     every reader of a chunk to acknowledge it before the trainer packs the next one)."""
     rendezvous = Rendezvous.connect(f"ring-{uuid.uuid4().hex[:12]}", "127.0.0.1:0", serve=True)
-    senders = [Sender(plan, r, shard(plan, full, r), rendezvous=rendezvous, timeout=20, progress_thread=True,
+    senders = [Sender(plan, r, shard(plan, full, r), rendezvous=rendezvous, timeout=20, progress="thread",
                       ring_bytes=ring_bytes).start() for r in range(2)]
     destinations = [plain_destination(plan, k) for k in range(2)]
     receivers = [Receiver(plan, k, destinations[k], rendezvous=rendezvous, timeout=20, derived="caller",

@@ -94,8 +94,8 @@ def test_the_trainer_info_round_trips():
     ("extra", 1, "unknown field 'extra'"),
     ("host", "t0\nforged line", "'host' is 't0\\\\nforged line', not an IP address"),
     ("host", 198, "'host' is '198', not an IP address"),
-    ("options", {"ring_bytes": 0, "digests": False}, "'options.ring_bytes' is 0"),
-    ("options", {"ring_bytes": 8}, "'options' is not an object of ring_bytes, digests"),
+    ("options", {"ring_bytes": 0, "verify": False}, "'options.ring_bytes' is 0"),
+    ("options", {"ring_bytes": 8}, "'options' is not an object of ring_bytes, verify"),
 ])
 def test_a_malformed_trainer_info_is_one_line_naming_the_field(field, value, message):
     record = _info().to_json() | {field: value}
@@ -105,12 +105,12 @@ def test_a_malformed_trainer_info_is_one_line_naming_the_field(field, value, mes
 
 
 def test_options_both_sides_must_share_are_checked_in_one_place():
-    options = protocol.SharedOptions(1 << 20, digests=False)
+    options = protocol.SharedOptions(1 << 20, verify=False)
     assert options.mismatch(1 << 20, verify=False) is None
     assert options.mismatch(1 << 19, verify=False) == ("ring_bytes is 1048576 there and 524288 here: give its Sender and "
                                                       "this Receiver the same ring_bytes")
-    assert "digests is False there and verify is True here" in options.mismatch(1 << 20, verify=True)
-    assert protocol.SharedOptions(1 << 20, digests=True).mismatch(1 << 20, verify=True) is None
+    assert "verify is False there and True here" in options.mismatch(1 << 20, verify=True)
+    assert protocol.SharedOptions(1 << 20, verify=True).mismatch(1 << 20, verify=True) is None
 
 
 def _imports(path: Path, package: str) -> set[str]:

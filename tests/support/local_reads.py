@@ -34,7 +34,7 @@ def pair(plan, rendezvous, tamper=None, delta=0.0, **receiver_kwargs):
     """A Sender and a Receiver in this process (process_vm_readv reads this very process), version 1 published; `tamper`
     edits the trainer's published info before the receiver reads it. Both are closed on leaving."""
     sender = Sender(plan, 0, shard(plan, full_weights(plan, 0, 1), 0), rendezvous=rendezvous, timeout=5,
-                    progress_thread=True, delta=delta).start()
+                    progress="thread", delta=delta).start()
     destination = plain_destination(plan, 0)
     receiver = Receiver(plan, 0, destination, rendezvous=rendezvous, timeout=2, derived="caller", delta=delta,
                         **receiver_kwargs).start()

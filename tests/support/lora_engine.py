@@ -1,4 +1,4 @@
-"""LoRA adapters in live CPU engines for the tests: random PEFT directories, a plan executed into a slot, greedy tokens."""
+"""LoRA in live CPU engines for the tests: the plan and the engine, random adapters, a plan run into a slot, tokens."""
 
 from __future__ import annotations
 
@@ -6,7 +6,26 @@ from pathlib import Path
 
 import torch
 
+from weightplan.testing.engines import CONFIGS, make_llm
+
+MODEL = "engine-llama"
 PROMPT = [5, 9, 17, 33]
+LORA_ENGINE = dict(enable_lora=True, max_loras=2, max_lora_rank=8)  # two slots, rank up to 8
+
+
+def compiled_lora_plan(directory: Path, lora: str):
+    """MODEL's LoRA plan (`compile-plan --lora LORA`) written to directory/lora.plan: (its path, the loaded plan)."""
+    from weightplan.compiler.compile import CompileOptions, compile_plan
+    from weightplan.runtime import load_plan
+
+    path = directory / "lora.plan"
+    compile_plan(CompileOptions(str(CONFIGS / MODEL), output=path, lora=lora))
+    return path, load_plan(path)
+
+
+def lora_llm(*, backend: bool):
+    """A live CPU engine of MODEL (dummy weights) with LORA_ENGINE's slots; `backend`: the weightplan backend too."""
+    return make_llm(CONFIGS / MODEL, dummy=True, backend=backend, **LORA_ENGINE)
 
 
 def plan_into_slot(worker, lora_id: int, plan_path: str, peft_dir: str) -> int:
@@ -24,17 +43,21 @@ def plan_into_slot(worker, lora_id: int, plan_path: str, peft_dir: str) -> int:
     return slot
 
 
+def random_adapter(plan, seed: int, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Unit-variance tensors for the plan's sources (so that adapters of different seeds generate apart), in `dtype`
+    (default each source's own)."""
+    g = torch.Generator().manual_seed(seed)
+    return {s.name: torch.randn(s.shape, generator=g).to(dtype or getattr(torch, s.dtype)) for s in plan.sources}
+
+
 def random_peft_dirs(plan, directory: Path, seeds) -> dict[int, str]:
     """seed -> a PEFT directory of random bf16 tensors for the plan's sources, its config from the plan header."""
     from weightplan.compiler.verify_lora import spec_of, write_peft_dir
 
     spec, targets = spec_of(plan)
-    out = {}
-    for seed in seeds:
-        g = torch.Generator().manual_seed(seed)
-        tensors = {s.name: torch.randn(s.shape, generator=g).to(torch.bfloat16) for s in plan.sources}
-        out[seed] = str(write_peft_dir(directory / f"adapter{seed}", spec, targets, tensors))
-    return out
+    return {seed: str(write_peft_dir(directory / f"adapter{seed}", spec, targets,
+                                     random_adapter(plan, seed, torch.bfloat16)))
+            for seed in seeds}
 
 
 def greedy_with_lora(llm, request, prompt: list[int] = PROMPT) -> list[int]:

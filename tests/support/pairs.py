@@ -11,7 +11,7 @@ def in_process_pair(plan, rendezvous, version=1, ring_bytes=DEFAULT_RING_BYTES, 
     """(the trainer's tensors at `version`, its started Sender, the receiver's destination, its started Receiver)."""
     tensors = shard(plan, full_weights(plan, 0, version), 0)
     # Both agents live in this process, so the target side needs NIXL's progress thread.
-    sender = Sender(plan, 0, tensors, rendezvous=rendezvous, timeout=5, digests=True, progress_thread=True,
+    sender = Sender(plan, 0, tensors, rendezvous=rendezvous, timeout=5, verify=True, progress="thread",
                     ring_bytes=ring_bytes).start()
     destination = plain_destination(plan, 0)
     receiver = Receiver(plan, 0, destination, rendezvous=rendezvous, timeout=5, derived="caller", ring_bytes=ring_bytes,

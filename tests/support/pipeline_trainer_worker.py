@@ -84,7 +84,7 @@ def main(argv=None) -> None:
         refused = str(exc)
     emit(event="refused", rank=args.rank, as_rank=other, error=refused)
     rendezvous = Rendezvous.connect(go["job"], go["address"], timeout=args.timeout)
-    sender = LiveSender(plan, args.rank, module, rendezvous=rendezvous, timeout=args.timeout, digests=True).start()
+    sender = LiveSender(plan, args.rank, module, rendezvous=rendezvous, timeout=args.timeout, verify=True).start()
     deadline = time.monotonic() + 300
     while not all(rendezvous.exists(protocol.joined_key(k)) for k in sender.readers):
         if time.monotonic() > deadline:

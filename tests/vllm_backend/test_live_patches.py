@@ -11,6 +11,8 @@ from weightplan.compiler.frontend.vllm_patches import exists, resolve
 from weightplan.vllm_backend import live_patches
 from weightplan.vllm_backend.live_patches import LIVE_CHANGES
 
+from ..support.vllm_inventory import holds_on_installed_vllm
+
 
 def code_names(function) -> set[str]:
     """Every global and attribute name a function's code (nested functions included) reads or sets."""
@@ -36,18 +38,12 @@ def test_every_live_target_and_attribute_exists_in_the_installed_vllm(change):
     assert SpecifierSet(live_patches.SUPPORTED_VLLM).contains(version, prereleases=True), (
         f"vLLM {version} is outside the backend's SUPPORTED_VLLM {live_patches.SUPPORTED_VLLM}")
     functions = change.targets + tuple(function for function, _ in change.attributes)
-    if not change.applies_to(version):  # an alternative for other vLLMs: something it touches must be missing here
-        assert not all(map(exists, functions)) or not all(
-            attribute in code_names(getattr(*resolve(function))) for function, attribute in change.attributes), (
-            f"{change.name} declares vLLM {change.vllm_versions}, but the installed {version} has all it touches: "
-            "widen its vllm_versions")
+
+    def names_every_attribute() -> bool:
+        return all(attribute in code_names(getattr(*resolve(function))) for function, attribute in change.attributes)
+
+    if not holds_on_installed_vllm(change, functions, "vllm_backend/live_patches.py", names_every_attribute):
         return
-    for target in functions:
-        try:
-            resolve(target)
-        except (ImportError, AttributeError) as exc:
-            pytest.fail(f"{change.name}: vLLM {version} has no {target} ({exc}); re-read vLLM and update "
-                        "vllm_backend/live_patches.py")
     for function, attribute in change.attributes:
         assert attribute in code_names(getattr(*resolve(function))), (
             f"{change.name}: vLLM {version}'s {function} no longer names `{attribute}`; re-read vLLM and update "

@@ -11,33 +11,27 @@ import os
 
 import pytest
 
-from tests.support.lora_engine import greedy_with_lora, plan_into_slot, random_peft_dirs
-from weightplan.testing.engines import CONFIGS, make_llm, pin_no_amx
+from tests.support.lora_engine import compiled_lora_plan, greedy_with_lora, lora_llm, plan_into_slot, random_peft_dirs
+from weightplan.testing.engines import pin_no_amx
 
 pytestmark = pytest.mark.skipif(os.environ.get("WEIGHTPLAN_SLOW_ENGINE") != "1",
                                 reason="slow engine test: set WEIGHTPLAN_SLOW_ENGINE=1")
-MODEL = "engine-llama"
 
 
 def test_plan_written_into_a_live_slot_generates_like_a_fresh_engine(tmp_path, monkeypatch):
     from vllm.lora.request import LoRARequest
 
-    from weightplan.compiler.compile import CompileOptions, compile_plan
-    from weightplan.runtime import load_plan
-
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     unpin = pin_no_amx(tmp_path)
-    plan_path = tmp_path / "lora.plan"
-    compile_plan(CompileOptions(str(CONFIGS / MODEL), output=plan_path, lora="8,alpha=16"))
-    adapters = random_peft_dirs(load_plan(plan_path), tmp_path, (1, 2))
-    lora = dict(enable_lora=True, max_loras=2, max_lora_rank=8)
+    plan_path, plan = compiled_lora_plan(tmp_path, "8,alpha=16")
+    adapters = random_peft_dirs(plan, tmp_path, (1, 2))
     try:
-        llm = make_llm(CONFIGS / MODEL, dummy=True, backend=False, **lora)
+        llm = lora_llm(backend=False)
         first = greedy_with_lora(llm, LoRARequest("first", 1, adapters[1]))
         llm.collective_rpc(plan_into_slot, args=(1, str(plan_path), adapters[2]))
         updated = greedy_with_lora(llm, LoRARequest("first", 1, adapters[1]))  # same id, same slot, the plan's new bytes
         del llm
-        fresh = make_llm(CONFIGS / MODEL, dummy=True, backend=False, **lora)
+        fresh = lora_llm(backend=False)
         expected = greedy_with_lora(fresh, LoRARequest("second", 2, adapters[2]))
         del fresh
     finally:

@@ -81,3 +81,18 @@ def test_a_plan_for_another_pipeline_size_is_refused_in_one_line(plan_pp, engine
     assert "\n" not in str(caught.value)
     same = SimpleNamespace(header=_header(engine_pp if engine_pp > 1 else None), dests=())
     assert check_engine(same, 0, torch.nn.Module(), vllm_config, "cpu") == []
+
+
+def test_an_engine_with_expert_load_balancing_is_refused_in_one_line():
+    """vLLM's CPU platform refuses enable_eplb itself; a GPU engine's parallel config, as check_engine reads it."""
+    parallel = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, prefill_context_parallel_size=1,
+                               data_parallel_index=0, enable_eplb=True,
+                               eplb_config=SimpleNamespace(num_redundant_experts=0))
+    vllm_config = SimpleNamespace(parallel_config=parallel,
+                                  model_config=SimpleNamespace(hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"]),
+                                                               model="tiny-llama"))
+    plan = SimpleNamespace(header=_header(None), dests=())
+    with pytest.raises(PlanMismatchError, match=r": enable_eplb \(0 redundant experts\): vLLM's expert load balancer "
+                                                r"moves experts .* start the engine without --enable-eplb") as caught:
+        check_engine(plan, 0, torch.nn.Module(), vllm_config, "cpu")
+    assert "\n" not in str(caught.value)

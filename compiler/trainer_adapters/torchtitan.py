@@ -9,7 +9,7 @@ import torch
 
 
 class TorchtitanDeepSeekV3:
-    """`--trainer-adapter weightplan.compiler.adapters.torchtitan:TorchtitanDeepSeekV3` for a DeepSeek-V3 config.
+    """`--trainer-adapter weightplan.compiler.trainer_adapters.torchtitan:TorchtitanDeepSeekV3` for a DeepSeek-V3 config.
 
     The trainer tensors are torchtitan's own (`layers.N.moe.routed_experts.inner_experts.w1_EFD`
     with every expert stacked on dim 0, ...), built from the Hugging Face config's sizes; the
