@@ -3,15 +3,10 @@ lost mid-run, and a trainer killed and restarted under a live receiver, taken at
 
 from __future__ import annotations
 
-import json
-import shutil
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -21,64 +16,9 @@ from weightplan.runtime.transport.etcd_store import EtcdStore, parse_endpoints
 from weightplan.runtime.transport.rendezvous import SECRET_ENV
 from weightplan.testing.runtime_harness import Job
 
-ETCD = shutil.which("etcd")
+from ..support.etcd import EtcdCluster, free_port
+
 SECRET = "weightplan-etcd-test-secret-0123"
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class EtcdCluster:
-    """`members` etcd processes on free loopback ports, each with a data directory under `root`."""
-
-    def __init__(self, root: Path, members: int, client_ports: list[int] | None = None):
-        if ETCD is None:
-            pytest.skip("no etcd binary on PATH (Debian: apt-get install etcd-server)")
-        root.mkdir(exist_ok=True)
-        self.clients = client_ports or [_free_port() for _ in range(members)]
-        peers = [_free_port() for _ in range(members)]
-        initial = ",".join(f"m{i}=http://127.0.0.1:{p}" for i, p in enumerate(peers))
-        self.procs: list[subprocess.Popen] = []
-        for i, (client, peer) in enumerate(zip(self.clients, peers)):
-            log = open(root / f"etcd-m{i}.log", "w")
-            self.procs.append(subprocess.Popen(
-                [ETCD, "--name", f"m{i}", "--data-dir", str(root / f"etcd-m{i}"),
-                 "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
-                 "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                 "--initial-cluster", initial, "--initial-cluster-token", root.name,
-                 "--heartbeat-interval", "50", "--election-timeout", "500", "--log-level", "error"],
-                stdout=log, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + 30
-        while not all(self._healthy(c) for c in self.clients):
-            if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
-                self.close()
-                raise AssertionError(f"etcd did not start: {(root / 'etcd-m0.log').read_text()[-2000:]}")
-            time.sleep(0.1)
-
-    @staticmethod
-    def _healthy(port: int) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as answer:
-                return json.loads(answer.read()).get("health") == "true"
-        except (OSError, ValueError):
-            return False
-
-    @property
-    def address(self) -> str:
-        return "etcd://" + ",".join(f"127.0.0.1:{p}" for p in self.clients)
-
-    def kill(self, member: int) -> None:
-        self.procs[member].kill()
-        self.procs[member].wait()
-
-    def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
 
 
 pytestmark = pytest.mark.usefixtures("no_job_secret_in_the_environment")
@@ -143,7 +83,7 @@ def test_an_etcd_address_off_loopback_needs_a_secret_as_the_tcp_store_does():
 
 
 def test_an_etcd_address_that_does_not_answer_is_one_error_within_the_timeout():
-    closed = [_free_port(), _free_port()]
+    closed = [free_port(), free_port()]
     address = f"etcd://127.0.0.1:{closed[0]},127.0.0.1:{closed[1]}"
     began = time.monotonic()
     with pytest.raises(WeightplanError, match=rf"cannot reach the rendezvous store {address} within 1.5 s: .*"
@@ -194,7 +134,7 @@ def test_the_vllm_engines_init_info_takes_an_etcd_address_and_names_a_malformed_
 
 
 def test_weightplan_store_hosts_the_tcp_store_outside_every_process_of_the_job(capsys):
-    port = _free_port()
+    port = free_port()
     store = subprocess.Popen([sys.executable, "-m", "weightplan.runtime.transport.serve_store", "--job", "outside",
                               "--address", f"127.0.0.1:{port}"], stdout=subprocess.PIPE, text=True)
     try:
