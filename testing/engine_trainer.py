@@ -30,6 +30,7 @@ def main() -> None:
     parser.add_argument("--sets", default="1,2,3", help="weight set of each version, from version 1 (s: a sparse step)")
     parser.add_argument("--first-version", type=int, default=1)
     parser.add_argument("--delta", type=float, default=0.0, help="the Sender's delta fraction (0: full syncs only)")
+    parser.add_argument("--pool-ranks", type=int, default=None, help="the Sender's pool_ranks (None: the plan's)")
     parser.add_argument("--hold-after-publish", type=int, default=0, help="publish this version, then hang (to be killed)")
     args = parser.parse_args()
     plan = load_plan(args.plan)
@@ -37,7 +38,7 @@ def main() -> None:
     full = full_weights(plan, args.seed, sets[args.first_version - 1])
     tensors = local_shards(plan, full, args.rank)
     info = WeightplanTrainerInitInfo(rank=args.rank, plan=args.plan, address=args.address, job=args.job,
-                                     timeout=args.timeout, delta=args.delta)
+                                     timeout=args.timeout, delta=args.delta, pool_ranks=args.pool_ranks)
     engine = start_trainer_engine(info, client=None, source=ShardSource(tensors))
     gate = Rendezvous.connect(args.job, args.address, timeout=args.timeout)
     print(json.dumps({"event": "ready", "rank": args.rank}), flush=True)

@@ -12,6 +12,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from weightplan.runtime import Plan, PlanMismatchError, Receiver, Rendezvous, load_plan
 from weightplan.runtime.plan.schema import DerivedItem
+from weightplan.runtime.tables.ranks import layout_rank
 
 from .engine_check import check_engine, check_lora_engine, plan_rank
 from .live_patches import allow_forward, refuse_forward
@@ -137,9 +138,9 @@ class WeightplanWeightTransferEngine(WeightTransferEngine[WeightplanInitInfo, We
             if target is None and init_info.fingerprint is not None and candidate.fingerprint != init_info.fingerprint:
                 errors.append(f"{path}: fingerprint {candidate.fingerprint[:12]} is not the trainer's {init_info.fingerprint[:12]}")
                 continue
-            try:
-                names = check_engine(candidate, rank, model, self.vllm_config, self.platform, model_config=model_config,
-                                     target=target)
+            try:  # a replica beyond the plan's ranks (init_info.pool_ranks) is checked as the plan rank it copies
+                names = check_engine(candidate, layout_rank(candidate, rank, init_info.pool_ranks), model,
+                                     self.vllm_config, self.platform, model_config=model_config, target=target)
             except PlanMismatchError as exc:
                 errors.append(str(exc))
                 continue
@@ -152,7 +153,8 @@ class WeightplanWeightTransferEngine(WeightTransferEngine[WeightplanInitInfo, We
         derived = [d for d in plan.derived if d.where == DerivedItem.RECEIVER and set(d.reads) <= set(names)]
         rendezvous = Rendezvous.connect(job, init_info.address, timeout=init_info.timeout)
         receiver = Receiver(plan, rank, destination.tensors, rendezvous=rendezvous, timeout=init_info.timeout,
-                            verify=init_info.verify, derived="caller", delta=init_info.delta)
+                            verify=init_info.verify, derived="caller", delta=init_info.delta,
+                            pool_ranks=init_info.pool_ranks)
         receiver.start()
         log.info("weightplan backend: inference rank %d, %s %s (%s), %s mode (%s), %.1f MB staged", rank, what,
                  plan.header.model, plan.fingerprint[:12], destination.mode, destination.reason,
@@ -161,9 +163,9 @@ class WeightplanWeightTransferEngine(WeightTransferEngine[WeightplanInitInfo, We
 
     def _join_lora(self, init_info: WeightplanInitInfo, rank: int, plans: list[tuple[str, Plan]]) -> LoraSide:
         """Check the LoRA plan against this engine's LoRA layers and join its job (nothing registered until an update)."""
-        if len(plans) != 1 or init_info.draft_plan is not None or init_info.delta:
-            raise InitInfoError("weightplan init_info with a LoRA plan takes exactly one plan, no 'draft_plan' and no "
-                                "'delta'")
+        if len(plans) != 1 or init_info.draft_plan is not None or init_info.delta or init_info.pool_ranks is not None:
+            raise InitInfoError("weightplan init_info with a LoRA plan takes exactly one plan, no 'draft_plan', no "
+                                "'delta' and no 'pool_ranks'")
         path, plan = plans[0]
         if init_info.fingerprint is not None and plan.fingerprint != init_info.fingerprint:
             raise PlanMismatchError(f"{path}: fingerprint {plan.fingerprint[:12]} is not the trainer's "

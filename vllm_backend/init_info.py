@@ -68,7 +68,9 @@ class WeightplanInitInfo(WeightTransferInitInfo):
     speculative-decoding draft's plan file(s) (`compile-plan --draft`); with it the engine takes
     draft updates (`start_draft_weight_update`), synced in job `job + ".draft"`. `delta`: the Receiver's delta
     fraction (docs/runtime.md, delta syncs; 0: every update full), in [0, 1]. `lora_slots`: for a LoRA plan
-    (`compile-plan --lora`), the two adapter slots its versions alternate between (docs/lora.md).
+    (`compile-plan --lora`), the two adapter slots its versions alternate between (docs/lora.md). `pool_ranks`: the
+    inference ranks the job's trainers serve when engine replicas beyond the plan's ranks join (the trainers' own
+    `pool_ranks`; a replica's rank is `rank_offset` plus its worker rank; docs/operations.md#the-pool-grows-and-shrinks).
     """
 
     plan: str | list[str]
@@ -82,6 +84,7 @@ class WeightplanInitInfo(WeightTransferInitInfo):
     draft_plan: str | list[str] | None = None
     delta: float = 0.0
     lora_slots: tuple[int, int] = (0, 1)
+    pool_ranks: int | None = None
 
     @property
     def plans(self) -> list[str]:
@@ -129,7 +132,9 @@ class WeightplanInitInfo(WeightTransferInitInfo):
                    fingerprint=fingerprint,
                    draft_plan=draft_plan,
                    delta=_fraction("delta", info.get("delta", 0.0)),
-                   lora_slots=_slot_pair(info.get("lora_slots", [0, 1])))
+                   lora_slots=_slot_pair(info.get("lora_slots", [0, 1])),
+                   pool_ranks=None if info.get("pool_ranks") is None else _int("pool_ranks", info["pool_ranks"], 1,
+                                                                                MAX_RANKS))
 
 
 def _slot_pair(value: Any) -> tuple[int, int]:

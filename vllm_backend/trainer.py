@@ -58,7 +58,9 @@ class WeightplanTrainerInitInfo(TrainerInitInfo):
     this rank's Sender and of every inference worker's Receiver (docs/runtime.md, delta syncs; 0: every sync full).
     `drives`: whether this rank drives the engine through `client` (None: rank 0, as vLLM's trainer engines do; an
     engine colocated with a trainer rank, an in-process `vllm.LLM` as TRL's colocate mode runs one per replica, is
-    driven by the rank it lives in). Only rank 0 hosts the store either way.
+    driven by the rank it lives in). Only rank 0 hosts the store either way. `pool_ranks`: the inference ranks this
+    rank serves when engine replicas beyond the plan's ranks may join (its Sender's and every worker's `pool_ranks`;
+    docs/operations.md#the-pool-grows-and-shrinks; None: the plan's).
     """
 
     backend: ClassVar[str] = BACKEND
@@ -74,6 +76,7 @@ class WeightplanTrainerInitInfo(TrainerInitInfo):
     draft_plan: str | None = None
     delta: float = 0.0
     drives: bool | None = None
+    pool_ranks: int | None = None
 
     @property
     def drives_engine(self) -> bool:
@@ -83,8 +86,9 @@ class WeightplanTrainerInitInfo(TrainerInitInfo):
         """The JSON-native init info every inference worker gets."""
         draft = {"draft_plan": self.draft_plan} if self.draft_plan else {}
         delta = {"delta": self.delta} if self.delta else {}
+        pool = {} if self.pool_ranks is None else {"pool_ranks": self.pool_ranks}
         return {"plan": self.inference_plan or self.plan, "address": self.address, "job": self.job, "timeout": self.timeout,
-                "verify": self.verify, "fingerprint": fingerprint, **draft, **delta, **(self.engine or {})}
+                "verify": self.verify, "fingerprint": fingerprint, **draft, **delta, **pool, **(self.engine or {})}
 
 
 _Base = (TrainerWeightTransferEngine[Any, WeightplanTrainerInitInfo] if TAKES_CONFIG
@@ -147,13 +151,13 @@ class WeightplanTrainerEngine(_Base):
         if serve:
             init_info.address = rendezvous.address  # port 0 picks a free one
         sender = _sender(plan, init_info.rank, tensors, rendezvous=rendezvous, timeout=init_info.timeout,
-                         verify=init_info.verify, delta=init_info.delta)
+                         verify=init_info.verify, delta=init_info.delta, pool_ranks=init_info.pool_ranks)
         draft_sender = None
         if init_info.draft_plan is not None:
             draft_sender = _sender(load_plan(init_info.draft_plan), init_info.rank, _shards(draft_source, "draft_source"),
                                    rendezvous=Rendezvous.connect(init_info.job + DRAFT_JOB_SUFFIX, init_info.address,
                                                                  timeout=init_info.timeout),
-                                   timeout=init_info.timeout, verify=init_info.verify)
+                                   timeout=init_info.timeout, verify=init_info.verify, pool_ranks=init_info.pool_ranks)
         engine = cls(client=client, source=source, is_sender=init_info.drives_engine, sender=sender,
                      rendezvous=rendezvous, init_info=init_info, draft_sender=draft_sender, config=config)
         if init_info.drives_engine and client is not None:

@@ -235,7 +235,7 @@ class TrainerConnections:
         peer = Peer(self.agent, self.rendezvous, protocol.trainer(rank), incarnation)
         info = protocol.TrainerInfo.parse(peer.info, rank)
         regions = checked_regions(self.plan, self._qt, rank, info, incarnation)
-        mismatch = info.options.mismatch(self._ring_bytes, self._verify)
+        mismatch = info.options.mismatch(self._ring_bytes, self._verify, self.rank, self.plan.header.dst_ranks)
         if mismatch:
             raise PlanMismatchError(f"trainer rank {rank}: {mismatch}")
         packed_addr, packed_bytes = info.packed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
@@ -16,7 +17,7 @@ from ..fp8.placement import fp8_placement
 from ..options import SyncOptions
 from ..plan.format import Plan
 from ..tables.quant import check_supported, quant_tables
-from ..tables.ranks import Reads, held_entries
+from ..tables.ranks import Reads, check_pool, held_entries, layout_rank
 from ..tables.receiver import read_groups, read_tables, runs_into
 from ..tables.ring import DEFAULT_RING_BYTES
 from ..transport import protocol
@@ -34,7 +35,9 @@ from .report import ReceiverStats, SyncReport
 from .second_hops import SecondHops
 from .verify import Verifier
 
+log = logging.getLogger("weightplan.runtime")
 DEVICE_IPC = ("auto", "off")  # read trainers on this host directly when they open ("auto"), or always over NIXL
+LEAVE_S = 5.0  # seconds close() gives the store to take this rank's left record (then its trainers time out on it once)
 
 
 class Receiver(AgentOwner):
@@ -91,35 +94,44 @@ class Receiver(AgentOwner):
     host, no permission, a handle refused) is read over NIXL, logged once. `SyncReport.paths` says which path moved
     how many bytes.
 
-    `timeout`, `verify`, `progress`, `ring_bytes`, `delta`, `fp8_path` and `delta_path` mean what they mean to the
-    Sender (one record, `options`: runtime/options.py); `stats` holds this rank's fixed sizes (runtime/receiver/report.py).
+    `pool_ranks` (default: the plan's inference ranks; give the trainers' Senders the same) lets `rank` be a DP replica
+    beyond the plan's ranks: `rank` stays this process's name in every record, agent and message, while its tables are
+    those of `plan_rank`, the plan rank at its place in DP replica 0 (runtime/tables/ranks.py `layout_rank`; plans with
+    expert parallelism or fan-out are refused).
+
+    `timeout`, `verify`, `progress`, `ring_bytes`, `delta`, `fp8_path`, `delta_path` and `pool_ranks` mean what they
+    mean to the Sender (one record, `options`: runtime/options.py); `stats` holds this rank's fixed sizes
+    (runtime/receiver/report.py).
 
     The constructor only checks the destination against the plan and builds this rank's tables
     (runtime/tables/receiver.py); `start()` registers the destination with NIXL, writes the constants
-    and joins, `close()` deregisters it and releases the agent. `with Receiver(...) as receiver:` does both.
+    and joins, `close()` deregisters it, releases the agent and says this process left (the trainers' next release
+    does not wait for it). `with Receiver(...) as receiver:` does both.
     """
 
     def __init__(self, plan: Plan, rank: int, destination, *, rendezvous: Rendezvous, timeout: float = 60.0,
                  verify: bool = False, group_bytes: int = 256 << 20, post_op=None, progress: str = "auto",
                  derived: str = "refresh", act_dtype: torch.dtype = torch.bfloat16, ring_bytes: int = DEFAULT_RING_BYTES,
                  delta: float = 0.0, fp8_path: str = "auto", alternates: tuple = (), delta_path: str = "auto",
-                 delta_rates: DeltaRates | None = None, device_ipc: str = "auto"):
+                 delta_rates: DeltaRates | None = None, device_ipc: str = "auto", pool_ranks: int | None = None):
         if device_ipc not in DEVICE_IPC:
             raise WeightplanError(f"inference rank {rank}: device_ipc must be one of {', '.join(DEVICE_IPC)}, not {device_ipc!r}")
+        # `rank` names this process (records, agent, messages); `plan_rank` is whose tables it uses.
+        self.plan_rank = layout_rank(plan, rank, pool_ranks)
         self.options = SyncOptions(timeout=timeout, verify=verify, progress=progress, ring_bytes=ring_bytes, delta=delta,
-                                   fp8_path=fp8_path, delta_path=delta_path)
+                                   fp8_path=fp8_path, delta_path=delta_path, pool_ranks=check_pool(plan, pool_ranks))
         if plan.staging:
             check_supported(plan)
         self.plan, self.rank, self.rendezvous, self.post_op = plan, rank, rendezvous, post_op
         pull = self._pull = plan.pulling  # what this rank reads from the trainers (with fan-out, its first hops)
-        held = np.flatnonzero(held_entries(plan, rank)).tolist()
+        held = np.flatnonzero(held_entries(plan, self.plan_rank)).tolist()
         self._dst = self._destination_views(destination, held)
         self._derived = DerivedRefresh(plan, {plan.dests[i].name for i in held}, destination, derived, act_dtype)
         # fp8 staging slots live on the destinations' device and are quantized there (runtime/fp8/placement.py).
         fp8 = fp8_placement(self._dst.values() if plan.staging else (), fp8_path, f"inference rank {rank}")
         self._qt = quant_tables(pull) if plan.staging else None
-        self._quant = ReceiverQuant(pull, rank, self._qt, self._dst, fp8) if self._qt else None
-        self._hops = SecondHops(plan, rank, self._dst, rendezvous)
+        self._quant = ReceiverQuant(pull, self.plan_rank, self._qt, self._dst, fp8) if self._qt else None
+        self._hops = SecondHops(plan, self.plan_rank, self._dst, rendezvous)  # fan-out has no pool: plan_rank is rank
         # Alternate destination sets (identical geometry) a sync may fill instead: `sync(version, into=k)`.
         self._dsts = alternate_views(plan, rank, held, self._dst, alternates, {
             "fp8 staging": bool(plan.staging), "node-local fan-out": bool(self._hops.entries or self._hops.served),
@@ -127,7 +139,7 @@ class Receiver(AgentOwner):
         check_host_only([t for views in self._dsts[1:] for t in views.values()], {"verify=True": verify},
                         f"inference rank {rank}")
         self._held: list[int | None] = [None] * len(self._dsts)  # the version each destination set holds whole
-        self._groups = read_groups(pull, rank, group_bytes, self._quant.grouping() if self._quant else None)
+        self._groups = read_groups(pull, self.plan_rank, group_bytes, self._quant.grouping() if self._quant else None)
         if self._quant:
             self._quant.place(self._groups.stage_group, self.n_groups)
         self._build_tables(ring_bytes)
@@ -139,7 +151,7 @@ class Receiver(AgentOwner):
             quant_tables=self._qt, delta=self._delta, hops=self._hops, verify=verify, ring_bytes=ring_bytes,
             progress=self.options.progress, device_ipc=device_ipc)
         # The trainers' runs into second-hop entries, by trainer rank: what their digests cover (verify=True).
-        hop_reads = runs_into(plan, rank, self._hops.entries) if self._hops.entries else {}
+        hop_reads = runs_into(plan, self.plan_rank, self._hops.entries) if self._hops.entries else {}
         self._verifier = Verifier(plan, rendezvous, self.reads, self._groups, hop_reads, self._quant) if verify else None
         # Quantized groups and derived state are computed on the destinations' device; they are waited for before the
         # staging slot is reused, before the ack / landed word, and before `version` is set (runtime/device.py).
@@ -156,7 +168,7 @@ class Receiver(AgentOwner):
         plan, rank = self.plan, self.rank
         expected = {plan.dests[i].name: (plan.dests[i].shape, plan.dests[i].dtype) for i in held}
         given = named_tensors(destination, set(expected))
-        check_tensors(given, expected, set(expected) | inference_names(plan, rank), f"inference rank {rank}")
+        check_tensors(given, expected, set(expected) | inference_names(plan, self.plan_rank), f"inference rank {rank}")
         views = {i: flat_view(plan.dests[i].name, given[plan.dests[i].name], plan.dests[i].shape, plan.dests[i].dtype,
                               f"inference rank {rank}") for i in held}
         check_no_aliases({plan.dests[i].name: view for i, view in views.items()}, f"inference rank {rank}")
@@ -178,7 +190,7 @@ class Receiver(AgentOwner):
     def _stats(self) -> ReceiverStats:
         table_bytes = self._tables.table_bytes + sum(rows.nbytes for local in self._local_rows[1:] for rows in local.values())
         constant_bytes = sum(c.length * self._dst[c.dest].element_size() for c in self.plan.constants
-                             if self.rank in self._pull.dests[c.dest].ranks)
+                             if self.plan_rank in self._pull.dests[c.dest].ranks)
         return ReceiverStats(
             bytes=int(sum(int(r.total().sum()) for r in self.reads.values())) + (self._quant.bytes if self._quant else 0),
             descriptors=sum(len(t) for t in self._tables.descriptors.values()), table_bytes=table_bytes,
@@ -211,7 +223,8 @@ class Receiver(AgentOwner):
         return self
 
     def close(self) -> None:
-        """Drop every trainer peer, deregister the destinations and release the agent; idempotent.
+        """Drop every trainer peer, deregister the destinations and release the agent, then say this process left the
+        job (protocol.left_key): the trainers' next release does not wait for it; idempotent.
 
         With fan-out, it first waits (at most the timeout) for this node's peers still reading the last version from it.
 
@@ -219,7 +232,19 @@ class Receiver(AgentOwner):
         """
         if not self.running:
             return
-        self.connections.close(time.monotonic() + self.options.timeout)  # peers may still read its last version
+        try:
+            self.connections.close(time.monotonic() + self.options.timeout)  # peers may still read its last version
+        finally:
+            self._leave()
+
+    def _leave(self) -> None:
+        """Write this incarnation's left record, within LEAVE_S; a store that does not take it is logged (the trainers
+        then stop waiting for this rank after one release timeout, as for a process that died)."""
+        try:
+            self.rendezvous.put(protocol.left_key(self.rank), protocol.left_record(self.incarnation), timeout=LEAVE_S)
+        except SyncError as exc:
+            log.warning("inference rank %d left without telling the trainers (%s): their next release waits for it up to "
+                        "its timeout", self.rank, exc)
 
     @property
     def version(self) -> int | None:
@@ -247,7 +272,7 @@ class Receiver(AgentOwner):
         With alternate destinations, `into` names the one set to write (default: every set)."""
         self._synced = {}
         sets = range(len(self._dsts)) if into is None else [self._check_into(into)]
-        return sum(write_constants(self._pull, self.rank, self._dsts[k].__getitem__) for k in sets)
+        return sum(write_constants(self._pull, self.plan_rank, self._dsts[k].__getitem__) for k in sets)
 
     def _check_into(self, into) -> int:
         if isinstance(into, bool) or not isinstance(into, int) or not 0 <= into < len(self._dsts):

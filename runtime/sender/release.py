@@ -28,6 +28,7 @@ class ReleaseReport:
     seconds: float
     gatherers_timed_out: tuple[int, ...] = ()  # peer trainer ranks that had not finished their gather-side READs
     returned: tuple[int, ...] = ()  # inference ranks given up on earlier that said they read this version again
+    left: tuple[int, ...] = ()  # inference ranks that left the job (protocol.left_key) since the last release: not waited for
 
 
 class Stage(Enum):
@@ -103,8 +104,9 @@ class ReleaseWait:
             return Stage.LOOKED_AGAIN
         return Stage.RELEASED
 
-    def report(self, timed_out: set[int]) -> ReleaseReport:
-        """The report, `timed_out` the ranks given up on."""
+    def report(self, timed_out: set[int], left: tuple[int, ...] = ()) -> ReleaseReport:
+        """The report, `timed_out` the ranks given up on, `left` those that left before it began."""
         return ReleaseReport(self.version, tuple(sorted(k for k, s in self.done.items() if s is Kind.ACK)),
                              tuple(sorted(k for k, s in self.done.items() if s is Kind.FAIL)), tuple(sorted(timed_out)),
-                             time.monotonic() - self.started, tuple(sorted(self.gathering)), tuple(sorted(self.returning)))
+                             time.monotonic() - self.started, tuple(sorted(self.gathering)), tuple(sorted(self.returning)),
+                             tuple(sorted(left)))

@@ -19,7 +19,7 @@ from ..options import SyncOptions
 from ..plan.format import Plan
 from ..plan.schema import RECEIVER
 from ..tables.quant import check_supported, exposed_regions, quant_readers, quant_tables
-from ..tables.ranks import check_src_rank, packing_of, readers, served_runs
+from ..tables.ranks import check_pool, check_src_rank, packing_of, pool_members, readers, served_runs
 from ..tables.ring import DEFAULT_RING_BYTES, ring_chunks
 from ..transport import protocol
 from ..transport.lifecycle import AgentOwner
@@ -82,9 +82,14 @@ class Sender(AgentOwner):
     leaves it. Host tensors quantize in the numba kernel; `fp8_path="device"` makes them take the GPU's torch-op
     path instead (how the tests prove that path here; runtime/fp8/placement.py).
 
+    `pool_ranks` (default: the plan's inference ranks) lets DP replicas beyond the plan's ranks read this rank, each
+    with the tables of the plan rank it copies (runtime/tables/ranks.py `layout_rank`): its `readers` are every rank of
+    the pool that reads it, and `release` waits for those that joined and have not left (protocol.left_key), so a pool
+    rank that never joins costs a store lookup per release.
+
     `timeout`, `verify` (publish each version's digests for Receivers with verify=True), `progress`, `ring_bytes`,
-    `delta`, `fp8_path` and `delta_path` are the options both ends share, one record (`options`: runtime/options.py).
-    `release` waits through a ReleaseWait (runtime/sender/release.py).
+    `delta`, `fp8_path`, `delta_path` and `pool_ranks` are the options both ends share, one record (`options`:
+    runtime/options.py). `release` waits through a ReleaseWait (runtime/sender/release.py).
 
     The constructor only checks the tensors against the plan and allocates staging; `start()` registers
     the memory with NIXL and publishes this rank's info, `close()` deregisters it and releases the
@@ -93,11 +98,11 @@ class Sender(AgentOwner):
 
     def __init__(self, plan: Plan, rank: int, tensors, *, rendezvous: Rendezvous, timeout: float = 60.0,
                  verify: bool = False, progress: str = "auto", ring_bytes: int = DEFAULT_RING_BYTES, delta: float = 0.0,
-                 fp8_path: str = "auto", delta_path: str = "auto"):
+                 fp8_path: str = "auto", delta_path: str = "auto", pool_ranks: int | None = None):
         check_src_rank(plan, rank)
         # The options both ends share, one name per idea (runtime/options.py); progress: runtime/transport/progress.py.
         self.options = SyncOptions(timeout=timeout, verify=verify, progress=progress, ring_bytes=ring_bytes, delta=delta,
-                                   fp8_path=fp8_path, delta_path=delta_path)
+                                   fp8_path=fp8_path, delta_path=delta_path, pool_ranks=check_pool(plan, pool_ranks))
         if plan.staging:
             check_supported(plan)
         plan = plan.pulling  # with fan-out, each replicated entry is read from this rank by one inference rank per node
@@ -140,8 +145,14 @@ class Sender(AgentOwner):
         self._packed = torch.empty(max(p.nbytes for p in parts), dtype=torch.uint8, device=packed_device)
         self._packs = [PackRuns(self._exposed, self._packed, p, self._served_runs, casts) for p in parts]
         at = np.searchsorted(self._served_runs.run, self.packing.run) if self.ring is not None else []
+        pool = self.options.pool_ranks
+
+        def holders(dests: np.ndarray) -> set[int]:
+            """Every rank of the pool holding one of these entries."""
+            return set(pool_members(plan, {k for d in set(dests.tolist()) for k in plan.dests[d].ranks}, pool))
+
         self._chunk_readers = [] if self.ring is None else [
-            {k for d in set(self._served_runs.dest[at[lo:hi]].tolist()) for k in plan.dests[d].ranks}
+            holders(self._served_runs.dest[at[lo:hi]])
             for lo, hi in zip(self.ring.first[:-1].tolist(), self.ring.first[1:].tolist())]
         self._ring_word = torch.zeros(2, dtype=torch.int64)  # (version, 2c: chunk c in the ring, 2c - 1: packing it)
         self._ring_next = len(self._packs)  # the next chunk to pack: all packed
@@ -157,7 +168,8 @@ class Sender(AgentOwner):
         # quantization) before the sequence word, ring word or version record exposes their bytes (runtime/device.py).
         self.device_sync = DeviceSync.of([*self._sources, *self._exposed, self._packed,
                                           *(self._quant.registered if self._quant else [])])
-        self.readers = tuple(sorted(set(readers(plan, rank)) | set(quant_readers(plan, tables, rank) if tables else ())))
+        self.readers = pool_members(plan, set(readers(plan, rank)) | set(quant_readers(plan, tables, rank) if tables else ()),
+                                    pool)
         self.incarnation = uuid.uuid4().hex
         self.agent: Transport | None = None  # created, with this rank's memory registered, by start()
         self._live: set[int] = set()  # inference ranks whose acknowledgement release() waits for
@@ -212,6 +224,7 @@ class Sender(AgentOwner):
                       + (self._delta.registered if self._delta else []))
         self.agent.register(registered)
         plan = self.plan
+        pool = self.options.pool_ranks if self.options.pool_ranks > plan.header.dst_ranks else None  # None: no pool
         rendezvous.put(me.metadata_key(self.incarnation), self.agent.metadata())
         rendezvous.put(protocol.trainer_info_key(rank), protocol.TrainerInfo(
             fingerprint=plan.fingerprint, incarnation=self.incarnation, agent=self.agent.name, seq=self._seq.data_ptr(),
@@ -219,7 +232,7 @@ class Sender(AgentOwner):
             regions=tuple(protocol.ServedRegion(r.source, r.chain, 0 if t is None else t.data_ptr(), r.nbytes)
                           for r, t in zip(self.regions, self._exposed)),
             memory=self.agent.memory,  # host or which GPU each registered area is on
-            options=protocol.SharedOptions(self.options.ring_bytes, self.options.verify),
+            options=protocol.SharedOptions(self.options.ring_bytes, self.options.verify, pool),
             quant={k: tuple(v) for k, v in self._quant.info().items()} if self._quant else None,
             delta={k: tuple(v) for k, v in self._delta.info().items()} if self._delta else None,
             local=local_record(registered, self._probe),  # what a reader on this host opens directly
@@ -362,7 +375,7 @@ class Sender(AgentOwner):
         self.agent.background(False)  # the wait polls the agent itself
         start = time.monotonic()
         deadline = start + (self.options.timeout if timeout is None else timeout)
-        self._refresh_joined()
+        left = self._refresh_joined()
         wait = ReleaseWait(self, version, start, deadline)
         wait.run()
         given_up = wait.waiting  # empty unless it timed out
@@ -370,7 +383,7 @@ class Sender(AgentOwner):
         for rank in given_up:
             self._live.discard(rank)
             self._given_up[rank] = self._joined.get(rank)
-        report = wait.report(given_up)
+        report = wait.report(given_up, left)
         if report.timed_out:
             log.warning("trainer rank %d: version %d not acknowledged by inference ranks %s within the timeout",
                         self.rank, version, list(report.timed_out))
@@ -422,18 +435,29 @@ class Sender(AgentOwner):
         self._inbox = [(rank, m) for rank, m in self._inbox
                        if m.version > version or (m.version == version and m.kind is Kind.RING)]
 
-    def _refresh_joined(self) -> None:
-        """Wait for inference ranks that joined since the last check (each process has its own incarnation)."""
+    def _refresh_joined(self) -> tuple[int, ...]:
+        """Wait for inference ranks that joined since the last check (each process has its own incarnation), and no
+        longer for those whose incarnation left (protocol.left_key); returns the ranks that left since the last check."""
+        left = []
         for rank in self.readers:
             try:
                 incarnation = protocol.joined_incarnation(self.rendezvous, rank)
+                gone = incarnation is not None and protocol.left_incarnation(self.rendezvous, rank) == incarnation
             except SyncError as exc:  # one bad reader record never makes a trainer fail
                 log.warning("trainer rank %d: ignoring inference rank %d's join: %s", self.rank, rank, exc)
                 continue
-            if incarnation is not None:
+            if gone:
+                if self._joined.pop(rank, None) is not None:
+                    left.append(rank)
+                self._live.discard(rank)
+                self._given_up.pop(rank, None)
+            elif incarnation is not None:
                 self._joined[rank] = incarnation
                 if self._given_up.get(rank) != incarnation:
                     self._live.add(rank)
+        if left:
+            log.info("trainer rank %d: inference ranks %s left; not waiting for them", self.rank, left)
+        return tuple(left)
 
     def _returning(self, version: int) -> list[int]:
         """Given-up inference ranks whose incarnation wrote that it is back to read `version` (a bad record is ignored)."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..checks import check_rank
+from ..errors import PlanMismatchError
 from ..plan.columns import ColumnTable
 from ..plan.format import Plan
 from ..plan.schema import DTYPE_SIZES
@@ -118,8 +119,76 @@ def check_src_rank(plan: Plan, rank: int) -> None:
     check_rank(rank, plan.header.src_ranks, "trainer")
 
 
-def check_dst_rank(plan: Plan, rank: int) -> None:
-    check_rank(rank, plan.header.dst_ranks, "inference")
+def check_dst_rank(plan: Plan, rank: int) -> int:
+    return check_rank(rank, plan.header.dst_ranks, "inference")
+
+
+def check_pool(plan: Plan, pool_ranks: int | None) -> int:
+    """The inference ranks a job's trainers serve, `pool_ranks` (None: the plan's), once the plan can serve them.
+
+    Ranks beyond the plan's are DP replicas that copy the layout of DP replica 0 (`layout_rank`). That holds only
+    where every DP replica holds the same entries: not with expert parallelism (each DP rank its own experts), not with
+    node-local fan-out (pullers fixed per node), and checked entry by entry. A pool is whole replicas of tp x pp ranks.
+    """
+    ranks = plan.header.dst_ranks
+    if pool_ranks is None:
+        return ranks
+    if isinstance(pool_ranks, bool) or not isinstance(pool_ranks, int) or pool_ranks < ranks:
+        raise PlanMismatchError(f"pool_ranks must be an int of at least the plan's {ranks} inference ranks, not "
+                                f"{pool_ranks!r}")
+    if pool_ranks == ranks:
+        return ranks
+    inference, width = plan.header.inference, _replica_ranks(plan)
+    where = f"pool_ranks={pool_ranks}"
+    if inference.ep:
+        raise PlanMismatchError(f"{where}: expert parallel plans give each DP rank its own experts: a replica beyond the "
+                                f"plan's {ranks} ranks needs a plan compiled for the new size")
+    if plan.fanout is not None:
+        raise PlanMismatchError(f"{where}: this plan has node-local fan-out (gpus-per-node={inference.gpus_per_node}), "
+                                f"whose pullers are fixed per node: a replica beyond the plan's {ranks} ranks needs a "
+                                "plan compiled without it")
+    if pool_ranks % width:
+        raise PlanMismatchError(f"{where} is not whole replicas of the plan's {width} ranks (tp={inference.tp} x "
+                                f"pp={inference.pp or 1})")
+    replicas = range(0, ranks, width)
+    for entry in (*plan.dests, *plan.staging):
+        held = set(entry.ranks)
+        if held != {r % width + first for r in held for first in replicas}:
+            raise PlanMismatchError(f"{where}: the plan's DP replicas do not hold identical entries ({entry.name!r} is on "
+                                    f"inference ranks {sorted(held)} only), so a replica beyond its {ranks} ranks has "
+                                    "no layout to copy")
+    return pool_ranks
+
+
+def layout_rank(plan: Plan, rank: int, pool_ranks: int | None = None) -> int:
+    """The plan rank whose tables inference `rank` uses: itself within the plan's ranks; for a rank of the pool beyond
+    them (`check_pool`), the rank at its place in DP replica 0, `rank % (tp * pp)`. PlanMismatchError for a rank
+    outside the pool or a plan that cannot serve one."""
+    pool = check_pool(plan, pool_ranks)
+    if pool == plan.header.dst_ranks:
+        return check_dst_rank(plan, rank)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < pool:
+        raise PlanMismatchError(f"inference rank {rank!r} is not in the pool's {pool} inference ranks (0..{pool - 1}, "
+                                "pool_ranks)")
+    return _copied(plan, rank)
+
+
+def pool_members(plan: Plan, plan_ranks, pool_ranks: int) -> tuple[int, ...]:
+    """Every rank of a pool `check_pool` accepted whose layout rank is one of `plan_ranks`: those ranks and the pool's
+    copies of them."""
+    wanted = set(plan_ranks)
+    copies = (r for r in range(plan.header.dst_ranks, pool_ranks) if _copied(plan, r) in wanted)
+    return tuple(sorted(wanted.union(copies)))
+
+
+def _copied(plan: Plan, rank: int) -> int:
+    """The plan rank a rank of a checked pool copies (the mapping of `layout_rank`)."""
+    return rank if rank < plan.header.dst_ranks else rank % _replica_ranks(plan)
+
+
+def _replica_ranks(plan: Plan) -> int:
+    """The ranks of one DP replica: tp x pp."""
+    return plan.header.inference.tp * (plan.header.inference.pp or 1)
 
 
 def served_regions(plan: Plan, rank: int) -> tuple[ServedRegion, ...]:

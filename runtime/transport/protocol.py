@@ -107,33 +107,43 @@ class ServedRegion:
 class SharedOptions:
     """The Sender options its Receivers depend on, published in its info and checked by each Receiver in one place
     (`mismatch`): `ring_bytes` shapes the small-run region and the tables both sides derive from it; `verify`
-    says the Sender publishes the digests a Receiver with verify=True checks against (runtime/options.py)."""
+    says the Sender publishes the digests a Receiver with verify=True checks against; `pool_ranks`, published only
+    beyond the plan's ranks, bounds the inference ranks whose acknowledgements it waits for (runtime/options.py)."""
 
     ring_bytes: int
     verify: bool
+    pool_ranks: int | None = None
 
     def to_json(self) -> dict:
-        return {"ring_bytes": self.ring_bytes, "verify": self.verify}
+        pool = {} if self.pool_ranks is None else {"pool_ranks": self.pool_ranks}
+        return {"ring_bytes": self.ring_bytes, "verify": self.verify, **pool}
 
     @staticmethod
     def parse(value, who: str) -> "SharedOptions":
-        if not isinstance(value, dict) or set(value) != {"ring_bytes", "verify"}:
-            raise SyncError(f"{who}: its info's 'options' is not an object of ring_bytes, verify")
+        if not isinstance(value, dict) or not {"ring_bytes", "verify"} <= set(value) <= {"ring_bytes", "verify", "pool_ranks"}:
+            raise SyncError(f"{who}: its info's 'options' is not an object of ring_bytes, verify and an optional pool_ranks")
         ring = value["ring_bytes"]
         if not isinstance(ring, int) or isinstance(ring, bool) or not 0 < ring < 1 << 62:
             raise SyncError(f"{who}: its info's 'options.ring_bytes' is {str(ring)[:40]}, not a positive byte count")
         if not isinstance(value["verify"], bool):
             raise SyncError(f"{who}: its info's 'options.verify' is {str(value['verify'])[:40]}, not a boolean")
-        return SharedOptions(ring, value["verify"])
+        pool = value.get("pool_ranks")
+        if pool is not None and (not isinstance(pool, int) or isinstance(pool, bool) or not 0 < pool < 1 << 31):
+            raise SyncError(f"{who}: its info's 'options.pool_ranks' is {str(pool)[:40]}, not a rank count")
+        return SharedOptions(ring, value["verify"], pool)
 
-    def mismatch(self, ring_bytes: int, verify: bool) -> str | None:
-        """What a Receiver with these settings cannot work with, in one line naming the option and both values; None
-        when it can."""
+    def mismatch(self, ring_bytes: int, verify: bool, rank: int = 0, plan_ranks: int = 1) -> str | None:
+        """What a Receiver with these settings, inference `rank` of a plan of `plan_ranks`, cannot work with, in one
+        line naming the option and both values; None when it can."""
         if ring_bytes != self.ring_bytes:
             return (f"ring_bytes is {self.ring_bytes} there and {ring_bytes} here: give its Sender and this Receiver the "
                     "same ring_bytes")
         if verify and not self.verify:
             return "verify is False there and True here: start the trainer with Sender(..., verify=True)"
+        pool = self.pool_ranks or plan_ranks
+        if rank >= pool:
+            return (f"pool_ranks is {pool} there and this is inference rank {rank}: the trainer does not wait for this "
+                    f"rank's reads; give every Sender pool_ranks above {rank}")
         return None
 
 
@@ -342,12 +352,30 @@ class Notified(Protocol):
 def joined_incarnation(rendezvous: Store, rank: int) -> str | None:
     """The incarnation inference `rank` joined with, None if it has not joined; SyncError if the record is unreadable
     or holds no valid incarnation."""
-    key = joined_key(rank)
+    return _incarnation(rendezvous, joined_key(rank), f"inference rank {rank}: its joined record")
+
+
+def left_key(rank: int) -> str:
+    """Inference `rank`'s process left the job (value: `left_record`, its incarnation), written by `Receiver.close()`:
+    trainers stop waiting for that incarnation at their next release; a later join (another incarnation) counts again."""
+    return f"inference/{rank}/left"
+
+
+def left_record(incarnation: str) -> dict:
+    return {"incarnation": incarnation}
+
+
+def left_incarnation(rendezvous: Store, rank: int) -> str | None:
+    """The incarnation of inference `rank` that left, None if none did; SyncError as joined_incarnation."""
+    return _incarnation(rendezvous, left_key(rank), f"inference rank {rank}: its left record")
+
+
+def _incarnation(rendezvous: Store, key: str, what: str) -> str | None:
     if not rendezvous.exists(key):
         return None
     incarnation = rendezvous.get_json(key).get("incarnation")
     if not isinstance(incarnation, str) or not INCARNATION.fullmatch(incarnation):
-        raise SyncError(f"inference rank {rank}: its joined record has no valid incarnation")
+        raise SyncError(f"{what} has no valid incarnation")
     return incarnation
 
 

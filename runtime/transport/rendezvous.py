@@ -116,8 +116,9 @@ class Rendezvous:
         self.store_id: str | None = None  # the store's identity (protocol.store_key) when this client connected
         self._lost: str | None = None  # set once the store turned out restarted: every later call raises it
 
-    def _call(self, what: str, op, timeout: float | None = None, retried: bool = False):
+    def _call(self, what: str, op, timeout: float | None = None, retried: bool = False, reach: float | None = None):
         """`op(store)` on the store, answered within `timeout` (default: the store's) plus a margin, else SyncError.
+        `reach`: how long a new client may wait for the store to accept it (default: the store's timeout).
 
         TCPStore's client can block without bound once its server is unreachable (a `wait` that timed
         out waits, with no timeout, for the answer to its cancellation), so each call runs in a thread
@@ -129,7 +130,7 @@ class Rendezvous:
             raise SyncError(self._lost)
         fresh = self.store is None
         if fresh:
-            self.store = self._new_client(what)
+            self.store = self._new_client(what, reach)
         store, result, done = self.store, [], threading.Event()
 
         def run() -> None:
@@ -151,7 +152,7 @@ class Rendezvous:
         if not ok and self._reconnect is not None and "Network" in type(value).__name__:
             self.store = None  # its connection broke (a link cut, the server gone or restarted): the next call reconnects
             if not retried and _accepts(store.host, store.port):  # a server is there again: once more, on a new client
-                return self._call(what, op, timeout, retried=True)
+                return self._call(what, op, timeout, retried=True, reach=reach)
         if not ok:
             raise value
         return value
@@ -172,9 +173,9 @@ class Rendezvous:
                           "(trainer infos, agent metadata, joins): restart every trainer and inference process of the job")
             raise SyncError(self._lost)
 
-    def _new_client(self, what: str):
+    def _new_client(self, what: str, reach: float | None = None):
         try:
-            return self._reconnect()
+            return self._reconnect() if reach is None else self._reconnect(reach)
         except Exception as exc:  # WeightplanError from _wait_reachable, DistNetworkError from TCPStore
             raise SyncError(f"{what}: cannot reach the rendezvous store again ({exc})") from None
 
@@ -222,8 +223,8 @@ class Rendezvous:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise WeightplanError(f"cannot {'serve' if serve else 'reach'} the rendezvous store at {address} "
                                   f"within {timeout:g} s: {first}") from None
-        def reconnect():
-            _wait_reachable(host, port, timeout, address)
+        def reconnect(reach: float = timeout):
+            _wait_reachable(host, port, reach, address)
             return TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout))
 
         rendezvous = cls(store, job, key, timeout, None if serve else reconnect)
@@ -294,11 +295,12 @@ class Rendezvous:
         return hmac.new(self._secret, f"weightplan-rendezvous-v{PROTOCOL_VERSION}\0{self._key(key)}\0".encode() + value,
                         hashlib.sha256).digest()
 
-    def put(self, key: str, value: bytes | dict) -> None:
+    def put(self, key: str, value: bytes | dict, timeout: float | None = None) -> None:
+        """Write `key`; `timeout` bounds the write, reconnecting included (default: the store's timeout)."""
         raw = value if isinstance(value, bytes) else json.dumps(value, sort_keys=True).encode()
         record = _SIGNED + self._mac(key, raw) + raw if self._secret is not None else _PLAIN + raw
         try:
-            self._call(f"rendezvous key {key!r}", lambda store: store.set(self._key(key), record))
+            self._call(f"rendezvous key {key!r}", lambda store: store.set(self._key(key), record), timeout, reach=timeout)
         except SyncError:
             raise
         except Exception as exc:  # DistNetworkError / DistStoreError when the store's host is gone or unreachable

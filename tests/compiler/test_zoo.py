@@ -43,7 +43,7 @@ def _compile(config_dir: Path, fmt: str, out: Path, **layouts) -> Path:
     return out
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss", "lfm2_moe"])
+@pytest.mark.parametrize("model_type", ["mixtral", *(pytest.param(m, marks=pytest.mark.extended) for m in ("gpt_oss", "lfm2_moe"))])
 @pytest.mark.parametrize("fmt", ["hf", "transformers"])
 def test_moe_plans_match_vllm_load_weights(zoo_dir, tmp_path, model_type, fmt):
     plan_path = _compile(zoo_dir[model_type], fmt, tmp_path / "p.plan")
@@ -112,7 +112,7 @@ def test_mamba_a_is_computed_by_the_sender_equal_to_vllm_load_weights(zoo_dir, t
     assert bool((destination[a] < 0).all())  # -exp(x) is negative: the steps ran, not a plain copy of A_log
 
 
-@pytest.mark.parametrize("model_type", ["bloom", "falcon", "gemma3n_text"])
+@pytest.mark.parametrize("model_type", ["bloom", *(pytest.param(m, marks=pytest.mark.extended) for m in ("falcon", "gemma3n_text"))])
 def test_models_reading_constants_back_while_building_verify(zoo_dir, tmp_path, model_type):
     """vLLM computes ALiBi slopes (Gemma3n: GeluAndMulSparse's std multiplier) from the config and reads them back as
     Python numbers in __init__; built on meta they had no values ("Cannot copy out of meta tensor", "Tensor.item()

@@ -94,6 +94,7 @@ def test_bench_lora_smoke():
     assert figures["identical"] is True, figures
 
 
+@pytest.mark.extended  # the session's framework run (about 4 minutes): make test-extended
 def test_bench_frameworks_smoke(framework_runs):
     """The session's one smoke run (tests/support/framework_runs.py; test_trl.py and test_verl.py check its steps)."""
     figures = framework_runs.figures

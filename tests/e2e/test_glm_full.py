@@ -103,6 +103,7 @@ def test_full_glm_plan_is_complete_and_minimal(fresh_plans, index):
 # from two trainer tensors) and a routed w2 and w13 of inference rank 27. `make check-plans` runs seed 3 on all ranks.
 @pytest.mark.parametrize("index,seed,ranks", full_only((0, 3, None), (1, 1, None), (2, 3, None), (5, 2, None), (6, 3, None),
                                                        (7, 3, None), (0, 2, "0,9,18,27"), keep=lambda v: v == (0, 2, "0,9,18,27")))
+@pytest.mark.extended  # the fp8 sampled verify below stays in make test
 def test_full_glm_sampled_verify_matches_vllm(fresh_plans, index, seed, ranks):
     path, _ = fresh_plans[index]
     result = run_worker("verify", path, 4, seed, *([ranks] if ranks else []))

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from weightplan.testing.trl_worker import WORLD
 
 from ..support.framework_runs import STEPS
 
 
+@pytest.mark.extended  # checks the framework benchmark's smoke run: make test-extended
 def test_trl_colocate_three_steps_equal_vllm_load_and_fresh_engines(framework_runs):
     run, refs = framework_runs.runs["trl"], framework_runs.references["trl"]
     outputs = []

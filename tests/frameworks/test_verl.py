@@ -22,6 +22,7 @@ pytest.importorskip("verl")
 from ..support.framework_runs import STEPS  # noqa: E402
 
 
+@pytest.mark.extended  # checks the framework benchmark's smoke run: make test-extended
 def test_verl_three_steps_equal_vllm_load_and_fresh_engine(framework_runs):
     run, refs = framework_runs.runs["verl"], framework_runs.references["verl"]
     events = [json.loads(line) for line in (run / "driver.out").read_text().splitlines() if line.startswith("{")]

@@ -18,6 +18,7 @@ FP8 = ("fp8-deepseek-v3", "transformers", "bf16", "fsdp=4", "dp=4,ep,gpus-per-no
 NODES = {"t0": None, "t1": None, "i0": None, "i1": None}  # trainer ranks 0-1, 2-3; inference ranks 0-1, 2-3
 
 
+@pytest.mark.extended
 def test_two_trainer_nodes_sync_two_inference_nodes_over_tcp_with_fanout(plan_cache, tmp_path):
     plans = [plan_cache(*BF16), plan_cache(*FP8)]
     models = ",".join(str(config_dir(case[0])) for case in (BF16, FP8))
@@ -119,6 +120,7 @@ def test_an_inference_node_cut_mid_sync_fails_clean_then_syncs_again_after_the_l
 STORE_CUT = 30.0  # seconds the store's node stays unreachable
 
 
+@pytest.mark.extended
 def test_the_store_node_unreachable_for_30_s_fails_every_process_clean_then_syncs_resume(plan_cache, tmp_path):
     """The store's node loses its link before version 2 and stays cut for 30 s: every inference rank fails version 2
     with a SyncError that names the store and reports no version, and every trainer reports version 2 (failed, or
@@ -212,6 +214,7 @@ def test_a_lost_trainer_node_fails_readers_clean_and_replacement_trainers_resume
 CUT_TIMEOUT = 4.0  # every timeout of the long-cut test: sync, release and store (the store's own margin adds 2 s)
 
 
+@pytest.mark.extended
 def test_a_reader_cut_longer_than_every_timeout_syncs_again_by_itself_and_costs_the_other_one_timeout(plan_cache, tmp_path):
     """Inference node i1 loses its link in the middle of version 3 and stays cut through versions 4 and 5 (longer than
     every timeout involved: its sync and the store's fail, the trainers give up on it). Once its link is back, version
@@ -282,6 +285,7 @@ IDLE_CUT = 25.0  # longer than UCX rides out over TCP
 IDLE_READER_TIMEOUT = 60.0  # reader B's: its version 2 outlasts the cut
 
 
+@pytest.mark.extended
 def test_a_reader_cut_until_the_trainers_went_idle_syncs_their_last_version_once_its_link_returns(plan_cache, tmp_path):
     """Issue 47's case. Reader B (inference rank 1, node i1) loses its link right before version 2 and stays cut while
     the trainers (both on t0, beside the store) publish versions 2-6 and reader A (i0) syncs each; then the trainers stay

@@ -19,11 +19,11 @@ def test_every_key_and_message_is_in_the_protocol_table():
     r, k, v, c, i = "<r>", "<k>", "<v>", "<c>", "<incarnation>"
     built = [protocol.trainer_info_key(r), protocol.trainer(r).metadata_key(i), protocol.version_key(r, v),
              protocol.digests_key(r, v), protocol.delta_key(r, v), protocol.staged_key(r, v), protocol.gathered_key(r, v), protocol.joined_key(k),
-             protocol.returning_key(k, v), protocol.published_key(r),
+             protocol.returning_key(k, v), protocol.left_key(k), protocol.published_key(r),
              protocol.inference_info_key(k, i), protocol.inference(k).metadata_key(i), protocol.store_key(),
              protocol.begin(v), protocol.ack(v), protocol.fail(v), protocol.ring(v, c), protocol.hop(v)]
     builders = [name for name in vars(protocol) if name.endswith("_key")]
-    assert len(builders) == 11 and len(Kind) == 5, f"list a new key or message above and in docs/runtime.md: {builders}"
+    assert len(builders) == 12 and len(Kind) == 5, f"list a new key or message above and in docs/runtime.md: {builders}"
     missing = [b for b in built if f"| `{b}` |" not in _DOC]
     assert not missing, missing
     assert f"({protocol.PROTOCOL_VERSION})" in _DOC

@@ -181,7 +181,7 @@ def test_plan_for_another_model_and_bad_init_info_are_refused_naming_what(case):
     assert "parameters" in str(refused.value)
     (case.tmp / "refused.txt").write_text(str(refused.value))  # quoted in docs/vllm.md
     for field_name, bad in (("timeout", -1), ("verify", "yes"), ("rank_offset", 1.5), ("mode", "fast"),
-                            ("address", "nowhere"), ("colour", 1)):
+                            ("address", "nowhere"), ("pool_ranks", 0), ("colour", 1)):
         with pytest.raises(Exception, match=f"field '{field_name}'"):
             case.llm.init_weight_transfer_engine({"init_info": {**good, field_name: bad}})
     with pytest.raises(Exception, match="field 'mode' is 'direct'"):

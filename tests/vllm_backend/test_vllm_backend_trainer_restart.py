@@ -1,6 +1,7 @@
 """Every trainer process of a job killed and restarted under a live vLLM engine, the rendezvous on etcd: the engine,
 never restarted nor re-initialised, takes the restarted trainers' next version and generates what a fresh engine on
-that checkpoint generates (issue 52)."""
+that checkpoint generates (issue 52). The engine is a replica beyond the plan's ranks (the pool grown by one): inference
+rank 1 of a one-rank plan, with the tables of the rank it copies."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from ..support.etcd import EtcdCluster
 MODEL = "engine-qwen3-moe"
 JOB = "restart"
 TIMEOUT = 30.0
+POOL = 2  # the plan has inference rank 0; the engine joins as rank 1, the pool's second replica
 
 
 class Trainers:
@@ -37,7 +39,7 @@ class Trainers:
             key = f"{tag}-{rank}"
             cmd = [sys.executable, "-m", "weightplan.testing.engine_trainer", "--plan", str(self.plan_path), "--rank",
                    str(rank), "--address", self.address, "--job", JOB, "--timeout", str(TIMEOUT), "--sets", "1,2,3",
-                   "--first-version", str(first_version)]
+                   "--first-version", str(first_version), "--pool-ranks", str(POOL)]
             self.procs[key] = subprocess.Popen(cmd, cwd=ROOT, stdout=open(self.tmp / f"{key}.out", "w"),
                                                stderr=open(self.tmp / f"{key}.err", "w"))
         for rank in (0, 1):
@@ -77,7 +79,7 @@ def _sync(client, gate, trainers: Trainers, tag: str, version: int) -> None:
     client.update_weights({"version": version})
     finish_update(client, version)
     for rank in (0, 1):
-        assert trainers.event(f"{tag}-{rank}", "sent", version)["acked"] == [0]
+        assert trainers.event(f"{tag}-{rank}", "sent", version)["acked"] == [1]  # rank 0 never joined: not awaited
 
 
 def test_every_trainer_killed_and_restarted_is_taken_by_the_live_engine_at_its_next_version(tmp_path,
@@ -102,7 +104,8 @@ def test_every_trainer_killed_and_restarted_is_taken_by_the_live_engine_at_its_n
         llm = make_llm(CONFIGS / MODEL, dummy=True, backend=True)
         trainers.start("first", first_version=1)
         client = LLMClient(llm)
-        info = WeightplanTrainerInitInfo(rank=0, plan=str(plan_path), address=etcd.address, job=JOB, timeout=TIMEOUT)
+        info = WeightplanTrainerInitInfo(rank=0, plan=str(plan_path), address=etcd.address, job=JOB, timeout=TIMEOUT,
+                                         pool_ranks=POOL, engine={"rank_offset": 1})
         client.init_weight_transfer_engine(info.worker_init_info(plan.fingerprint))
         gate = Rendezvous.connect(JOB, etcd.address, timeout=TIMEOUT)
         refs = read_references(references, tmp_path / "refs.json", tmp_path / "refs.log")
@@ -117,7 +120,7 @@ def test_every_trainer_killed_and_restarted_is_taken_by_the_live_engine_at_its_n
         _sync(client, gate, trainers, "restarted", 3)
         assert greedy(llm) == refs[3], "the restarted trainers' version differs from a fresh engine on its checkpoint"
         engine = llm.collective_rpc(backend_info)[0]
-        assert (engine["version"], llm.get_weight_version()) == (3, "3"), engine
+        assert (engine["rank"], engine["version"], llm.get_weight_version()) == (1, 3, "3"), engine
     finally:
         trainers.close()
         if llm is not None:
