@@ -54,7 +54,8 @@ def test_registration_is_idempotent_and_lazy():
                                          ("draft_plan", ""), ("draft_plan", ["d.plan", 1]), ("address", "h:99999"),
                                          ("address", "h:\uff11\uff12"), ("job", "../x"), ("job", "a\nb"), ("job", "j" * 1000),
                                          ("rank_offset", 10**30), ("rank_offset", 4096), ("plan", "p\0.plan"),
-                                         ("draft_plan", ["d\0.plan"]), ("plan", "p" * 5000)])
+                                         ("draft_plan", ["d\0.plan"]), ("plan", "p" * 5000), ("pool_ranks", 0),
+                                         ("pool_ranks", 2.0), ("pool_ranks", True), ("pool_ranks", 10**9)])
 def test_bad_init_info_names_the_field(field, value):
     from weightplan.vllm_backend.init_info import InitInfoError, WeightplanInitInfo
 
@@ -65,6 +66,17 @@ def test_bad_init_info_names_the_field(field, value):
     assert "\n" not in str(info.value) and len(str(info.value)) < 500
     with pytest.raises(InitInfoError, match="field 'job' is required"):
         WeightplanInitInfo.from_dict({"plan": "p", "address": "h:1"})
+
+
+def test_pool_ranks_is_optional_and_reaches_the_workers_from_the_trainers_init_info():
+    from weightplan.vllm_backend.init_info import WeightplanInitInfo
+    from weightplan.vllm_backend.trainer import WeightplanTrainerInitInfo
+
+    good = {"plan": "p.plan", "address": "127.0.0.1:1", "job": "j"}
+    assert WeightplanInitInfo.from_dict(good).pool_ranks is None
+    trainer = WeightplanTrainerInitInfo(rank=0, plan="p.plan", address="127.0.0.1:1", job="j", pool_ranks=8)
+    assert WeightplanInitInfo.from_dict(trainer.worker_init_info("f" * 64)).pool_ranks == 8
+    assert "pool_ranks" not in WeightplanTrainerInitInfo(rank=0, plan="p.plan").worker_init_info("f" * 64)
 
 
 def test_draft_plan_is_optional_and_syncs_in_its_own_job():
