@@ -35,7 +35,7 @@ plan: $(STAMP)
 	else echo "no $(CUDA_VENV): the cuda plans were not recompiled (make venv-cuda)"; fi
 
 # --durations: the slowest tests, printed every run (the suite is kept well under 30 minutes on a 2-core host).
-# The tests marked extended or resolver (pyproject.toml) run in test-extended, which CI runs after it.
+# The tests marked extended or resolver (pyproject.toml) run in test-extended.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15 -m "not extended and not resolver"
 

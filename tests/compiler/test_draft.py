@@ -141,7 +141,7 @@ class HostReceiver:
     made: list["HostReceiver"] = []
     shards: dict[str, dict[int, dict]] = {}  # job -> version -> trainer shards
 
-    def __init__(self, plan, rank, destination, *, rendezvous, timeout, verify, derived, delta=0.0):
+    def __init__(self, plan, rank, destination, *, rendezvous, timeout, verify, derived, delta=0.0, pool_ranks=None):
         self.plan, self.rank, self.destination, self.job = plan, rank, destination, rendezvous.job
         self.version, self.started, self.closed = None, False, False
         HostReceiver.made.append(self)
