@@ -34,7 +34,7 @@ plan: $(STAMP)
 	if [ -x $(CUDA_VENV)/bin/python ]; then $(CUDA_VENV)/bin/python -m weightplan.compiler.make_plans --platform cuda; \
 	else echo "no $(CUDA_VENV): the cuda plans were not recompiled (make venv-cuda)"; fi
 
-# --durations: the slowest tests, printed every run (the suite is kept well under 30 minutes on a 2-core host).
+# --durations: the slowest tests, printed every run (the aim: well under 30 minutes on a 2-core host; docs/architecture.md).
 # The tests marked extended or resolver (pyproject.toml) run in test-extended.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15 -m "not extended and not resolver"
