@@ -26,6 +26,8 @@ from weightplan.testing.engines import (
     start_references, write_checkpoint,
 )
 
+from ..support.trainer_events import trainer_event
+
 MODELS = ["engine-qwen3-moe", "engine-deepseek-v3"]
 SETS = [1, 2, 3, 2, 1]  # weight set of versions 1..5: 1-3 the updates, 4 the killed one, 5 the recovery
 TIMEOUT = 20.0
@@ -58,16 +60,7 @@ class Case:
                                            stderr=open(self.tmp / f"{key}.err", "w"))
 
     def event(self, key: str, kind: str, version: int | None = None, timeout: float = 180) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in (self.tmp / f"{key}.out").read_text().splitlines():
-                e = json.loads(line) if line.startswith("{") else {}
-                if e.get("event") == kind and version in (None, e.get("version")):
-                    return e
-            if self.procs[key].poll() is not None:
-                raise AssertionError(f"{key} exited before {kind}: {(self.tmp / f'{key}.err').read_text()[-3000:]}")
-            time.sleep(0.1)
-        raise AssertionError(f"{key}: no {kind} v{version}: {(self.tmp / f'{key}.err').read_text()[-3000:]}")
+        return trainer_event(self.tmp, key, self.procs[key], kind, version, timeout)
 
     def set_rank0(self, version: int) -> None:
         for name, value in local_shards(self.plan, full_weights(self.plan, 0, SETS[version - 1]), 0).items():

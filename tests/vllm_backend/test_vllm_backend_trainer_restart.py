@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from weightplan.testing.engines import (
 )
 
 from ..support.etcd import EtcdCluster
+from ..support.trainer_events import trainer_event
 
 MODEL = "engine-qwen3-moe"
 JOB = "restart"
@@ -46,16 +46,7 @@ class Trainers:
             self.event(f"{tag}-{rank}", "ready")
 
     def event(self, key: str, kind: str, version: int | None = None, timeout: float = 180) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in (self.tmp / f"{key}.out").read_text().splitlines():
-                e = json.loads(line) if line.startswith("{") else {}
-                if e.get("event") == kind and version in (None, e.get("version")):
-                    return e
-            if self.procs[key].poll() is not None:
-                raise AssertionError(f"{key} exited before {kind}: {(self.tmp / f'{key}.err').read_text()[-3000:]}")
-            time.sleep(0.1)
-        raise AssertionError(f"{key}: no {kind} v{version}: {(self.tmp / f'{key}.err').read_text()[-3000:]}")
+        return trainer_event(self.tmp, key, self.procs[key], kind, version, timeout)
 
     def kill(self, tag: str) -> None:
         for rank in (0, 1):
