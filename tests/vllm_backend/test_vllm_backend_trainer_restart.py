@@ -11,8 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from weightplan.testing.engines import (
     CONFIGS, ROOT, backend_info, full_weights, greedy, make_llm, pin_no_amx, read_references, shutdown,
     start_references, write_checkpoint,
