@@ -63,6 +63,16 @@ bench-frameworks-skyrl:
 	.venv-vllm-0.30.0/bin/pip install --quiet --no-deps -e .
 	.venv-vllm-0.30.0/bin/python benchmarks/bench_frameworks.py --only skyrl
 
+# prime-rl's entry of bench-frameworks (issue 50): prime-rl is not on the package index, so nothing here fetches it.
+# PRIME_RL: a checkout of the tested commit; PRIME_RL_DEPS: its pure-Python dependencies installed with
+# pip install --no-deps --target (docs/frameworks.md#prime-rl says which)
+.PHONY: bench-frameworks-prime-rl
+bench-frameworks-prime-rl:
+	@test -n "$(PRIME_RL)" || { echo "set PRIME_RL=<prime-rl checkout> PRIME_RL_DEPS=<its dependencies> (docs/frameworks.md#prime-rl)"; exit 2; }
+	$(MAKE) venv-compat VLLM=0.26.0
+	.venv-vllm-0.26.0/bin/pip install --quiet --no-deps -e .
+	PYTHONPATH=$(PRIME_RL_DEPS) .venv-vllm-0.26.0/bin/python benchmarks/bench_frameworks.py --only prime_rl --prime-rl-checkout $(PRIME_RL)
+
 bench-compile: $(STAMP)
 	$(BIN)/python benchmarks/bench_compile.py
 

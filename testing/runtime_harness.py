@@ -34,7 +34,8 @@ class Job:
     def __init__(self, tmp_path: Path, plan: Path | str, name: str, *, cluster=None, store_node: str | None = None,
                  address: str | None = None):
         """`plan` and `name` may list several comma-separated cases (see testing/runtime_worker.py). `address`: a store
-        the test runs elsewhere (an etcd:// cluster) instead of one it serves."""
+        the test runs elsewhere (an etcd:// cluster) instead of one it serves; with `cluster`, the workers get `address`
+        and no store is started on `store_node`."""
         self.tmp, self.plan, self.name, self.cluster = tmp_path, plan, name, cluster
         self.procs: dict[str, subprocess.Popen] = {}
         self.env = None
@@ -45,8 +46,11 @@ class Job:
         self.rendezvous = None
         self.gates = tmp_path / "gates"
         self.gates.mkdir()
-        self.address = f"{cluster.address(store_node)}:{NETWORK_STORE_PORT}"
         self.env = {**os.environ, "WEIGHTPLAN_SECRET": NETWORK_SECRET}
+        if address is not None:
+            self.address = address
+            return
+        self.address = f"{cluster.address(store_node)}:{NETWORK_STORE_PORT}"
         self._spawn("store", [sys.executable, "-c", _SERVE_STORE, name.split(",")[0], self.address], store_node)
         deadline = time.monotonic() + 120
         while "serving" not in (self.tmp / "store.out").read_text():

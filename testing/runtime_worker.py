@@ -25,6 +25,7 @@ import torch
 from weightplan.compiler.verify_plan import shard_sources
 from weightplan.runtime import Receiver, Rendezvous, Sender, SyncError, execute_local, load_plan
 from weightplan.runtime.tables.fanout import second_hops
+from weightplan.runtime.tables.ranks import layout_rank
 from weightplan.runtime.transport import protocol
 
 
@@ -106,10 +107,12 @@ def run_trainer(args, plan) -> None:
     tensors = shard(plan, version_weights(plan, args, args.versions[0]), args.rank)
     rendezvous = Rendezvous.connect(args.job, args.address, timeout=args.timeout)
     sender = Sender(plan, args.rank, tensors, rendezvous=rendezvous, timeout=args.timeout, verify=args.digests,
-                    ring_bytes=args.ring_bytes, progress=args.progress, delta=args.delta).start()
+                    ring_bytes=args.ring_bytes, progress=args.progress, delta=args.delta,
+                    pool_ranks=args.pool_ranks).start()
     emit(event="ready", rank=args.rank)
     deadline = time.monotonic() + args.join_timeout
-    while args.wait_joined and not all(rendezvous.exists(protocol.joined_key(k)) for k in sender.readers):
+    plan_readers = [k for k in sender.readers if k < plan.header.dst_ranks]  # pool replicas are waited for once joined
+    while args.wait_joined and not all(rendezvous.exists(protocol.joined_key(k)) for k in plan_readers):
         if time.monotonic() > deadline:
             raise SystemExit("inference ranks did not join")
         time.sleep(0.05)
@@ -142,9 +145,27 @@ def run_trainer(args, plan) -> None:
         time.sleep(args.linger)
 
 
+def wait_go_or_leave(args, rendezvous, version: int) -> bool:
+    """With --leave-gate (and --gate-dir): wait for the go gate of `version` or the file leave-RANK; True to leave."""
+    if not (args.leave_gate and args.gate_dir):
+        wait_gate(args, rendezvous, "go", version)
+        return False
+    leave, go = (os.path.join(args.gate_dir, name) for name in (f"leave-{args.rank}", f"go-{version}"))
+    deadline = time.monotonic() + args.join_timeout
+    while not os.path.exists(go):
+        if os.path.exists(leave):
+            return True
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no test go gate for version {version}")
+        time.sleep(0.005)
+    return False  # the go gate came first: this version is synced, the leave seen before the next
+
+
 def run_plain_inference(args, plan) -> None:
-    """An inference rank holding plain tensors; checked byte for byte against the host executor."""
-    destination = plain_destination(plan, args.rank)
+    """An inference rank holding plain tensors; checked byte for byte against the host executor. With --pool-ranks, a
+    rank beyond the plan's holds (and is checked against) the plan rank whose layout it copies."""
+    plan_rank = layout_rank(plan, args.rank, args.pool_ranks)
+    destination = plain_destination(plan, plan_rank)
     rendezvous = Rendezvous.connect(args.job, args.address, timeout=args.timeout)
     current = [0]
 
@@ -161,11 +182,13 @@ def run_plain_inference(args, plan) -> None:
     receiver = Receiver(plan, args.rank, destination, rendezvous=rendezvous, timeout=args.timeout, verify=args.verify,
                         derived="caller",  # plain tensors: no modules whose derived state could go stale
                         group_bytes=args.group_bytes, post_op=hold, ring_bytes=args.ring_bytes, delta=args.delta,
-                        device_ipc=args.device_ipc).start()
+                        device_ipc=args.device_ipc, pool_ranks=args.pool_ranks).start()
     emit(event="joined", rank=args.rank)
     for version in args.versions:
-        if args.gate:
-            wait_gate(args, rendezvous, "go", version)
+        if args.gate and wait_go_or_leave(args, rendezvous, version):  # the pool shrinks: this rank leaves
+            receiver.close()
+            emit(event="left", rank=args.rank, version=version, reported=receiver.version)
+            return
         current[0] = version
         began = time.monotonic()
         try:
@@ -174,7 +197,7 @@ def run_plain_inference(args, plan) -> None:
             emit(event="failed", rank=args.rank, version=version, error=str(exc), reported=receiver.version,
                  seconds=time.monotonic() - began)
             continue
-        expected = host_reference(plan, version_weights(plan, args, version), args.rank)
+        expected = host_reference(plan, version_weights(plan, args, version), plan_rank)
         differ = sorted(n for n, t in expected.items() if not byte_equal(t, destination[n]))
         emit(event="synced", rank=args.rank, version=version, reported=receiver.version, tensors=len(expected),
              differ=differ[:5], n_differ=len(differ), bytes=report.bytes, descriptors=report.descriptors,
@@ -302,7 +325,7 @@ def main(argv=None) -> None:
     parser.add_argument("--model", help="config directory (inference); comma-separated, one per --plan")
     parser.add_argument("--digests", action="store_true", help="trainer publishes per-region digests")
     parser.add_argument("--verify", action="store_true", help="receiver checks digests every sync")
-    parser.add_argument("--wait-joined", action="store_true", help="trainer waits for its readers before publishing")
+    parser.add_argument("--wait-joined", action="store_true", help="trainer waits for its readers (the plan's ranks) before publishing")
     parser.add_argument("--join-timeout", type=float, default=300.0)
     parser.add_argument("--plain", action="store_true", help="inference rank holds plain tensors, not a vLLM model")
     parser.add_argument("--gate", action="store_true", help="publish (trainer) or sync (inference) version v once the key test/go/v exists")
@@ -319,6 +342,10 @@ def main(argv=None) -> None:
     parser.add_argument("--sparse", type=float, default=0.0, help="each later version changes about this fraction of elements")
     parser.add_argument("--device-ipc", default="auto", help="Receiver device_ipc: auto (same-host reads direct) or off; comma-separated, one per --plan")
     parser.add_argument("--linger", type=float, default=0.0, help="trainer stays alive this long after the last version")
+    parser.add_argument("--pool-ranks", type=int, default=None,
+                        help="Sender/Receiver pool_ranks: DP replicas beyond the plan's ranks (plain inference)")
+    parser.add_argument("--leave-gate", action="store_true",
+                        help="plain inference with --gate-dir: close the Receiver and exit when the file leave-RANK exists")
     parser.add_argument("--hold-last", action="store_true",
                         help="trainer stays idle holding its last version until test/release/v, then releases it")
     args = parser.parse_args(argv)
@@ -330,7 +357,7 @@ def main(argv=None) -> None:
     for path, job, model, ipc in zip(plans, jobs, models, ipcs):
         _CASE["job"] = job
         plan = load_plan(path)
-        ranks = plan.header.src_ranks if args.role == "trainer" else plan.header.dst_ranks
+        ranks = plan.header.src_ranks if args.role == "trainer" else max(plan.header.dst_ranks, args.pool_ranks or 0)
         if args.rank < ranks:
             (run_trainer if args.role == "trainer" else run_inference)(argparse.Namespace(**{
                 **vars(args), "plan": path, "job": job, "model": model, "device_ipc": ipc}), plan)

@@ -155,6 +155,7 @@ def _synced(job: Job, key: str, version: int) -> dict:
     return e
 
 
+@pytest.mark.extended
 def test_four_inference_processes_on_two_nodes_sync_bf16_and_fp8_over_nixl(plan_cache, tmp_path):
     plans = [plan_cache(*BF16), plan_cache(*FP8)]
     models = ",".join(str(config_dir(case[0])) for case in (BF16, FP8))

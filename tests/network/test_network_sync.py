@@ -72,6 +72,7 @@ def start_gated(job: Job, versions: str, trainer_node, readers: int, inference_n
                   *(extra[0](k) if extra else ()), node=inference_node(k))
 
 
+@pytest.mark.extended
 def test_an_inference_node_cut_mid_sync_fails_clean_then_syncs_again_after_the_link_returns(plan_cache, tmp_path):
     """Node i1 (inference ranks 2, 3) loses its link in the middle of version 2: its ranks fail version 2 with a
     SyncError and report no version (their weights are incomplete); node i0 completes version 2. Version 3 starts the

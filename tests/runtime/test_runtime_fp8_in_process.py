@@ -122,8 +122,11 @@ def test_fp8_syncs_through_the_device_path_equal_the_host_executor(fp8_plan, ren
             sender.release(version, timeout=2)
 
 
-@pytest.mark.parametrize("rounding", ["cuda", "ieee"])
-@pytest.mark.parametrize("sender_path,receiver_path", [("auto", "device"), ("device", "auto")])
+# make test runs each direction and each rounding once; the other two pairings run in make test-extended
+@pytest.mark.parametrize("sender_path,receiver_path,rounding", [
+    ("auto", "device", "cuda"), ("device", "auto", "ieee"),
+    *(pytest.param(*case, marks=pytest.mark.extended) for case in (("auto", "device", "ieee"), ("device", "auto", "cuda"))),
+])
 def test_blocks_quantized_by_different_paths_end_as_one_paths_bytes(plan_cache, rendezvous, rounding, sender_path,
                                                                     receiver_path):
     """Trainers quantizing their (sender- and gather-side) blocks on one path and inference ranks their receiver-side

@@ -78,7 +78,9 @@ def _engine_info(llm) -> dict:
     return llm.collective_rpc(backend_info)[0]
 
 
-@pytest.fixture(scope="module", params=MODELS)
+# make test runs the MLA model; the Qwen3-MoE engine, which test_vllm_backend_trainer_restart.py also drives, runs in
+# make test-extended
+@pytest.fixture(scope="module", params=[pytest.param(MODELS[0], marks=pytest.mark.extended), MODELS[1]])
 def case(request, tmp_path_factory):
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function (tests only)
     from weightplan.compiler.compile import CompileOptions, compile_plan
