@@ -27,42 +27,88 @@ def skyrl_missing() -> str | None:
     return None
 
 
-class SkyrlDefaultPath:
-    """SkyRL's default (`nccl`) path as far as it runs on a CPU: its `FsdpWeightSource` iterated (every parameter
-    `full_tensor()`ed and cast to the model dtype, what SkyRL's NCCL sender broadcasts) into vLLM's `load_weights` of a
-    loader-built model (what vLLM's NCCL receive engine calls with what it receives). The broadcast itself needs CUDA;
-    a live CPU engine's `load_weights` changes nothing it computes (docs/frameworks.md), so a loader-built model
-    stands in for the engine, as in the TRL and verl baselines."""
+def initial_weights() -> dict[str, torch.Tensor]:
+    """The policy's weights before its first step: transformers' model of CONFIG built as fsdp2_llama builds it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    def __init__(self, config: Path, policy: torch.nn.Module):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(CONFIG), dtype=torch.float32)
+    return {name: t.detach() for name, t in model.state_dict().items()}
+
+
+def receive_in_memory(worker, named: list[tuple[str, torch.Tensor]]) -> None:
+    """The receive step of vLLM 0.30's NCCL weight-transfer engine (NCCLWeightTransferEngine.receive_weights, packed, as
+    SkyRL configures it) with the broadcast replaced by tensors handed over in memory: the engine's
+    `model.load_weights` of the received (name, tensor) list, inside the layerwise reload its start_weight_update began.
+    `llm.collective_rpc(receive_in_memory, args=(named,))` between start_ and finish_weight_update."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+    if not worker._weight_update_active:
+        raise RuntimeError("start_weight_update must be called before the weights are handed over")
+    engine = worker.weight_transfer_engine
+    with set_current_vllm_config(worker.vllm_config), disable_mtp_completeness_check():
+        # packed_nccl_broadcast_consumer hands each unpacked buffer to post_unpack_func=self.model.load_weights; the
+        # whole 0.6 MB model fits SkyRL's one packed buffer (at least 1 GiB), so one call
+        engine.model.load_weights(named)
+    # (the base update_weights then calls torch.accelerator.synchronize(): nothing is asynchronous here)
+
+
+def nccl_llm(model: Path):
+    """An engine as make_llm(model, dummy=False, backend=False) starts it, on vLLM's own `nccl` weight-transfer
+    backend (what SkyRL's servers run for its default weight_sync_backend)."""
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    from weightplan.testing.engines import KV_CACHE_BYTES, engine_env
+
+    engine_env()
+    return LLM(model=str(model), load_format="safetensors", skip_tokenizer_init=True, enforce_eager=True,
+               dtype="bfloat16", kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=128, max_num_seqs=4, seed=0,
+               weight_transfer_config=WeightTransferConfig(backend="nccl"))
+
+
+def _kernel_digests(worker) -> dict[str, str]:
+    from weightplan.testing.engines import kernel_digests
+
+    return kernel_digests(worker)
+
+
+class SkyrlDefaultPath:
+    """SkyRL's default (`nccl`) path as far as it runs on a CPU, into a live vLLM engine of its own (vLLM's `nccl`
+    weight-transfer backend): per sync, the engine's `start_weight_update` (vLLM's initialize_layerwise_reload), SkyRL's
+    `FsdpWeightSource` iterated (every parameter `full_tensor()`ed and cast to the model dtype, what SkyRL's NCCL sender
+    broadcasts), the gathered tensors handed to the engine's worker in memory and loaded there as vLLM's NCCL receive
+    engine loads what it receives (receive_in_memory), then `finish_weight_update` (finalize_layerwise_reload: the
+    engine's packed layers rebuilt) with the step as weight version. Only the NCCL broadcast itself (CUDA) is
+    replaced: by the engine-core RPC that carries the tensors."""
+
+    def __init__(self, llm, policy: torch.nn.Module):
         from skyrl.backends.skyrl_train.weight_sync.sources import FsdpWeightSource
 
-        from weightplan.compiler.frontend.vllm_model import build_model, make_vllm_config
-
-        self.vllm_config = make_vllm_config(config)  # a model of its own needs its own VllmConfig (layer names)
-        self.model = build_model(self.vllm_config, "cpu")
+        self.llm = llm
         self.source = FsdpWeightSource(policy, torch.bfloat16, "")
 
-    def sync(self) -> float:
-        """One sync's seconds."""
-        from weightplan.compiler.frontend.vllm_patches import parallel_rank
-
+    def sync(self, version: int) -> float:
+        """One sync's seconds, from the trainer's iteration start until the engine holds `version`."""
         start = time.perf_counter()
-        with torch.no_grad(), parallel_rank(self.vllm_config, 0, 0):
-            self.model.load_weights(iter(self.source))
+        self.llm.start_weight_update()
+        named = list(iter(self.source))
+        self.llm.collective_rpc(receive_in_memory, args=(named,))
+        self.llm.finish_weight_update(weight_version=str(version))
         return time.perf_counter() - start
 
     def digests(self) -> dict[str, str]:
-        from weightplan.compiler.frontend.vllm_compat import compute_tensor_digests
-
-        return compute_tensor_digests(self.model)
+        """SHA-256 of every tensor the engine's modules hold (packed `cpu_linear` weights included)."""
+        return self.llm.collective_rpc(_kernel_digests)[0]
 
 
 def run_skyrl(steps: int, workdir: Path) -> dict:
     """`steps` AdamW steps of an FSDP2 policy, each followed by SkyRL's `send_weights()` through weightplan into a live
-    vLLM engine and by SkyRL's default path (SkyrlDefaultPath). Returns each path's seconds per step, whether every
-    step the engine held exactly vLLM's own load of the gathered state, and whether the default path loaded the same.
-    One line per step on stdout; the plan and the layout go in `workdir`/weightplan."""
+    vLLM engine and by SkyRL's default path into another (SkyrlDefaultPath), both engines started from the policy's
+    initial weights. Returns each path's seconds per step, whether every step the weightplan engine held exactly vLLM's
+    own load of the gathered state, and whether the default path's engine then held the same kernel tensors (and they
+    changed). One line per step on stdout; the plan and the layout go in `workdir`/weightplan."""
     from skyrl.backends.skyrl_train.weight_sync import weight_senders
     from skyrl.backends.skyrl_train.weight_sync.sources import FsdpWeightSource
     from skyrl.train.config.config import InferenceEngineConfig
@@ -70,19 +116,25 @@ def run_skyrl(steps: int, workdir: Path) -> dict:
 
     from weightplan.adapters import skyrl as adapter
     from weightplan.runtime import load_plan
-    from weightplan.testing.engines import make_llm, pin_no_amx, shutdown, staged_digests
+    from weightplan.testing.engines import make_llm, pin_no_amx, shutdown, staged_digests, write_checkpoint
     from weightplan.testing.rl_inference import FreshLoad
     from weightplan.vllm_backend.clients import LLMClient
 
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(staged_digests): the check only
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with functions: the check and
+    # the baseline's in-memory handover
     unpin = pin_no_amx(workdir)
-    llm = make_llm(CONFIG, dummy=True, backend=True)
-    engine, sky_client = None, weight_senders.SkyrlWeightSyncClient
+    engines, engine, sky_client = [], None, weight_senders.SkyrlWeightSyncClient
     try:
+        start_from = write_checkpoint(CONFIG, initial_weights(), workdir / "initial")
+        llm = make_llm(start_from, dummy=False, backend=True)
+        engines.append(llm)
+        # the default path's engine: vLLM's own nccl backend, as SkyRL's servers run for weight_sync_backend="nccl"
+        theirs_llm = nccl_llm(start_from)
+        engines.append(theirs_llm)
         judge = FreshLoad(CONFIG)  # vLLM's own load_weights of the gathered state (it makes the one-rank world)
         policy = fsdp2_llama(str(CONFIG))
         optimizer = torch.optim.AdamW(policy.parameters(), lr=0.05)
-        default_path = SkyrlDefaultPath(CONFIG, policy)
+        default_path = SkyrlDefaultPath(theirs_llm, policy)
         adapter.install(adapter.WeightplanSettings(workdir=str(workdir / "weightplan"), job="skyrl-bench"))
 
         def client(server_urls, data_parallel_size, *, init_payload_fn=None):
@@ -99,22 +151,27 @@ def run_skyrl(steps: int, workdir: Path) -> dict:
         init_s = time.perf_counter() - start
         plan = load_plan(engine.init_info.plan)
         ours, theirs, identical, baseline_identical = [], [], True, True
+        previous = default_path.digests()  # the default path's engine before the first step
         for step in range(1, steps + 1):
             train_step(policy, optimizer)
             start = time.perf_counter()
             engine.send_weights()  # what SkyRL's Worker._sync_weights_to_inference_engines calls
             ours.append(time.perf_counter() - start)
-            theirs.append(default_path.sync())
+            theirs.append(default_path.sync(step))
             full = {name: DTensor.full_tensor(t).detach() for name, t in policy.state_dict().items()}
             expected, staged = judge.digests(full, plan), llm.collective_rpc(staged_digests)[0]
             differ = sorted(k for k in staged if expected.get(k) != staged[k])
             identical &= bool(staged) and not differ and engine.version == step
-            ours_loaded = default_path.digests()
-            baseline_differ = sorted(k for k in expected if ours_loaded.get(k) != expected[k])
-            baseline_identical &= not baseline_differ
+            ours_kernels, theirs_kernels = llm.collective_rpc(_kernel_digests)[0], default_path.digests()
+            baseline_differ = sorted(set(ours_kernels) ^ set(theirs_kernels)
+                                     | {k for k in ours_kernels if theirs_kernels.get(k) != ours_kernels[k]})
+            changed = theirs_kernels != previous
+            baseline_identical &= bool(theirs_kernels) and not baseline_differ and changed
+            previous = theirs_kernels
             print(json.dumps({"event": "step", "step": step, "update_s": round(ours[-1], 4),
                               "baseline_s": round(theirs[-1], 4), "digests": len(staged), "digests_differ": differ[:5],
-                              "baseline_digests_differ": baseline_differ[:5]}), flush=True)
+                              "kernel_tensors": len(theirs_kernels), "baseline_digests_differ": baseline_differ[:5],
+                              "baseline_changed": changed}), flush=True)
         return {"ours": ours, "theirs": theirs, "identical": identical, "baseline_identical": baseline_identical,
                 "init_s": init_s, "parameters": sum(p.numel() for p in policy.parameters())}
     finally:
@@ -122,5 +179,6 @@ def run_skyrl(steps: int, workdir: Path) -> dict:
         if engine is not None:
             weight_senders.teardown_engine(engine)
         adapter.uninstall()
-        shutdown(llm)
+        for each in engines:
+            shutdown(each)
         unpin()
