@@ -185,6 +185,11 @@ def kernel_digests(worker) -> dict[str, str]:
     return model_digests(worker.model_runner.get_model())
 
 
+def kernel_digests_differ(ours: dict[str, str], theirs: dict[str, str]) -> list[str]:
+    """The tensor names two engines' kernel_digests disagree on: held by one only, or with other bytes; sorted."""
+    return sorted(set(ours) ^ set(theirs) | {k for k in ours if theirs.get(k) != ours[k]})
+
+
 def draft_kernel_digests(worker) -> dict[str, str]:
     """kernel_digests of the speculative draft model."""
     return model_digests(worker.get_draft_model())

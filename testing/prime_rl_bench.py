@@ -142,7 +142,8 @@ def run_prime_rl(checkout: Path, steps: int, workdir: Path) -> dict:
 
     from weightplan.adapters import prime_rl as adapter
     from weightplan.runtime import load_plan
-    from weightplan.testing.engines import make_llm, pin_no_amx, shutdown, staged_digests, write_checkpoint
+    from weightplan.testing.engines import (kernel_digests_differ, make_llm, pin_no_amx, shutdown, staged_digests,
+                                           write_checkpoint)
     from weightplan.testing.fsdp2_policy import fsdp2_llama, train_step
     from weightplan.testing.rl_inference import FreshLoad
 
@@ -186,8 +187,7 @@ def run_prime_rl(checkout: Path, steps: int, workdir: Path) -> dict:
             differ = sorted(k for k in staged if expected.get(k) != staged[k])
             identical &= bool(staged) and not differ and ours.engine.version == step + 1
             ours_kernels, theirs_kernels = ours_llm.collective_rpc(_digests)[0], theirs_llm.collective_rpc(_digests)[0]
-            baseline_differ = sorted(set(ours_kernels) ^ set(theirs_kernels)
-                                     | {k for k in ours_kernels if theirs_kernels.get(k) != ours_kernels[k]})
+            baseline_differ = kernel_digests_differ(ours_kernels, theirs_kernels)
             changed = theirs_kernels != previous
             baseline_identical &= bool(theirs_kernels) and not baseline_differ and changed
             previous = theirs_kernels

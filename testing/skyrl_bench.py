@@ -156,7 +156,8 @@ def run_skyrl(steps: int, workdir: Path) -> dict:
 
     from weightplan.adapters import skyrl as adapter
     from weightplan.runtime import load_plan
-    from weightplan.testing.engines import make_llm, pin_no_amx, shutdown, staged_digests, write_checkpoint
+    from weightplan.testing.engines import (kernel_digests_differ, make_llm, pin_no_amx, shutdown, staged_digests,
+                                           write_checkpoint)
     from weightplan.testing.rl_inference import FreshLoad
     from weightplan.vllm_backend.clients import LLMClient
 
@@ -203,8 +204,7 @@ def run_skyrl(steps: int, workdir: Path) -> dict:
             differ = sorted(k for k in staged if expected.get(k) != staged[k])
             identical &= bool(staged) and not differ and engine.version == step
             ours_kernels, theirs_kernels = llm.collective_rpc(_kernel_digests)[0], default_path.digests()
-            baseline_differ = sorted(set(ours_kernels) ^ set(theirs_kernels)
-                                     | {k for k in ours_kernels if theirs_kernels.get(k) != ours_kernels[k]})
+            baseline_differ = kernel_digests_differ(ours_kernels, theirs_kernels)
             changed = theirs_kernels != previous
             baseline_identical &= bool(theirs_kernels) and not baseline_differ and changed
             previous = theirs_kernels

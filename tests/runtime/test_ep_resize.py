@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from weightplan.runtime import PlanMismatchError, Receiver, Rendezvous, Sender, SyncError, load_plan
+from weightplan.runtime import PlanMismatchError, Receiver, Sender, SyncError, load_plan
 from weightplan.runtime.transport import protocol
 from weightplan.testing.runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
 
-from ..support.syncs import sync_while_released
+from ..support.syncs import own_client, publish_version, sync_while_released
 
 TIMEOUT = 20.0  # of every sync here: a loaded 2-core host must not fail them
 RELEASE = 8.0  # of every release: a release that waited for a reader of the old plan would show as timed_out
@@ -22,30 +22,18 @@ def sizes(plan_cache):
     return {size: load_plan(plan_cache(*MOE, f"dp={size},ep")) for size in (2, 4)}
 
 
-def _client(rendezvous) -> Rendezvous:
-    """A store client of its own per Sender and Receiver: a client blocked in wait() serves no other thread."""
-    return Rendezvous.connect(rendezvous.job, rendezvous.address)
-
 
 def _receiver(plan, rank: int, rendezvous) -> tuple[Receiver, dict]:
     destination = plain_destination(plan, rank)
-    receiver = Receiver(plan, rank, destination, rendezvous=_client(rendezvous), timeout=TIMEOUT,
+    receiver = Receiver(plan, rank, destination, rendezvous=own_client(rendezvous), timeout=TIMEOUT,
                         derived="caller").start()
     return receiver, destination
 
 
 def _senders(plan, tensors, rendezvous) -> list[Sender]:
-    return [Sender(plan, r, tensors[r], rendezvous=_client(rendezvous), timeout=TIMEOUT, progress="thread").start()
+    return [Sender(plan, r, tensors[r], rendezvous=own_client(rendezvous), timeout=TIMEOUT, progress="thread").start()
             for r in range(plan.header.src_ranks)]
 
-
-def _publish(plan, senders, tensors, version: int) -> None:
-    """The trainers' weights of `version` into their tensors (the same trainer layout under both plans), published."""
-    full = full_weights(plan, 0, version)
-    for sender in senders:
-        for name, t in shard(plan, full, sender.rank).items():
-            tensors[sender.rank][name].copy_(t)
-        sender.publish(version)
 
 
 def _read(plan, senders, readers: dict, version: int):
@@ -62,7 +50,7 @@ def _read(plan, senders, readers: dict, version: int):
 
 
 def _sync(plan, senders, tensors, readers: dict, version: int):
-    _publish(plan, senders, tensors, version)
+    publish_version(plan, senders, tensors, version)
     return _read(plan, senders, readers, version)
 
 
@@ -88,7 +76,7 @@ def test_the_pool_grows_from_two_to_four_expert_parallel_ranks_at_one_version(re
 
     senders = _switch(senders, new, tensors, rendezvous)
     after = {k: _receiver(new, k, rendezvous) for k in range(4)}  # the new size's engines join; the old ones still run
-    _publish(new, senders, tensors, SWITCH)
+    publish_version(new, senders, tensors, SWITCH)
     stale, destination = before[0]
     kept = {n: t.clone() for n, t in destination.items()}
     with pytest.raises(PlanMismatchError) as caught:  # while v3 is live under the new plan
@@ -100,12 +88,12 @@ def test_the_pool_grows_from_two_to_four_expert_parallel_ranks_at_one_version(re
     assert stale.version is None and all(byte_equal(kept[n], destination[n]) for n in kept)  # not a byte of v3 read
     for version in (SWITCH, SWITCH + 1):
         if version > SWITCH:
-            _publish(new, senders, tensors, version)
+            publish_version(new, senders, tensors, version)
         for report in _read(new, senders, after, version):
             assert report.acked == (0, 1, 2, 3) and report.failed == report.timed_out == report.left == (), report
             assert report.seconds < RELEASE / 2, report
 
-    resumed = Sender(new, 0, tensors[0], rendezvous=_client(rendezvous), timeout=TIMEOUT).start()
+    resumed = Sender(new, 0, tensors[0], rendezvous=own_client(rendezvous), timeout=TIMEOUT).start()
     with pytest.raises(SyncError) as caught:  # a trainer rank resumed from a checkpoint of before the switch
         resumed.publish(SWITCH - 1)
     assert str(caught.value) == (

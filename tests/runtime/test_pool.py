@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightplan.runtime import PlanMismatchError, Receiver, Rendezvous, Sender, load_plan
+from weightplan.runtime import PlanMismatchError, Receiver, Sender, load_plan
 from weightplan.runtime.plan.header import RankCoords
 from weightplan.runtime.tables.ranks import held_entries, layout_rank, pool_members
 from weightplan.runtime.transport import protocol
 from weightplan.testing.runtime_worker import byte_equal, full_weights, host_reference, plain_destination, shard
 
-from ..support.syncs import sync_while_released
+from ..support.syncs import own_client, publish_version, sync_while_released
 
 TIMEOUT = 20.0  # of every sync and release here: a loaded 2-core host must not fail them
 POOL = 4  # the plan's 2 DP replicas and 2 more; rank 3 never joins
@@ -29,25 +29,13 @@ def dp2(plan_cache):
     return load_plan(plan_cache(*LLAMA, "dp=2"))
 
 
-def _client(rendezvous) -> Rendezvous:
-    """A store client of its own per Sender and Receiver: a client blocked in wait() serves no other thread."""
-    return Rendezvous.connect(rendezvous.job, rendezvous.address)
-
 
 def _receiver(plan, rank: int, rendezvous, pool_ranks=POOL) -> tuple[Receiver, dict]:
     destination = plain_destination(plan, layout_rank(plan, rank, pool_ranks))
-    receiver = Receiver(plan, rank, destination, rendezvous=_client(rendezvous), timeout=TIMEOUT, derived="caller",
+    receiver = Receiver(plan, rank, destination, rendezvous=own_client(rendezvous), timeout=TIMEOUT, derived="caller",
                         pool_ranks=pool_ranks).start()
     return receiver, destination
 
-
-def _publish(plan, senders, tensors, version: int) -> None:
-    """The trainers' weights of `version` into their tensors, then published."""
-    full = full_weights(plan, 0, version)
-    for sender in senders:
-        for name, t in shard(plan, full, sender.rank).items():
-            tensors[sender.rank][name].copy_(t)
-        sender.publish(version)
 
 
 def _assert_host_bytes(plan, destinations: dict[int, dict], version: int) -> None:
@@ -64,13 +52,13 @@ def test_a_replica_beyond_the_plan_joins_syncs_leaves_and_returns(rendezvous, dp
     and the trainers wait for it. Version 3: rank 1 left (close), and the release does not wait for it. Version 4: a new
     process of rank 1 joins again and syncs. Rank 3 never joins and is never waited for."""
     tensors = {r: shard(dp2, full_weights(dp2, 0, 1), r) for r in range(dp2.header.src_ranks)}
-    senders = [Sender(dp2, r, tensors[r], rendezvous=_client(rendezvous), timeout=TIMEOUT, progress="thread",
+    senders = [Sender(dp2, r, tensors[r], rendezvous=own_client(rendezvous), timeout=TIMEOUT, progress="thread",
                       pool_ranks=POOL).start() for r in range(dp2.header.src_ranks)]
     assert all(s.readers == (0, 1, 2, 3) for s in senders)
     readers = {k: _receiver(dp2, k, rendezvous) for k in (0, 1)}
 
     def sync(version: int):
-        _publish(dp2, senders, tensors, version)
+        publish_version(dp2, senders, tensors, version)
         reports, released = sync_while_released(senders, [r for r, _ in readers.values()], version, TIMEOUT)
         assert [r.version for r in reports] == [version] * len(readers)
         _assert_host_bytes(dp2, {k: d for k, (_, d) in readers.items()}, version)
@@ -105,7 +93,7 @@ def test_a_replica_beyond_the_plan_joins_syncs_leaves_and_returns(rendezvous, dp
 def test_a_pool_rank_the_trainers_do_not_count_is_refused_at_connect(rendezvous, dp2):
     """Trainers without `pool_ranks` never wait for rank 2: its sync is refused in one line, nothing read."""
     tensors = {r: shard(dp2, full_weights(dp2, 0, 1), r) for r in range(dp2.header.src_ranks)}
-    senders = [Sender(dp2, r, tensors[r], rendezvous=_client(rendezvous), timeout=TIMEOUT, progress="thread").start()
+    senders = [Sender(dp2, r, tensors[r], rendezvous=own_client(rendezvous), timeout=TIMEOUT, progress="thread").start()
                for r in range(dp2.header.src_ranks)]
     receiver, _ = _receiver(dp2, 2, rendezvous)
     for sender in senders:

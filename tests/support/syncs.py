@@ -8,6 +8,25 @@ from concurrent.futures import ThreadPoolExecutor
 from weightplan.runtime.transport import protocol
 
 
+def own_client(rendezvous):
+    """A store client of its own per Sender and Receiver: a client blocked in wait() serves no other thread."""
+    from weightplan.runtime import Rendezvous
+
+    return Rendezvous.connect(rendezvous.job, rendezvous.address)
+
+
+def publish_version(plan, senders, tensors, version: int) -> None:
+    """The trainers' weights of `version` (runtime_worker.full_weights) copied into their registered tensors, then
+    published by every Sender."""
+    from weightplan.testing.runtime_worker import full_weights, shard
+
+    full = full_weights(plan, 0, version)
+    for sender in senders:
+        for name, t in shard(plan, full, sender.rank).items():
+            tensors[sender.rank][name].copy_(t)
+        sender.publish(version)
+
+
 def wait_for_key(rendezvous, key: str, seconds: float = 10.0) -> None:
     """Return once `key` exists in the store; fail the test after `seconds`."""
     deadline = time.monotonic() + seconds
