@@ -1,5 +1,5 @@
-"""A policy as the RL frameworks' FSDP2 trainers hold it, on one gloo rank (transformers' model, fp32, fully_shard), and
-one optimizer step of it: the trainer side of the single-process framework adapter tests and benchmarks."""
+"""A policy as the RL frameworks' FSDP2 trainers hold it, on gloo ranks (transformers' model, fp32, fully_shard), and
+one optimizer step of it: the trainer side of the framework adapter tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import torch
 
 
 def fsdp2_llama(config: str) -> torch.nn.Module:
-    """transformers' causal LM of `config` (a config directory), fp32, every decoder layer and the model fully_shard'ed."""
+    """transformers' causal LM of `config` (a config directory), fp32, every decoder layer and the model fully_shard'ed
+    over the default group's ranks (a one-rank gloo world, made here, if there is none)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -19,7 +20,7 @@ def fsdp2_llama(config: str) -> torch.nn.Module:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config), dtype=torch.float32)
-    mesh = init_device_mesh("cpu", (1,))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
