@@ -35,9 +35,12 @@ plan: $(STAMP)
 	else echo "no $(CUDA_VENV): the cuda plans were not recompiled (make venv-cuda)"; fi
 
 # --durations: the slowest tests, printed every run (the aim: well under 30 minutes on a 2-core host; docs/architecture.md).
-# The tests marked extended or resolver (pyproject.toml) run in test-extended.
+# TEST_JOBS pytest-xdist workers, a whole test file each (--dist loadfile: module fixtures such as an engine start once);
+# TEST_JOBS=0 runs in this process, in file order. The tests marked extended or resolver (pyproject.toml) run in
+# test-extended.
+TEST_JOBS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=15 -m "not extended and not resolver"
+	$(BIN)/python -m pytest -q --durations=15 -n $(TEST_JOBS) --dist loadfile -m "not extended and not resolver"
 
 # The rest of the suite: the framework benchmark's smoke run with the TRL and verl tests that check it, the package
 # index resolutions, the longest network faults, the bf16 full-size GLM verify, more of the zoo (about 14 minutes here).
@@ -188,7 +191,7 @@ COMPAT_TESTS_0.26.0 := tests/frameworks/test_prime_rl.py
 COMPAT_TESTS := tests/compat tests/compiler/test_vllm_patches.py tests/vllm_backend/test_live_patches.py \
 	tests/runtime/test_protocol.py tests/runtime/test_cast_into.py tests/runtime/test_stage_merge.py \
 	tests/runtime/test_progress_modes.py tests/runtime/test_delta_encode.py tests/frameworks/test_skyrl.py \
-	tests/frameworks/test_skyrl_bench.py $(COMPAT_TESTS_$(VLLM))
+	tests/frameworks/test_skyrl_bench.py tests/frameworks/test_skyrl_ranks.py $(COMPAT_TESTS_$(VLLM))
 .PHONY: test-compat
 test-compat: venv-compat
 	$(COMPAT)/bin/pip install --quiet --no-deps -e .
