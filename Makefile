@@ -146,7 +146,7 @@ COMPAT := .venv-vllm-$(VLLM)
 # A framework that pins this vLLM goes in its venv too (issue 50, docs/frameworks.md#skyrl): SkyRL 0.4.0 (its `fsdp`
 # extra pins vllm 0.30.0), plus what its trainer-side weight sync imports from its `skyrl-train` extra (not all of it:
 # that extra pins the CUDA vllm and flash-attn). Empty for the other versions.
-COMPAT_EXTRA_0.30.0 := skyrl==0.4.0 skyrl-gym==0.4.0 ray==2.57.0 hydra-core==1.3.4 omegaconf "orjson>=3.11.9" \
+COMPAT_EXTRA_0.30.0 := skyrl==0.4.0 skyrl-gym==0.4.0 ray==2.57.0 hydra-core==1.3.4 omegaconf "orjson>=3.11.9" jaxtyping \
 	"pybase64>=1.4.2"
 .PHONY: venv-compat
 venv-compat: $(COMPAT)/.installed
@@ -191,7 +191,8 @@ COMPAT_TESTS_0.26.0 := tests/frameworks/test_prime_rl.py
 COMPAT_TESTS := tests/compat tests/compiler/test_vllm_patches.py tests/vllm_backend/test_live_patches.py \
 	tests/runtime/test_protocol.py tests/runtime/test_cast_into.py tests/runtime/test_stage_merge.py \
 	tests/runtime/test_progress_modes.py tests/runtime/test_delta_encode.py tests/frameworks/test_skyrl.py \
-	tests/frameworks/test_skyrl_bench.py tests/frameworks/test_skyrl_ranks.py $(COMPAT_TESTS_$(VLLM))
+	tests/frameworks/test_skyrl_bench.py tests/frameworks/test_skyrl_ranks.py \
+	tests/frameworks/test_skyrl_ray.py $(COMPAT_TESTS_$(VLLM))
 .PHONY: test-compat
 test-compat: venv-compat
 	$(COMPAT)/bin/pip install --quiet --no-deps -e .

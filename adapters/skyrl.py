@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+from dataclasses import asdict, dataclass, fields
 from importlib import metadata
 from typing import Any, ClassVar
 
@@ -88,6 +90,64 @@ def install(settings: WeightplanSettings | None = None) -> None:
                     f"{_SENDERS}:_build_sender_init_info": _build_sender_init_info}
         for target, wrapper in wrappers.items():
             _SHIM.rebind(_ORIGINALS[target], wrapper)
+
+
+# -- reaching SkyRL's Ray workers: one environment variable in the driver --------------------------------------------
+
+RAY_HOOK = "weightplan.adapters.skyrl.ray_runtime_env"  # the value of Ray's RAY_RUNTIME_ENV_HOOK in the driver
+WORKER_HOOK = "weightplan.adapters.skyrl.install_in_worker"  # the runtime env's worker_process_setup_hook
+SETTINGS_ENV = "WEIGHTPLAN_SKYRL_SETTINGS"  # the driver's WeightplanSettings, as JSON, in every worker's environment
+
+
+def ray_runtime_env(runtime_env: dict | None) -> dict:
+    """Ray calls this at `ray.init` (SkyRL's `initialize_ray`) when the driver runs with
+    `RAY_RUNTIME_ENV_HOOK=weightplan.adapters.skyrl.ray_runtime_env`: `install()` here, in the driver, and the job's
+    runtime env returned with `install_in_worker` as every Ray worker's setup hook and the driver's settings in its
+    environment, so each policy worker and engine actor installs before SkyRL code runs in it. A runtime env that
+    already names another setup hook is refused in one line."""
+    install()
+    env = dict(runtime_env or {})
+    hook = env.get("worker_process_setup_hook")
+    if hook not in (None, WORKER_HOOK):
+        raise ValueError(f"weightplan's SkyRL adapter sets Ray's worker_process_setup_hook, which this job's runtime env "
+                         f"already sets to {hook!r}: call weightplan.adapters.skyrl.install() from that hook instead")
+    env["worker_process_setup_hook"] = WORKER_HOOK
+    env["env_vars"] = {**env.get("env_vars", {}), SETTINGS_ENV: json.dumps(asdict(_settings))}
+    return env
+
+
+def install_in_worker() -> None:
+    """A Ray worker's setup hook (set by `ray_runtime_env`): `install()` with the driver's settings."""
+    install(settings_from_json(os.environ.get(SETTINGS_ENV, "{}")))
+
+
+def settings_from_json(text: str) -> WeightplanSettings:
+    """WeightplanSettings from `ray_runtime_env`'s JSON; anything else is refused in one line naming it."""
+    try:
+        given = json.loads(text)
+    except ValueError:
+        given = None
+    if not isinstance(given, dict):
+        raise ValueError(f"{SETTINGS_ENV} is not a JSON object of WeightplanSettings fields: {text[:80]!r}")
+    defaults = {f.name: f.default for f in fields(WeightplanSettings)}
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise ValueError(f"{SETTINGS_ENV} names {', '.join(unknown)}, which WeightplanSettings does not have")
+    wrong = sorted(k for k, v in given.items() if not _same_kind(v, defaults[k]))
+    if wrong:
+        raise ValueError(f"{SETTINGS_ENV}: {', '.join(f'{k}={given[k]!r}' for k in wrong)} has the wrong type")
+    return WeightplanSettings(**given)
+
+
+def _same_kind(value, default) -> bool:
+    """Whether a JSON value fits a settings field whose default is `default` (None: an optional path)."""
+    if default is None:
+        return value is None or isinstance(value, str)
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(default, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float))
+    return isinstance(value, type(default))
 
 
 def uninstall() -> None:
