@@ -112,7 +112,7 @@ def ray_runtime_env(runtime_env: dict | None) -> dict:
         raise ValueError(f"weightplan's SkyRL adapter sets Ray's worker_process_setup_hook, which this job's runtime env "
                          f"already sets to {hook!r}: call weightplan.adapters.skyrl.install() from that hook instead")
     env["worker_process_setup_hook"] = WORKER_HOOK
-    env["env_vars"] = {**env.get("env_vars", {}), SETTINGS_ENV: json.dumps(asdict(_settings))}
+    env["env_vars"] = {**(env.get("env_vars") or {}), SETTINGS_ENV: json.dumps(asdict(_settings))}
     return env
 
 

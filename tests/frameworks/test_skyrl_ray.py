@@ -12,7 +12,6 @@ from weightplan.adapters import skyrl as adapter
 
 
 def test_the_hook_names_the_worker_setup_and_carries_the_drivers_settings(monkeypatch):
-    pytest.importorskip("skyrl", reason="SkyRL is installed only in the vLLM 0.30 venv (make test-compat VLLM=0.30.0)")
     monkeypatch.setattr(adapter, "_settings", adapter.WeightplanSettings(job="driver", timeout=33.0, workdir="/shared"))
     monkeypatch.setattr(adapter, "install", lambda settings=None: None)  # install() itself: test_skyrl.py
     env = adapter.ray_runtime_env({"env_vars": {"SKYRL_LOG_FILE": "/tmp/x"}})
@@ -20,6 +19,7 @@ def test_the_hook_names_the_worker_setup_and_carries_the_drivers_settings(monkey
     assert env["env_vars"]["SKYRL_LOG_FILE"] == "/tmp/x"
     assert adapter.settings_from_json(env["env_vars"][adapter.SETTINGS_ENV]) == adapter._settings
     assert adapter.ray_runtime_env(None)["worker_process_setup_hook"] == adapter.WORKER_HOOK
+    assert adapter.SETTINGS_ENV in adapter.ray_runtime_env({"env_vars": None})["env_vars"]
     with pytest.raises(ValueError) as refused:
         adapter.ray_runtime_env({"worker_process_setup_hook": "mylab.setup"})
     assert str(refused.value) == ("weightplan's SkyRL adapter sets Ray's worker_process_setup_hook, which this job's "
