@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
 
 
 @dataclass
@@ -19,3 +20,33 @@ class PublishSettings:
     verify: bool = False
     delta: float = 0.0
     workdir: str | None = None
+
+    @classmethod
+    def from_json(cls, text: str, source: str):
+        """Settings from a JSON object of their fields (`source` names where it came from in the errors); anything else
+        is refused in one line naming it."""
+        try:
+            given = json.loads(text)
+        except ValueError:
+            given = None
+        if not isinstance(given, dict):
+            raise ValueError(f"{source} is not a JSON object of {cls.__name__} fields: {text[:80]!r}")
+        defaults = {f.name: f.default for f in fields(cls)}
+        unknown = sorted(set(given) - set(defaults))
+        if unknown:
+            raise ValueError(f"{source} names {', '.join(unknown)}, which {cls.__name__} does not have")
+        wrong = sorted(k for k, v in given.items() if not _same_kind(v, defaults[k]))
+        if wrong:
+            raise ValueError(f"{source}: {', '.join(f'{k}={given[k]!r}' for k in wrong)} has the wrong type")
+        return cls(**given)
+
+
+def _same_kind(value, default) -> bool:
+    """Whether a JSON value fits a settings field whose default is `default` (None: an optional path)."""
+    if default is None:
+        return value is None or isinstance(value, str)
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(default, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float))
+    return isinstance(value, type(default))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from importlib import metadata
 from typing import Any, ClassVar
 
@@ -118,36 +118,7 @@ def ray_runtime_env(runtime_env: dict | None) -> dict:
 
 def install_in_worker() -> None:
     """A Ray worker's setup hook (set by `ray_runtime_env`): `install()` with the driver's settings."""
-    install(settings_from_json(os.environ.get(SETTINGS_ENV, "{}")))
-
-
-def settings_from_json(text: str) -> WeightplanSettings:
-    """WeightplanSettings from `ray_runtime_env`'s JSON; anything else is refused in one line naming it."""
-    try:
-        given = json.loads(text)
-    except ValueError:
-        given = None
-    if not isinstance(given, dict):
-        raise ValueError(f"{SETTINGS_ENV} is not a JSON object of WeightplanSettings fields: {text[:80]!r}")
-    defaults = {f.name: f.default for f in fields(WeightplanSettings)}
-    unknown = sorted(set(given) - set(defaults))
-    if unknown:
-        raise ValueError(f"{SETTINGS_ENV} names {', '.join(unknown)}, which WeightplanSettings does not have")
-    wrong = sorted(k for k, v in given.items() if not _same_kind(v, defaults[k]))
-    if wrong:
-        raise ValueError(f"{SETTINGS_ENV}: {', '.join(f'{k}={given[k]!r}' for k in wrong)} has the wrong type")
-    return WeightplanSettings(**given)
-
-
-def _same_kind(value, default) -> bool:
-    """Whether a JSON value fits a settings field whose default is `default` (None: an optional path)."""
-    if default is None:
-        return value is None or isinstance(value, str)
-    if isinstance(default, bool) or isinstance(value, bool):
-        return isinstance(value, bool) and isinstance(default, bool)
-    if isinstance(default, float):
-        return isinstance(value, (int, float))
-    return isinstance(value, type(default))
+    install(WeightplanSettings.from_json(os.environ.get(SETTINGS_ENV, "{}"), SETTINGS_ENV))
 
 
 def uninstall() -> None:

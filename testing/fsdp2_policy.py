@@ -1,5 +1,6 @@
 """A policy as the RL frameworks' FSDP2 trainers hold it, on gloo ranks (transformers' model, fp32, fully_shard), and
-one optimizer step of it: the trainer side of the framework adapter tests and benchmarks."""
+one optimizer step of it, and a count of full-tensor gathers: the trainer side of the framework adapter tests and
+benchmarks."""
 
 from __future__ import annotations
 
@@ -33,3 +34,17 @@ def train_step(model, optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     optimizer.step()
+
+
+def counting_full_tensor(gathered: list):
+    """`DTensor.full_tensor` as it is now, wrapped to append each gathered DTensor's shape to `gathered`: set it in its
+    place to prove an adapter never gathers (keep the original for a reference gather that is not counted)."""
+    from torch.distributed.tensor import DTensor
+
+    full_tensor = DTensor.full_tensor
+
+    def counted(self, *args, **kwargs):
+        gathered.append(tuple(self.shape))
+        return full_tensor(self, *args, **kwargs)
+
+    return counted

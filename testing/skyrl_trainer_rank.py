@@ -6,7 +6,7 @@ tests/frameworks/test_skyrl_ranks.py): joins the world (gloo), builds `fsdp2_lla
 `weight_senders.build_trainer_engine` with weight_sync_backend="weightplan", its own `FsdpWeightSource` and its own HTTP
 client for the server at URL, and prints a `built` JSON line. Then for each step v it waits for `test/go/<v>` in the
 job's store, takes one `train_step`, calls `engine.send_weights()`, gathers the full state dict (rank 0 saves it to
-O/full-<v>.pt, the test's reference) and prints a `sent` line. `gathered` in both lines: how often the adapter called
+O/full-<v>.safetensors, the test's reference) and prints a `sent` line. `gathered` in both lines: how often the adapter called
 `DTensor.full_tensor` (the reference gather is not counted).
 """
 
@@ -33,12 +33,13 @@ def main() -> None:
 
     from skyrl.backends.skyrl_train.weight_sync import weight_senders
     from skyrl.backends.skyrl_train.weight_sync.sources import FsdpWeightSource
+    from safetensors.torch import save_file
     from skyrl.train.config.config import InferenceEngineConfig
     from torch.distributed.tensor import DTensor
 
     from weightplan.adapters import skyrl as adapter
     from weightplan.runtime import Rendezvous
-    from weightplan.testing.fsdp2_policy import fsdp2_llama, train_step
+    from weightplan.testing.fsdp2_policy import counting_full_tensor, fsdp2_llama, train_step
 
     dist.init_process_group("gloo")  # env://, as SkyRL's Worker.init_worker_process_group (its CPU half)
     rank = dist.get_rank()
@@ -46,12 +47,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     adapter.install(adapter.WeightplanSettings(workdir=args.workdir, job=args.job))
     gathered, full_tensor = [], DTensor.full_tensor
-
-    def counted_full_tensor(self, *a, **kw):
-        gathered.append(tuple(self.shape))
-        return full_tensor(self, *a, **kw)
-
-    DTensor.full_tensor = counted_full_tensor  # the adapter must never gather
+    DTensor.full_tensor = counting_full_tensor(gathered)  # the adapter must never gather
 
     def source_factory(dtype, backend):  # FsdpWorker._build_weight_source's non-RDT branch
         return FsdpWeightSource(model, dtype, "")
@@ -80,8 +76,8 @@ def main() -> None:
                 "acked": list(engine.last_release.acked)}
         full = {name: full_tensor(t).detach() for name, t in model.state_dict().items()}  # the reference only
         if rank == 0:
-            path = os.path.join(args.out, f"full-{step}.pt")
-            torch.save(full, path + ".tmp")
+            path = os.path.join(args.out, f"full-{step}.safetensors")
+            save_file(full, path + ".tmp")
             os.replace(path + ".tmp", path)
         print(json.dumps(sent), flush=True)
     if rank != 0:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from weightplan.adapters import prime_rl as adapter
-from weightplan.testing.fsdp2_policy import fsdp2_llama, train_step
+from weightplan.testing.fsdp2_policy import counting_full_tensor, fsdp2_llama, train_step
 
 from ..conftest import config_dir
 
@@ -122,12 +122,7 @@ def test_trainer_shards_reach_a_live_engine_the_way_prime_rl_drives_its_servers(
         model = fsdp2_llama(str(config))
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
         gathered, full_tensor = [], DTensor.full_tensor
-
-        def counted_full_tensor(self, *args, **kwargs):
-            gathered.append(self.shape)
-            return full_tensor(self, *args, **kwargs)
-
-        monkeypatch.setattr(DTensor, "full_tensor", counted_full_tensor)  # the adapter must never gather
+        monkeypatch.setattr(DTensor, "full_tensor", counting_full_tensor(gathered))  # the adapter must never gather
         settings = adapter.PrimeRlSettings(model=str(config), workdir=str(tmp_path / "weightplan"), job="prime-rl-test")
         broadcast = adapter.WeightplanBroadcast(tmp_path / "out", settings)
         for step in (0, 1, 2):

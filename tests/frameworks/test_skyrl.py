@@ -18,7 +18,7 @@ from skyrl.train.config.config import InferenceEngineConfig  # noqa: E402
 from weightplan.adapters import skyrl as adapter  # noqa: E402
 
 from ..conftest import config_dir  # noqa: E402
-from weightplan.testing.fsdp2_policy import fsdp2_llama, train_step  # noqa: E402
+from weightplan.testing.fsdp2_policy import counting_full_tensor, fsdp2_llama, train_step  # noqa: E402
 
 OTHERS = [("nccl", False), ("nccl", True), ("delta", False), ("sharded_rdt", False), ("rdt", False)]
 
@@ -114,12 +114,7 @@ def test_skyrl_build_trainer_engine_syncs_a_live_engine_from_fsdp2_shards(tmp_pa
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
         adapter.install(adapter.WeightplanSettings(workdir=str(tmp_path / "weightplan"), job="skyrl-test"))
         gathered, full_tensor = [], DTensor.full_tensor
-
-        def counted_full_tensor(self, *args, **kwargs):
-            gathered.append(self.shape)
-            return full_tensor(self, *args, **kwargs)
-
-        monkeypatch.setattr(DTensor, "full_tensor", counted_full_tensor)  # the adapter must never gather
+        monkeypatch.setattr(DTensor, "full_tensor", counting_full_tensor(gathered))  # the adapter must never gather
         clients = []
 
         def client(server_urls, data_parallel_size, *, init_payload_fn=None):  # SkyRL's HTTP client, stood in

@@ -13,8 +13,6 @@ import pytest
 pytest.importorskip("skyrl", reason="SkyRL is installed only in the vLLM 0.30 venv (make test-compat VLLM=0.30.0)")
 pytest.importorskip("ray", reason="SkyRL's trainer-side weight sync imports ray (make venv-compat VLLM=0.30.0)")
 
-import torch  # noqa: E402
-
 from weightplan.testing.engines import (  # noqa: E402
     ROOT, AsyncEngine, async_greedy, free_port, pin_no_amx, read_references, staged_digests, start_references,
     write_checkpoint,
@@ -60,6 +58,8 @@ def test_two_fsdp2_ranks_sync_a_live_engine_through_skyrl_build_trainer_engine(t
     over the default group. Three optimizer steps, each followed by `send_weights()` on both ranks; after each the
     engine holds what vLLM's own load_weights makes of the gathered state and generates what a fresh engine on that
     checkpoint generates, and no rank's adapter called `DTensor.full_tensor`."""
+    from safetensors.torch import load_file
+
     from weightplan.runtime import Rendezvous, load_plan
     from weightplan.testing.rl_inference import FreshLoad
 
@@ -102,7 +102,7 @@ def test_two_fsdp2_ranks_sync_a_live_engine_through_skyrl_build_trainer_engine(t
                 sent = trainer_event(tmp_path, f"rank{rank}", procs[rank], "sent", step, timeout=600)
                 assert (sent["version"], sent["acked"]) == (step, [0]), sent
                 assert sent["gathered"] == 0, f"rank {rank}'s adapter gathered full tensors to sync"
-            full = torch.load(tmp_path / f"full-{step}.pt", weights_only=True)
+            full = load_file(str(tmp_path / f"full-{step}.safetensors"))
             expected = fresh.digests(full, plan)
             staged = served.run(served.engine.collective_rpc(staged_digests))[0]
             assert staged and sorted(k for k in staged if expected.get(k) != staged[k]) == [], step

@@ -17,7 +17,7 @@ def test_the_hook_names_the_worker_setup_and_carries_the_drivers_settings(monkey
     env = adapter.ray_runtime_env({"env_vars": {"SKYRL_LOG_FILE": "/tmp/x"}})
     assert env["worker_process_setup_hook"] == adapter.WORKER_HOOK == "weightplan.adapters.skyrl.install_in_worker"
     assert env["env_vars"]["SKYRL_LOG_FILE"] == "/tmp/x"
-    assert adapter.settings_from_json(env["env_vars"][adapter.SETTINGS_ENV]) == adapter._settings
+    assert adapter.WeightplanSettings.from_json(env["env_vars"][adapter.SETTINGS_ENV], adapter.SETTINGS_ENV) == adapter._settings
     assert adapter.ray_runtime_env(None)["worker_process_setup_hook"] == adapter.WORKER_HOOK
     assert adapter.SETTINGS_ENV in adapter.ray_runtime_env({"env_vars": None})["env_vars"]
     with pytest.raises(ValueError) as refused:
@@ -37,15 +37,15 @@ def test_the_hook_names_the_worker_setup_and_carries_the_drivers_settings(monkey
 ])
 def test_settings_a_worker_cannot_read_are_refused_in_one_line(text, line):
     with pytest.raises(ValueError) as refused:
-        adapter.settings_from_json(text)
+        adapter.WeightplanSettings.from_json(text, adapter.SETTINGS_ENV)
     assert str(refused.value) == line
 
 
 def test_settings_round_trip_through_json():
     settings = adapter.WeightplanSettings(plan="/p.plan", address="10.0.0.1:29500", job="j", timeout=5, verify=True,
                                           delta=0.25, workdir=None)
-    assert adapter.settings_from_json(json.dumps(asdict(settings))) == settings
-    assert adapter.settings_from_json("{}") == adapter.WeightplanSettings()
+    assert adapter.WeightplanSettings.from_json(json.dumps(asdict(settings)), adapter.SETTINGS_ENV) == settings
+    assert adapter.WeightplanSettings.from_json("{}", adapter.SETTINGS_ENV) == adapter.WeightplanSettings()
 
 
 def test_skyrl_initialize_ray_with_the_hook_installs_in_the_driver_and_in_every_worker(tmp_path, monkeypatch):
