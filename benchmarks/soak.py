@@ -37,10 +37,14 @@ sync runs):
   needs a DP-only plan: expert parallel plans refuse `pool_ranks`, so --pool syncs tiny Llama, fsdp=2 -> dp=2 with
   pool_ranks 4, not the default Qwen3-MoE plan, fsdp=2 -> dp=2,ep.
 
-Not built: an EPLB rearrangement (vLLM refuses engines with enable_eplb at init on this CPU platform; DESIGN.md 5).
+- experts rearranged (`experts_rearranged`, with --eplb): before the sync, vLLM's own EPLB policy
+  (`DefaultEplbPolicy.rebalance_experts`, random loads from the soak's seed) makes a new physical-to-logical table,
+  written where the readers look (testing/eplb.py); each reader makes a Receiver on it (as the vLLM backend does after
+  vLLM's balancer moved experts) and checks every slot holds the expert the table puts there. --eplb syncs the
+  checked-in EPLB plan (tiny Qwen3-MoE, fsdp=2 -> dp=2,ep,eplb=2, compiled by vLLM's CUDA build) instead.
 The kinds drawn are all that apply to the run (the etcd ones with --rendezvous etcd, the replica ones with --pool), or
 those --faults lists (each listed kind once, in a random order, before any is drawn again; a replica kind there
-implies --pool).
+implies --pool, an EPLB kind --eplb).
 
 A sync is `completed` when every reader synced it with the reference bytes, `failed_clean` when some reader failed
 it with a SyncError and reported no version, a `hang` when some process said nothing within the bound (4 x the
@@ -78,7 +82,10 @@ TRAINERS, READERS, POOL = 2, 2, 4  # with --pool, inference ranks 2 and 3 are re
 FAULTS = ("link_flap", "long_cut", "cut_past_publish", "kill_restart", "slow_link", "trainers_restarted")
 ETCD_FAULTS = ("etcd_member_killed", "etcd_member_cut")
 POOL_FAULTS = ("replica_joined", "replica_left")
-KINDS = FAULTS + ETCD_FAULTS + POOL_FAULTS
+EPLB_FAULTS = ("experts_rearranged",)
+KINDS = FAULTS + ETCD_FAULTS + POOL_FAULTS + EPLB_FAULTS
+# --eplb: the checked-in plan vLLM's CUDA build compiled for tiny Qwen3-MoE, fsdp=2 -> dp=2,ep,eplb=2
+EPLB_PLAN = ROOT / "tests" / "runtime" / "data" / "tiny-qwen3-moe-eplb2.plan"
 ETCD_MEMBERS, ETCD_CLIENT_PORT, ETCD_PEER_PORT = 3, 2379, 2380
 PAST_PUBLISH = 3  # versions the trainers publish while a reader's node is cut (fault cut_past_publish)
 
@@ -211,7 +218,8 @@ class Soak:
 
     def start(self, worker: Worker, versions: list[int], start_gate: bool = False) -> None:
         extra = (("--wait-joined", "--busy-after-publish", str(self.args.compute)) if worker.role == "trainer"
-                 else ("--plain", "--leave-gate", *(("--start-gate",) if start_gate else ())))
+                 else ("--plain", "--leave-gate", *(("--start-gate",) if start_gate else ()),
+                       *(("--expert-maps", str(self.job.gates)) if self.args.eplb else ())))
         pool = ("--pool-ranks", str(POOL)) if self.args.pool else ()
         self.job.start(worker.key, worker.role, worker.rank, "--versions", ",".join(map(str, versions)), "--gate",
                        "--timeout", str(self.args.timeout), *pool, *extra, node=worker.node)
@@ -267,6 +275,9 @@ class Soak:
             worker = Worker("inference", rank, f"i{rank}", self.next_key(f"inf{rank}"))
         elif kind == "replica_left":
             worker = self.rng.choice(self.replicas())
+        elif kind == "experts_rearranged":  # every reader follows the new table
+            readers = [w for w in self.workers if w.role == "inference"]
+            worker = Worker("inference", -1, ",".join(w.node for w in readers), ",".join(w.key for w in readers))
         else:
             worker = self.rng.choice(self.workers)
         typical = sorted(self.sync_seconds[-10:])[len(self.sync_seconds[-10:]) // 2] if self.sync_seconds else 0.5
@@ -316,6 +327,11 @@ class Soak:
         if fault is not None and fault[0] == "cut_past_publish":
             return self.cut_past_publish(version, fault[1])
         killed: list[Worker] = []
+        if fault is not None and fault[0] == "experts_rearranged":  # vLLM's balancer moved experts before this sync
+            from weightplan.runtime import load_plan
+            from weightplan.testing.eplb import vllm_rebalanced, write_table
+
+            write_table(self.job.gates, version, vllm_rebalanced(load_plan(EPLB_PLAN), self.rng.randrange(1 << 30)))
         self.job.go(version)
         if fault is not None:
             kind, worker, _, delay = fault
@@ -357,6 +373,8 @@ class Soak:
                 self.start(worker, [v for v in self.versions if v > version], start_gate=True)
             elif kind == "replica_left":
                 (self.job.gates / f"leave-{worker.rank}").touch()
+            elif kind == "experts_rearranged":
+                pass  # the table was written before the go gate
             else:
                 self.cluster.set_rate(worker.node, self.args.rate / 10)
             if kind not in ("link_flap", "long_cut", "etcd_member_cut", *POOL_FAULTS):
@@ -477,7 +495,8 @@ def kinds(args) -> tuple[str, ...]:
     """The fault kinds this run draws: --faults, or every kind that applies to its rendezvous and pool."""
     if args.faults:
         return tuple(args.faults)
-    return FAULTS + (ETCD_FAULTS if args.rendezvous == "etcd" else ()) + (POOL_FAULTS if args.pool else ())
+    return (FAULTS + (ETCD_FAULTS if args.rendezvous == "etcd" else ()) + (POOL_FAULTS if args.pool else ())
+            + (EPLB_FAULTS if args.eplb else ()))
 
 
 def main(argv=None) -> None:
@@ -499,6 +518,8 @@ def main(argv=None) -> None:
                         help="the workers' store: a TCPStore on node s0, or three etcd members on e0, e1 and e2")
     parser.add_argument("--pool", action="store_true",
                         help=f"a DP-only plan (tiny Llama, fsdp=2 -> dp=2) with pool_ranks {POOL}: replicas join and leave")
+    parser.add_argument("--eplb", action="store_true",
+                        help="sync the checked-in EPLB plan (tiny Qwen3-MoE, fsdp=2 -> dp=2,ep,eplb=2): experts rearrange")
     parser.add_argument("--faults", type=lambda s: [k.strip() for k in s.split(",") if k.strip()], default=None,
                         help=f"comma-separated kinds to draw (default: all that apply), of {','.join(KINDS)}")
     args = parser.parse_args(argv)
@@ -508,6 +529,10 @@ def main(argv=None) -> None:
         if kind in ETCD_FAULTS and args.rendezvous != "etcd":
             raise SystemExit(f"soak: fault {kind} needs --rendezvous etcd")
     args.pool = args.pool or any(kind in POOL_FAULTS for kind in args.faults or ())
+    args.eplb = args.eplb or any(kind in EPLB_FAULTS for kind in args.faults or ())
+    if args.pool and args.eplb:
+        raise SystemExit("soak: --pool and --eplb do not go together: pool replicas need a DP-only plan, EPLB an "
+                         "expert-parallel one")
     if args.smoke:
         args.syncs, args.max_seconds = 12, min(args.max_seconds, 400.0)
         args.max_cut = min(args.max_cut, 2 * args.timeout + 3)
@@ -518,7 +543,7 @@ def main(argv=None) -> None:
     stopped = None
     with tempfile.TemporaryDirectory(prefix="weightplan-soak-") as tmp:
         tmp = Path(tmp)
-        plan = compile_tiny_plan(tmp, args.pool)
+        plan = EPLB_PLAN if args.eplb else compile_tiny_plan(tmp, args.pool)
         stores = [f"e{m}" for m in range(ETCD_MEMBERS)] if args.rendezvous == "etcd" else ["s0"]
         nodes = {**{node: None for node in stores}, **{f"t{r}": args.rate for r in range(TRAINERS)},
                  **{f"i{k}": args.rate for k in range(POOL if args.pool else READERS)}}

@@ -38,7 +38,9 @@ def compile_main(argv: list[str] | None = None) -> int:
     trainer.add_argument("--trainer", default="fsdp=1", help="trainer layout: fsdp=N[,ep=M][,replicas=R]")
     trainer.add_argument("--trainer-layout", type=Path, metavar="FILE",
                          help="explicit trainer layout (JSON: per tensor shape, dtype, mesh, DTensor placements)")
-    parser.add_argument("--inference", default="tp=1", help="vLLM layout: tp=T[,dp=D][,ep][,gpus-per-node=G]")
+    parser.add_argument("--inference", default="tp=1",
+                        help="vLLM layout: tp=T[,pp=P][,dp=D][,ep][,eplb=R][,gpus-per-node=G] (eplb=R: --enable-eplb with R "
+                             "redundant experts, --platform cuda only; docs/cuda.md)")
     parser.add_argument("-o", "--output", type=_output_path, help="plan file (default plans/<model>/<trainer>__<inference>__<quant>.plan)")
     parser.add_argument("--trainer-adapter", metavar="MODULE:CALLABLE",
                         help="a trainer that is not a transformers model: a factory(config_dir, dtype) whose object has "
@@ -59,8 +61,10 @@ def compile_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     quiet_vllm()
     from .frontend.cuda_platform import select_platform
+    from .layouts import parse_inference
 
     try:
+        parse_inference(args.inference).check_platform(args.platform)  # before the platform's own environment check
         select_platform(args.platform, args.device, "compile-plan")
     except WeightplanError as exc:
         return _fail(exc)

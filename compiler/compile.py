@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from weightplan.runtime.plan.header import DraftHeader, InferenceHeader, PlanStats, TrainerHeader
+from weightplan.runtime.plan.header import DraftHeader, EplbHeader, InferenceHeader, PlanStats, TrainerHeader
 from .frontend.draft import DRAFT_METHOD, check_draft, check_draft_architecture, draft_trainer
 from .frontend.errors import ModelConfigError
 from .frontend.lora_trace import LoraRankTracer, LoraSpec, check_lora
@@ -150,6 +150,8 @@ def check_inputs(opts: CompileOptions) -> CompileSettings:
     name, config_dir = resolve_model(opts.model)
     config = load_config_json(config_dir)
     inference.check(config)
+    if inference.eplb is not None:
+        check_eplb_options(opts, inference)
     check_trainer_experts(trainer_layout, config)
     trainer_layout = check_trainer_stages(trainer_layout, config)
     if opts.draft:
@@ -179,7 +181,8 @@ def _compile(settings: CompileSettings, trainer_model, log) -> CompileResult:
 
     engine = {"quantization": quant.vllm_quantization, "draft": settings.draft, "moe_backend": settings.moe_backend}
     base = make_vllm_config(config_dir, **engine)
-    vllm_config = (make_vllm_config(config_dir, tp=inference.tp, dp=inference.dp, ep=inference.ep, pp=inference.pp, **engine)
+    vllm_config = (make_vllm_config(config_dir, tp=inference.tp, dp=inference.dp, ep=inference.ep, pp=inference.pp,
+                                    eplb=inference.eplb, **engine)
                    if inference.ranks > 1 else base)
     draft = None
     if settings.draft:  # the trainer's MTP tensors; the draft's own tensors are read off vLLM's one-rank draft
@@ -217,20 +220,24 @@ def _compile(settings: CompileSettings, trainer_model, log) -> CompileResult:
     started = clock()
     trainer = TrainerHeader(fmt.value, settings.trainer_dtype, trainer_layout.token, trainer_layout.classes, settings.trainer_adapter or None,
                             pp=getattr(settings.trainer_layout, "pp", 1) if getattr(settings.trainer_layout, "pp", 1) > 1 else None)
+    joined = join_ranks(per_rank, chains, check_each=settings.check_passes)
     inference_meta = InferenceHeader(inference.token, inference.tp, inference.dp, inference.ep, trace_platform(),
                                      platform_record(vllm_config), inference.gpus_per_node or None, draft, pp=inference.pp if inference.pp > 1 else None,
-                                     lora=lora.spec.header(lora.targets) if lora is not None else None)
+                                     lora=lora.spec.header(lora.targets) if lora is not None else None,
+                                     eplb=eplb_header(inference, config_dir, ranks, joined.dests)
+                                     if inference.eplb is not None else None)
     origin = PlanOrigin(vllm_version=vllm.__version__, model=name, config_sha256=config_hash(config_dir),
                         architecture=(draft_config(base) or base.model_config).architectures[0], trainer=trainer, inference=inference_meta,
                         quant=quant.name, src_ranks=trainer_layout.ranks, dst_ranks=inference.ranks)
     program = dataclasses.replace(
-        join_ranks(per_rank, chains, check_each=settings.check_passes), origin=origin, trainer_layout=trainer_layout,
+        joined, origin=origin, trainer_layout=trainer_layout,
         quant_targets=quant.targets(quant_hooks),
         derived=tuple(quant_hooks.derived if quant_hooks else ranks.derived or ()),
         unloaded=tuple(TensorEntry(n, shape, dtype, ranks=tuple(r)) for (n, shape, dtype), r in sorted(unloaded.items())),
         kernel_layout=quant.kernel_layout(traced_fp8_kernels(vllm_config)))
     before_coalesce = {}
     compiled = run_stage(Stage.WHOLE_PLAN, program, check_each=settings.check_passes, observe=_before_coalesce(before_coalesce))
+    compiled = run_stage(Stage.EPLB, compiled, check_each=settings.check_passes)
     compiled = run_stage(Stage.QUANT, compiled, check_each=settings.check_passes)
     compiled = run_stage(Stage.FANOUT, dataclasses.replace(compiled, gpus_per_node=inference.gpus_per_node),
                          check_each=settings.check_passes)
@@ -257,6 +264,29 @@ def _compile(settings: CompileSettings, trainer_model, log) -> CompileResult:
     timings["total_cpu"] = time.process_time() - start_cpu
     stats["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return CompileResult(compiled, path, size, timings, stats)
+
+
+def check_eplb_options(opts: CompileOptions, inference: InferenceLayout) -> None:
+    """Refuse in one line what an EPLB plan (`--inference ...,eplb=R`) cannot be compiled with yet, or where."""
+    where = f"--inference eplb={inference.eplb}"
+    inference.check_platform(trace_platform())
+    if opts.quant != "none":
+        raise ModelConfigError(f"{where} with --quant {opts.quant} is not supported yet: EPLB plans are unquantized "
+                               "(docs/cuda.md, EPLB plans)")
+    if opts.draft or opts.lora is not None:
+        raise ModelConfigError(f"{where} with {'--draft' if opts.draft else '--lora'} is not supported yet: EPLB plans "
+                               "are the target model's own weights (docs/cuda.md, EPLB plans)")
+
+
+def eplb_header(inference: InferenceLayout, config_dir: Path, ranks: RankTracer, dests) -> EplbHeader:
+    """The header's EPLB record: the routed and redundant experts, and per MoE layer (vLLM's order) the plan
+    destinations whose dim 0 is that layer's local physical slot (what RoutedExperts.get_expert_weights moves)."""
+    planned = {entry.name for entry in dests}
+    kept = tuple(tuple(name for name in layer if name in planned) for layer in ranks.eplb_layers or ())
+    if not kept or not all(kept) or not ranks.logical_experts:
+        raise ModelConfigError(f"--inference eplb={inference.eplb}: vLLM built no MoE layer whose expert tensors the plan "
+                               f"writes ({config_dir / 'config.json'}); EPLB plans need routed experts")
+    return EplbHeader(ranks.logical_experts, inference.eplb, kept)
 
 
 def _before_coalesce(into: dict):

@@ -23,14 +23,15 @@ __all__ = ["ExplicitTrainer", "InferenceLayout", "TrainerLayout", "parse_trainer
 @dataclass(frozen=True)
 class InferenceLayout:
     """vLLM serving layout: TP within a pipeline stage, `pp` stages, `dp` replicas, optional expert parallelism (over
-    the TP x DP ranks of a stage, as vLLM groups them), and the GPUs per node (0: no grouping) that node-local fan-out
-    of replicated weights groups ranks by."""
+    the TP x DP ranks of a stage, as vLLM groups them), the GPUs per node (0: no grouping) that node-local fan-out
+    of replicated weights groups ranks by, and vLLM's expert load balancer (`eplb`: its redundant experts; None: off)."""
 
     tp: int = 1
     dp: int = 1
     ep: bool = False
     gpus_per_node: int = 0
     pp: int = 1
+    eplb: int | None = None  # --enable-eplb with this many redundant experts (0: EPLB on, no redundant slot)
 
     @property
     def ranks(self) -> int:
@@ -46,7 +47,8 @@ class InferenceLayout:
     @property
     def token(self) -> str:
         return (f"tp{self.tp}" + (f"-pp{self.pp}" if self.pp > 1 else "") + (f"-dp{self.dp}" if self.dp > 1 else "")
-                + ("-ep" if self.ep else "") + (f"-node{self.gpus_per_node}" if self.gpus_per_node else ""))
+                + ("-ep" if self.ep else "") + (f"-eplb{self.eplb}" if self.eplb is not None else "")
+                + (f"-node{self.gpus_per_node}" if self.gpus_per_node else ""))
 
     def check(self, config: dict) -> None:
         """Refuse layouts vLLM cannot build, naming the constraint, before any tracing."""
@@ -57,13 +59,39 @@ class InferenceLayout:
         if kv_heads and kv_heads % self.tp and self.tp % kv_heads:
             raise ModelConfigError(f"inference tp={self.tp} and num_key_value_heads={kv_heads}: neither divides the other")
         experts = routed_experts(config)
-        if self.ep:
+        if self.eplb is not None:
+            self._check_eplb(experts)
+        elif self.ep:
             if not experts:
                 raise ModelConfigError("inference ep needs a MoE model; this config has no experts")
             if experts % (self.tp * self.dp):
                 raise ModelConfigError(f"inference ep over {self.tp * self.dp} ranks does not divide the {experts} routed experts")
         if self.pp > 1:
             check_pipeline_stages(config, self.pp)
+
+    def _check_eplb(self, experts: int | None) -> None:
+        """Refuse an `eplb=R` layout vLLM's EPLB cannot serve or a plan cannot record (header.EplbHeader)."""
+        where = f"inference eplb={self.eplb}"
+        if not self.ep:
+            raise ModelConfigError(f"{where} needs ep: vLLM's expert load balancer moves experts between expert-parallel "
+                                   "ranks (--inference ...,ep,eplb=R)")
+        if self.pp > 1:
+            raise ModelConfigError(f"{where} with pp={self.pp}: EPLB plans cover one pipeline stage; leave out pp")
+        if not experts:
+            raise ModelConfigError(f"{where} needs a MoE model; this config has no routed experts")
+        ranks = self.tp * self.dp
+        if ranks < 2:
+            raise ModelConfigError(f"{where} needs more than one expert-parallel rank (vLLM's EPLB requires tp or dp > 1)")
+        if (experts + self.eplb) % ranks:
+            raise ModelConfigError(f"{where}: the {experts} routed experts and {self.eplb} redundant ones make "
+                                   f"{experts + self.eplb} physical slots, which the {ranks} expert-parallel ranks do not "
+                                   "split evenly")
+
+    def check_platform(self, platform: str) -> None:
+        """Refuse in one line a layout the traced vLLM platform (`cpu` or `cuda`) cannot serve: EPLB is cuda-only."""
+        if self.eplb is not None and platform != "cuda":
+            raise ModelConfigError(f"inference eplb={self.eplb} needs --platform cuda: vLLM's CPU platform refuses "
+                                   "enable_eplb (docs/cuda.md, EPLB plans)")
 
 
 def parse_trainer(text: str, layout_file: Path | None = None,
@@ -182,17 +210,39 @@ class ExplicitTrainer:
         return layout.token
 
 
+INFERENCE_FORM = "tp=T[,pp=P][,dp=D][,ep][,eplb=R][,gpus-per-node=G]"
+MAX_REDUNDANT_EXPERTS = 1 << 16
+
+
 def parse_inference(text: str) -> InferenceLayout:
-    """Parse `tp=T[,pp=P][,dp=D][,ep][,gpus-per-node=G]`."""
+    """Parse `tp=T[,pp=P][,dp=D][,ep][,eplb=R][,gpus-per-node=G]` (eplb=R: vLLM's EPLB with R redundant experts, R >= 0)."""
+    eplb, rest = _eplb_item(text)
     try:
-        items = layout_items(text, "--inference", "tp=T[,pp=P][,dp=D][,ep][,gpus-per-node=G]", ("tp", "pp", "dp", "gpus-per-node"),
-                             ("ep",))
+        items = layout_items(rest, "--inference", INFERENCE_FORM, ("tp", "pp", "dp", "gpus-per-node"), ("ep",)) \
+            if rest or eplb is None else {}
     except ValueError as exc:
-        raise ModelConfigError(str(exc)) from None
-    layout = InferenceLayout(**{k.replace("-", "_"): v for k, v in items.items()})
+        raise ModelConfigError(str(exc).replace(repr(rest), repr(text))) from None
+    layout = InferenceLayout(**{k.replace("-", "_"): v for k, v in items.items()}, eplb=eplb)
     if layout.gpus_per_node == 1:
         raise ModelConfigError("--inference gpus-per-node=1 leaves no peer on a node to fan out to; give the GPUs per "
                                "node (e.g. 8) or leave it out")
     if layout.ranks > MAX_RANKS:
         raise ModelConfigError(f"--inference {text!r} has {layout.ranks} ranks; plans support at most {MAX_RANKS} per side")
     return layout
+
+
+def _eplb_item(text: str) -> tuple[int | None, str]:
+    """(R of an `eplb=R` item or None, the other items): R is 0 or more, given once."""
+    if not isinstance(text, str):
+        return None, text
+    parts = [p.strip() for p in text.split(",")]
+    found = [p for p in parts if p.partition("=")[0] == "eplb"]
+    if not found:
+        return None, text
+    if len(found) > 1:
+        raise ModelConfigError(f"--inference {text!r} gives eplb twice")
+    value = found[0].partition("=")[2]
+    if not (value.isascii() and value.isdigit()) or int(value) > MAX_REDUNDANT_EXPERTS:
+        raise ModelConfigError(f"bad --inference item {found[0]!r} in {text!r}: expected eplb=R with R redundant experts, "
+                               f"0..{MAX_REDUNDANT_EXPERTS}")
+    return int(value), ",".join(p for p in parts if p != found[0])

@@ -23,6 +23,7 @@ weightplan plan (format {{ s.format_version }})
 {% endif %}  trainer        {{ s.trainer.format }}, {{ s.trainer.dtype }} masters, layout {{ s.trainer.token }} ({{ s.src_ranks }} ranks)
   inference      {{ s.inference.token }} ({{ s.dst_ranks }} ranks), quant {{ s.quant }}{% if s.scale_rounding %} ({{ s.scale_rounding }} scale rounding){% endif %}
 {% if s.inference.get("lora") %}{% set l = s.inference.lora %}  lora           rank {{ l.rank }}, alpha {{ l.alpha }}, into one slot of max_lora_rank {{ l.max_rank }}; targets {{ l.targets | join(", ") }}
+{% endif %}{% if s.inference.get("eplb") %}{% set e = s.inference.eplb %}  eplb           {{ e.logical_experts }} routed + {{ e.redundant_experts }} redundant experts in {{ e.logical_experts + e.redundant_experts }} physical slots, {{ e.layers | length }} MoE layers of {{ e.layers[0] | length }} expert tensors; no run crosses a slot
 {% endif %}  sources        {{ h.sources | length }} trainer tensors
   destinations   {{ s.dst_tensors }} tensors ({{ s.dst_entries }} distinct), {{ s.dst_bytes }} bytes, coverage {{ "%.6f" | format(s.dst_coverage) }}
   wire           {{ s.wire_bytes }} bytes{% if s.gather_bytes %} ({{ s.gather_bytes }} between trainer ranks){% endif %}{% if s.fanout %}, first hops only (second hops: fan-out){% endif %}

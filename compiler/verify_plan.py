@@ -199,7 +199,8 @@ def verify_plan(
     moe_backend = (info.vllm_host or {}).get("moe_backend_setting") if info.platform == "cuda" else None
     engine = {"quantization": quant.vllm_quantization, "draft": draft, "moe_backend": moe_backend}
     base = make_vllm_config(config_dir, **engine)
-    vllm_config = (make_vllm_config(config_dir, tp=info.tp, dp=info.dp, ep=info.ep, pp=info.pp or 1, **engine)
+    eplb = info.eplb.redundant_experts if info.eplb is not None else None  # an EPLB plan: vLLM's engine with --enable-eplb
+    vllm_config = (make_vllm_config(config_dir, tp=info.tp, dp=info.dp, ep=info.ep, pp=info.pp or 1, eplb=eplb, **engine)
                    if plan.header.dst_ranks > 1 else base)
 
     tensors, nbytes, mismatches, compared, unloaded = 0, 0, [], [], 0

@@ -20,6 +20,7 @@ import zlib
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
+import numpy as np
 import torch
 
 from weightplan.compiler.verify_plan import shard_sources
@@ -179,16 +180,32 @@ def run_plain_inference(args, plan) -> None:
     if args.start_gate:
         emit(event="ready", rank=args.rank)
         wait_gate(args, rendezvous, "start", 0)
-    receiver = Receiver(plan, args.rank, destination, rendezvous=rendezvous, timeout=args.timeout, verify=args.verify,
+    eplb = plan.header.inference.eplb is not None
+    if eplb:  # an EPLB engine: the table it serves with, written by the test or soak (testing/eplb.py)
+        from .eplb import eplb_reference, latest_table, read_table
+
+        table = latest_table(args.expert_maps, args.versions[0], plan)
+
+    def make_receiver() -> Receiver:
+        return Receiver(plan, args.rank, destination, rendezvous=rendezvous, timeout=args.timeout, verify=args.verify,
                         derived="caller",  # plain tensors: no modules whose derived state could go stale
                         group_bytes=args.group_bytes, post_op=hold, ring_bytes=args.ring_bytes, delta=args.delta,
-                        device_ipc=args.device_ipc, pool_ranks=args.pool_ranks).start()
+                        device_ipc=args.device_ipc, pool_ranks=args.pool_ranks,
+                        expert_map=table if eplb else None).start()
+
+    receiver = make_receiver()
     emit(event="joined", rank=args.rank)
     for version in args.versions:
         if args.gate and wait_go_or_leave(args, rendezvous, version):  # the pool shrinks: this rank leaves
             receiver.close()
             emit(event="left", rank=args.rank, version=version, reported=receiver.version)
             return
+        moved = read_table(args.expert_maps, version) if eplb else None
+        if moved is not None and not np.array_equal(moved, table):  # the balancer moved experts: a Receiver on the new
+            table = moved  # table, as the vLLM backend makes one (vllm_backend/engine.py Side.follow_experts)
+            receiver.close()
+            receiver = make_receiver()
+            emit(event="experts-followed", rank=args.rank, version=version)
         current[0] = version
         began = time.monotonic()
         try:
@@ -197,7 +214,8 @@ def run_plain_inference(args, plan) -> None:
             emit(event="failed", rank=args.rank, version=version, error=str(exc), reported=receiver.version,
                  seconds=time.monotonic() - began)
             continue
-        expected = host_reference(plan, version_weights(plan, args, version), plan_rank)
+        full = version_weights(plan, args, version)
+        expected = eplb_reference(plan, full, plan_rank, table) if eplb else host_reference(plan, full, plan_rank)
         differ = sorted(n for n, t in expected.items() if not byte_equal(t, destination[n]))
         emit(event="synced", rank=args.rank, version=version, reported=receiver.version, tensors=len(expected),
              differ=differ[:5], n_differ=len(differ), bytes=report.bytes, descriptors=report.descriptors,
@@ -346,6 +364,8 @@ def main(argv=None) -> None:
                         help="Sender/Receiver pool_ranks: DP replicas beyond the plan's ranks (plain inference)")
     parser.add_argument("--leave-gate", action="store_true",
                         help="plain inference with --gate-dir: close the Receiver and exit when the file leave-RANK exists")
+    parser.add_argument("--expert-maps", default=".",
+                        help="plain inference of an EPLB plan: the directory of expert-map-V.json tables (testing/eplb.py)")
     parser.add_argument("--hold-last", action="store_true",
                         help="trainer stays idle holding its last version until test/release/v, then releases it")
     args = parser.parse_args(argv)

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
@@ -14,6 +15,7 @@ from weightplan.runtime import Plan, PlanMismatchError, Receiver, Rendezvous, lo
 from weightplan.runtime.plan.schema import DerivedItem
 from weightplan.runtime.tables.ranks import layout_rank
 
+from .eplb import engine_expert_map
 from .engine_check import check_engine, check_lora_engine, plan_rank
 from .live_patches import allow_forward, refuse_forward
 from .init_info import InitInfoError, WeightplanInitInfo, WeightplanUpdateInfo
@@ -31,9 +33,11 @@ def _tp_pp_ranks() -> tuple[int, int]:
     return (get_tp_group().rank_in_group, get_pp_group().rank_in_group) if model_parallel_is_initialized() else (0, 0)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Side:
-    """One model this worker updates, the target or the speculative draft: its plan, where READs land, its Receiver."""
+    """One model this worker updates, the target or the speculative draft: its plan, where READs land, its Receiver.
+
+    `receiver` is replaced (`follow_experts`) when the engine's EPLB table moved experts since it was made."""
 
     model: torch.nn.Module
     plan: Plan
@@ -41,6 +45,21 @@ class Side:
     rendezvous: Rendezvous
     destination: Destination
     derived: tuple[torch.nn.Module, ...]  # modules whose derived post-load state (MLA absorption) is recomputed
+    make_receiver: Any = None  # expert map -> a started Receiver like `receiver` (EPLB plans)
+
+    def moved_experts(self) -> np.ndarray | None:
+        """With an EPLB plan, the engine's current table if vLLM's balancer rearranged the experts since the Receiver
+        was made, else None."""
+        eplb = self.plan.header.inference.eplb
+        if eplb is None:
+            return None
+        current = engine_expert_map(self.model, eplb)
+        return None if np.array_equal(current, self.receiver.expert_map) else current
+
+    def follow_experts(self, expert_map: np.ndarray) -> None:
+        """Replace the Receiver by one reading on `expert_map` (the old one leaves the job first)."""
+        self.receiver.close()
+        self.receiver = self.make_receiver(expert_map)
 
     def close(self) -> None:
         self.receiver.close()
@@ -152,14 +171,19 @@ class WeightplanWeightTransferEngine(WeightTransferEngine[WeightplanInitInfo, We
         destination = choose(plan, names, model, self.platform, init_info.mode)
         derived = [d for d in plan.derived if d.where == DerivedItem.RECEIVER and set(d.reads) <= set(names)]
         rendezvous = Rendezvous.connect(job, init_info.address, timeout=init_info.timeout)
-        receiver = Receiver(plan, rank, destination.tensors, rendezvous=rendezvous, timeout=init_info.timeout,
+        eplb = plan.header.inference.eplb
+
+        def make_receiver(expert_map) -> Receiver:
+            return Receiver(plan, rank, destination.tensors, rendezvous=rendezvous, timeout=init_info.timeout,
                             verify=init_info.verify, derived="caller", delta=init_info.delta,
-                            pool_ranks=init_info.pool_ranks)
-        receiver.start()
+                            pool_ranks=init_info.pool_ranks, expert_map=expert_map).start()
+
+        receiver = make_receiver(None if eplb is None else engine_expert_map(model, eplb))
         log.info("weightplan backend: inference rank %d, %s %s (%s), %s mode (%s), %.1f MB staged", rank, what,
                  plan.header.model, plan.fingerprint[:12], destination.mode, destination.reason,
                  destination.staging_bytes / 1e6)
-        return Side(model, plan, receiver, rendezvous, destination, tuple(model.get_submodule(d.module) for d in derived))
+        return Side(model, plan, receiver, rendezvous, destination, tuple(model.get_submodule(d.module) for d in derived),
+                    make_receiver)
 
     def _join_lora(self, init_info: WeightplanInitInfo, rank: int, plans: list[tuple[str, Plan]]) -> LoraSide:
         """Check the LoRA plan against this engine's LoRA layers and join its job (nothing registered until an update)."""
@@ -220,6 +244,13 @@ class WeightplanWeightTransferEngine(WeightTransferEngine[WeightplanInitInfo, We
         began = time.perf_counter()
         key = "target" if side is self.target else "draft"
         pending = self.prefetches.pop(key, None)
+        moved = side.moved_experts()
+        if moved is not None:  # vLLM's balancer rearranged the experts since the Receiver was made
+            if pending is not None:  # it read on the old table: let it end, then sync anew
+                _settle(pending)
+                pending = None
+            side.follow_experts(moved)
+            log.info("weightplan backend: inference rank %d follows vLLM's rearranged experts (new Receiver)", self.rank)
         if update_info.prefetch and side.destination.mode == "staged":
             if pending is not None:  # an earlier prefetch never applied: let it end (its bytes are overwritten)
                 _settle(pending)

@@ -93,6 +93,24 @@ def engine_capability() -> str:
     return f"{capability.major}.{capability.minor}" if capability is not None else "unknown"
 
 
+def _eplb_problems(eplb, par) -> list[str]:
+    """An engine with vLLM's expert load balancer needs a plan compiled for it with its redundant experts (the receiver
+    maps expert slots through the engine's current table, runtime/tables/eplb.py), and a plan for EPLB such an engine.
+    vLLM's CUDA, ROCm and XPU platforms run EPLB; the CPU platform refuses it."""
+    enabled = bool(getattr(par, "enable_eplb", False))
+    redundant = getattr(getattr(par, "eplb_config", None), "num_redundant_experts", 0) if enabled else None
+    if enabled and eplb is None:
+        return [f"enable_eplb ({redundant} redundant experts): vLLM's expert load balancer moves experts between physical "
+                f"slots while serving, and this plan was compiled without it; compile it with --inference ...,ep,"
+                f"eplb={redundant} (docs/vllm.md#expert-load-balancing-eplb)"]
+    if not enabled and eplb is not None:
+        return [f"the plan is for an engine with --enable-eplb and {eplb.redundant_experts} redundant experts; this "
+                "engine runs without EPLB"]
+    if enabled and redundant != eplb.redundant_experts:
+        return [f"redundant experts: plan {eplb.redundant_experts}, engine {redundant} (eplb_config.num_redundant_experts)"]
+    return []
+
+
 def _layout_problems(plan: Plan, rank: int, vllm_config, platform: str, model_config,
                      capability: str | None = None) -> list[str]:
     """What differs between the plan's inference layout and this engine: architecture, tp, rank, platform, the GPU's
@@ -108,11 +126,7 @@ def _layout_problems(plan: Plan, rank: int, vllm_config, platform: str, model_co
     if (inference.pp or 1) != par.pipeline_parallel_size:
         problems.append(f"pipeline parallel size: plan pp={inference.pp or 1}, engine pipeline_parallel_size="
                         f"{par.pipeline_parallel_size}; compile the plan with --inference ...,pp={par.pipeline_parallel_size}")
-    if getattr(par, "enable_eplb", False):  # vLLM's CUDA, ROCm and XPU platforms run it; the CPU platform refuses it
-        redundant = getattr(getattr(par, "eplb_config", None), "num_redundant_experts", 0)
-        problems.append(f"enable_eplb ({redundant} redundant experts): vLLM's expert load balancer moves experts between "
-                        "physical slots while serving, and plans write each expert into the slot the plan assumed; start "
-                        "the engine without --enable-eplb (docs/vllm.md#not-done)")
+    problems += _eplb_problems(inference.eplb, par)
     if getattr(par, "prefill_context_parallel_size", 1) > 1:
         problems.append(f"prefill context parallel size {par.prefill_context_parallel_size}: plans describe tp, pp and dp "
                         "only")

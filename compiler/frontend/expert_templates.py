@@ -22,7 +22,7 @@ import torch
 
 from ..ir import Assignment
 from .extrapolate import Line, NotAffine
-from .vllm_model import EXPERT_NAME, expert_maps
+from .vllm_model import EXPERT_NAME, eplb_enabled, expert_maps
 
 
 MIN_LOCAL_EXPERTS = 4  # with fewer, the two templates and the guard are all of them
@@ -33,7 +33,9 @@ class ExpertTemplates:
 
     def __init__(self, model: torch.nn.Module):
         self.local: dict[str, list[int]] = {}  # layer prefix -> the global ids of its local experts, ascending
-        for layer, (count, expert_map) in expert_maps(model).items():
+        # Under EPLB the expert map indexes physical slots (a logical expert may fill several), while checkpoint names
+        # carry logical ids: nothing is derived, every name is fed.
+        for layer, (count, expert_map) in ({} if eplb_enabled(model) else expert_maps(model)).items():
             experts = list(range(count)) if expert_map is None else [e for e, slot in enumerate(expert_map) if slot >= 0]
             if len(experts) >= MIN_LOCAL_EXPERTS:
                 self.local[layer] = experts

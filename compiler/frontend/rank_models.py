@@ -5,7 +5,7 @@ layers' expert placement depends on the DP rank (which experts are local with EP
 of every expert without it). So the model of DP rank 0 is built once per TP rank, and each other
 rank re-points its MoE layers with vLLM's own `update_expert_map` (`place_experts`) and is traced
 on it, fed only the checkpoint names of its own experts (`nonlocal_experts`: vLLM's loader writes
-nothing for the others).
+nothing for the others; under EPLB every name is fed, the expert map indexing physical slots).
 
 With quantization hooks, each rank's post-load step (process_weights_after_loading) is traced after
 its load. On a shared model it is traced once per TP rank, at DP rank 0, and the model is restored
@@ -40,7 +40,7 @@ from .extrapolate import Line, NotAffine
 from .trace import TracedLoad, trace_load
 from .trainer_formats import Conversion
 from .unloaded import split_unloaded
-from .vllm_model import build_model, nonlocal_experts, place_experts
+from .vllm_model import build_model, check_linear_slots, eplb_layers, nonlocal_experts, place_experts
 from .vllm_patches import clear_layer_registry, forget_pp_missing_layers, parallel_rank
 
 
@@ -66,7 +66,12 @@ class RankTracer:
         if quant_hooks is not None:
             self.stats["post_load_traces"] = 0
         # TP templates: keyed by (DP rank, pipeline rank), the traced loads of TP ranks 0 and 1, and the guard's verdict
-        self.derive_tp = derive_tp and not self.share and quant_hooks is None and layout.tp >= TP_TEMPLATE_MIN
+        # under EPLB a rank's slots hold logical experts that do not move by one fixed step per rank: every rank traced
+        self.eplb = getattr(layout, "eplb", None) is not None
+        self.eplb_layers: tuple[tuple[str, ...], ...] | None = None  # per MoE layer, its expert tensors (EplbHeader)
+        self.logical_experts: int | None = None
+        self.derive_tp = (derive_tp and not self.share and quant_hooks is None and layout.tp >= TP_TEMPLATE_MIN
+                          and not self.eplb)
         self.tp_traced: dict[tuple[int, int], dict[int, TracedLoad]] = {}
         self.tp_lines: dict[tuple[int, int], Line] = {}  # -> the line through TP ranks 0 and 1, until the stage is derived
         self.tp_guard: dict[tuple[int, int], bool] = {}
@@ -213,7 +218,11 @@ class RankTracer:
     def _trace(self, model, at: RankCoords, progress, *, shared: bool) -> tuple[TracedLoad, object]:
         """(the traced loading, the post-load result or None) of this rank on `model`."""
         with phase(self.timings, "trace"), parallel_rank(self.vllm_config, at.tp, at.dp, at.pp):
-            # on a shared model, experts other ranks hold are not fed (checked by the guard's real build)
+            if self.eplb:  # the slots each rank holds are the ones the plan header says
+                check_linear_slots(model, self.layout.rank_of(at), self.layout.tp * self.layout.dp)
+                if self.eplb_layers is None:
+                    self.logical_experts, self.eplb_layers = eplb_layers(model)
+            # on a shared model, experts other ranks hold are not fed (checked by the guard's real build; not under EPLB)
             absent = nonlocal_experts(model) if shared else None
             traced = trace_load(model, self.sources, self.conversion, progress,
                                 skip=None if absent is None else functools.partial(self._skip, absent),

@@ -20,12 +20,13 @@ MTP_SPECULATIVE_CONFIG = {"method": "mtp", "num_speculative_tokens": 1}
 
 
 def make_vllm_config(config_dir: Path, *, tp: int = 1, dp: int = 1, ep: bool = False, quantization: str | None = None,
-                     draft: bool = False, pp: int = 1, moe_backend: str | None = None):
+                     draft: bool = False, pp: int = 1, moe_backend: str | None = None, eplb: int | None = None):
     """A VllmConfig exactly as `vllm serve` would derive it from this config (no tokenizer, no weights).
 
     With `draft`, MTP speculative decoding is on: `speculative_config.draft_model_config` is the
     draft model vLLM builds (`SpeculativeConfig.hf_config_override` picks its class), and
-    `build_model` builds that draft.
+    `build_model` builds that draft. With `eplb` (R redundant experts), vLLM's expert load balancer is
+    on, as `--enable-eplb --eplb-config '{"num_redundant_experts": R}'` asks (vLLM's CUDA platform only).
     """
     from vllm.engine.arg_utils import EngineArgs
 
@@ -42,6 +43,7 @@ def make_vllm_config(config_dir: Path, *, tp: int = 1, dp: int = 1, ep: bool = F
         enable_expert_parallel=ep,
         speculative_config=dict(MTP_SPECULATIVE_CONFIG) if draft else None,
         **({"moe_backend": moe_backend} if moe_backend is not None else {}),  # a cuda plan's --moe-backend
+        **({"enable_eplb": True, "eplb_config": {"num_redundant_experts": eplb}} if eplb is not None else {}),
     )
     try:
         with host_independent():  # the CPU platform adjusts the config from CPU features
@@ -177,8 +179,11 @@ def nonlocal_experts(model: torch.nn.Module) -> Callable[[str], bool] | None:
 
     vLLM's MoE weight_loader returns without writing for such a name (the expert map sends it to
     -1), so leaving them out of a trace changes no assignment. Names whose layer has no
-    `RoutedExperts` module under `<layer>.experts`, or no expert map, are never matched.
+    `RoutedExperts` module under `<layer>.experts`, or no expert map, are never matched. None under
+    EPLB: the expert map then indexes physical slots, not the logical ids checkpoint names carry.
     """
+    if eplb_enabled(model):
+        return None
     local = {layer: [slot >= 0 for slot in expert_map] for layer, (_, expert_map) in expert_maps(model).items()
              if expert_map is not None}
     if not local:
@@ -192,3 +197,55 @@ def nonlocal_experts(model: torch.nn.Module) -> Callable[[str], bool] | None:
         return expert < len(held) and not held[expert]
 
     return absent
+
+
+def routed_expert_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The model's `RoutedExperts` modules with their names, in named_modules order (vLLM's MoE layer order)."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, RoutedExperts)]
+
+
+def eplb_enabled(model: torch.nn.Module) -> bool:
+    """Whether vLLM built the model's routed experts for its expert load balancer (--enable-eplb)."""
+    parallel = (getattr(getattr(module, "moe_config", None), "moe_parallel_config", None)
+                for _, module in routed_expert_modules(model))
+    return any(getattr(config, "enable_eplb", False) for config in parallel)
+
+
+# RoutedExperts.get_expert_weights leaves these out: per-tensor activation scales and routing tables, not per slot
+NON_SLOT_PARAMETERS = frozenset({"e_score_correction_bias", "w13_input_scale", "w2_input_scale", "hash_indices_table"})
+
+
+def eplb_layers(model: torch.nn.Module) -> tuple[int, tuple[tuple[str, ...], ...]]:
+    """(logical experts, per MoE layer in vLLM's order the names of the parameters whose dim 0 is the local physical
+    slot): what `RoutedExperts.get_expert_weights` hands vLLM's expert load balancer, by name."""
+    logical, layers = set(), []
+    for prefix, module in routed_expert_modules(model):
+        logical.add(module.moe_config.num_logical_experts)
+        moved = [(name, p) for name, p in module.named_parameters() if name not in NON_SLOT_PARAMETERS and p.dim() >= 1]
+        odd = [name for name, p in moved if p.shape[0] != module.local_num_experts]
+        if odd:
+            raise ModelConfigError(f"{prefix}.{odd[0]}: vLLM's expert load balancer moves it per slot, but its dim 0 is "
+                                   f"not the {module.local_num_experts} local slots; an EPLB plan cannot record it")
+        layers.append(tuple(f"{prefix}.{name}" for name, _ in moved))
+    if len(logical) > 1:
+        raise ModelConfigError(f"vLLM built MoE layers with different routed expert counts ({sorted(logical)}); "
+                               "EPLB plans need one count")
+    return (logical.pop() if logical else 0), tuple(layers)
+
+
+def check_linear_slots(model: torch.nn.Module, ep_rank: int, ep_size: int) -> None:
+    """Refuse in one line a model whose MoE layers do not place physical slots linearly on this rank: rank r holds
+    global slots r*L .. r*L+L-1 in order (L = physical experts / ranks), as an EPLB plan's header says."""
+    for prefix, module in routed_expert_modules(model):
+        physical = module.global_num_experts
+        local = physical // ep_size
+        expert_map = getattr(module, "_expert_map", None)
+        expected = [slot - ep_rank * local if ep_rank * local <= slot < (ep_rank + 1) * local else -1
+                    for slot in range(physical)]
+        held = None if expert_map is None else expert_map.tolist()
+        if physical % ep_size or held != expected:
+            raise ModelConfigError(f"{prefix} on expert-parallel rank {ep_rank} of {ep_size}: vLLM's expert map {held} is "
+                                   f"not the linear placement of {physical} physical slots an EPLB plan records "
+                                   f"({local} per rank, rank r holding r*{local} ..)")

@@ -21,6 +21,7 @@ from .lower_runs import lower_runs
 from .merge_ranks import merge_ranks
 from .place_fanout import place_fanout
 from .place_quant import place_quant
+from .split_expert_slots import misaligned_runs, split_expert_slots
 from .split_shards import split_shards
 from .verify import verify
 from .verify_quant import verify_quant
@@ -30,6 +31,7 @@ class Stage(enum.Enum):
     PER_RANK = "per-rank"  # one inference rank's traced assignments -> its runs and constants
     JOIN = "join"  # the per-rank programs -> one program for all ranks
     WHOLE_PLAN = "whole-plan"  # trainer shards, fewest rows, the coverage proof
+    EPLB = "eplb"  # --inference ...,eplb=R: runs into expert tensors cut at physical slot boundaries
     QUANT = "quant"  # fp8_per_block: where each 128x128 block is quantized
     FANOUT = "fanout"  # gpus-per-node: which rank of each node pulls each replicated entry
 
@@ -46,6 +48,7 @@ class Fact(enum.Enum):
     SHARDED = "sharded"  # each run read from one trainer rank's shard, at local offsets
     COALESCED = "coalesced"  # runs continuing each other merged
     COVERED = "covered"  # every destination byte written exactly once (proved)
+    SLOT_ALIGNED = "slot-aligned"  # every run into an EPLB expert tensor lies inside one physical slot
     QUANT_PLACED = "quant-placed"  # quantized tensors replaced by fp8 weight + scale, every block placed
     FANNED_OUT = "fanned-out"  # replicated entries pulled once per node, read by the node's other holders from the puller
 
@@ -77,6 +80,8 @@ PIPELINE: tuple[Pass, ...] = (
     Pass(split_shards, Stage.WHOLE_PLAN, _facts(Fact.MERGED), _facts(Fact.SHARDED)),
     Pass(coalesce, Stage.WHOLE_PLAN, _facts(Fact.SHARDED), _facts(Fact.COALESCED)),
     Pass(check_coverage, Stage.WHOLE_PLAN, _facts(Fact.COALESCED), _facts(Fact.COVERED)),
+    Pass(split_expert_slots, Stage.EPLB, _facts(Fact.COVERED), _facts(Fact.SLOT_ALIGNED),
+         applies=lambda program: program.origin is not None and program.origin.inference.eplb is not None, checked=True),
     Pass(place_quant, Stage.QUANT, _facts(Fact.COVERED), _facts(Fact.QUANT_PLACED),
          applies=lambda program: bool(program.quant_targets), checked=True),
     Pass(place_fanout, Stage.FANOUT, _facts(Fact.COVERED), _facts(Fact.FANNED_OUT),
@@ -131,6 +136,7 @@ def run_all(program: Program, *, check_each: bool = False, observe: Observer | N
     program = run_stage(Stage.PER_RANK, program, check_each=check_each, observe=observe, pipeline=pipeline)
     program = join_ranks([program], program.cast_chains, check_each=check_each, observe=observe, pipeline=pipeline)
     program = run_stage(Stage.WHOLE_PLAN, program, check_each=check_each, observe=observe, pipeline=pipeline)
+    program = run_stage(Stage.EPLB, program, check_each=check_each, observe=observe, pipeline=pipeline)
     program = run_stage(Stage.QUANT, program, check_each=check_each, observe=observe, pipeline=pipeline)
     return run_stage(Stage.FANOUT, program, check_each=check_each, observe=observe, pipeline=pipeline)
 
@@ -169,13 +175,16 @@ def _finish(step: Pass, program: Program, seconds: float, check_each: bool, obse
 
 def check(program: Program, held: frozenset[Fact] = frozenset()) -> None:
     """Verify what `program` must satisfy given the facts `held`: once runs exist their invariants, once
-    every layer has its runs and constants every destination byte written exactly once, the fp8 block
-    placement, and that node-local fan-out keeps every holder's bytes written exactly once."""
+    every layer has its runs and constants every destination byte written exactly once, EPLB runs inside one
+    physical slot each, the fp8 block placement, and that node-local fan-out keeps every holder's bytes written
+    exactly once."""
     if program.runs is not None:
         full = {Fact.CONSTANTS, Fact.ALL_LAYERS} <= held and Fact.QUANT_PLACED not in held  # placed fp8: by quantizers
         verify(with_post_load_padding(program) if full else program, require_full_coverage=full)
     if Fact.COVERED in held and program.coverage is None:
         raise PassCheckError("coverage was not proved")
+    if Fact.SLOT_ALIGNED in held:
+        check_slot_aligned(program)
     if Fact.QUANT_PLACED in held:
         q = program.quant_placement
         if q is None:
@@ -187,6 +196,17 @@ def check(program: Program, held: frozenset[Fact] = frozenset()) -> None:
         problem = "no fan-out was recorded" if program.fanout is None else fanout_problem(program.dests, pairs, program.fanout)
         if problem:
             raise PassCheckError(f"fan-out: {problem}")
+
+
+def check_slot_aligned(program: Program) -> None:
+    """Raise PassCheckError naming the first run into an EPLB expert tensor that writes bytes of two physical slots."""
+    bad = misaligned_runs(program)
+    if len(bad):
+        r = program.runs
+        i = int(bad[0])
+        raise PassCheckError(f"{len(bad)} runs cross an EPLB slot boundary; the first writes "
+                             f"{program.dests[r.dest[i]].name} at element {r.dst_off[i]} ({r.count[i]} rows of "
+                             f"{r.length[i]}, stride {r.dst_stride[i]}), past the slot it starts in")
 
 
 def _dump(name: str, program: Program, seconds: float) -> None:

@@ -141,6 +141,42 @@ class LoraHeader:
 
 
 @dataclass(frozen=True)
+class EplbHeader:
+    """vLLM's expert load balancer (`--enable-eplb`): `logical_experts` routed experts per MoE layer held in
+    `logical_experts + redundant_experts` physical slots, inference rank r holding slots r*L .. r*L+L-1 (L per rank).
+    `layers` lists, per MoE layer in vLLM's order (the rows of its physical-to-logical map), the destination tensors
+    whose dim 0 is that layer's local physical slot. The plan writes each slot with the logical expert vLLM's initial
+    arrangement puts there (slot p < logical_experts: expert p; slot logical_experts + i: expert i mod logical_experts);
+    the receiver maps them through the engine's current table (runtime/tables/eplb.py)."""
+
+    logical_experts: int
+    redundant_experts: int
+    layers: tuple[tuple[str, ...], ...]
+
+    @property
+    def physical_experts(self) -> int:
+        return self.logical_experts + self.redundant_experts
+
+    def to_json(self) -> dict:
+        return {"logical_experts": self.logical_experts, "redundant_experts": self.redundant_experts,
+                "layers": [list(names) for names in self.layers]}
+
+    @staticmethod
+    def from_json(obj, fail) -> "EplbHeader":
+        _check_keys(obj, EplbHeader, "inference.eplb", fail)
+        logical = _int(obj, "logical_experts", 1, MAX_ELEMENTS, "inference.eplb", fail)
+        redundant = _int(obj, "redundant_experts", 0, MAX_ELEMENTS, "inference.eplb", fail)
+        layers = obj["layers"]
+        if not isinstance(layers, list) or not layers or not all(
+                isinstance(names, list) and names and all(isinstance(n, str) and n for n in names) for names in layers):
+            fail("inference.eplb.layers", "is not a list of MoE layers, each a list of destination names")
+        names = [n for layer in layers for n in layer]
+        if len(set(names)) != len(names):
+            fail("inference.eplb.layers", "names a destination in two places")
+        return EplbHeader(logical, redundant, tuple(tuple(layer) for layer in layers))
+
+
+@dataclass(frozen=True)
 class InferenceHeader:
     """The inference side: vLLM's parallel layout (and --inference token), the platform and host choices it was traced
     with, the draft it updates, and the parameters vLLM's load never writes (`unloaded`, rows like the dests')."""
@@ -156,6 +192,7 @@ class InferenceHeader:
     unloaded: tuple[TensorEntry, ...] = _field(optional=True, default=())
     pp: int | None = _field(optional=True, default=None)  # pipeline ranks (absent: 1)
     lora: LoraHeader | None = _field(optional=True, default=None)
+    eplb: EplbHeader | None = _field(optional=True, default=None)
 
     @property
     def ranks(self) -> int:
@@ -178,6 +215,8 @@ class InferenceHeader:
             obj["unloaded"] = [e.dest_row() for e in self.unloaded]
         if self.lora is not None:
             obj["lora"] = self.lora.to_json()
+        if self.eplb is not None:
+            obj["eplb"] = self.eplb.to_json()
         return obj
 
     @staticmethod
@@ -195,7 +234,8 @@ class InferenceHeader:
             _int(obj, "gpus_per_node", 1, MAX_RANKS, "inference", fail) if "gpus_per_node" in obj else None,
             DraftHeader.from_json(obj["draft"], fail) if "draft" in obj else None,
             pp=_int(obj, "pp", 2, MAX_RANKS, "inference", fail) if "pp" in obj else None,
-            lora=LoraHeader.from_json(obj["lora"], fail) if "lora" in obj else None)
+            lora=LoraHeader.from_json(obj["lora"], fail) if "lora" in obj else None,
+            eplb=EplbHeader.from_json(obj["eplb"], fail) if "eplb" in obj else None)
 
 
 @dataclass(frozen=True)
@@ -387,12 +427,35 @@ class PlanHeader:
         dests = tables.dests()
         unloaded = tables.unloaded(obj["inference"].get("unloaded", []), dests)
         quant_layout = QuantLayout.from_json(obj["quant_layout"], fail)
+        if inference.eplb is not None:
+            _check_eplb(inference, dst_ranks, dests, fail)
         return PlanHeader(
             trainer=trainer, inference=dataclasses.replace(inference, unloaded=unloaded), src_ranks=src_ranks,
             dst_ranks=dst_ranks, sources=sources, dests=dests, cast_chains=tables.cast_chains(),
             staging=tables.staging(dests, quant_layout), quant_layout=quant_layout, derived=tables.derived(),
             stats=PlanStats.from_json(obj["stats"], fail), constants=tables.constants(), fanout=tables.fanout(len(dests)),
             **text, **counts)
+
+
+def _check_eplb(inference: InferenceHeader, dst_ranks: int, dests: tuple[TensorEntry, ...], fail) -> None:
+    """An EPLB plan: expert parallelism over every rank of one stage, its physical slots split evenly over the ranks,
+    and each layer's expert tensors held by every rank with one local slot per row of dim 0."""
+    eplb = inference.eplb
+    if not inference.ep or (inference.pp or 1) != 1:
+        fail("inference.eplb", "needs expert parallelism over one pipeline stage (ep, no pp)")
+    if eplb.physical_experts % dst_ranks:
+        fail("inference.eplb", f"has {eplb.physical_experts} physical experts, which the {dst_ranks} ranks do not split evenly")
+    local = eplb.physical_experts // dst_ranks
+    experts = {name for layer in eplb.layers for name in layer}
+    held: dict[str, set[int]] = {}
+    for entry in dests:
+        held.setdefault(entry.name, set()).update(entry.ranks)
+        if entry.name in experts and (not entry.shape or entry.shape[0] != local):
+            fail("inference.eplb.layers", f"names {entry.name!r}, whose dim 0 is not the {local} local slots")
+    for layer in eplb.layers:
+        for name in layer:
+            if held.get(name) != set(range(dst_ranks)):
+                fail("inference.eplb.layers", f"names {name!r}, which is not a destination of every inference rank")
 
 
 FINGERPRINT_KEYS = ("format_version", *(f.name for f in dataclasses.fields(PlanHeader) if f.metadata["fingerprinted"]))

@@ -17,6 +17,7 @@ from ..fp8.placement import fp8_placement
 from ..options import SyncOptions
 from ..plan.format import Plan
 from ..tables.quant import check_supported, quant_tables
+from ..tables.eplb import check_expert_map, eplb_reads
 from ..tables.ranks import Reads, check_pool, held_entries, layout_rank
 from ..tables.receiver import read_groups, read_tables, runs_into
 from ..tables.ring import DEFAULT_RING_BYTES
@@ -99,6 +100,12 @@ class Receiver(AgentOwner):
     those of `plan_rank`, the plan rank at its place in DP replica 0 (runtime/tables/ranks.py `layout_rank`; plans with
     expert parallelism or fan-out are refused).
 
+    A plan compiled for vLLM's expert load balancer (`--inference ...,ep,eplb=R`) needs `expert_map`, the engine's
+    current physical-to-logical table ([MoE layers, physical slots] of logical expert ids, vLLM's
+    `EplbModelState.physical_to_logical_map`): each local expert slot is read with the bytes of the logical expert the
+    table puts there (runtime/tables/eplb.py). The table is fixed for the Receiver's life (`expert_map`); after the
+    engine rearranges its experts, make a new Receiver with the new table (vllm_backend does so at the next sync).
+
     `timeout`, `verify`, `progress`, `ring_bytes`, `delta`, `fp8_path`, `delta_path` and `pool_ranks` mean what they
     mean to the Sender (one record, `options`: runtime/options.py); `stats` holds this rank's fixed sizes
     (runtime/receiver/report.py).
@@ -113,7 +120,8 @@ class Receiver(AgentOwner):
                  verify: bool = False, group_bytes: int = 256 << 20, post_op=None, progress: str = "auto",
                  derived: str = "refresh", act_dtype: torch.dtype = torch.bfloat16, ring_bytes: int = DEFAULT_RING_BYTES,
                  delta: float = 0.0, fp8_path: str = "auto", alternates: tuple = (), delta_path: str = "auto",
-                 delta_rates: DeltaRates | None = None, device_ipc: str = "auto", pool_ranks: int | None = None):
+                 delta_rates: DeltaRates | None = None, device_ipc: str = "auto", pool_ranks: int | None = None,
+                 expert_map=None):
         if device_ipc not in DEVICE_IPC:
             raise WeightplanError(f"inference rank {rank}: device_ipc must be one of {', '.join(DEVICE_IPC)}, not {device_ipc!r}")
         # `rank` names this process (records, agent, messages); `plan_rank` is whose tables it uses.
@@ -139,10 +147,16 @@ class Receiver(AgentOwner):
         check_host_only([t for views in self._dsts[1:] for t in views.values()], {"verify=True": verify},
                         f"inference rank {rank}")
         self._held: list[int | None] = [None] * len(self._dsts)  # the version each destination set holds whole
-        self._groups = read_groups(pull, self.plan_rank, group_bytes, self._quant.grouping() if self._quant else None)
+        self.expert_map = self._check_eplb(expert_map, alternates)
+        self._groups = read_groups(pull, self.plan_rank, group_bytes, self._quant.grouping() if self._quant else None,
+                                   None if self.expert_map is None else eplb_reads(pull, self.plan_rank, self.expert_map))
         if self._quant:
             self._quant.place(self._groups.stage_group, self.n_groups)
         self._build_tables(ring_bytes)
+        if self.expert_map is not None and self._tables.slot_bytes != self._tables.packed_bytes:
+            raise WeightplanError(f"inference rank {rank}: EPLB with a trainer serving its small runs through a ring: "
+                                  f"give every Sender and this Receiver a ring_bytes of at least "
+                                  f"{max(self._tables.packed_bytes.values())}")
         # Delta syncs: `delta` is the fraction of the pages it reads from each trainer that its delta staging holds.
         self._delta = (ReceiverDelta(pull, rank, self._qt, ring_bytes, self._tables, self._dst, delta, delta_path,
                                      delta_rates) if delta else None)
@@ -162,6 +176,25 @@ class Receiver(AgentOwner):
         self._acked: int | None = None  # the last version this process acked to the trainers, kept across failed syncs
         self.incarnation = uuid.uuid4().hex
         self.stats = self._stats()
+
+    def _check_eplb(self, expert_map, alternates) -> np.ndarray | None:
+        """The engine's physical-to-logical expert table an EPLB plan's reads are mapped through (runtime/tables/eplb.py),
+        checked against the plan; None for other plans. Refuses what EPLB does not support yet, in one line."""
+        eplb, where = self.plan.header.inference.eplb, f"inference rank {self.rank}"
+        if eplb is None:
+            if expert_map is not None:
+                raise PlanMismatchError(f"{where}: expert_map is given, but plan {self.plan.fingerprint[:12]} was not "
+                                        "compiled for EPLB (compile-plan --inference ...,ep,eplb=R)")
+            return None
+        if expert_map is None:
+            raise PlanMismatchError(f"{where}: plan {self.plan.fingerprint[:12]} is for an engine with EPLB: pass "
+                                    "expert_map, the engine's current [MoE layers, physical slots] table of logical experts")
+        unsupported = {"verify=True": self.options.verify, "delta": bool(self.options.delta), "alternates": bool(alternates),
+                       "node-local fan-out": self.plan.fanout is not None, "fp8 staging": bool(self.plan.staging)}
+        refused = [what for what, used in unsupported.items() if used]
+        if refused:
+            raise WeightplanError(f"{where}: EPLB plans do not support {', '.join(refused)} yet")
+        return check_expert_map(self.plan, expert_map, where)
 
     def _destination_views(self, destination, held: list[int]) -> dict[int, torch.Tensor]:
         """Flat views of the planned entries this rank holds, by plan entry, once `destination` matches the plan."""

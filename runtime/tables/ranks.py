@@ -213,9 +213,13 @@ def held_entries(plan: Plan, rank: int) -> np.ndarray:
 
 
 def readers(plan: Plan, rank: int) -> tuple[int, ...]:
-    """The inference ranks that read from trainer `rank`."""
+    """The inference ranks that read from trainer `rank`: under EPLB every rank, if it serves an expert tensor (any
+    rank's slot may come to hold the expert it serves; runtime/tables/eplb.py)."""
     check_src_rank(plan, rank)
     dests = set(plan.table["dest"][plan.table["src_rank"] == rank].tolist())
+    eplb = plan.header.inference.eplb
+    if eplb is not None and {plan.dests[d].name for d in dests} & {name for layer in eplb.layers for name in layer}:
+        return tuple(range(plan.header.dst_ranks))
     return tuple(sorted({r for d in dests for r in plan.dests[d].ranks}))
 
 

@@ -67,11 +67,13 @@ class ReadGroups:
     stage_group: np.ndarray  # the group of each staging tensor this rank holds (fp8 plans), -1 for the others
 
 
-def read_groups(plan: Plan, rank: int, group_bytes: int, quant: dict | None = None) -> ReadGroups:
-    """The reads of inference `rank` in `plan` (as it pulls them from the trainers) and their groups of about
-    `group_bytes`. `quant` is its fp8 READs as Reads-shaped rows (runtime/receiver/quant.py `grouping`): by
-    ("quant", trainer rank), and ("stages",) for the staging tensors it holds, each under its fp8 weight entry."""
-    reads = reads_of(plan, rank)
+def read_groups(plan: Plan, rank: int, group_bytes: int, quant: dict | None = None,
+                reads: dict[int, Reads] | None = None) -> ReadGroups:
+    """The reads of inference `rank` in `plan` (as it pulls them from the trainers; `reads` replaces them, e.g. with
+    EPLB's mapped expert slots, runtime/tables/eplb.py) and their groups of about `group_bytes`. `quant` is its fp8
+    READs as Reads-shaped rows (runtime/receiver/quant.py `grouping`): by ("quant", trainer rank), and ("stages",)
+    for the staging tensors it holds, each under its fp8 weight entry."""
+    reads = reads_of(plan, rank) if reads is None else reads
     trainers = sorted(set(reads) | {key[1] for key in quant or () if key[0] == "quant"})
     reads = {src: reads.get(src, _NO_READS) for src in trainers}
     groups = pipeline_groups({**reads, **(quant or {})}, group_bytes)

@@ -32,7 +32,7 @@ def _replaced(name: str, run) -> tuple[Pass, ...]:
 def test_every_stage_and_pass_is_declared_once_in_order():
     names = [p.name for p in PIPELINE]
     assert names == ["fold_views", "lower_runs", "lower_constants", "expand_layers", "merge_ranks", "split_shards", "coalesce",
-                     "check_coverage", "place_quant", "place_fanout"]
+                     "check_coverage", "split_expert_slots", "place_quant", "place_fanout"]
     assert [p.stage for p in PIPELINE] == sorted((p.stage for p in PIPELINE), key=list(Stage).index)
     ensured = {Fact.TRACED}
     for p in PIPELINE:  # each pass requires only what an earlier pass ensures

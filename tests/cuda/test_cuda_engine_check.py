@@ -111,8 +111,9 @@ def test_an_engine_whose_moe_backend_differs_from_the_plans_is_refused_naming_th
         "was traced; docs/cuda.md)")
 
 
-def test_an_engine_with_expert_load_balancing_is_refused_naming_it(cuda_plan):
-    """vLLM's own ParallelConfig with enable_eplb (the CUDA platform accepts it; the CPU platform refuses it)."""
+def test_an_engine_with_expert_load_balancing_needs_an_eplb_plan(cuda_plan):
+    """vLLM's own ParallelConfig with enable_eplb (the CUDA platform accepts it; the CPU platform refuses it), and a plan
+    compiled without EPLB."""
     from vllm.config import ParallelConfig
 
     from weightplan.vllm_backend.engine_check import _layout_problems
@@ -122,5 +123,5 @@ def test_an_engine_with_expert_load_balancing_is_refused_naming_it(cuda_plan):
                                             enable_eplb=True, eplb_config={"num_redundant_experts": 2})
     problems = _layout_problems(load_plan(cuda_plan), 0, engine, "cuda", engine.model_config, capability="9.0")
     assert problems == ["enable_eplb (2 redundant experts): vLLM's expert load balancer moves experts between physical "
-                        "slots while serving, and plans write each expert into the slot the plan assumed; start the "
-                        "engine without --enable-eplb (docs/vllm.md#not-done)"]
+                        "slots while serving, and this plan was compiled without it; compile it with --inference "
+                        "...,ep,eplb=2 (docs/vllm.md#expert-load-balancing-eplb)"]

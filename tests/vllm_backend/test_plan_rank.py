@@ -4,13 +4,15 @@ a plan for another pp is refused in one line."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from weightplan.runtime import PlanMismatchError
-from weightplan.runtime.plan.header import InferenceHeader, RankCoords
+from weightplan.runtime.plan.header import EplbHeader, InferenceHeader, RankCoords
 from weightplan.vllm_backend.engine_check import check_engine, plan_rank
 
 
@@ -83,16 +85,34 @@ def test_a_plan_for_another_pipeline_size_is_refused_in_one_line(plan_pp, engine
     assert check_engine(same, 0, torch.nn.Module(), vllm_config, "cpu") == []
 
 
-def test_an_engine_with_expert_load_balancing_is_refused_in_one_line():
-    """vLLM's CPU platform refuses enable_eplb itself; a GPU engine's parallel config, as check_engine reads it."""
+def _eplb_engine(enabled: bool, redundant: int) -> SimpleNamespace:
+    """A GPU engine's config as check_engine reads it (vLLM's CPU platform refuses enable_eplb itself)."""
     parallel = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, prefill_context_parallel_size=1,
-                               data_parallel_index=0, enable_eplb=True,
-                               eplb_config=SimpleNamespace(num_redundant_experts=0))
-    vllm_config = SimpleNamespace(parallel_config=parallel,
-                                  model_config=SimpleNamespace(hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"]),
-                                                               model="tiny-llama"))
-    plan = SimpleNamespace(header=_header(None), dests=())
-    with pytest.raises(PlanMismatchError, match=r": enable_eplb \(0 redundant experts\): vLLM's expert load balancer "
-                                                r"moves experts .* start the engine without --enable-eplb") as caught:
-        check_engine(plan, 0, torch.nn.Module(), vllm_config, "cpu")
+                               data_parallel_index=0, enable_eplb=enabled,
+                               eplb_config=SimpleNamespace(num_redundant_experts=redundant))
+    return SimpleNamespace(parallel_config=parallel,
+                           model_config=SimpleNamespace(hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"]),
+                                                        model="tiny-llama"))
+
+
+def _eplb_plan(redundant: int | None) -> SimpleNamespace:
+    header = _header(None)
+    if redundant is not None:
+        header.inference = dataclasses.replace(header.inference, eplb=EplbHeader(8, redundant, (("w13",),)))
+    return SimpleNamespace(header=header, dests=())
+
+
+@pytest.mark.parametrize("plan_redundant, engine, message", [
+    (None, (True, 0), r": enable_eplb \(0 redundant experts\): vLLM's expert load balancer moves experts .* compiled "
+                      r"without it; compile it with --inference \.\.\.,ep,eplb=0"),
+    (2, (False, 0), r": the plan is for an engine with --enable-eplb and 2 redundant experts; this engine runs without"),
+    (2, (True, 4), r": redundant experts: plan 2, engine 4 \(eplb_config.num_redundant_experts\)"),
+])
+def test_expert_load_balancing_must_agree_between_plan_and_engine(plan_redundant, engine, message):
+    with pytest.raises(PlanMismatchError, match=message) as caught:
+        check_engine(_eplb_plan(plan_redundant), 0, torch.nn.Module(), _eplb_engine(*engine), "cpu")
     assert "\n" not in str(caught.value)
+
+
+def test_an_eplb_plan_fits_an_engine_with_its_redundant_experts():
+    assert check_engine(_eplb_plan(2), 0, torch.nn.Module(), _eplb_engine(True, 2), "cpu") == []
