@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,8 +16,8 @@ from weightplan.runtime import Plan, PlanMismatchError, Receiver, Rendezvous, lo
 from weightplan.runtime.plan.schema import DerivedItem
 from weightplan.runtime.tables.ranks import layout_rank
 
-from .eplb import engine_expert_map
 from .engine_check import check_engine, check_lora_engine, plan_rank
+from .eplb import engine_expert_map
 from .live_patches import allow_forward, refuse_forward
 from .init_info import InitInfoError, WeightplanInitInfo, WeightplanUpdateInfo
 from .lora_update import LoraSide
@@ -45,7 +46,7 @@ class Side:
     rendezvous: Rendezvous
     destination: Destination
     derived: tuple[torch.nn.Module, ...]  # modules whose derived post-load state (MLA absorption) is recomputed
-    make_receiver: Any = None  # expert map -> a started Receiver like `receiver` (EPLB plans)
+    make_receiver: Callable[[np.ndarray | None], Receiver] | None = None  # expert map -> a started Receiver like it
 
     def moved_experts(self) -> np.ndarray | None:
         """With an EPLB plan, the engine's current table if vLLM's balancer rearranged the experts since the Receiver

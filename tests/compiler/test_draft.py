@@ -141,13 +141,16 @@ class HostReceiver:
     made: list["HostReceiver"] = []
     shards: dict[str, dict[int, dict]] = {}  # job -> version -> trainer shards
 
-    def __init__(self, plan, rank, destination, *, rendezvous, timeout, verify, derived, delta=0.0, pool_ranks=None):
+    def __init__(self, plan, rank, destination, *, rendezvous, timeout, verify, derived, delta=0.0, pool_ranks=None,
+                 expert_map=None):
         self.plan, self.rank, self.destination, self.job = plan, rank, destination, rendezvous.job
+        self.expert_map = expert_map
         self.version, self.started, self.closed = None, False, False
         HostReceiver.made.append(self)
 
     def start(self):
         self.started = True
+        return self
 
     def sync(self, version):
         execute_local(self.plan, HostReceiver.shards[self.job][version], {self.rank: self.destination})
