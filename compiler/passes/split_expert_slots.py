@@ -45,7 +45,7 @@ def slot_sizes(program: Program) -> np.ndarray:
     sizes = np.zeros(len(program.dests) + 1, dtype=np.int64)  # one spare: indexing an empty table stays valid
     if eplb is None:
         return sizes[:-1]
-    experts = {name for layer in eplb.layers for name in layer}
+    experts = set(eplb.tensors)
     for i, entry in enumerate(program.dests):
         if entry.name in experts and len(entry.shape) >= 1:
             sizes[i] = math.prod(entry.shape[1:])

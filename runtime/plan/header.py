@@ -157,6 +157,11 @@ class EplbHeader:
     def physical_experts(self) -> int:
         return self.logical_experts + self.redundant_experts
 
+    @property
+    def tensors(self) -> tuple[str, ...]:
+        """Every layer's expert tensor names, layer by layer."""
+        return tuple(name for layer in self.layers for name in layer)
+
     def to_json(self) -> dict:
         return {"logical_experts": self.logical_experts, "redundant_experts": self.redundant_experts,
                 "layers": [list(names) for names in self.layers]}
@@ -446,7 +451,7 @@ def _check_eplb(inference: InferenceHeader, dst_ranks: int, dests: tuple[TensorE
     if eplb.physical_experts % dst_ranks:
         fail("inference.eplb", f"has {eplb.physical_experts} physical experts, which the {dst_ranks} ranks do not split evenly")
     local = eplb.physical_experts // dst_ranks
-    experts = {name for layer in eplb.layers for name in layer}
+    experts = set(eplb.tensors)
     held: dict[str, set[int]] = {}
     for entry in dests:
         held.setdefault(entry.name, set()).update(entry.ranks)

@@ -69,8 +69,8 @@ def eplb_reads(plan: Plan, rank: int, expert_map) -> dict[int, Reads]:
     local = eplb.physical_experts // plan.header.dst_ranks
     # one target per (layer, expert tensor, local slot): the canonical key of the expert the table puts there, and where
     layer_of = np.array([layer for layer, names in enumerate(eplb.layers) for _ in names], dtype=np.int64)
-    name_of = np.array([slots.name_id[name] for names in eplb.layers for name in names], dtype=np.int64)
-    entry_of = np.array([slots.entry[(name, rank)] for names in eplb.layers for name in names], dtype=np.int64)
+    name_of = np.arange(len(eplb.tensors), dtype=np.int64)  # the key's tensor id: its place in eplb.tensors
+    entry_of = np.array([slots.entry[(name, rank)] for name in eplb.tensors], dtype=np.int64)
     experts = table[layer_of, rank * local:(rank + 1) * local]  # [tensor, local slot]
     keys = (name_of[:, None] * eplb.logical_experts + experts).reshape(-1)
     entries = np.repeat(entry_of, local)
@@ -92,7 +92,7 @@ def eplb_reads(plan: Plan, rank: int, expert_map) -> dict[int, Reads]:
 
 def expert_entries(plan: Plan, eplb: EplbHeader) -> np.ndarray:
     """Boolean mask over plan.dests (one extra False at the end): the entries of the EPLB expert tensors."""
-    names = {name for layer in eplb.layers for name in layer}
+    names = set(eplb.tensors)
     return np.array([entry.name in names for entry in plan.dests] + [False], dtype=bool)
 
 
@@ -104,7 +104,7 @@ class _Slots:
     def __init__(self, plan: Plan, eplb: EplbHeader):
         dests = plan.dests
         self.is_expert = expert_entries(plan, eplb)
-        self.name_id = {name: i for i, name in enumerate(name for layer in eplb.layers for name in layer)}
+        self.name_id = {name: i for i, name in enumerate(eplb.tensors)}
         self.entry: dict[tuple[str, int], int] = {}
         self.slot_bytes = np.zeros(len(dests) + 1, dtype=np.int64)
         names = np.full(len(dests) + 1, -1, dtype=np.int64)
@@ -120,7 +120,7 @@ class _Slots:
                                     f"{dests[constants[0].dest].name!r}: EPLB plans map whole expert slots")
         local = eplb.physical_experts // plan.header.dst_ranks
         arrangement = initial_arrangement(eplb)
-        first = _first_slot(arrangement, eplb.logical_experts)
+        first = _first_slot(arrangement)
         parts: dict[int, list[tuple[Reads, np.ndarray]]] = {}
         for holder in sorted(set((first // local).tolist())):
             for src, reads in reads_of(plan, holder).items():
@@ -145,9 +145,6 @@ class _Slots:
             self.canonical[src] = (rows.take(order), keys[order])
 
 
-def _first_slot(arrangement: np.ndarray, logical_experts: int) -> np.ndarray:
-    """The lowest physical slot holding each logical expert."""
-    first = np.full(logical_experts, -1, dtype=np.int64)
-    for slot in range(len(arrangement) - 1, -1, -1):
-        first[arrangement[slot]] = slot
-    return first
+def _first_slot(arrangement: np.ndarray) -> np.ndarray:
+    """The lowest physical slot holding each logical expert (the initial arrangement holds every one)."""
+    return np.unique(arrangement, return_index=True)[1]

@@ -218,7 +218,7 @@ def readers(plan: Plan, rank: int) -> tuple[int, ...]:
     check_src_rank(plan, rank)
     dests = set(plan.table["dest"][plan.table["src_rank"] == rank].tolist())
     eplb = plan.header.inference.eplb
-    if eplb is not None and {plan.dests[d].name for d in dests} & {name for layer in eplb.layers for name in layer}:
+    if eplb is not None and {plan.dests[d].name for d in dests} & set(eplb.tensors):
         return tuple(range(plan.header.dst_ranks))
     return tuple(sorted({r for d in dests for r in plan.dests[d].ranks}))
 
